@@ -1,0 +1,32 @@
+# Two commands for a newcomer: `make demo` (the main job) and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.installed
+
+.PHONY: test demo venv bench clean gpu-check
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# CPU machines: the CPU build of torch (small); elsewhere plain torch.
+	$(PIP) install -q "torch==2.13.0+cpu" || $(PIP) install -q "torch==2.13.0" || $(PIP) install -q torch
+	$(PIP) install -q -e ".[test]"
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+demo: $(STAMP)
+	$(VENV)/bin/kvpool demo
+
+bench: $(STAMP)
+	$(PY) benchmarks/vmm_bench.py --backend host
+
+gpu-check: $(STAMP)
+	bash scripts/gpu_check.sh
+
+clean:
+	rm -rf $(VENV) build *.egg-info
