@@ -1,0 +1,244 @@
+"""Host backend: the vmm protocol on plain RAM with memfd + mmap (any Linux machine).
+
+* a page is a memfd of ``page_size`` bytes, sealed against shrinking and growing so no
+  peer can truncate it under another process's mapping (that would be SIGBUS);
+* a range is a ``PROT_NONE`` anonymous reservation; it costs no memory;
+* map is ``mmap(MAP_FIXED | MAP_SHARED)`` of the memfd inside the range;
+* unmap maps ``PROT_NONE`` back over the slots, so the address space stays reserved
+  and no other mmap can land in the hole;
+* zero punches a hole in the memfd (the memory really goes back to the kernel, and the
+  next touch reads zeros); release closes this process's fd.
+
+Memory is back when the last fd and the last mapping (in any process) are gone.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import fcntl
+import mmap
+import os
+import stat
+import threading
+from typing import Sequence
+
+from kvpool.vmm.base import (
+    Backend,
+    InvalidArgument,
+    OutOfMemory,
+    Page,
+    Range,
+    ResourceLimit,
+    VmmError,
+    contiguous_runs,
+)
+
+PROT_NONE, PROT_READ, PROT_WRITE = 0, 1, 2
+MAP_SHARED, MAP_PRIVATE, MAP_FIXED, MAP_ANONYMOUS = 0x1, 0x2, 0x10, 0x20
+MAP_NORESERVE, MAP_POPULATE = 0x4000, 0x8000
+FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 1, 2
+MAP_FAILED = ctypes.c_void_p(-1).value
+DEFAULT_PAGE_SIZE = 2 << 20
+# Mappings the rest of the process (Python, torch, libraries) may add after we looked.
+MAP_COUNT_HEADROOM = 4096
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [
+    ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long
+]
+_libc.munmap.restype = ctypes.c_int
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.fallocate.restype = ctypes.c_int
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+
+
+def _errno_error(op: str, what: str) -> VmmError:
+    err = ctypes.get_errno()
+    text = f"{what}: {os.strerror(err)} (errno {err})"
+    if err == errno.ENOMEM:
+        return OutOfMemory(op, text)
+    return InvalidArgument(op, text)
+
+
+def read_max_map_count() -> int:
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read())
+    except OSError:
+        return 65530
+
+
+def count_maps() -> int:
+    with open("/proc/self/maps", "rb") as f:
+        return sum(1 for _ in f)
+
+
+class HostBackend(Backend):
+    """memfd + mmap backend. ``device`` is only a label: host memory is one device."""
+
+    name = "host"
+
+    def __init__(
+        self,
+        device: int = 0,
+        page_size: int | None = None,
+        max_map_count: int | None = None,
+    ):
+        super().__init__(device, page_size or DEFAULT_PAGE_SIZE)
+        self.max_map_count = max_map_count or read_max_map_count()
+        self._lock = threading.Lock()
+        self._maps_at_start = count_maps()
+        self._mapped_slots = 0  # slots this backend has mapped, over all ranges
+        self._ranges = 0
+
+    def granularity(self) -> int:
+        return mmap.PAGESIZE
+
+    def mem_info(self) -> tuple[int, int]:
+        info = {}
+        with open("/proc/meminfo") as f:
+            for line in f:
+                key, value = line.split(":", 1)
+                info[key] = int(value.split()[0]) * 1024
+        return info.get("MemAvailable", info["MemFree"]), info["MemTotal"]
+
+    # ---- virtual ranges -----------------------------------------------------------
+    def reserve(self, nbytes: int) -> Range:
+        self._check_size("reserve", nbytes)
+        flags = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE
+        addr = _libc.mmap(None, nbytes, PROT_NONE, flags, -1, 0)
+        if addr in (None, MAP_FAILED):
+            raise _errno_error("reserve", f"mmap of {nbytes} bytes of address space")
+        with self._lock:
+            self._ranges += 1
+        return Range(base=addr, size=nbytes, page_size=self.page_size)
+
+    def _free_range(self, rng: Range) -> None:
+        if _libc.munmap(rng.base, rng.size) != 0:
+            raise _errno_error("free_range", f"munmap at {rng.base:#x}")
+        with self._lock:
+            self._mapped_slots -= len(rng.mapped)
+            self._ranges -= 1
+        rng.mapped.clear()
+
+    # ---- physical pages -----------------------------------------------------------
+    def create_page(self) -> Page:
+        try:
+            fd = os.memfd_create("kvpool-page", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        except OSError as e:
+            raise ResourceLimit("create_page", f"memfd_create: {e.strerror}") from e
+        try:
+            os.ftruncate(fd, self.page_size)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+        except OSError as e:
+            os.close(fd)
+            raise OutOfMemory("create_page", f"sizing memfd to {self.page_size}: {e}") from e
+        return Page(handle=fd, size=self.page_size)
+
+    def export(self, page: Page) -> int:
+        self._check_live("export", page)
+        return os.dup(page.handle)
+
+    def import_(self, fd: int) -> Page:
+        try:
+            st = os.fstat(fd)
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except (OSError, TypeError) as e:
+            raise InvalidArgument("import", f"fd {fd!r} is not an open descriptor: {e}") from e
+        if not stat.S_ISREG(st.st_mode) or not target.startswith("/memfd:"):
+            raise InvalidArgument("import", f"fd {fd} is not a memfd page ({target})")
+        if st.st_size != self.page_size:
+            raise InvalidArgument(
+                "import", f"fd {fd} holds {st.st_size} bytes, expected page size {self.page_size}"
+            )
+        return Page(handle=os.dup(fd), size=self.page_size)
+
+    def zero(self, page: Page) -> None:
+        self._check_live("zero", page)
+        mode = FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
+        if _libc.fallocate(page.handle, mode, 0, page.size) != 0:
+            raise _errno_error("zero", f"punch hole in page fd {page.handle}")
+
+    def release(self, page: Page) -> None:
+        self._check_live("release", page)
+        page.released = True
+        os.close(page.handle)
+
+    def resident_bytes(self, page: Page) -> int:
+        """Bytes of ``page`` backed by memory now (shmem blocks in use)."""
+        self._check_live("resident_bytes", page)
+        return os.fstat(page.handle).st_blocks * 512
+
+    # ---- mappings -----------------------------------------------------------------
+    def map_pages(
+        self, rng: Range, offset: int, pages: Sequence[Page], populate: bool = False
+    ) -> None:
+        slots = self._check_slots("map", rng, offset, len(pages))
+        for page in pages:
+            self._check_live("map", page)
+        flags = MAP_SHARED | MAP_FIXED | (MAP_POPULATE if populate else 0)
+        with rng.lock:
+            taken = [s for s in slots if s in rng.mapped]
+            if taken:
+                raise InvalidArgument(
+                    "map", f"slot offset {taken[0]} of range {rng.base:#x} is already mapped"
+                )
+            self._reserve_map_count(len(pages))
+            done: list[int] = []
+            try:
+                for slot, page in zip(slots, pages):
+                    addr = _libc.mmap(
+                        rng.base + slot, self.page_size, PROT_READ | PROT_WRITE, flags,
+                        page.handle, 0,
+                    )
+                    if addr in (None, MAP_FAILED):
+                        raise _errno_error("map", f"mmap of page fd {page.handle} at offset {slot}")
+                    done.append(slot)
+                    rng.mapped[slot] = page.handle
+            except BaseException:
+                self._protect(rng, done)
+                for slot in done:
+                    del rng.mapped[slot]
+                with self._lock:
+                    self._mapped_slots -= len(pages)
+                raise
+
+    def unmap(self, rng: Range, offset: int, npages: int = 1) -> None:
+        slots = self._check_slots("unmap", rng, offset, npages)
+        with rng.lock:
+            missing = [s for s in slots if s not in rng.mapped]
+            if missing:
+                raise InvalidArgument(
+                    "unmap", f"slot offset {missing[0]} of range {rng.base:#x} is not mapped"
+                )
+            self._protect(rng, slots)
+            for slot in slots:
+                del rng.mapped[slot]
+        with self._lock:
+            self._mapped_slots -= npages
+
+    def _protect(self, rng: Range, slots: list[int]) -> None:
+        """Put a PROT_NONE reservation back over ``slots`` (never munmap: no holes)."""
+        flags = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED
+        for start, count in contiguous_runs(sorted(slots), self.page_size):
+            size = count * self.page_size
+            if _libc.mmap(rng.base + start, size, PROT_NONE, flags, -1, 0) in (None, MAP_FAILED):
+                raise _errno_error("unmap", f"re-reserving {size} bytes at offset {start}")
+
+    def _reserve_map_count(self, n: int) -> None:
+        # A mapped slot costs at most two VMAs (itself and the split it makes in its
+        # reservation); refuse before the kernel would fail with ENOMEM mid-way.
+        with self._lock:
+            need = self._maps_at_start + self._ranges + 2 * (self._mapped_slots + n)
+            headroom = min(MAP_COUNT_HEADROOM, self.max_map_count // 16)
+            if need + headroom > self.max_map_count:
+                raise ResourceLimit(
+                    "map",
+                    f"mapping {n} more pages would need about {need} memory mappings; "
+                    f"vm.max_map_count is {self.max_map_count} (raise it with sysctl, or use "
+                    f"a larger page size; {self._mapped_slots} pages are mapped now)",
+                )
+            self._mapped_slots += n
