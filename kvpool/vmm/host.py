@@ -38,6 +38,7 @@ from kvpool.vmm.base import (
 PROT_NONE, PROT_READ, PROT_WRITE = 0, 1, 2
 MAP_SHARED, MAP_PRIVATE, MAP_FIXED, MAP_ANONYMOUS = 0x1, 0x2, 0x10, 0x20
 MAP_NORESERVE, MAP_POPULATE = 0x4000, 0x8000
+MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault pages in writable, no later write faults
 FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 1, 2
 MAP_FAILED = ctypes.c_void_p(-1).value
 DEFAULT_PAGE_SIZE = 2 << 20
@@ -51,6 +52,8 @@ _libc.mmap.argtypes = [
 ]
 _libc.munmap.restype = ctypes.c_int
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.madvise.restype = ctypes.c_int
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _libc.fallocate.restype = ctypes.c_int
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
 
@@ -93,6 +96,7 @@ class HostBackend(Backend):
         self._maps_at_start = count_maps()
         self._mapped_slots = 0  # slots this backend has mapped, over all ranges
         self._ranges = 0
+        self._madvise_populate = True  # False once the kernel refused MADV_POPULATE_WRITE
 
     def granularity(self) -> int:
         return mmap.PAGESIZE
@@ -179,7 +183,8 @@ class HostBackend(Backend):
         slots = self._check_slots("map", rng, offset, len(pages))
         for page in pages:
             self._check_live("map", page)
-        flags = MAP_SHARED | MAP_FIXED | (MAP_POPULATE if populate else 0)
+        use_madvise = populate and self._madvise_populate
+        flags = MAP_SHARED | MAP_FIXED | (MAP_POPULATE if populate and not use_madvise else 0)
         with rng.lock:
             taken = [s for s in slots if s in rng.mapped]
             if taken:
@@ -198,6 +203,8 @@ class HostBackend(Backend):
                         raise _errno_error("map", f"mmap of page fd {page.handle} at offset {slot}")
                     done.append(slot)
                     rng.mapped[slot] = page.handle
+                if use_madvise:
+                    self._populate(rng, slots)
             except BaseException:
                 self._protect(rng, done)
                 for slot in done:
@@ -219,6 +226,15 @@ class HostBackend(Backend):
                 del rng.mapped[slot]
         with self._lock:
             self._mapped_slots -= npages
+
+    def _populate(self, rng: Range, slots: list[int]) -> None:
+        for start, count in contiguous_runs(slots, self.page_size):
+            size = count * self.page_size
+            if _libc.madvise(rng.base + start, size, MADV_POPULATE_WRITE) != 0:
+                if ctypes.get_errno() == errno.EINVAL:  # old kernel: MAP_POPULATE next time
+                    self._madvise_populate = False
+                    return
+                raise _errno_error("map", f"populating {size} bytes at offset {start}")
 
     def _protect(self, rng: Range, slots: list[int]) -> None:
         """Put a PROT_NONE reservation back over ``slots`` (never munmap: no holes)."""
