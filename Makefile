@@ -20,7 +20,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q tests
 
 demo: $(STAMP)
-	$(VENV)/bin/kvpool demo
+	$(PY) benchmarks/vmm_bench.py --backend host
 
 bench: $(STAMP)
 	$(PY) benchmarks/vmm_bench.py --backend host

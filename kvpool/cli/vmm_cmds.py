@@ -1,9 +1,44 @@
-"""Commands registered on the ``kvpool`` group (filled in by their owners)."""
+"""``kvpool info``: which backend this machine gets and what memory it has."""
 
 from __future__ import annotations
+
+import json
 
 import click
 
 
+@click.command()
+@click.option("--backend", type=click.Choice(["auto", "host", "cuda"]), default="auto", show_default=True)
+@click.option("--device", default=0, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+def info(backend: str, device: int, as_json: bool) -> None:
+    """Show the memory backend, its granularity and the device's free/total memory."""
+    from kvpool.sizes import format_size
+    from kvpool.vmm import VmmError, open_backend
+    from kvpool.vmm.cuda import probe
+
+    try:
+        b = open_backend(backend, device=device)
+    except VmmError as e:
+        raise click.ClickException(str(e)) from e
+    free, total = b.mem_info()
+    doc = {
+        "backend": b.name,
+        "device": device,
+        "granularity": b.granularity(),
+        "page_size": b.page_size,
+        "free": free,
+        "total": total,
+        "cuda": probe(device) or "usable",
+    }
+    if as_json:
+        click.echo(json.dumps(doc))
+        return
+    for key, value in doc.items():
+        if key in ("granularity", "page_size", "free", "total"):
+            value = format_size(value)
+        click.echo(f"{key:12} {value}")
+
+
 def register(cli: click.Group) -> None:
-    pass
+    cli.add_command(info)
