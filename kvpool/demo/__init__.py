@@ -1,0 +1,1 @@
+"""The main job: several models on one device, static partitions vs elastic sharing."""

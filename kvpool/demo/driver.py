@@ -1,0 +1,146 @@
+"""Replays a workload against OpenAI-compatible servers and records what clients see.
+
+Each request streams (``/v1/completions`` with ``stream: true``), so time to first
+token and time per output token are measured at the client, queueing included: that is
+what a burst does to users. Memory is sampled alongside by a caller-given function.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import httpx
+
+from kvpool.demo.workload import Arrival, prompt_tokens
+
+
+@dataclass
+class Outcome:
+    """What one request got. ``error`` is set when it did not finish."""
+
+    index: int
+    model: str
+    arrival: float
+    prompt_len: int
+    max_tokens: int
+    ttft: float | None = None
+    tpot: float | None = None
+    latency: float | None = None
+    output_tokens: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    error: str | None = None
+
+
+@dataclass
+class Replay:
+    outcomes: list[Outcome]
+    memory: list[dict]  # {"t": seconds, model: bytes, ...}
+    wall_s: float
+
+    def to_json(self) -> dict:
+        return {
+            "wall_s": self.wall_s,
+            "outcomes": [asdict(o) for o in self.outcomes],
+            "memory": self.memory,
+        }
+
+
+async def _one(
+    client: httpx.AsyncClient, url: str, arrival: Arrival, index: int, vocab: int, start: float
+) -> Outcome:
+    out = Outcome(index, arrival.model, arrival.at, arrival.prompt_len, arrival.max_tokens)
+    await asyncio.sleep(max(0.0, start + arrival.at - time.perf_counter()))
+    body = {
+        "model": arrival.model,
+        "prompt": prompt_tokens(arrival, vocab, index),
+        "max_tokens": arrival.max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "return_token_ids": True,
+    }
+    sent = time.perf_counter()
+    stamps: list[float] = []
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                out.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+                return out
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                choice = chunk["choices"][0]
+                ids = choice.get("token_ids") or []
+                if choice.get("text") or ids:
+                    stamps.extend([time.perf_counter()] * max(1, len(ids)))
+                    out.output_ids.extend(ids)
+    except (httpx.HTTPError, json.JSONDecodeError, KeyError) as e:
+        out.error = f"{type(e).__name__}: {e}"
+        return out
+    done = time.perf_counter()
+    out.output_tokens = len(stamps)
+    if stamps:
+        out.ttft = stamps[0] - sent
+        out.latency = done - sent
+        if len(stamps) > 1:
+            out.tpot = (stamps[-1] - stamps[0]) / (len(stamps) - 1)
+    else:
+        out.error = "no tokens"
+    return out
+
+
+async def _sample(sample: Callable[[], dict], every: float, start: float, stop: asyncio.Event,
+                  into: list[dict]) -> None:
+    while not stop.is_set():
+        row = await asyncio.to_thread(sample)
+        row["t"] = time.perf_counter() - start
+        into.append(row)
+        try:
+            await asyncio.wait_for(stop.wait(), every)
+        except asyncio.TimeoutError:
+            pass
+
+
+async def replay_async(
+    arrivals: list[Arrival],
+    urls: dict[str, str],
+    vocab: int,
+    sample_memory: Callable[[], dict] | None = None,
+    sample_every: float = 0.25,
+    timeout_s: float = 600.0,
+    on_done: Callable[[Outcome], None] | None = None,
+) -> Replay:
+    memory: list[dict] = []
+    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=64)
+    async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
+        start = time.perf_counter()
+        stop = asyncio.Event()
+        sampler = (
+            asyncio.create_task(_sample(sample_memory, sample_every, start, stop, memory))
+            if sample_memory
+            else None
+        )
+
+        async def run(i: int, a: Arrival) -> Outcome:
+            o = await _one(client, urls[a.model], a, i, vocab, start)
+            if on_done:
+                on_done(o)
+            return o
+
+        outcomes = await asyncio.gather(*(run(i, a) for i, a in enumerate(arrivals)))
+        stop.set()
+        if sampler:
+            await sampler
+    return Replay(list(outcomes), memory, time.perf_counter() - start)
+
+
+def replay(arrivals: list[Arrival], urls: dict[str, str], vocab: int, **kw) -> Replay:
+    return asyncio.run(replay_async(arrivals, urls, vocab, **kw))
