@@ -1,0 +1,249 @@
+"""Block pools: who owns which KV block, and the prefix cache of full blocks.
+
+A block id is an opaque int in ``[0, capacity)``; id 0 is the null block (never handed
+out, padding for block tables). Every other block is in exactly one state:
+
+    free       ref_cnt == 0, not cached        -> handed out first
+    evictable  ref_cnt == 0, cached (has hash) -> reusable by a prefix hit, evicted LRU
+    used       ref_cnt  > 0 (cached or not)
+
+The scheduler side depends only on the :class:`BlockPool` ABC, so an elastic pool (memory
+granted by the kvpool daemon, shrinking at run time) can replace :class:`FixedBlockPool`.
+``get_new_blocks`` is the only call that can fail for lack of memory; callers must not
+assume an earlier ``get_num_free_blocks()`` guarantees it succeeds.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from kvpool.engine.errors import PoolExhausted
+
+NULL_BLOCK = 0
+
+
+@dataclass(frozen=True)
+class CachedBlock:
+    """What a cached block must hold for a lookup to hit: its chained hash, its own
+    tokens, and the block (and that block's cache epoch) that precedes it. Comparing tokens
+    and the parent makes a hit exact: equal hashes alone are never trusted."""
+
+    block_hash: int
+    tokens: tuple[int, ...]
+    parent: int  # block id of the previous block, NULL_BLOCK for the first
+    parent_epoch: int
+
+
+class BlockPool(ABC):
+    """The allocation interface the KV manager uses (vLLM's BlockPool, narrowed).
+
+    Ids are ints in ``[0, capacity)``, 0 reserved. Counts may change between calls (an
+    elastic pool gains and loses memory at run time): never cache them.
+    """
+
+    null_block: int = NULL_BLOCK
+
+    @property
+    @abstractmethod
+    def capacity(self) -> int:
+        """Upper bound (exclusive) of any block id this pool will ever return. Fixed for the
+        pool's lifetime: the KV storage must hold this many blocks."""
+
+    @abstractmethod
+    def get_new_blocks(self, n: int) -> list[int]:
+        """Take ``n`` blocks (all or none), evicting LRU cached blocks if needed; each
+        returned block has ref_cnt 1 and no cache entry.
+
+        Raises:
+            PoolExhausted: fewer than ``n`` blocks are available now; nothing was taken.
+        """
+
+    @abstractmethod
+    def free_blocks(self, block_ids: Iterable[int]) -> None:
+        """Drop one reference from each block. A block reaching 0 becomes free (uncached)
+        or evictable (cached); evictable blocks are evicted in the order they were freed,
+        so pass a request's blocks tail first. Raises AssertionError on a double free."""
+
+    @abstractmethod
+    def touch(self, block_ids: Iterable[int]) -> None:
+        """Add one reference to each block (a prefix hit); an evictable block becomes used."""
+
+    @abstractmethod
+    def get_cached_block(self, block_hash: int, tokens: Sequence[int], parent: int
+                         ) -> int | None:
+        """The id of a cached block holding exactly ``tokens`` after block ``parent``
+        (NULL_BLOCK for the first block of a sequence) and the same chained hash, or None.
+        Does not change reference counts (call :meth:`touch`)."""
+
+    @abstractmethod
+    def cache_full_blocks(self, block_ids: Sequence[int], hashes: Sequence[int],
+                          tokens: Sequence[Sequence[int]], parent: int) -> None:
+        """Register full, computed blocks for prefix reuse. ``block_ids[i]`` follows
+        ``block_ids[i-1]`` (the first follows ``parent``). Blocks must be in use (ref_cnt
+        > 0); already cached blocks are left as they are."""
+
+    @abstractmethod
+    def evict_cached_blocks(self, n: int | None = None) -> list[int]:
+        """Evict up to ``n`` (all when None) evictable blocks, LRU first, making them free.
+        Returns their ids. Used blocks are never touched."""
+
+    @abstractmethod
+    def get_num_free_blocks(self) -> int:
+        """Blocks :meth:`get_new_blocks` could hand out right now (free + evictable)."""
+
+    @property
+    @abstractmethod
+    def num_used_blocks(self) -> int:
+        """Blocks with ref_cnt > 0."""
+
+    @abstractmethod
+    def ref_count(self, block_id: int) -> int:
+        """Current references to ``block_id``."""
+
+    @abstractmethod
+    def check_integrity(self) -> None:
+        """Raise AssertionError if the bookkeeping is inconsistent."""
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks with a prefix-cache entry (used or evictable). 0 if not tracked."""
+        return 0
+
+    def get_usage(self) -> float:
+        """Fraction of the currently available blocks that is in use."""
+        used = self.num_used_blocks
+        total = used + self.get_num_free_blocks()
+        return used / total if total else 0.0
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every evictable cache entry; returns how many."""
+        return len(self.evict_cached_blocks(None))
+
+
+class FixedBlockPool(BlockPool):
+    """A pool of ``num_blocks`` preallocated blocks (ids 1..num_blocks-1 usable).
+
+    O(1) per block: a deque of free ids, an LRU OrderedDict of evictable ids and a hash map
+    ``block_hash -> {block_id: None}`` (duplicates allowed so block tables stay append-only).
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        assert num_blocks >= 2, "need the null block plus at least one usable block"
+        self._capacity = num_blocks
+        self._ref = [0] * num_blocks
+        self._free: deque[int] = deque(range(1, num_blocks))
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self._entry: dict[int, CachedBlock] = {}  # cached block id -> its key
+        self._by_hash: dict[int, dict[int, None]] = {}
+        self._epoch = [0] * num_blocks  # bumped when a block's cache entry goes away
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    def get_new_blocks(self, n: int) -> list[int]:
+        if n > len(self._free) + len(self._evictable):
+            raise PoolExhausted(f"need {n} KV blocks, {self.get_num_free_blocks()} free")
+        out = []
+        for _ in range(n):
+            if self._free:
+                b = self._free.popleft()
+            else:
+                b, _ = self._evictable.popitem(last=False)
+                self._uncache(b)
+            self._ref[b] = 1
+            out.append(b)
+        return out
+
+    def free_blocks(self, block_ids: Iterable[int]) -> None:
+        for b in block_ids:
+            assert b != NULL_BLOCK and self._ref[b] > 0, f"double free of block {b}"
+            self._ref[b] -= 1
+            if self._ref[b] == 0:
+                if b in self._entry:
+                    self._evictable[b] = None
+                else:
+                    self._free.appendleft(b)  # reuse recently touched memory first
+
+    def touch(self, block_ids: Iterable[int]) -> None:
+        for b in block_ids:
+            if self._ref[b] == 0:
+                del self._evictable[b]  # KeyError here would mean a hit on a free block
+            self._ref[b] += 1
+
+    def get_cached_block(self, block_hash: int, tokens: Sequence[int], parent: int
+                         ) -> int | None:
+        tokens = tuple(tokens)
+        for b in self._by_hash.get(block_hash, ()):
+            e = self._entry[b]
+            if (e.tokens == tokens and e.parent == parent
+                    and e.parent_epoch == self._epoch[parent]):
+                return b
+        return None
+
+    def cache_full_blocks(self, block_ids: Sequence[int], hashes: Sequence[int],
+                          tokens: Sequence[Sequence[int]], parent: int) -> None:
+        for b, h, toks in zip(block_ids, hashes, tokens, strict=True):
+            assert self._ref[b] > 0, f"caching unused block {b}"
+            if b not in self._entry:
+                self._entry[b] = CachedBlock(h, tuple(toks), parent, self._epoch[parent])
+                self._by_hash.setdefault(h, {})[b] = None
+            parent = b
+
+    def evict_cached_blocks(self, n: int | None = None) -> list[int]:
+        out = []
+        while self._evictable and (n is None or len(out) < n):
+            b, _ = self._evictable.popitem(last=False)
+            self._uncache(b)
+            self._free.append(b)
+            out.append(b)
+        return out
+
+    def get_num_free_blocks(self) -> int:
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self._capacity - 1 - self.get_num_free_blocks()
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._entry)
+
+    def ref_count(self, block_id: int) -> int:
+        return self._ref[block_id]
+
+    def _uncache(self, b: int) -> None:
+        e = self._entry.pop(b)
+        dups = self._by_hash[e.block_hash]
+        del dups[b]
+        if not dups:
+            del self._by_hash[e.block_hash]
+        self._epoch[b] += 1  # children cached after this entry no longer match
+
+    def check_integrity(self) -> None:
+        free, evictable = set(self._free), set(self._evictable)
+        assert len(free) == len(self._free), "duplicate id in free list"
+        assert NULL_BLOCK not in free and NULL_BLOCK not in evictable, "null block handed out"
+        assert self._ref[NULL_BLOCK] == 0, "null block referenced"
+        assert not free & evictable, "block both free and evictable"
+        for b in range(1, self._capacity):
+            r = self._ref[b]
+            assert r >= 0, f"negative ref count on block {b}"
+            if b in free:
+                assert r == 0 and b not in self._entry, f"free block {b} is used or cached"
+            elif b in evictable:
+                assert r == 0 and b in self._entry, f"evictable block {b} is used or uncached"
+            else:
+                assert r > 0, f"block {b} leaked: ref 0 but neither free nor evictable"
+        n_hashed = 0
+        for h, dups in self._by_hash.items():
+            for b in dups:
+                assert self._entry[b].block_hash == h, f"hash index wrong for block {b}"
+                n_hashed += 1
+        assert n_hashed == len(self._entry), "cache entries missing from the hash index"
+        assert len(free) + len(evictable) + sum(1 for r in self._ref if r > 0) == \
+            self._capacity - 1, "block states do not add up to the pool size"

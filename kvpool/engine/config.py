@@ -1,0 +1,80 @@
+"""EngineConfig: the one configuration object of the bundled engine."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Literal
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvpool.engine.block_pool import BlockPool
+    from kvpool.engine.kv_cache import KVCache, KVCacheSpec
+
+KVLayout = Literal["block_major", "per_layer"]
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2,
+          "mib": 1 << 20, "g": 1000**3, "gb": 1000**3, "gib": 1 << 30, "t": 1000**4,
+          "tb": 1000**4, "tib": 1 << 40}
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes from ``123``, ``"64MiB"``, ``"1.5G"`` (k/M/G are powers of 1000, KiB/MiB/GiB of 1024)."""
+    if isinstance(size, int):
+        return size
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", size)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot parse size {size!r} (examples: 1048576, 64MiB, 2GB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs to know; ``LLM(model, **kwargs)`` fills it from kwargs.
+
+    KV cache size: ``num_kv_blocks`` wins over ``kv_cache_size`` (bytes or "64MiB"); with
+    neither, ``kv_cache_size`` defaults to 256 MiB. The usable block count is one less than
+    the allocated count because block 0 is the reserved null block.
+
+    Extension points (used by ``kvpool.engine_adapters``): ``block_pool_factory(num_blocks)``
+    returns the :class:`~kvpool.engine.block_pool.BlockPool` the scheduler allocates from and
+    ``kv_cache_factory(spec, num_blocks, device)`` returns the
+    :class:`~kvpool.engine.kv_cache.KVCache` storage; both default to plain preallocation.
+    """
+
+    model: str
+    device: str = "auto"  # "auto": cuda if available, else cpu
+    dtype: str = "auto"  # "auto": float32 on cpu, the checkpoint's dtype on accelerators
+    block_size: int = 16
+    kv_cache_size: int | str | None = None
+    num_kv_blocks: int | None = None
+    kv_layout: KVLayout = "block_major"
+    max_num_batched_tokens: int = 512  # per-step token budget: decodes + prefill chunks
+    max_num_seqs: int = 64
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    seed: int = 0  # seeds the generator that unseeded sampling requests use
+    served_model_name: str | None = None
+    block_pool_factory: Callable[[int], BlockPool] | None = None
+    kv_cache_factory: Callable[[KVCacheSpec, int, torch.device], KVCache] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)  # free-form, for adapters
+
+    def __post_init__(self) -> None:
+        assert self.block_size > 0, "block_size must be positive"
+        assert self.max_num_batched_tokens > 0, "max_num_batched_tokens must be positive"
+        assert self.max_num_seqs > 0, "max_num_seqs must be positive"
+        assert self.kv_layout in ("block_major", "per_layer"), f"bad kv_layout {self.kv_layout}"
+        assert self.num_kv_blocks is None or self.num_kv_blocks >= 2, "need >= 2 KV blocks"
+        if self.kv_cache_size is not None:
+            self.kv_cache_size = parse_size(self.kv_cache_size)
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:
+        """Like the constructor, but names the unknown keys instead of a bare TypeError."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"unknown engine option(s): {', '.join(unknown)}")
+        return cls(model=model, **kwargs)

@@ -1,0 +1,276 @@
+"""Engine: the step-level API (add_request / step / abort / has_unfinished).
+
+Single-threaded by contract: one thread (the offline ``LLM`` or the server's step loop)
+owns an Engine and calls all of its methods.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvpool.engine.block_pool import BlockPool, FixedBlockPool
+from kvpool.engine.config import EngineConfig
+from kvpool.engine.errors import RequestError
+from kvpool.engine.kv_cache import KVCache, KVCacheSpec
+from kvpool.engine.kv_manager import KVCacheManager
+from kvpool.engine.loader import load_model
+from kvpool.engine.model_config import ModelConfig
+from kvpool.engine.model_runner import ModelRunner
+from kvpool.engine.request import Request, RequestOutput, RequestStatus
+from kvpool.engine.sampling import SamplingParams, sample
+from kvpool.engine.scheduler import Scheduler
+from kvpool.engine.tokenizer import Tokenizer
+
+DEFAULT_KV_CACHE_SIZE = 256 << 20
+
+
+class Engine:
+    """Loads the model, owns the KV cache, pool, scheduler and requests.
+
+    ``block_pool`` / ``kv_cache`` override ``config.block_pool_factory`` /
+    ``config.kv_cache_factory``; the KV storage must hold ``block_pool.capacity`` blocks.
+    """
+
+    def __init__(self, config: EngineConfig, *, block_pool: BlockPool | None = None,
+                 kv_cache: KVCache | None = None) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        path = Path(config.model)
+        self.model_config = ModelConfig.from_dir(path)
+        self.dtype = resolve_dtype(config.dtype, self.model_config, self.device)
+        self.model = load_model(path, self.device, self.dtype, self.model_config)
+        self.tokenizer = Tokenizer.from_dir(path)
+        self.served_model_name = config.served_model_name or path.resolve().name
+        mc = self.model_config
+        self.kv_spec = KVCacheSpec(mc.num_layers, config.block_size, mc.num_kv_heads,
+                                   mc.head_dim, self.dtype, config.kv_layout)
+        num_blocks = config.num_kv_blocks or max(
+            2, (config.kv_cache_size or DEFAULT_KV_CACHE_SIZE) // self.kv_spec.block_bytes)
+        if block_pool is None:
+            block_pool = (config.block_pool_factory or FixedBlockPool)(num_blocks)
+        if kv_cache is None:
+            kv_cache = (config.kv_cache_factory or KVCache.allocate)(
+                self.kv_spec, block_pool.capacity, self.device)
+        assert kv_cache.num_blocks >= block_pool.capacity, "KV storage smaller than the pool"
+        self.pool, self.kv_cache = block_pool, kv_cache
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
+                                 mc.max_position_embeddings,
+                                 (block_pool.capacity - 1) * config.block_size)
+        self.kv_manager = KVCacheManager(block_pool, config.block_size,
+                                         config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv_manager, config.max_num_batched_tokens,
+                                   config.max_num_seqs)
+        self.runner = ModelRunner(self.model, kv_cache, config.block_size, self.device,
+                                  self.dtype)
+        self.eos_token_ids = set(mc.eos_token_ids)
+        if self.tokenizer is not None:
+            self.eos_token_ids |= self.tokenizer.eos_token_ids
+        self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self._finished: collections.deque[Request] = collections.deque(maxlen=1000)
+        self.counters = collections.Counter[str]()
+
+    # --- requests ---------------------------------------------------------------------
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, arrival_time: float | None = None) -> str:
+        """Queue a prompt (text, or token ids); returns its request id.
+
+        Raises:
+            RequestError: empty or too long prompt, token ids outside the vocabulary, text
+                without a tokenizer, or a duplicate request id.
+        """
+        params = params or SamplingParams()
+        ids = self.encode(prompt)
+        if len(ids) >= self.max_model_len:
+            raise RequestError(f"prompt has {len(ids)} tokens; the context holds "
+                               f"{self.max_model_len} (max_model_len), including the output")
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self.requests:
+            raise RequestError(f"duplicate request id {rid!r}")
+        gen = None
+        if params.seed is not None:
+            gen = torch.Generator(device=self.device).manual_seed(params.seed)
+        req = Request(rid, ids, params, gen, arrival_time)
+        self.requests[rid] = req
+        self.scheduler.add(req)
+        return rid
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError(f"{self.config.model} has no tokenizer.json; "
+                                   "pass token ids instead of text")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+            vocab = self.model_config.vocab_size
+            if any(not 0 <= t < vocab for t in ids):
+                raise RequestError(f"token ids must be in [0, {vocab})")
+        if not ids:
+            raise RequestError("empty prompt")
+        return ids
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its blocks; returns its final output (finish reason
+        "abort"), or None if it is unknown or already finished."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        self.scheduler.finish(req, "abort")
+        self._finished.append(req)
+        self.counters["finished"] += 1
+        return self._output(req, [])
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # --- the step -------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, sample; returns outputs for requests that got a
+        token this step (finished ones included). Empty when nothing could be scheduled
+        (e.g. an elastic pool with no memory right now)."""
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return []
+        samplers, logits = self.runner.run(sched.scheduled)
+        for req, n in sched.scheduled:
+            req.num_computed_tokens += n
+            self.kv_manager.cache_blocks(req)
+        self.counters["steps"] += 1
+        self.counters["computed_tokens"] += sched.num_tokens
+        tokens = sample(logits, [r.params for r in samplers],
+                        [r.generator or self.generator for r in samplers])
+        outputs = []
+        now = time.perf_counter()
+        for i, (req, tok) in enumerate(zip(samplers, tokens)):
+            if req.params.return_logits:
+                req.logits.append(logits[i].cpu())
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+                self.counters["prompt_tokens"] += req.num_prompt_tokens
+                self.counters["prefix_hit_tokens"] += req.num_prefix_hit_tokens
+            req.token_ids.append(tok)
+            self.counters["generated_tokens"] += 1
+            self._check_stop(req, tok)
+            if req.finished:
+                del self.requests[req.request_id]
+                self._finished.append(req)
+                self.counters["finished"] += 1
+            outputs.append(self._output(req, [tok]))
+        return outputs
+
+    def _check_stop(self, req: Request, tok: int) -> None:
+        p = req.params
+        if p.detokenize and self.tokenizer is not None:
+            new, req.detok_offsets = self.tokenizer.detokenize_step(req.token_ids,
+                                                                    req.detok_offsets)
+            old_len = len(req.output_text)
+            req.output_text += new
+            for s in p.stop:
+                at = req.output_text.find(s, max(0, old_len - len(s) + 1))
+                if at >= 0:
+                    req.output_text = req.output_text[:at]
+                    return self.scheduler.finish(req, "stop")
+        if (not p.ignore_eos and tok in self.eos_token_ids) or tok in p.stop_token_ids:
+            return self.scheduler.finish(req, "stop")
+        if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            return self.scheduler.finish(req, "length")
+
+    def _output(self, req: Request, new: list[int]) -> RequestOutput:
+        text = req.output_text
+        if not req.finished and req.params.stop:
+            text = text[:max(0, len(text) - max(len(s) for s in req.params.stop) + 1)]
+        m = req.metrics
+        return RequestOutput(
+            request_id=req.request_id, prompt_token_ids=req.token_ids[:req.num_prompt_tokens],
+            output_token_ids=req.output_token_ids, new_token_ids=new, text=text,
+            finished=req.finished, finish_reason=req.finish_reason,
+            num_preemptions=req.num_preemptions, num_prefix_hit_tokens=req.num_prefix_hit_tokens,
+            ttft=m.ttft, tpot=_tpot(req), logits=req.logits if req.finished else [])
+
+    # --- introspection --------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """JSON-ready engine statistics (KV blocks, queues, preemptions, latency summary)."""
+        free = self.pool.get_num_free_blocks()
+        used = self.pool.num_used_blocks
+        ttfts = [t for r in self._finished if (t := r.metrics.ttft) is not None]
+        tpots = [t for r in self._finished if (t := _tpot(r)) is not None]
+        return {
+            "model": self.served_model_name,
+            "kv_blocks": {"total": used + free, "used": used, "free": free,
+                          "cached": self.pool.num_cached_blocks, "capacity": self.pool.capacity,
+                          "block_size": self.config.block_size,
+                          "block_bytes": self.kv_spec.block_bytes,
+                          "usage": round(self.pool.get_usage(), 4)},
+            "kv_layout": self.config.kv_layout,
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "preemptions": self.scheduler.num_preemptions,
+            "max_model_len": self.max_model_len,
+            **{k: self.counters[k] for k in ("steps", "computed_tokens", "prompt_tokens",
+                                             "prefix_hit_tokens", "generated_tokens")},
+            "finished_requests": self.counters["finished"],
+            "ttft_s": summarize(ttfts),
+            "tpot_s": summarize(tpots),
+        }
+
+    def check_integrity(self) -> None:
+        """Pool invariants, and every block's ref count equals the running requests holding
+        it (waiting requests hold none)."""
+        self.pool.check_integrity()
+        held = collections.Counter(b for r in self.scheduler.running for b in r.block_ids)
+        for r in self.scheduler.running:
+            assert r.status is RequestStatus.RUNNING
+            assert len(r.block_ids) * self.config.block_size >= r.num_computed_tokens
+        for r in self.scheduler.waiting:
+            assert not r.block_ids and r.status is RequestStatus.WAITING, f"{r} holds blocks"
+        for b in range(1, self.pool.capacity):
+            assert self.pool.ref_count(b) == held[b], \
+                f"block {b}: ref {self.pool.ref_count(b)}, held by {held[b]} request(s)"
+
+
+def _tpot(req: Request) -> float | None:
+    m = req.metrics
+    n = req.num_output_tokens
+    if m.first_token_time is None or m.finish_time is None or n < 2:
+        return None
+    return (m.finish_time - m.first_token_time) / (n - 1)
+
+
+def summarize(xs: list[float]) -> dict[str, float | int | None]:
+    if not xs:
+        return {"count": 0, "mean": None, "p50": None, "p90": None, "p99": None}
+    s = sorted(xs)
+
+    def q(f: float) -> float:
+        return s[min(len(s) - 1, int(f * len(s)))]
+
+    return {"count": len(s), "mean": sum(s) / len(s), "p50": q(0.5), "p90": q(0.9),
+            "p99": q(0.99)}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, mc: ModelConfig, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        if device.type == "cpu" or mc.torch_dtype is None:
+            return torch.float32
+        dtype = mc.torch_dtype
+    dt = getattr(torch, str(dtype).removeprefix("torch."), None)
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"unknown dtype {dtype!r}")
+    return dt

@@ -1,0 +1,16 @@
+"""Typed errors the engine raises to its callers."""
+
+from __future__ import annotations
+
+
+class CheckpointError(ValueError):
+    """A model folder is missing files, has unexpected/missing/misshaped tensors or an
+    unsupported config; the message names what is wrong."""
+
+
+class PoolExhausted(RuntimeError):
+    """``BlockPool.get_new_blocks`` cannot hand out the requested number of blocks now."""
+
+
+class RequestError(ValueError):
+    """A request the engine cannot accept (prompt too long, bad parameters, ...)."""

@@ -1,0 +1,110 @@
+"""The Llama family (Llama, Mistral-without-sliding-window, Qwen2, Qwen3) in plain PyTorch.
+
+Module names mirror transformers' so checkpoint tensor names map one to one, except the
+packed projections (``qkv_proj`` <- q/k/v_proj, ``gate_up_proj`` <- gate/up_proj).
+Inputs are flat: one [T] token vector for the whole mixed batch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvpool.engine.attention import ForwardBatch, paged_attention
+from kvpool.engine.layers import PackedLinear, RMSNorm, apply_rotary
+from kvpool.engine.model_config import ModelConfig
+
+KVLayers = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (k_cache, v_cache)
+
+
+class Attention(nn.Module):
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.h, self.kvh, self.d = c.num_heads, c.num_kv_heads, c.head_dim
+        self.qkv_proj = PackedLinear(
+            c.hidden_size,
+            [("q_proj", self.h * self.d), ("k_proj", self.kvh * self.d),
+             ("v_proj", self.kvh * self.d)],
+            bias=c.qkv_bias)
+        self.o_proj = nn.Linear(self.h * self.d, c.hidden_size, bias=c.o_bias)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(self.d, c.rms_norm_eps)
+            self.k_norm = RMSNorm(self.d, c.rms_norm_eps)
+        self.qk_norm = c.qk_norm
+
+    def forward(self, x: torch.Tensor, fb: ForwardBatch, kv: tuple[torch.Tensor, torch.Tensor]
+                ) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(
+            [self.h * self.d, self.kvh * self.d, self.kvh * self.d], dim=-1)
+        q, k, v = q.view(t, self.h, self.d), k.view(t, self.kvh, self.d), v.view(t, self.kvh, self.d)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        assert fb.cos is not None and fb.sin is not None
+        q, k = apply_rotary(q, fb.cos, fb.sin), apply_rotary(k, fb.cos, fb.sin)
+        o = paged_attention(q, k, v, kv[0], kv[1], fb)
+        return self.o_proj(o.reshape(t, self.h * self.d))
+
+
+class MLP(nn.Module):
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        i = c.intermediate_size
+        self.gate_up_proj = PackedLinear(c.hidden_size, [("gate_proj", i), ("up_proj", i)],
+                                         bias=c.mlp_bias)
+        self.down_proj = nn.Linear(i, c.hidden_size, bias=c.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(c)
+        self.mlp = MLP(c)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, fb: ForwardBatch,
+                kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), fb, kv)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """``forward`` returns the final hidden states of the ``fb.logits_indices`` rows;
+    ``logits`` maps them to the
+    vocabulary in float32. With tied embeddings ``lm_head.weight`` *is* the embedding."""
+
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.config = c
+        self.model = LlamaModel(c)
+        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch, kv_layers: KVLayers) -> torch.Tensor:
+        x = self.model.embed_tokens(fb.input_ids)
+        for layer, kv in zip(self.model.layers, kv_layers):
+            x = layer(x, fb, kv)
+        return self.model.norm(x[fb.logits_indices])  # rows that get sampled only
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()

@@ -1,0 +1,91 @@
+"""ModelRunner: turns a scheduled batch into a ForwardBatch and runs the model."""
+
+from __future__ import annotations
+
+import torch
+
+from kvpool.engine.attention import DecodeGroup, ForwardBatch, PrefillGroup
+from kvpool.engine.kv_cache import KVCache
+from kvpool.engine.layers import RotaryEmbedding
+from kvpool.engine.model import LlamaForCausalLM
+from kvpool.engine.request import Request
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, block_size: int,
+                 device: torch.device, dtype: torch.dtype) -> None:
+        c = model.config
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = block_size
+        self.device = device
+        self.dtype = dtype
+        self.rope = RotaryEmbedding(c.head_dim, c.rope_theta, c.rope_scaling, device)
+
+    def run(self, scheduled: list[tuple[Request, int]]) -> tuple[list[Request], torch.Tensor]:
+        """Computes K/V for every scheduled token; returns the requests whose chunk reaches
+        their last token (they sample next) and their logits [S, vocab] (float32)."""
+        fb, samplers = self.prepare(scheduled)
+        hidden = self.model(fb, self.kv_cache.layers)
+        return samplers, self.model.logits(hidden)
+
+    def prepare(self, scheduled: list[tuple[Request, int]]
+                ) -> tuple[ForwardBatch, list[Request]]:
+        bs = self.block_size
+        ordered = [e for e in scheduled if e[1] == 1] + [e for e in scheduled if e[1] > 1]
+        ids: list[int] = []
+        pos: list[int] = []
+        slot_blocks: list[int] = []
+        logits_idx: list[int] = []
+        samplers: list[Request] = []
+        for req, n in ordered:
+            start = req.num_computed_tokens
+            assert len(req.block_ids) * bs >= start + n, f"{req} has no room for {n} tokens"
+            ids.extend(req.token_ids[start:start + n])
+            pos.extend(range(start, start + n))
+            slot_blocks.extend(req.block_ids[p // bs] for p in range(start, start + n))
+            if start + n == req.num_tokens:
+                logits_idx.append(len(ids) - 1)
+                samplers.append(req)
+        dev = self.device
+        positions = torch.tensor(pos, dtype=torch.long, device=dev)
+        cos, sin = self.rope.cos_sin(positions, self.dtype)
+        fb = ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
+            positions=positions,
+            slot_blocks=torch.tensor(slot_blocks, dtype=torch.long, device=dev),
+            slot_offsets=positions % bs,
+            logits_indices=torch.tensor(logits_idx, dtype=torch.long, device=dev),
+            cos=cos, sin=sin)
+        singles = [r for r, n in ordered if n == 1]
+        if singles:
+            fb.decode = self._decode_group(singles)
+        t = len(singles)
+        for req, n in ordered[len(singles):]:
+            fb.prefills.append(self._prefill_group(req, t, n))
+            t += n
+        return fb, samplers
+
+    def _decode_group(self, reqs: list[Request]) -> DecodeGroup:
+        bs = self.block_size
+        ctx = [r.num_computed_tokens + 1 for r in reqs]
+        mb = -(-max(ctx) // bs)
+        tables = [r.block_ids[:mb] + [0] * (mb - min(len(r.block_ids), mb)) for r in reqs]
+        bt = torch.tensor(tables, dtype=torch.long, device=self.device)
+        mask = None
+        if any(c != mb * bs for c in ctx):
+            lens = torch.tensor(ctx, dtype=torch.long, device=self.device)
+            mask = (torch.arange(mb * bs, device=self.device)[None, :] < lens[:, None])
+            mask = mask[:, None, None, :]
+        return DecodeGroup(len(reqs), bt, mask)
+
+    def _prefill_group(self, req: Request, start: int, n: int) -> PrefillGroup:
+        cached = req.num_computed_tokens
+        g = PrefillGroup(start, start + n, cached)
+        if cached:
+            ctx = cached + n
+            nb = -(-ctx // self.block_size)
+            g.block_table = torch.tensor(req.block_ids[:nb], dtype=torch.long, device=self.device)
+            q_pos = torch.arange(cached, ctx, device=self.device)
+            g.mask = torch.arange(ctx, device=self.device)[None, :] <= q_pos[:, None]
+        return g
