@@ -1,0 +1,547 @@
+"""CUDA backend: the driver VMM API (``cuMemCreate`` / ``cuMemMap`` / ...) via cuda-python.
+
+Works with cuda-bindings 12.x and 13.x (``cuda.bindings.driver``) and with cuda-python
+<= 12.6.0 (``cuda.cuda``). cuda-python is imported lazily, on the first use, so this
+module imports fine on machines without it or without a driver; nothing else in kvpool
+imports cuda-python.
+
+How the protocol maps onto the driver:
+
+* a :class:`~kvpool.vmm.base.Page` is one ``cuMemCreate`` allocation of ``page_size``
+  bytes (pinned device memory, ``requestedHandleTypes = POSIX_FILE_DESCRIPTOR``);
+  ``Page.handle`` is the ``CUmemGenericAllocationHandle`` as an ``int``;
+* a :class:`~kvpool.vmm.base.Range` is a ``cuMemAddressReserve`` reservation;
+* ``map_pages`` is ``cuMemMap`` per page and one ``cuMemSetAccess`` per contiguous run;
+* ``unmap`` synchronizes the context first (torch does not track streams for foreign
+  memory, and ``cuMemUnmap`` does not reliably wait for in-flight kernels), then issues
+  one ``cuMemUnmap`` per contiguous run of slots (each run covers whole mappings only);
+* ``export`` / ``import_`` use POSIX fds (``cuMemExportToShareableHandle`` /
+  ``cuMemImportFromShareableHandle``); the importer's caller closes its fd, because an
+  open fd pins the physical memory;
+* ``populate`` is accepted and ignored: ``cuMemCreate`` commits physical memory when the
+  page is created (there is no lazy first-touch allocation on the device), so a mapped
+  page is already "populated";
+* ``zero`` maps the page into a private one-page scratch reservation, runs
+  ``cuMemsetD8Async`` on a backend-owned stream and synchronizes that stream.
+
+Every driver error becomes one of the typed errors of :mod:`kvpool.vmm.base`
+(``OUT_OF_MEMORY`` -> :class:`OutOfMemory`, ``INVALID_VALUE``/``INVALID_HANDLE`` ->
+:class:`InvalidArgument`, ``NOT_SUPPORTED`` -> :class:`Unsupported`, anything else ->
+:class:`DriverError` with the code), with a message naming the call and its values.
+
+Threads: the primary context of the device is retained once and made current before
+every public operation that calls the driver (``cuCtxSetCurrent`` is a thread-local
+store in the driver, so this costs about a microsecond), so any thread may call the
+backend. Calls on distinct pages and slots may run concurrently; the per-range lock
+serializes map/unmap on one range and a backend lock serializes ``zero``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any, Sequence
+
+from kvpool.vmm.base import (
+    Backend,
+    DriverError,
+    InvalidArgument,
+    OutOfMemory,
+    Page,
+    Range,
+    Unsupported,
+    VmmError,
+    contiguous_runs,
+)
+
+# Numeric values are part of the CUDA ABI (cuda.h); kept here so error mapping and
+# capability checks do not depend on enum spellings across cuda-python versions.
+CUDA_SUCCESS = 0
+CUDA_ERROR_INVALID_VALUE = 1
+CUDA_ERROR_OUT_OF_MEMORY = 2
+CUDA_ERROR_NOT_INITIALIZED = 3
+CUDA_ERROR_NO_DEVICE = 100
+CUDA_ERROR_INVALID_DEVICE = 101
+CUDA_ERROR_INVALID_HANDLE = 400
+CUDA_ERROR_ILLEGAL_ADDRESS = 700
+CUDA_ERROR_NOT_SUPPORTED = 801
+
+ATTR_COMPUTE_MODE = 20
+ATTR_VMM_SUPPORTED = 102
+ATTR_POSIX_FD_SUPPORTED = 103
+ATTR_GPU_DIRECT_RDMA_WITH_VMM = 110
+COMPUTE_MODE_NAMES = {0: "DEFAULT", 2: "PROHIBITED", 3: "EXCLUSIVE_PROCESS"}
+
+_DRIVER: Any = None
+_DRIVER_LOCK = threading.Lock()
+
+
+def _load_driver() -> Any:
+    """The cuda-python driver module (12.x/13.x layout first, then the <= 12.6 one)."""
+    global _DRIVER
+    if _DRIVER is not None:
+        return _DRIVER
+    with _DRIVER_LOCK:
+        if _DRIVER is None:
+            try:
+                from cuda.bindings import driver  # cuda-bindings >= 12.6.2
+            except ImportError:
+                try:
+                    from cuda import cuda as driver  # type: ignore[no-redef]  # <= 12.6.0
+                except ImportError as e:
+                    raise Unsupported(
+                        "init", f"cuda-python is not installed or unusable ({e})"
+                    ) from e
+            _DRIVER = driver
+    return _DRIVER
+
+
+def _error_text(cu: Any, code: int) -> str:
+    """``NAME (code): description`` for a CUresult, never raising."""
+    name, desc = f"CUDA error {code}", ""
+    try:
+        err, s = cu.cuGetErrorName(cu.CUresult(code))
+        if int(err) == 0 and s:
+            name = s.decode() if isinstance(s, bytes) else str(s)
+        err, s = cu.cuGetErrorString(cu.CUresult(code))
+        if int(err) == 0 and s:
+            desc = s.decode() if isinstance(s, bytes) else str(s)
+    except Exception:  # unknown code, or the driver is gone: keep the number
+        pass
+    return f"{name} ({code})" + (f": {desc}" if desc else "")
+
+
+def _typed_error(cu: Any, op: str, call: str, code: int) -> VmmError:
+    msg = f"{call} failed with {_error_text(cu, code)}"
+    if code == CUDA_ERROR_OUT_OF_MEMORY:
+        return OutOfMemory(op, msg)
+    if code in (CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_INVALID_HANDLE):
+        return InvalidArgument(op, msg)
+    if code == CUDA_ERROR_NOT_SUPPORTED:
+        return Unsupported(op, msg)
+    return DriverError(op, msg, code)
+
+
+def _call(cu: Any, op: str, fn: str, *args: Any, show: str | None = None) -> Any:
+    """Call ``cu.<fn>(*args)`` and return its outputs (None, one value, or a tuple).
+
+    ``show`` is how the call appears in error messages (defaults to ``fn(args)``).
+    A missing driver or function (cuda-python raises a ``RuntimeError`` subclass at the
+    first call) becomes :class:`Unsupported`.
+    """
+    try:
+        res = getattr(cu, fn)(*args)
+    except RuntimeError as e:
+        raise Unsupported(op, f"{fn}: the CUDA driver is not usable ({e})") from e
+    code = int(res[0])
+    if code != CUDA_SUCCESS:
+        call = show or f"{fn}({', '.join(_fmt(a) for a in args)})"
+        raise _typed_error(cu, op, call, code)
+    if len(res) == 1:
+        return None
+    if len(res) == 2:
+        return res[1]
+    return tuple(res[1:])
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, int) and not isinstance(v, bool) and v > 0xFFFF:
+        return hex(v)
+    if isinstance(v, (int, float, str, bool)) or v is None:
+        return repr(v)
+    return type(v).__name__
+
+
+def _open_device(device: int) -> tuple[Any, Any, dict[int, int]]:
+    """Load the driver, ``cuInit``, get ``device`` and check the capabilities we need.
+
+    Returns ``(driver module, CUdevice, {attribute: value})``; raises
+    :class:`Unsupported` with the reason otherwise.
+    """
+    cu = _load_driver()
+    if not isinstance(device, int) or isinstance(device, bool) or device < 0:
+        raise InvalidArgument("init", f"device must be a non-negative int, got {device!r}")
+    try:
+        _call(cu, "init", "cuInit", 0)
+    except VmmError as e:
+        if isinstance(e, Unsupported):
+            raise
+        raise Unsupported("init", f"no usable CUDA driver or device: {e}") from e
+    count = _call(cu, "init", "cuDeviceGetCount")
+    if count == 0:
+        raise Unsupported("init", "the CUDA driver reports no devices")
+    if device >= count:
+        raise Unsupported("init", f"device {device} does not exist ({count} device(s) present)")
+    dev = _call(cu, "init", "cuDeviceGet", device)
+    attrs: dict[int, int] = {}
+    for attr in (
+        ATTR_VMM_SUPPORTED,
+        ATTR_POSIX_FD_SUPPORTED,
+        ATTR_COMPUTE_MODE,
+        ATTR_GPU_DIRECT_RDMA_WITH_VMM,
+    ):
+        try:
+            attrs[attr] = int(
+                _call(cu, "init", "cuDeviceGetAttribute", cu.CUdevice_attribute(attr), dev)
+            )
+        except VmmError:
+            if attr == ATTR_GPU_DIRECT_RDMA_WITH_VMM:  # optional: older drivers
+                attrs[attr] = 0
+            else:
+                raise
+    if not attrs[ATTR_VMM_SUPPORTED]:
+        raise Unsupported(
+            "init",
+            f"device {device} does not support virtual memory management "
+            "(CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED is 0)",
+        )
+    if not attrs[ATTR_POSIX_FD_SUPPORTED]:
+        raise Unsupported(
+            "init",
+            f"device {device} cannot share memory through POSIX file descriptors "
+            "(CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED is 0)",
+        )
+    mode = attrs[ATTR_COMPUTE_MODE]
+    if mode != 0:
+        raise Unsupported(
+            "init",
+            f"device {device} is in compute mode {COMPUTE_MODE_NAMES.get(mode, mode)}; "
+            "several processes must share it, so it needs DEFAULT "
+            "(nvidia-smi -i <gpu> -c DEFAULT)",
+        )
+    return cu, dev, attrs
+
+
+def probe(device: int = 0) -> str | None:
+    """None when the CUDA backend can run on ``device``, else the reason why not.
+
+    Never raises: no cuda-python, no driver, no device, or a missing capability all
+    come back as a one-line reason.
+    """
+    try:
+        _open_device(device)
+    except VmmError as e:
+        return str(e)
+    except Exception as e:  # anything unexpected from the bindings
+        return f"init: {type(e).__name__}: {e}"
+    return None
+
+
+class CudaBackend(Backend):
+    """Physical pages are ``cuMemCreate`` allocations on ``device`` (see module doc)."""
+
+    name = "cuda"
+
+    def __init__(self, device: int = 0, page_size: int | None = None):
+        cu, dev, attrs = _open_device(device)
+        self._cu = cu
+        self._dev = dev
+        self._closed = False
+        self._ctx = _call(cu, "init", "cuDevicePrimaryCtxRetain", dev)
+        try:
+            self._make_current("init")
+            prop = cu.CUmemAllocationProp()
+            prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+            prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+            prop.location.id = device
+            prop.requestedHandleTypes = self._posix_fd_type()
+            self.rdma_capable = bool(attrs[ATTR_GPU_DIRECT_RDMA_WITH_VMM])
+            if self.rdma_capable:
+                prop.allocFlags.gpuDirectRDMACapable = 1
+            self._prop = prop
+            self._granularity = int(
+                _call(
+                    cu, "init", "cuMemGetAllocationGranularity", prop,
+                    cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+                )
+            )
+            super().__init__(device, page_size)
+            desc = cu.CUmemAccessDesc()  # one object per device (never `[desc] * n`)
+            desc.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+            desc.location.id = device
+            desc.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+            self._access = [desc]
+            # Alignment for reservations: the page size when it is a power of two (so a
+            # slot never straddles a larger-page boundary), else the granularity.
+            ps = self.page_size
+            self._align = ps if ps & (ps - 1) == 0 else self._granularity
+            self._zero_lock = threading.Lock()
+            self._stream = None
+            self._scratch = None
+            self._stream = _call(
+                cu, "init", "cuStreamCreate", int(cu.CUstream_flags.CU_STREAM_NON_BLOCKING)
+            )
+            self._scratch = int(
+                _call(cu, "init", "cuMemAddressReserve", self.page_size, self._align, 0, 0)
+            )
+        except BaseException:
+            self._teardown()
+            raise
+
+    # ---- helpers ------------------------------------------------------------------
+    def _posix_fd_type(self) -> Any:
+        return self._cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+
+    def _make_current(self, op: str) -> None:
+        if self._closed:
+            raise InvalidArgument(op, "the CUDA backend is closed")
+        _call(self._cu, op, "cuCtxSetCurrent", self._ctx)
+
+    def _d(self, op: str, fn: str, *args: Any, show: str | None = None) -> Any:
+        return _call(self._cu, op, fn, *args, show=show)
+
+    def _synchronize(self, op: str) -> None:
+        """Wait for all work in the context (torch's streams included) to finish."""
+        self._d(op, "cuCtxSynchronize")
+
+    def _check_page(self, op: str, page: Page) -> None:
+        self._check_live(op, page)
+        if page.size != self.page_size:
+            raise InvalidArgument(
+                op, f"page of {page.size} bytes does not match page size {self.page_size}"
+            )
+
+    def _teardown(self) -> None:
+        cu = self._cu
+        for fn, arg in (
+            ("cuStreamDestroy", getattr(self, "_stream", None)),
+            ("cuMemAddressFree", getattr(self, "_scratch", None)),
+        ):
+            if arg is None:
+                continue
+            try:
+                if fn == "cuMemAddressFree":
+                    _call(cu, "close", fn, arg, self.page_size)
+                else:
+                    _call(cu, "close", fn, arg)
+            except VmmError:
+                pass
+        self._stream = None
+        self._scratch = None
+        if getattr(self, "_ctx", None) is not None:
+            try:
+                _call(cu, "close", "cuDevicePrimaryCtxRelease", self._dev)
+            except VmmError:
+                pass
+            self._ctx = None
+
+    # ---- capabilities -------------------------------------------------------------
+    def granularity(self) -> int:
+        return self._granularity
+
+    def mem_info(self) -> tuple[int, int]:
+        self._make_current("mem_info")
+        free, total = self._d("mem_info", "cuMemGetInfo")
+        return int(free), int(total)
+
+    def device_uuid(self) -> str:
+        """The device's UUID as ``nvidia-smi -L`` prints it (``GPU-xxxxxxxx-xxxx-...``).
+
+        Ordinals differ between processes under ``CUDA_VISIBLE_DEVICES``; the UUID
+        does not, so tenants and the daemon name devices by it.
+        """
+        self._make_current("device_uuid")
+        uuid = self._d("device_uuid", "cuDeviceGetUuid", self._dev)
+        raw = uuid.bytes
+        if not isinstance(raw, bytes):  # some versions give a str of 16 chars
+            raw = bytes(ord(c) & 0xFF for c in raw)
+        h = raw.hex()
+        return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
+
+    # ---- virtual ranges -----------------------------------------------------------
+    def reserve(self, nbytes: int) -> Range:
+        self._check_size("reserve", nbytes)
+        self._make_current("reserve")
+        base = self._d(
+            "reserve", "cuMemAddressReserve", nbytes, self._align, 0, 0,
+            show=f"cuMemAddressReserve(size={nbytes}, alignment={self._align})",
+        )
+        return Range(base=int(base), size=nbytes, page_size=self.page_size)
+
+    def _free_range(self, rng: Range) -> None:
+        self._make_current("free_range")
+        with rng.lock:
+            slots = sorted(rng.mapped)
+            if slots:
+                self._synchronize("free_range")
+                for start, count in contiguous_runs(slots, self.page_size):
+                    size = count * self.page_size
+                    self._d(
+                        "free_range", "cuMemUnmap", rng.base + start, size,
+                        show=f"cuMemUnmap({rng.base + start:#x}, {size}) (offset {start})",
+                    )
+                    for i in range(count):
+                        del rng.mapped[start + i * self.page_size]
+            self._d(
+                "free_range", "cuMemAddressFree", rng.base, rng.size,
+                show=f"cuMemAddressFree({rng.base:#x}, {rng.size})",
+            )
+
+    # ---- physical pages -----------------------------------------------------------
+    def create_page(self) -> Page:
+        self._make_current("create_page")
+        h = self._d(
+            "create_page", "cuMemCreate", self.page_size, self._prop, 0,
+            show=f"cuMemCreate(size={self.page_size}, device={self.device}, "
+            f"handle type POSIX_FILE_DESCRIPTOR)",
+        )
+        return Page(handle=int(h), size=self.page_size)
+
+    def export(self, page: Page) -> int:
+        self._check_page("export", page)
+        self._make_current("export")
+        fd = int(
+            self._d(
+                "export", "cuMemExportToShareableHandle", page.handle, self._posix_fd_type(), 0,
+                show=f"cuMemExportToShareableHandle(handle={page.handle:#x}, "
+                "POSIX_FILE_DESCRIPTOR)",
+            )
+        )
+        try:
+            os.set_inheritable(fd, False)  # an fd leaked into a child would pin the page
+        except OSError:
+            pass
+        return fd
+
+    def import_(self, fd: int) -> Page:
+        if not isinstance(fd, int) or isinstance(fd, bool) or fd < 0:
+            raise InvalidArgument("import", f"fd must be a non-negative int, got {fd!r}")
+        try:
+            os.fstat(fd)
+        except OSError as e:
+            raise InvalidArgument("import", f"fd {fd} is not an open descriptor: {e}") from e
+        self._make_current("import")
+        h = self._d(
+            "import", "cuMemImportFromShareableHandle", fd, self._posix_fd_type(),
+            show=f"cuMemImportFromShareableHandle(fd={fd}, POSIX_FILE_DESCRIPTOR)",
+        )
+        # The fd carries no size the driver reports; pages are page_size by contract
+        # (daemon and tenants agree on it), and cuMemMap rejects a smaller allocation.
+        return Page(handle=int(h), size=self.page_size)
+
+    def retain_handle(self, addr: int) -> Page:
+        """A new reference (a Page to :meth:`release`) to the page mapped at ``addr``.
+
+        Wraps ``cuMemRetainAllocationHandle``: lets a process re-export pages it only
+        holds through mappings (after the daemon restarted, say).
+        """
+        if not isinstance(addr, int) or addr <= 0:
+            raise InvalidArgument("retain_handle", f"address must be a positive int, got {addr!r}")
+        self._make_current("retain_handle")
+        h = self._d(
+            "retain_handle", "cuMemRetainAllocationHandle", addr,
+            show=f"cuMemRetainAllocationHandle({addr:#x})",
+        )
+        return Page(handle=int(h), size=self.page_size)
+
+    def zero(self, page: Page) -> None:
+        self._check_page("zero", page)
+        ps, va = self.page_size, self._scratch
+        with self._zero_lock:
+            self._make_current("zero")
+            self._d(
+                "zero", "cuMemMap", va, ps, 0, page.handle, 0,
+                show=f"cuMemMap(scratch {va:#x}, {ps}, 0, handle={page.handle:#x})",
+            )
+            try:
+                self._d(
+                    "zero", "cuMemSetAccess", va, ps, self._access, 1,
+                    show=f"cuMemSetAccess(scratch {va:#x}, {ps}, READWRITE on device "
+                    f"{self.device})",
+                )
+                self._d(
+                    "zero", "cuMemsetD8Async", va, 0, ps, self._stream,
+                    show=f"cuMemsetD8Async(scratch {va:#x}, 0, {ps})",
+                )
+                self._d("zero", "cuStreamSynchronize", self._stream)
+            finally:
+                self._d(
+                    "zero", "cuMemUnmap", va, ps, show=f"cuMemUnmap(scratch {va:#x}, {ps})"
+                )
+
+    def release(self, page: Page) -> None:
+        self._check_live("release", page)
+        self._make_current("release")
+        self._d("release", "cuMemRelease", page.handle, show=f"cuMemRelease({page.handle:#x})")
+        page.released = True
+
+    # ---- mappings -----------------------------------------------------------------
+    def map_pages(
+        self, rng: Range, offset: int, pages: Sequence[Page], populate: bool = False
+    ) -> None:
+        # `populate` is a no-op: cuMemCreate commits the physical memory up front.
+        slots = self._check_slots("map", rng, offset, len(pages))
+        for page in pages:
+            self._check_page("map", page)
+        ps = self.page_size
+        self._make_current("map")
+        with rng.lock:
+            if rng.freed or rng.freeing:
+                raise InvalidArgument("map", "range is not a live reserved Range")
+            taken = [s for s in slots if s in rng.mapped]
+            if taken:
+                raise InvalidArgument(
+                    "map", f"slot offset {taken[0]} of range {rng.base:#x} is already mapped"
+                )
+            done: list[int] = []
+            try:
+                for slot, page in zip(slots, pages):
+                    va = rng.base + slot
+                    self._d(
+                        "map", "cuMemMap", va, ps, 0, page.handle, 0,
+                        show=f"cuMemMap({va:#x}, {ps}, 0, handle={page.handle:#x}) "
+                        f"(offset {slot} of range {rng.base:#x})",
+                    )
+                    done.append(slot)
+                for start, count in contiguous_runs(slots, ps):
+                    va, size = rng.base + start, count * ps
+                    self._d(
+                        "map", "cuMemSetAccess", va, size, self._access, 1,
+                        show=f"cuMemSetAccess({va:#x}, {size}, READWRITE on device "
+                        f"{self.device}) (offset {start} of range {rng.base:#x})",
+                    )
+            except BaseException:
+                for slot in done:  # roll back: nothing of this call stays mapped
+                    try:
+                        self._d("map", "cuMemUnmap", rng.base + slot, ps)
+                    except VmmError:
+                        pass
+                raise
+            for slot, page in zip(slots, pages):
+                rng.mapped[slot] = page.handle
+
+    def unmap(self, rng: Range, offset: int, npages: int = 1) -> None:
+        slots = self._check_slots("unmap", rng, offset, npages)
+        ps = self.page_size
+        self._make_current("unmap")
+        with rng.lock:
+            missing = [s for s in slots if s not in rng.mapped]
+            if missing:
+                raise InvalidArgument(
+                    "unmap", f"slot offset {missing[0]} of range {rng.base:#x} is not mapped"
+                )
+            self._synchronize("unmap")
+            # Each slot is its own mapping; one cuMemUnmap may cover several adjacent
+            # whole mappings, so unmap per contiguous run.
+            for start, count in contiguous_runs(slots, ps):
+                va, size = rng.base + start, count * ps
+                self._d(
+                    "unmap", "cuMemUnmap", va, size,
+                    show=f"cuMemUnmap({va:#x}, {size}) (offset {start} of range {rng.base:#x})",
+                )
+                for i in range(count):
+                    del rng.mapped[start + i * ps]
+
+    def close(self) -> None:
+        """Destroy the zeroing stream and scratch range, release the primary context."""
+        if self._closed:
+            return
+        try:
+            self._make_current("close")
+        except VmmError:
+            pass
+        self._teardown()
+        self._closed = True
+
+
+__all__ = ["CudaBackend", "probe"]
