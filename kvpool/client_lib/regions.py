@@ -1,0 +1,172 @@
+"""Region groups (client side): virtual ranges this process reserved, backed by units
+the daemon grants.
+
+A group is ``n_regions`` ranges of ``capacity`` bytes each, reserved with this process's
+own backend and registered with the daemon (which keeps the page table). Unit ``u`` is
+virtual page ``u`` of every region: :meth:`RegionGroup.grant` maps the daemon's pages
+there, :meth:`RegionGroup.release` unmaps them everywhere and then gives them back.
+
+Invariant: ``mapped`` is exactly the set of units mapped in every region (and granted to
+this tenant by the daemon).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import TYPE_CHECKING, Sequence
+
+from kvpool import fdchannel
+from kvpool import protocol as p
+from kvpool.vmm import Range
+
+if TYPE_CHECKING:
+    from kvpool.client_lib.tenant import Tenant
+
+log = logging.getLogger("kvpool.client")
+
+
+def unit_runs(units: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Sorted ``units`` as runs ``(first unit, index into the sorted list, length)``."""
+    runs: list[tuple[int, int, int]] = []
+    for i, u in enumerate(units):
+        if runs and runs[-1][0] + runs[-1][2] == u:
+            first, idx, n = runs[-1]
+            runs[-1] = (first, idx, n + 1)
+        else:
+            runs.append((u, i, 1))
+    return runs
+
+
+class RegionGroup:
+    def __init__(self, tenant: "Tenant", n_regions: int, capacity: int, label: str = ""):
+        self.tenant = tenant
+        self.backend = tenant.backend
+        self.page_size = tenant.page_size
+        ps = self.page_size
+        self.capacity = -(-capacity // ps) * ps
+        self.n_regions = n_regions
+        self.ranges: list[Range] = []
+        try:
+            for _ in range(n_regions):
+                self.ranges.append(self.backend.reserve(self.capacity))
+            reply, _ = tenant.call(p.CreateGroup(
+                n_regions=n_regions, capacity=self.capacity, label=label,
+                bases=[r.base for r in self.ranges]))
+        except BaseException:
+            for r in self.ranges:
+                self.backend.free_range(r)
+            raise
+        self.id: int = reply.group
+        self.npages: int = reply.npages
+        self.mapped: set[int] = set()
+        self.allocator = None  # an ElasticBlockAllocator registers itself here
+        self._lock = threading.Lock()
+        self.closed = False
+
+    @property
+    def bases(self) -> list[int]:
+        return [r.base for r in self.ranges]
+
+    @property
+    def unit_bytes(self) -> int:
+        """Physical bytes of one unit (one page in every region)."""
+        return self.page_size * self.n_regions
+
+    # ---- grant / release ----------------------------------------------------------------
+    def grant(self, units: Sequence[int], *, in_use: int | None = None,
+              reserve: Sequence[int] | None = None, populate: bool = False) -> None:
+        """Get pages for ``units`` (unmapped) and map them in every region. All or nothing;
+        raises :class:`~kvpool.client_lib.errors.KvpoolError` (``NoMemory``, ...)."""
+        units = sorted(units)
+        if not units:
+            return
+        req = p.Grant(group=self.id, units=units, in_use=in_use,
+                      reserve=None if reserve is None else list(reserve))
+        _, fds = self.tenant.call(req)
+        with fdchannel.closing(fds):
+            try:
+                self._map(units, fds, populate)
+            except BaseException:
+                log.exception("mapping granted units failed; giving them back")
+                self.tenant.call(p.Release(group=self.id, units=units))
+                raise
+        with self._lock:
+            self.mapped.update(units)
+
+    def _map(self, units: list[int], fds: list[int], populate: bool) -> None:
+        backend, ps, nr = self.backend, self.page_size, self.n_regions
+        runs = unit_runs(units)
+        done: list[tuple[Range, int, int]] = []
+        try:
+            for r, rng in enumerate(self.ranges):
+                for first, idx, n in runs:
+                    pages = [backend.import_(fds[(idx + k) * nr + r]) for k in range(n)]
+                    try:
+                        backend.map_pages(rng, first * ps, pages, populate)
+                    finally:
+                        for page in pages:
+                            backend.release(page)
+                    done.append((rng, first * ps, n))
+        except BaseException:
+            for rng, off, n in done:
+                backend.unmap(rng, off, n)
+            raise
+
+    def release(self, units: Sequence[int], *, in_use: int | None = None,
+                reserve: Sequence[int] | None = None) -> None:
+        """Unmap ``units`` in every region, then give their pages back to the daemon."""
+        units = sorted(units)
+        if not units:
+            return
+        with self._lock:
+            missing = [u for u in units if u not in self.mapped]
+            if missing:
+                raise ValueError(f"unit {missing[0]} of group {self.id} is not mapped")
+            self.mapped.difference_update(units)
+        ps = self.page_size
+        for rng in self.ranges:
+            for first, _, n in unit_runs(units):
+                self.backend.unmap(rng, first * ps, n)
+        self.tenant.call(p.Release(group=self.id, units=units, in_use=in_use,
+                                   reserve=None if reserve is None else list(reserve)))
+
+    def report(self, *, in_use: int | None = None, reserve: Sequence[int] | None = None) -> None:
+        self.tenant.call(p.Report(group=self.id, in_use=in_use,
+                                  reserve=None if reserve is None else list(reserve)))
+
+    # ---- views ----------------------------------------------------------------------------
+    def tensor(self, i: int, dtype=None, shape: Sequence[int] | None = None,
+               offset: int = 0, nbytes: int | None = None):
+        """A zero-copy torch tensor over region ``i`` (touch only mapped units!)."""
+        import torch
+
+        from kvpool.client_lib.tensors import tensor_view
+
+        return tensor_view(self.backend, self.ranges[i], dtype or torch.uint8, shape, offset, nbytes)
+
+    def unit_address(self, region: int, unit: int) -> int:
+        return self.ranges[region].base + unit * self.page_size
+
+    # ---- teardown ---------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the allocator, unmap everything, forget the group, free the ranges."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.allocator is not None:
+            self.allocator.stop()
+        with self._lock:
+            units = sorted(self.mapped)
+            self.mapped.clear()
+        ps = self.page_size
+        for rng in self.ranges:
+            for first, _, n in unit_runs(units):
+                self.backend.unmap(rng, first * ps, n)
+        try:
+            if not self.tenant.closed:
+                self.tenant.call(p.DestroyGroup(group=self.id))
+        finally:
+            for rng in self.ranges:
+                self.backend.free_range(rng)
+            self.tenant.groups.pop(self.id, None)

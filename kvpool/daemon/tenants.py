@@ -1,0 +1,90 @@
+"""Tenant records: who holds what, and the knobs arbitration will use.
+
+A tenant is born when a process connects the fd channel (the daemon reads its pid and
+uid there and issues a session token); it is *registered* once a control message with
+that token binds a ZeroMQ identity and a name. It dies on fd-channel EOF, when its pid
+exits, on ``bye``, or when it never registers. Death returns every page it holds.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from dataclasses import dataclass, field
+
+from kvpool.daemon.regions import Group
+
+
+@dataclass(eq=False)
+class Tenant:
+    id: int
+    token: str
+    pid: int
+    uid: int
+    gid: int
+    conn: socket.socket  # fd channel
+    pidfd: int | None = None
+    name: str = ""
+    kind: str = ""
+    identity: bytes | None = None  # ZeroMQ routing id, set at register
+    registered: bool = False
+    min_pages: int = 0  # guaranteed (used by reclaim, a later issue)
+    max_pages: int = 0  # hard limit
+    weight: float = 1.0  # share of contended memory
+    groups: dict[int, Group] = field(default_factory=dict)
+    granted: int = 0  # pages in this tenant's tables (sum over groups)
+    since: float = field(default_factory=time.monotonic)
+
+    @property
+    def in_use_pages(self) -> int:
+        return self.granted - self.reserve_pages
+
+    @property
+    def reserve_pages(self) -> int:
+        return sum(len(g.reserve) * g.n_regions for g in self.groups.values())
+
+    def in_use_bytes(self, page_size: int) -> int:
+        reported = [g.in_use for g in self.groups.values()]
+        if reported and all(r is not None for r in reported):
+            return sum(reported)  # type: ignore[arg-type]
+        return self.in_use_pages * page_size
+
+
+class Tenants:
+    """Indexes over live tenants: by id, by session token, by fd-channel fileno."""
+
+    def __init__(self) -> None:
+        self.by_id: dict[int, Tenant] = {}
+        self.by_token: dict[str, Tenant] = {}
+        self.by_fileno: dict[int, Tenant] = {}
+        self._next_id = 1
+
+    def add(self, **kw) -> Tenant:
+        t = Tenant(id=self._next_id, **kw)
+        self._next_id += 1
+        self.by_id[t.id] = t
+        self.by_token[t.token] = t
+        self.by_fileno[t.conn.fileno()] = t
+        return t
+
+    def remove(self, t: Tenant) -> None:
+        self.by_id.pop(t.id, None)
+        self.by_token.pop(t.token, None)
+        for fd, other in list(self.by_fileno.items()):
+            if other is t:
+                del self.by_fileno[fd]
+
+    def named(self, name: str) -> list[Tenant]:
+        return [t for t in self.by_id.values() if t.name == name]
+
+    def find(self, key: str) -> list[Tenant]:
+        """Tenants whose name is ``key``, or whose id is ``key``."""
+        if key.isdigit() and int(key) in self.by_id:
+            return [self.by_id[int(key)]]
+        return self.named(key)
+
+    def __iter__(self):
+        return iter(list(self.by_id.values()))
+
+    def __len__(self) -> int:
+        return len(self.by_id)

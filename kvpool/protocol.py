@@ -1,0 +1,374 @@
+"""The kvpool wire protocol: every control message as a typed msgspec schema.
+
+Transport (see DESIGN.md "Wire"):
+
+* **control** — ZeroMQ. The daemon binds a ROUTER at ``ipc://$RUN_DIR/control.sock``;
+  each client connects a DEALER and sends one frame per request: a msgpack map that
+  decodes to exactly one :data:`Request` struct (tagged by the ``op`` field). The daemon
+  answers each request with one frame decoding to a :data:`Reply` struct (tagged by
+  ``r``) carrying the request's ``id``. ``id`` 0 is reserved for unsolicited messages
+  from the daemon (:class:`Reclaim`); clients number their requests from 1 and
+  demultiplex replies by id.
+* **fd channel** — a ``SOCK_SEQPACKET`` Unix socket at ``$RUN_DIR/pages.sock``. On
+  accept the daemon sends one :class:`FdHello` (session token, backend, page size);
+  afterwards it only sends page descriptors, each message headed by a :class:`FdHeader`.
+
+Ordering rule for grants: the daemon sends every fd message of a grant on the fd
+channel *before* it sends the :class:`Granted` reply on ZeroMQ. When the client reads
+``Granted(id, nfds)`` the descriptors are already queued on its fd socket, in the order
+of ``units`` x regions (unit-major: unit 0 of region 0, unit 0 of region 1, ...).
+Headers name the request id, so descriptors of a grant the client gave up on are
+recognised and closed.
+
+Every reply carries ``ok``; failures are :class:`Error` with a stable ``code`` from
+:data:`CODES` and a human ``message``. Anything that fails to decode or validate gets an
+``Error(BAD_REQUEST)`` (or ``VERSION``) reply; the daemon never raises on input.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Optional, Union
+
+import msgspec
+from msgspec import Meta, Struct
+
+VERSION = 1
+
+# ---- bounds (validated on decode) ------------------------------------------------
+MAX_FRAME = 1 << 20  # bytes of one control message
+MAX_NAME = 64
+MAX_REGIONS = 4096  # regions per group (layers x K/V of the biggest models, with margin)
+MAX_PAGES_PER_REGION = 1 << 22  # virtual pages of one region (8 TiB at 2 MiB)
+MAX_UNITS = 1 << 16  # units named in one request
+MAX_GROUPS = 256  # live groups per tenant
+MAX_BYTES = 1 << 50  # any byte count
+MAX_ID = (1 << 63) - 1
+
+# ---- error codes (stable: clients and scripts match on them) ---------------------
+BAD_REQUEST = "BAD_REQUEST"  # undecodable, invalid, or inconsistent with the state
+UNAUTHORIZED = "UNAUTHORIZED"  # missing or wrong session token, or not allowed
+NOT_FOUND = "NOT_FOUND"  # no such group / tenant (or not yours)
+OVER_LIMIT = "OVER_LIMIT"  # the grant would take the tenant past its max
+NO_MEMORY = "NO_MEMORY"  # the budget is exhausted
+BUSY = "BUSY"  # try again later (e.g. the fd channel is congested)
+VERSION_MISMATCH = "VERSION"  # protocol versions differ
+INTERNAL = "INTERNAL"  # a daemon bug or a backend failure; the daemon keeps serving
+CODES = frozenset(
+    {BAD_REQUEST, UNAUTHORIZED, NOT_FOUND, OVER_LIMIT, NO_MEMORY, BUSY, VERSION_MISMATCH, INTERNAL}
+)
+
+Id = Annotated[int, Meta(ge=0, le=MAX_ID)]
+Name = Annotated[str, Meta(min_length=1, max_length=MAX_NAME, pattern=r"^[A-Za-z0-9._@:+-]+$")]
+Token = Annotated[str, Meta(max_length=64)]
+Bytes = Annotated[int, Meta(ge=0, le=MAX_BYTES)]
+Unit = Annotated[int, Meta(ge=0, lt=MAX_PAGES_PER_REGION)]
+Units = Annotated[list[Unit], Meta(max_length=MAX_UNITS)]
+Kind = Annotated[str, Meta(pattern=r"^(engine|lease|monitor|admin|test)$")]
+
+
+# ====================================================================== requests
+class Request(Struct, tag_field="op", kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
+    """Base of every request. ``token`` is the session token (empty for monitor ops)."""
+
+    id: Id = 0
+    token: Token = ""
+
+
+class Register(Request, tag="register"):
+    """Bind this ZeroMQ connection to the fd-channel session named by ``token``."""
+
+    name: Name
+    kind: Kind = "engine"
+    device: Annotated[int, Meta(ge=0, le=1024)] = 0
+    version: int = VERSION
+
+
+class CreateGroup(Request, tag="create_group"):
+    """Register ``n_regions`` equal regions of ``capacity`` bytes each (a multiple of the
+    page size) reserved by the client at ``bases`` (informational: shown by ``map``)."""
+
+    n_regions: Annotated[int, Meta(ge=1, le=MAX_REGIONS)]
+    capacity: Annotated[int, Meta(ge=1, le=MAX_BYTES)]
+    bases: Annotated[list[Annotated[int, Meta(ge=0, le=MAX_ID)]], Meta(max_length=MAX_REGIONS)] = []
+    label: Annotated[str, Meta(max_length=MAX_NAME)] = ""
+
+
+class DestroyGroup(Request, tag="destroy_group"):
+    """Forget a group; every unit still granted returns to the pool (unmap first)."""
+
+    group: Id
+
+
+class Grant(Request, tag="grant"):
+    """Back ``units`` (virtual page indices, unmapped in the group) with fresh pages.
+
+    ``in_use``/``reserve`` report the tenant's state *after* this request (bytes in use
+    in the group; units of the group held as mapped-but-unused reserve)."""
+
+    group: Id
+    units: Units
+    in_use: Optional[Bytes] = None
+    reserve: Optional[Units] = None
+
+
+class Release(Request, tag="release"):
+    """Give back ``units`` of the group (the client has unmapped them everywhere)."""
+
+    group: Id
+    units: Units
+    in_use: Optional[Bytes] = None
+    reserve: Optional[Units] = None
+
+
+class Report(Request, tag="report"):
+    """Periodic state report for one group (same meaning as in :class:`Grant`)."""
+
+    group: Id
+    in_use: Optional[Bytes] = None
+    reserve: Optional[Units] = None
+
+
+class Bye(Request, tag="bye"):
+    """End the session: everything the tenant holds returns to the pool."""
+
+
+class Ping(Request, tag="ping"):
+    pass
+
+
+class Ps(Request, tag="ps"):
+    """List tenants (monitor op: no token needed)."""
+
+
+class Stats(Request, tag="stats"):
+    """Pool and tenant totals (monitor op)."""
+
+
+class MapReq(Request, tag="map"):
+    """Page tables of every group (or only ``tenant``'s, by name or id) plus the pool."""
+
+    tenant: Optional[Annotated[str, Meta(max_length=MAX_NAME)]] = None
+    pfns: bool = False
+
+
+class SetLimit(Request, tag="set_limit"):
+    """Set the hard limit (bytes) of every tenant called ``tenant`` (admin op)."""
+
+    tenant: Name
+    max: Bytes
+
+
+class Check(Request, tag="check"):
+    """Run the daemon's invariant check (admin op)."""
+
+
+REQUESTS = (
+    Register, CreateGroup, DestroyGroup, Grant, Release, Report, Bye, Ping,
+    Ps, Stats, MapReq, SetLimit, Check,
+)
+AnyRequest = Union[REQUESTS]  # type: ignore[valid-type]
+MONITOR_OPS = frozenset({"ps", "stats", "map", "ping"})
+ADMIN_OPS = frozenset({"set_limit", "check"})
+
+
+# ====================================================================== replies
+class Reply(Struct, tag_field="r", kw_only=True, omit_defaults=True):
+    """Base of every reply. ``id`` echoes the request (0: unsolicited)."""
+
+    id: int = 0
+    ok: bool = True
+
+
+class Error(Reply, tag="error"):
+    ok: bool = False
+    code: str = INTERNAL
+    message: str = ""
+
+
+class Registered(Reply, tag="registered"):
+    tenant: int
+    name: str
+    backend: str
+    device: int
+    page_size: int
+    budget: int
+    limit: int
+
+
+class GroupCreated(Reply, tag="group"):
+    group: int
+    npages: int
+
+
+class Granted(Reply, tag="granted"):
+    group: int
+    units: list[int]
+    nfds: int
+
+
+class Done(Reply, tag="done"):
+    pass
+
+
+class TenantInfo(Struct, kw_only=True):
+    id: int
+    name: str
+    kind: str
+    pid: int
+    uid: int
+    registered: bool
+    groups: int
+    mapped: int  # bytes granted (pages x page size)
+    in_use: int  # bytes the client reports in use
+    reserve: int  # bytes mapped but idle (client's reserve)
+    min: int
+    max: int
+    weight: float
+
+
+class PoolInfo(Struct, kw_only=True):
+    backend: str
+    device: int
+    page_size: int
+    budget: int  # bytes the daemon may hold in total
+    granted: int  # bytes in tenants' page tables
+    warm: int  # bytes of zeroed pages ready to grant
+    dirty: int  # bytes released but not yet zeroed
+    free: int  # budget - granted - warm - dirty
+    created: int  # pages created since start
+    warm_min: int
+    warm_max: int
+
+
+class GroupInfo(Struct, kw_only=True):
+    id: int
+    tenant: int
+    tenant_name: str
+    label: str
+    n_regions: int
+    npages: int
+    bases: list[int]
+    table: str  # one char per virtual page: '#' in use, '+' mapped reserve, '.' unmapped
+    pfns: Optional[dict[int, list[int]]] = None  # unit -> pfn per region (on request)
+
+
+class PsReply(Reply, tag="ps"):
+    tenants: list[TenantInfo]
+
+
+class StatsReply(Reply, tag="stats"):
+    pool: PoolInfo
+    tenants: list[TenantInfo]
+    uptime_s: float
+    requests: int
+    errors: int
+
+
+class MapReply(Reply, tag="map"):
+    pool: PoolInfo
+    groups: list[GroupInfo]
+
+
+class CheckReply(Reply, tag="check"):
+    problems: list[str]
+
+
+class Reclaim(Reply, tag="reclaim"):
+    """Unsolicited (``id`` 0): the daemon asks the tenant to give back ``bytes``."""
+
+    bytes: int
+    reason: str = ""
+
+
+REPLIES = (
+    Error, Registered, GroupCreated, Granted, Done, PsReply, StatsReply, MapReply,
+    CheckReply, Reclaim,
+)
+AnyReply = Union[REPLIES]  # type: ignore[valid-type]
+
+
+# ====================================================================== fd channel
+class FdHello(Struct, array_like=True):
+    """First message on a new fd-channel connection (no descriptors)."""
+
+    version: int
+    token: str
+    backend: str
+    device: int
+    page_size: int
+
+
+class FdHeader(Struct, array_like=True):
+    """Heads each descriptor message of a grant: ``first`` is the index of this
+    message's first fd among the grant's ``total``."""
+
+    id: int
+    total: int
+    first: int
+
+
+# ====================================================================== codecs
+_encoder = msgspec.msgpack.Encoder()
+_request_decoder = msgspec.msgpack.Decoder(AnyRequest)
+_reply_decoder = msgspec.msgpack.Decoder(AnyReply)
+_hello_decoder = msgspec.msgpack.Decoder(FdHello)
+_header_decoder = msgspec.msgpack.Decoder(FdHeader)
+_loose_decoder = msgspec.msgpack.Decoder()
+
+encode = _encoder.encode
+
+
+class DecodeError(ValueError):
+    """A frame that is not a valid message; ``id`` is the request id when recoverable."""
+
+    def __init__(self, message: str, id: int = 0, code: str = BAD_REQUEST):
+        super().__init__(message)
+        self.id = id
+        self.code = code
+
+
+def _salvage_id(frame: bytes) -> int:
+    """The ``id`` of an invalid request, when the frame is at least a map with an int id."""
+    try:
+        obj = _loose_decoder.decode(frame)
+    except Exception:
+        return 0
+    if isinstance(obj, dict):
+        value = obj.get("id")
+        if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_ID:
+            return value
+    return 0
+
+
+def decode_request(frame: bytes) -> Request:
+    """Decode and validate one request frame; raises :class:`DecodeError` only."""
+    if len(frame) > MAX_FRAME:
+        raise DecodeError(f"message of {len(frame)} bytes exceeds {MAX_FRAME}", _salvage_id(frame[:4096]))
+    try:
+        return _request_decoder.decode(frame)
+    except msgspec.DecodeError as e:  # ValidationError is a subclass
+        raise DecodeError(f"invalid request: {e}", _salvage_id(frame)) from None
+    except Exception as e:  # defensive: msgspec raises only DecodeError, but never crash
+        raise DecodeError(f"invalid request: {type(e).__name__}: {e}", 0) from None
+
+
+def decode_reply(frame: bytes) -> Reply:
+    return _reply_decoder.decode(frame)
+
+
+def decode_hello(data: bytes) -> FdHello:
+    return _hello_decoder.decode(data)
+
+
+def decode_header(data: bytes) -> FdHeader:
+    return _header_decoder.decode(data)
+
+
+def error(id: int, code: str, message: str) -> Error:
+    assert code in CODES, code
+    return Error(id=id, code=code, message=message)
+
+
+def to_builtins(obj: Any) -> Any:
+    """Plain dicts/lists for JSON output (CLI ``--json``)."""
+    return msgspec.to_builtins(obj)
