@@ -1,9 +1,115 @@
-"""Commands registered on the ``kvpool`` group (filled in by their owners)."""
+"""Engine commands: ``kvpool serve``, ``kvpool generate``, ``kvpool make-model``.
+
+torch and the engine are imported inside the commands so ``kvpool --help`` stays fast.
+"""
 
 from __future__ import annotations
+
+import os
+import sys
 
 import click
 
 
+def _enable_elastic(engine_config: object) -> None:
+    """``--elastic`` / KVPOOL_ENABLE=1: hand the config to the adapter, which installs its
+    block pool and KV storage factories."""
+    try:
+        from kvpool.engine_adapters import bundled  # type: ignore[attr-defined]
+    except ImportError:
+        raise click.ClickException(
+            "elastic mode needs kvpool.engine_adapters.bundled (not installed yet)") from None
+    bundled.enable(engine_config)
+
+
 def register(cli: click.Group) -> None:
-    pass
+    @cli.command()
+    @click.argument("model_dir", type=click.Path(exists=True, file_okay=False))
+    @click.option("--host", default="127.0.0.1", show_default=True)
+    @click.option("--port", default=8000, show_default=True, type=int)
+    @click.option("--kv-cache-size", default=None, help="KV cache bytes, e.g. 512MiB "
+                  "[default: 256MiB]")
+    @click.option("--num-kv-blocks", default=None, type=int, help="overrides --kv-cache-size")
+    @click.option("--block-size", default=16, show_default=True, type=int)
+    @click.option("--kv-layout", type=click.Choice(["block_major", "per_layer"]),
+                  default="block_major", show_default=True)
+    @click.option("--max-num-batched-tokens", default=512, show_default=True, type=int)
+    @click.option("--max-num-seqs", default=64, show_default=True, type=int)
+    @click.option("--max-model-len", default=None, type=int)
+    @click.option("--served-model-name", default=None, help="[default: the folder name]")
+    @click.option("--device", default="auto", show_default=True)
+    @click.option("--dtype", default="auto", show_default=True)
+    @click.option("--no-prefix-caching", is_flag=True)
+    @click.option("--elastic", is_flag=True, help="share KV memory through the kvpool daemon "
+                  "(also KVPOOL_ENABLE=1)")
+    @click.option("--log-level", default="info", show_default=True)
+    def serve(model_dir: str, host: str, port: int, kv_cache_size: str | None,
+              num_kv_blocks: int | None, block_size: int, kv_layout: str,
+              max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int | None,
+              served_model_name: str | None, device: str, dtype: str,
+              no_prefix_caching: bool, elastic: bool, log_level: str) -> None:
+        """Serve MODEL_DIR with an OpenAI-compatible HTTP API."""
+        from kvpool.engine.config import EngineConfig
+        from kvpool.engine.errors import CheckpointError
+        from kvpool.engine.server import serve as run_server
+
+        try:
+            config = EngineConfig(
+                model=model_dir, device=device, dtype=dtype, block_size=block_size,
+                kv_cache_size=kv_cache_size, num_kv_blocks=num_kv_blocks,
+                kv_layout=kv_layout,  # type: ignore[arg-type]
+                max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                max_model_len=max_model_len, served_model_name=served_model_name,
+                enable_prefix_caching=not no_prefix_caching)
+        except (AssertionError, ValueError) as e:
+            raise click.BadParameter(str(e)) from None
+        if elastic or os.environ.get("KVPOOL_ENABLE") == "1":
+            _enable_elastic(config)
+        try:
+            run_server(config, host=host, port=port, log_level=log_level)
+        except CheckpointError as e:
+            raise click.ClickException(str(e)) from None
+
+    @cli.command()
+    @click.argument("model_dir", type=click.Path(exists=True, file_okay=False))
+    @click.argument("prompts", nargs=-1, required=True)
+    @click.option("--max-tokens", default=32, show_default=True, type=int)
+    @click.option("--temperature", default=0.0, show_default=True, type=float)
+    @click.option("--seed", default=None, type=int)
+    def generate(model_dir: str, prompts: tuple[str, ...], max_tokens: int,
+                 temperature: float, seed: int | None) -> None:
+        """Generate completions for PROMPTS offline and print them."""
+        from kvpool.engine import LLM, SamplingParams
+
+        llm = LLM(model_dir, num_kv_blocks=max(64, 4 * len(prompts) * (max_tokens // 16 + 8)))
+        outs = llm.generate(list(prompts), SamplingParams(
+            max_tokens=max_tokens, temperature=temperature, seed=seed))
+        for p, o in zip(prompts, outs):
+            click.echo(f"{p!r} -> {o.text!r} ({o.finish_reason})")
+
+    @cli.command("make-model")
+    @click.argument("model_dir", type=click.Path(file_okay=False))
+    @click.option("--layers", default=2, show_default=True, type=int)
+    @click.option("--hidden", default=128, show_default=True, type=int)
+    @click.option("--heads", default=4, show_default=True, type=int)
+    @click.option("--kv-heads", default=2, show_default=True, type=int)
+    @click.option("--intermediate", default=None, type=int, help="[default: 2 * hidden]")
+    @click.option("--vocab", default=512, show_default=True, type=int)
+    @click.option("--arch", type=click.Choice(["llama", "qwen2", "qwen3"]), default="llama",
+                  show_default=True)
+    @click.option("--max-position-embeddings", default=2048, show_default=True, type=int)
+    @click.option("--seed", default=0, show_default=True, type=int)
+    def make_model(model_dir: str, layers: int, hidden: int, heads: int, kv_heads: int,
+                   intermediate: int | None, vocab: int, arch: str,
+                   max_position_embeddings: int, seed: int) -> None:
+        """Write a tiny random-weight Llama-family checkpoint (with tokenizer) to MODEL_DIR."""
+        from kvpool.engine.tiny import make_tiny_model
+
+        if hidden % heads or heads % kv_heads:
+            raise click.BadParameter("hidden must divide by heads, heads by kv-heads")
+        path = make_tiny_model(model_dir, layers=layers, hidden=hidden, heads=heads,
+                               kv_heads=kv_heads, intermediate=intermediate, vocab=vocab,
+                               arch=arch, seed=seed,  # type: ignore[arg-type]
+                               max_position_embeddings=max_position_embeddings)
+        click.echo(f"wrote {arch} model ({layers} layers, hidden {hidden}) to {path}",
+                   file=sys.stdout)

@@ -9,12 +9,13 @@ from typing import Any
 
 from kvpool.engine.errors import CheckpointError
 
-# model_type -> (q/k/v bias default, o_proj follows attention_bias, has q/k norm)
+# model_type -> (q/k/v always biased, has q/k norm). Llama/Mistral/Qwen3 put
+# ``attention_bias`` on q/k/v/o; Qwen2 always biases q/k/v and never o, whatever the config.
 _ARCHS = {
-    "llama": (False, True, False),
-    "mistral": (False, True, False),
-    "qwen2": (True, False, False),
-    "qwen3": (False, True, True),
+    "llama": (False, False),
+    "mistral": (False, False),
+    "qwen2": (True, False),
+    "qwen3": (False, True),
 }
 
 
@@ -52,8 +53,8 @@ class ModelConfig:
                                "num_hidden_layers", "num_attention_heads") if k not in d]
         if missing:
             raise CheckpointError(f"config.json lacks required key(s): {', '.join(missing)}")
-        qkv_bias_default, o_follows, qk_norm = _ARCHS[mt]
-        attention_bias = bool(d.get("attention_bias", qkv_bias_default))
+        qwen2_bias, qk_norm = _ARCHS[mt]
+        attention_bias = bool(d.get("attention_bias", False))
         heads = int(d["num_attention_heads"])
         head_dim = d.get("head_dim") or int(d["hidden_size"]) // heads
         theta, scaling = _read_rope(d)
@@ -71,8 +72,8 @@ class ModelConfig:
             max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
             rope_theta=theta,
             rope_scaling=scaling,
-            qkv_bias=attention_bias,
-            o_bias=attention_bias if o_follows else False,
+            qkv_bias=qwen2_bias or attention_bias,
+            o_bias=attention_bias and not qwen2_bias,
             mlp_bias=bool(d.get("mlp_bias", False)),
             qk_norm=qk_norm,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),

@@ -1,0 +1,149 @@
+"""AsyncEngine: runs an Engine's step loop in one background thread for asyncio callers.
+
+HTTP handlers never touch the Engine: they put commands on a thread-safe queue and read
+their request's outputs from an ``asyncio.Queue`` that the step thread feeds through
+``loop.call_soon_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from kvpool.engine.engine import Engine
+from kvpool.engine.request import RequestOutput
+from kvpool.engine.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    out: asyncio.Queue[RequestOutput | BaseException]
+    arrival_time: float
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._inbox: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._streams: dict[str, _Add] = {}
+        self._lock = threading.Lock()  # guards engine state read by stats()
+        self._thread = threading.Thread(target=self._run, name="kvpool-engine", daemon=True)
+        self._stop = threading.Event()
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._inbox.put(None)
+        self._thread.join(timeout=10)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    async def generate(self, request_id: str, prompt: list[int], params: SamplingParams
+                       ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs until it finishes; aborts it if the consumer stops
+        early (client disconnect). Raises the engine's RequestError/exception if any."""
+        q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._inbox.put(_Add(request_id, prompt, params, asyncio.get_running_loop(), q,
+                             time.perf_counter()))
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self._inbox.put(_Abort(request_id))
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return self.engine.stats()
+
+    # --- the step thread ------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for cmd in self._drain(block=not self.engine.has_unfinished()):
+                self._handle(cmd)
+            if self._stop.is_set():
+                break
+            if not self.engine.has_unfinished():
+                continue
+            steps = self.engine.counters["steps"]
+            try:
+                with self._lock:
+                    outputs = self.engine.step()
+            except Exception as e:  # keep serving: fail the requests in flight
+                log.exception("engine step failed")
+                self.error = e
+                self._fail_all(e)
+                continue
+            if self.engine.counters["steps"] == steps:
+                time.sleep(0.001)  # nothing schedulable (e.g. memory short): do not spin
+            for out in outputs:
+                self._deliver(out)
+
+    def _drain(self, block: bool) -> list[_Add | _Abort]:
+        """Every queued command; waits for one first when the engine is idle."""
+        cmds = [self._inbox.get()] if block else []
+        while True:
+            try:
+                cmds.append(self._inbox.get_nowait())
+            except queue.Empty:
+                return [c for c in cmds if c is not None]  # None only wakes us up
+
+    def _handle(self, cmd: _Add | _Abort) -> None:
+        if isinstance(cmd, _Add):
+            try:
+                with self._lock:
+                    self.engine.add_request(cmd.prompt, cmd.params, cmd.request_id,
+                                            cmd.arrival_time)
+            except Exception as e:
+                cmd.loop.call_soon_threadsafe(cmd.out.put_nowait, e)
+                return
+            self._streams[cmd.request_id] = cmd
+        else:
+            self._streams.pop(cmd.request_id, None)
+            with self._lock:
+                self.engine.abort(cmd.request_id)
+
+    def _deliver(self, out: RequestOutput) -> None:
+        s = self._streams.get(out.request_id)
+        if s is None:
+            return
+        if out.finished:
+            del self._streams[out.request_id]
+        s.loop.call_soon_threadsafe(s.out.put_nowait, out)
+
+    def _fail_all(self, e: BaseException) -> None:
+        for rid, s in list(self._streams.items()):
+            with self._lock:
+                self.engine.abort(rid)
+            s.loop.call_soon_threadsafe(s.out.put_nowait, RuntimeError(f"engine error: {e}"))
+        self._streams.clear()

@@ -1,0 +1,274 @@
+"""OpenAI-compatible HTTP server over an AsyncEngine (FastAPI).
+
+Routes: POST /v1/completions, POST /v1/chat/completions (both stream with SSE when
+``stream`` is true), GET /v1/models, GET /health, GET /metrics and GET /v1/stats (JSON
+engine statistics). Every response's ``usage`` carries ``ttft_s`` and ``tpot_s`` (seconds)
+and ``num_preemptions`` besides the token counts. Errors use OpenAI's
+``{"error": {"message", "type", "code"}}`` shape with a 4xx status.
+
+Extensions accepted in request bodies (as in vLLM): ``top_k``, ``stop_token_ids``,
+``ignore_eos``. Chat prompts use ChatML (see :mod:`kvpool.engine.tokenizer`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict
+
+from kvpool.engine.async_engine import AsyncEngine
+from kvpool.engine.errors import RequestError
+from kvpool.engine.request import RequestOutput
+from kvpool.engine.sampling import SamplingParams
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="allow")  # unknown OpenAI fields are ignored
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    n: int = 1
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[int] | list[str] | list[list[int]]
+
+
+class ChatRequest(_Common):
+    messages: list[dict[str, Any]]
+    max_completion_tokens: int | None = None
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, code: str = "invalid_request") -> None:
+        super().__init__(message)
+        self.status, self.message, self.code = status, message, code
+
+
+def _error(status: int, message: str, code: str) -> JSONResponse:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return JSONResponse({"error": {"message": message, "type": kind, "code": code}}, status)
+
+
+def create_app(aengine: AsyncEngine) -> FastAPI:
+    engine = aengine.engine
+    name = engine.served_model_name
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if not aengine.alive:
+            aengine.start()
+        yield
+        aengine.stop()
+
+    app = FastAPI(title="kvpool engine", lifespan=lifespan)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, e: APIError) -> JSONResponse:
+        return _error(e.status, e.message, e.code)
+
+    @app.exception_handler(RequestError)
+    async def _request_error(_: Request, e: RequestError) -> JSONResponse:
+        return _error(400, str(e), "invalid_request")
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+        msgs = "; ".join(f"{'.'.join(str(x) for x in err.get('loc', ()))}: {err.get('msg')}"
+                         for err in e.errors())
+        return _error(400, f"invalid request body: {msgs}", "invalid_request")
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if not aengine.alive:
+            return _error(503, "engine thread is not running", "engine_dead")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{
+            "id": name, "object": "model", "created": int(time.time()), "owned_by": "kvpool",
+            "max_model_len": engine.max_model_len}]}
+
+    @app.get("/metrics")
+    @app.get("/v1/stats")
+    async def stats() -> dict[str, Any]:
+        return aengine.stats()
+
+    def check(body: _Common, max_tokens: int | None) -> None:
+        if body.model is not None and body.model != name:
+            raise APIError(404, f"model {body.model!r} not found; this server serves "
+                           f"{name!r}", "model_not_found")
+        if body.n != 1:
+            raise APIError(400, "only n=1 is supported")
+        if max_tokens is not None and max_tokens < 1:
+            raise APIError(400, f"max_tokens must be >= 1, got {max_tokens}")
+
+    def params(body: _Common, prompt: list[int], max_tokens: int | None,
+               extra_stop_ids: list[int] = ()) -> SamplingParams:  # type: ignore[assignment]
+        if len(prompt) >= engine.max_model_len:
+            raise APIError(400, f"prompt has {len(prompt)} tokens; the context holds "
+                           f"{engine.max_model_len} (max_model_len), including the output",
+                           "context_length_exceeded")
+        room = engine.max_model_len - len(prompt)
+        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        return SamplingParams(
+            max_tokens=min(max_tokens or room, room), temperature=body.temperature,
+            top_p=body.top_p, top_k=body.top_k, seed=body.seed, stop=stop,
+            stop_token_ids=[*(body.stop_token_ids or []), *extra_stop_ids],
+            ignore_eos=body.ignore_eos)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest) -> Any:
+        check(body, body.max_tokens)
+        prompts = _prompt_list(body.prompt)
+        ids = [engine.encode(p) for p in prompts]
+        sps = [params(body, p, body.max_tokens if body.max_tokens is not None else 16)
+               for p in ids]
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        if body.stream:
+            if len(ids) != 1:
+                raise APIError(400, "streaming supports a single prompt")
+            return _sse(_stream_completion(aengine, rid, name, ids[0], sps[0],
+                                           _include_usage(body)))
+        outs = await asyncio.gather(*(_final(aengine, f"{rid}-{i}", p, sp)
+                                      for i, (p, sp) in enumerate(zip(ids, sps))))
+        return {"id": rid, "object": "text_completion", "created": int(time.time()),
+                "model": name,
+                "choices": [{"index": i, "text": o.text, "finish_reason": o.finish_reason,
+                             "logprobs": None} for i, o in enumerate(outs)],
+                "usage": _usage(outs)}
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest) -> Any:
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        check(body, max_tokens)
+        if not body.messages:
+            raise APIError(400, "messages must not be empty")
+        tok = engine.tokenizer
+        if tok is None:
+            raise APIError(400, "this model has no tokenizer.json; chat needs one")
+        text = tok.apply_chat_template(body.messages)
+        ids = tok.encode(text)
+        sp = params(body, ids, max_tokens, [tok.im_end_id] if tok.im_end_id is not None else [])
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        if body.stream:
+            return _sse(_stream_chat(aengine, rid, name, ids, sp, _include_usage(body)))
+        out = await _final(aengine, rid, ids, sp)
+        return {"id": rid, "object": "chat.completion", "created": int(time.time()),
+                "model": name,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text},
+                             "finish_reason": out.finish_reason, "logprobs": None}],
+                "usage": _usage([out])}
+
+    return app
+
+
+def _prompt_list(prompt: Any) -> list[str | list[int]]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise APIError(400, "prompt must not be empty")
+    if all(isinstance(t, int) for t in prompt):
+        return [prompt]
+    return list(prompt)
+
+
+def _include_usage(body: _Common) -> bool:
+    return bool((body.stream_options or {}).get("include_usage"))
+
+
+async def _final(aengine: AsyncEngine, rid: str, ids: list[int], sp: SamplingParams
+                 ) -> RequestOutput:
+    out = None
+    async for out in aengine.generate(rid, ids, sp):
+        pass
+    assert out is not None and out.finished
+    return out
+
+
+def _usage(outs: list[RequestOutput]) -> dict[str, Any]:
+    p = sum(len(o.prompt_token_ids) for o in outs)
+    c = sum(len(o.output_token_ids) for o in outs)
+    ttfts = [o.ttft for o in outs if o.ttft is not None]
+    tpots = [o.tpot for o in outs if o.tpot is not None]
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+            "ttft_s": max(ttfts) if ttfts else None,
+            "tpot_s": sum(tpots) / len(tpots) if tpots else None,
+            "num_preemptions": sum(o.num_preemptions for o in outs)}
+
+
+def _sse(chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
+    async def body() -> AsyncIterator[str]:
+        try:
+            async for c in chunks:
+                yield f"data: {json.dumps(c)}\n\n"
+        except Exception as e:  # an error after the headers went out: report it in-band
+            yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'server_error'}})}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream")
+
+
+async def _stream_completion(aengine: AsyncEngine, rid: str, name: str, ids: list[int],
+                             sp: SamplingParams, include_usage: bool
+                             ) -> AsyncIterator[dict[str, Any]]:
+    created, sent = int(time.time()), 0
+    async for out in aengine.generate(rid, ids, sp):
+        delta, sent = out.text[sent:], len(out.text)
+        if delta or out.finished:
+            yield {"id": rid, "object": "text_completion", "created": created, "model": name,
+                   "choices": [{"index": 0, "text": delta, "logprobs": None,
+                                "finish_reason": out.finish_reason}]}
+        if out.finished and include_usage:
+            yield {"id": rid, "object": "text_completion", "created": created, "model": name,
+                   "choices": [], "usage": _usage([out])}
+
+
+async def _stream_chat(aengine: AsyncEngine, rid: str, name: str, ids: list[int],
+                       sp: SamplingParams, include_usage: bool) -> AsyncIterator[dict[str, Any]]:
+    created, sent = int(time.time()), 0
+
+    def chunk(delta: dict[str, Any], finish: str | None) -> dict[str, Any]:
+        return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": name,
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish,
+                             "logprobs": None}]}
+
+    yield chunk({"role": "assistant", "content": ""}, None)
+    async for out in aengine.generate(rid, ids, sp):
+        delta, sent = out.text[sent:], len(out.text)
+        if delta:
+            yield chunk({"content": delta}, None)
+        if out.finished:
+            yield chunk({}, out.finish_reason)
+            if include_usage:
+                yield {"id": rid, "object": "chat.completion.chunk", "created": created,
+                       "model": name, "choices": [], "usage": _usage([out])}
+
+
+def serve(engine_config: Any, host: str = "127.0.0.1", port: int = 8000,
+          log_level: str = "info") -> None:
+    """Load the model, start the step thread and serve until interrupted."""
+    import uvicorn
+
+    from kvpool.engine.engine import Engine
+
+    aengine = AsyncEngine(Engine(engine_config))
+    uvicorn.run(create_app(aengine), host=host, port=port, log_level=log_level)

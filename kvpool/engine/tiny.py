@@ -1,0 +1,143 @@
+"""Tiny random-weight Llama-family checkpoints with a trained ByteLevel BPE tokenizer.
+
+Written with safetensors + tokenizers only (no transformers), in the Hugging Face layout,
+so tests, demos and benchmarks run offline. ``initializer_range`` 0.2 (not the usual
+0.02) keeps greedy outputs varied instead of collapsing onto a few tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+import torch
+from safetensors.torch import save_file
+
+EOS, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+
+CORPUS = """\
+The quick brown fox jumps over the lazy dog. A small engine keeps its memory in blocks,
+and every block holds the keys and values of a few tokens for every layer of the model.
+When a request arrives, the scheduler looks for blocks that already hold the same prefix,
+reuses them, and computes only what is new. When memory runs short, the newest request
+steps back, frees its blocks, and starts again later; no request is lost.
+Once upon a time there was a little cat who lived in a house by the river. Every morning
+the cat walked to the water, looked at the fish, and went home again for breakfast.
+One day the river was quiet and the sky was grey. The cat sat on a stone and waited.
+A bird came and sang a song about the sea, the hills, the wind and the rain.
+The weather today is sunny with a light breeze from the west. Tomorrow will bring clouds
+in the morning and showers in the afternoon, with temperatures falling in the evening.
+Please write a short story about a robot who learns to paint. The robot painted the sun,
+the moon and the stars, and then it painted the people of the town, one by one.
+Question: What is the capital of France? Answer: The capital of France is Paris.
+Question: How many days are in a week? Answer: There are seven days in a week.
+Question: What color is the sky on a clear day? Answer: The sky is blue.
+Hello! How are you today? I am fine, thank you. What would you like to talk about?
+Let me explain how memory sharing works. Several servers run on one machine, and each of
+them reserves a large range of addresses but backs it with real pages only while it needs
+them. A daemon owns the pages, hands them out on demand, and takes them back later.
+Numbers: one, two, three, four, five, six, seven, eight, nine, ten, eleven, twelve.
+Colors: red, orange, yellow, green, blue, indigo, violet, black, white, brown, pink.
+Animals: cat, dog, horse, cow, sheep, goat, bird, fish, mouse, rabbit, lion, tiger.
+def add(a, b):
+    return a + b
+
+for i in range(10):
+    print(i, add(i, i))
+"""
+
+
+def train_tokenizer(vocab_size: int, corpus: str = CORPUS):
+    """A ByteLevel BPE (GPT-2 style) over ``corpus`` with <|endoftext|> and ChatML tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=[EOS, IM_START, IM_END], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    lines = corpus.splitlines()
+    tok.train_from_iterator(lines * 4, trainer)
+    return tok
+
+
+def make_tiny_model(path: str | Path, *, layers: int = 2, hidden: int = 128,
+                    heads: int = 4, kv_heads: int = 2, head_dim: int | None = None,
+                    intermediate: int | None = None, vocab: int = 512,
+                    arch: Literal["llama", "qwen2", "qwen3"] = "llama", seed: int = 0,
+                    max_position_embeddings: int = 2048, initializer_range: float = 0.2,
+                    tie_word_embeddings: bool | None = None) -> Path:
+    """Write config.json, generation_config.json, model.safetensors, tokenizer.json and
+    tokenizer_config.json into ``path`` (created); returns the path.
+
+    ``arch`` qwen2 adds q/k/v biases; qwen3 adds q/k RMSNorm and ties the embeddings
+    (``lm_head.weight`` is then absent from the file, as in real Qwen3 small models).
+    """
+    if arch not in ("llama", "qwen2", "qwen3"):
+        raise ValueError(f"arch must be llama, qwen2 or qwen3, not {arch!r}")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tok = train_tokenizer(vocab)
+    assert tok.get_vocab_size() <= vocab
+    tok.save(str(path / "tokenizer.json"))
+    eos_id = tok.token_to_id(EOS)
+    head_dim = head_dim or hidden // heads
+    intermediate = intermediate or 2 * hidden
+    tie = (arch == "qwen3") if tie_word_embeddings is None else tie_word_embeddings
+    config = {
+        "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                           "qwen3": "Qwen3ForCausalLM"}[arch]],
+        "model_type": arch, "vocab_size": vocab, "hidden_size": hidden,
+        "intermediate_size": intermediate, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
+        "hidden_act": "silu", "rms_norm_eps": 1e-6,
+        "max_position_embeddings": max_position_embeddings,
+        "rope_theta": 10000.0,  # transformers 4.x form; 5.x reads it too
+        "attention_bias": False, "tie_word_embeddings": tie, "initializer_range":
+        initializer_range, "bos_token_id": eos_id, "eos_token_id": eos_id, "dtype": "float32",
+        "torch_dtype": "float32",
+    }
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (path / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": eos_id, "eos_token_id": eos_id}, indent=2) + "\n")
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS, "bos_token": EOS,
+         "model_max_length": max_position_embeddings}, indent=2) + "\n")
+    save_file(_random_weights(config, seed, arch), str(path / "model.safetensors"),
+              metadata={"format": "pt"})
+    return path
+
+
+def _random_weights(c: dict, seed: int, arch: str) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    std = c["initializer_range"]
+    h, hd, inter = c["hidden_size"], c["head_dim"], c["intermediate_size"]
+    q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
+
+    def normal(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * std
+
+    w = {"model.embed_tokens.weight": normal(c["vocab_size"], h),
+         "model.norm.weight": torch.ones(h)}
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        w |= {p + "self_attn.q_proj.weight": normal(q, h),
+              p + "self_attn.k_proj.weight": normal(kv, h),
+              p + "self_attn.v_proj.weight": normal(kv, h),
+              p + "self_attn.o_proj.weight": normal(h, q),
+              p + "mlp.gate_proj.weight": normal(inter, h),
+              p + "mlp.up_proj.weight": normal(inter, h),
+              p + "mlp.down_proj.weight": normal(h, inter),
+              p + "input_layernorm.weight": torch.ones(h),
+              p + "post_attention_layernorm.weight": torch.ones(h)}
+        if arch == "qwen2":
+            w |= {p + "self_attn.q_proj.bias": normal(q), p + "self_attn.k_proj.bias": normal(kv),
+                  p + "self_attn.v_proj.bias": normal(kv)}
+        if arch == "qwen3":
+            w |= {p + "self_attn.q_norm.weight": torch.ones(hd),
+                  p + "self_attn.k_norm.weight": torch.ones(hd)}
+    if not c["tie_word_embeddings"]:
+        w["lm_head.weight"] = normal(c["vocab_size"], h)
+    return {k: v.contiguous() for k, v in w.items()}
