@@ -254,6 +254,7 @@ class GroupInfo(Struct, kw_only=True):
 
 class PsReply(Reply, tag="ps"):
     tenants: list[TenantInfo]
+    pool: Optional[PoolInfo] = None
 
 
 class StatsReply(Reply, tag="stats"):

@@ -127,7 +127,7 @@ def ps(run_dir, as_json):
     """List tenants: name, pid, kind, mapped, in use, reserve, limit."""
     reply = _call(run_dir, lambda m: m.ps())
     if as_json:
-        _json(reply.tenants)
+        _json({"tenants": reply.tenants, "pool": reply.pool})
         return
     from rich.console import Console
     from rich.table import Table

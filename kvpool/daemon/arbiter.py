@@ -253,7 +253,8 @@ class Arbiter:
         )
 
     def ps(self, t, identity, r: p.Ps) -> p.Reply:
-        return p.PsReply(id=r.id, tenants=[self.tenant_info(x) for x in self.tenants])
+        return p.PsReply(id=r.id, tenants=[self.tenant_info(x) for x in self.tenants],
+                         pool=self.pool_info())
 
     def stats(self, t, identity, r: p.Stats) -> p.Reply:
         return p.StatsReply(

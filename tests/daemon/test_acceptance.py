@@ -1,0 +1,199 @@
+"""Issue 3 acceptance: a real daemon process, real tenant processes, host backend."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+import torch
+
+from kvpool.client_lib import ElasticBlockAllocator
+from .helpers import PAGE, read_event
+
+
+def test_two_tenants_share_the_budget_and_limits_hold(start_daemon):
+    budget_pages = 96
+    d = start_daemon(budget=str(budget_pages * PAGE))
+    budget = budget_pages * PAGE
+    d.cli("limit", "A", "2MiB")
+    common = ["--seconds", "3", "--max-blocks", "200", "--regions", "2", "--block", str(16 << 10)]
+    a = d.worker("churn", "--name", "A", "--seed", "1", "--probe-over-limit", *common)
+    b = d.worker("churn", "--name", "B", "--seed", "2", *common)
+    read_event(a, "ready")
+    read_event(b, "ready")
+
+    samples = 0
+    peak = 0
+    stop = time.monotonic() + 2.5
+    with d.monitor() as m:
+        while time.monotonic() < stop:
+            s = m.stats()
+            mapped = {t.name: t.mapped for t in s.tenants}
+            assert s.pool.granted <= budget
+            assert sum(mapped.values()) == s.pool.granted <= budget
+            assert mapped.get("A", 0) <= 2 << 20
+            peak = max(peak, s.pool.granted)
+            samples += 1
+            time.sleep(0.01)
+    done_a = read_event(a, "done")
+    done_b = read_event(b, "done")
+    assert a.wait(20) == 0 and b.wait(20) == 0
+    assert samples > 20
+    assert done_a["over_limit"] == 1, done_a  # A was refused past its limit...
+    assert done_b["ok"] > 50 and done_a["ok"] > 50  # ...while both kept allocating
+    assert peak > budget // 2  # they really competed for memory
+    assert d.check() == []
+    s = d.stats()
+    assert s.pool.granted == 0 and not s.tenants
+
+
+def test_kill9_returns_pages_within_a_second_and_next_tenant_reads_zeros(start_daemon):
+    d = start_daemon(budget=str(32 * PAGE))
+    w = d.worker("hold", "--name", "victim", "--regions", "2", "--units", "16",
+                 "--capacity", str(16 * PAGE), "--fill", "0xAB")
+    ready = read_event(w, "ready")
+    ps = d.cli_json("ps")
+    (victim,) = [t for t in ps["tenants"] if t["pid"] == ready["pid"]]
+    assert victim["mapped"] == 32 * PAGE and ps["pool"]["granted"] == 32 * PAGE
+
+    os.kill(ready["pid"], signal.SIGKILL)
+    killed = time.monotonic()
+    with d.monitor() as m:
+        while True:
+            ps_now = m.ps()
+            if not ps_now.tenants and ps_now.pool.granted == 0:
+                break
+            assert time.monotonic() - killed < 1.0, f"pages not back within 1 s: {ps_now}"
+            time.sleep(0.01)
+    ps = d.cli_json("ps")
+    assert ps["tenants"] == [] and ps["pool"]["granted"] == 0
+    assert ps["pool"]["warm"] + ps["pool"]["dirty"] == 32 * PAGE
+
+    with d.connect("next") as t:
+        g = t.region_group(2, 16 * PAGE)
+        g.grant(range(16))  # the whole budget: necessarily the victim's pages
+        for r in g.ranges:
+            data = ctypes.string_at(r.base, 16 * PAGE)
+            assert data.count(0) == len(data), "a page still holds the dead tenant's data"
+    s = d.stats()
+    assert s.pool.created == 32  # no page was created for "next": it got the victim's
+    assert d.check() == []
+
+
+def test_tensor_data_survives_reserve_churn(daemon):
+    block = 16 << 10  # 4 blocks per 64 KiB unit
+    with daemon.connect("torch") as t:
+        g = t.region_group(2, 32 * PAGE)
+        a = ElasticBlockAllocator(g, block, low=1, high=3, idle_timeout_s=0.3, tick_s=0.002)
+        floats = block // 4
+        k = g.tensor(0, torch.float32, (a.num_blocks, floats))
+        v = g.tensor(1, torch.float32, (a.num_blocks, floats))
+        kept: dict[int, float] = {}
+
+        def fill(blocks):
+            for b in blocks:
+                val = float(b * 7 + 1)
+                k[b].fill_(val)
+                v[b].fill_(-val)
+                kept[b] = val
+
+        def verify():
+            for b, val in kept.items():
+                assert torch.all(k[b] == val) and torch.all(v[b] == -val), f"block {b} changed"
+
+        first = a.alloc(3)  # slow path: nothing mapped yet
+        assert a.slow_allocs == 1
+        fill(first)
+        deadline = time.monotonic() + 5
+        while a.reserve_chunks < 1 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert a.reserve_chunks >= 1, "the refill thread built no reserve"
+        more = a.alloc(4)  # fast path: the partial chunk, then a reserve chunk
+        assert a.slow_allocs == 1
+        fill(more)
+        verify()
+        # churn: the reserve grows and shrinks (grants and releases) around kept blocks
+        for i in range(200):
+            tmp = a.alloc(1 + i % 9)
+            assert tmp is not None
+            k[tmp[0]].fill_(123.0)
+            a.free(tmp)
+            if i % 50 == 0:
+                verify()
+        a.check_integrity()
+        releases = a.releases
+        time.sleep(0.6)  # idle: the reserve drains to nothing
+        deadline = time.monotonic() + 5
+        while a.reserve_chunks and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert a.reserve_chunks == 0 and a.releases > releases
+        verify()
+        big = a.alloc(12)  # slow path again after the drain
+        assert big is not None and a.slow_allocs >= 2
+        fill(big)
+        verify()
+        # another view of the same memory agrees
+        raw = g.tensor(0, torch.uint8)
+        b0 = first[0]
+        assert torch.equal(raw[b0 * block : (b0 + 1) * block].view(torch.float32), k[b0])
+        a.check_integrity()
+        del k, v, raw
+
+
+def test_map_shows_exactly_the_daemon_state(daemon):
+    with daemon.connect("mapper") as t:
+        g = t.region_group(3, 8 * PAGE, label="kv")
+        g.grant([0, 1, 2, 5])
+        g.report(reserve=[2, 5])
+        h = t.region_group(1, 4 * PAGE)
+        h.grant([3])
+        out = daemon.cli_json("map")
+        pool = out["pool"]
+        assert pool["granted"] == (4 * 3 + 1) * PAGE
+        assert pool["budget"] == pool["granted"] + pool["warm"] + pool["dirty"] + pool["free"]
+        tables = {x["id"]: x for x in out["groups"]}
+        assert tables[g.id]["table"] == "##+..+.."
+        assert tables[g.id]["n_regions"] == 3 and tables[g.id]["bases"] == g.bases
+        assert tables[h.id]["table"] == "...#"
+
+        text = daemon.cli("map", "mapper").stdout
+        assert "0 ██▒··▒··" in text and "0 ···█" in text
+        assert "granted 832 KiB" in text  # 13 pages of 64 KiB
+
+        detail = daemon.cli_json("map", "mapper", "--pfns")
+        pfns = [p for x in detail["groups"] for unit in x["pfns"].values() for p in unit]
+        assert len(pfns) == len(set(pfns)) == 13
+        assert daemon.cli("map", "nobody", check=False).returncode != 0
+
+        g.release([0, 5])
+        out = daemon.cli_json("map")
+        tables = {x["id"]: x for x in out["groups"]}
+        assert tables[g.id]["table"] == ".#+....."
+        assert out["pool"]["granted"] == (2 * 3 + 1) * PAGE
+
+
+def test_daemon_rss_and_fds_flat_over_10k_grant_release_cycles(daemon):
+    proc = psutil.Process(daemon.pid)
+    with daemon.connect("cycler") as t:
+        g = t.region_group(2, 16 * PAGE)
+
+        def cycles(n):
+            for i in range(n):
+                u = i % 16
+                g.grant([u])
+                g.release([u])
+
+        cycles(1000)
+        time.sleep(0.2)
+        rss0, fds0 = proc.memory_info().rss, proc.num_fds()
+        cycles(10_000)
+        time.sleep(0.2)
+        rss1, fds1 = proc.memory_info().rss, proc.num_fds()
+    assert fds1 == fds0, f"daemon fds grew from {fds0} to {fds1}"
+    assert rss1 - rss0 < 2 << 20, f"daemon RSS grew by {(rss1 - rss0) >> 10} KiB"
+    assert daemon.check() == []
