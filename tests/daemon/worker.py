@@ -15,6 +15,7 @@ import random
 import sys
 import time
 import traceback
+from pathlib import Path
 
 
 def emit(**kw) -> None:
@@ -33,7 +34,8 @@ def churn(args) -> None:
         ok = none = frees = over_limit = 0
         deadline = time.monotonic() + args.seconds
         probe_done = False
-        while time.monotonic() < deadline:
+        stop_file = Path(args.until_file) if args.until_file else None
+        while time.monotonic() < deadline and not (stop_file and stop_file.exists()):
             if held and (len(held) >= args.max_blocks or rng.random() < 0.45):
                 victims = rng.sample(list(held), min(len(held), rng.randint(1, 8)))
                 for b in victims:
@@ -102,6 +104,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=2.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--probe-over-limit", action="store_true")
+    ap.add_argument("--until-file", default=None, help="churn: stop early once this exists")
     ap.add_argument("--units", type=int, default=8)
     ap.add_argument("--fill", type=lambda s: int(s, 0), default=0xAB)
     args = ap.parse_args()

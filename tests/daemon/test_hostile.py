@@ -1,0 +1,270 @@
+"""Ten thousand hostile control messages: each gets an error reply, a live tenant keeps
+being served, and afterwards no page has leaked and the daemon's invariants hold."""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvpool import paths
+from kvpool import protocol as p
+
+from .helpers import PAGE, read_event
+
+N_MESSAGES = 10_000
+TENANT_OPS = ["grant", "release", "report", "create_group", "destroy_group", "bye"]
+ALL_OPS = ["register", *TENANT_OPS, "ping", "ps", "stats", "map", "set_limit", "check"]
+
+# A field spec per op: name -> kind ("int", "list", "str", "bool", "oint", "olist", "ostr")
+FIELDS = {
+    "register": {"name": "str", "kind": "str", "device": "int", "version": "int"},
+    "create_group": {"n_regions": "int", "capacity": "int", "bases": "list", "label": "str"},
+    "destroy_group": {"group": "int"},
+    "grant": {"group": "int", "units": "list", "in_use": "oint", "reserve": "olist"},
+    "release": {"group": "int", "units": "list", "in_use": "oint", "reserve": "olist"},
+    "report": {"group": "int", "in_use": "oint", "reserve": "olist"},
+    "map": {"tenant": "ostr", "pfns": "bool"},
+    "set_limit": {"tenant": "str", "max": "int"},
+}
+for op in ALL_OPS:
+    FIELDS.setdefault(op, {})
+
+ints = st.integers(-(2**63), 2**64 - 1)
+scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.floats(),
+                    st.text(max_size=20), st.binary(max_size=20))
+anything = st.recursive(scalars, lambda c: st.lists(c, max_size=4) |
+                        st.dictionaries(st.text(max_size=8), c, max_size=4), max_leaves=8)
+WRONG = {
+    "int": st.one_of(st.text(max_size=8), st.floats(), st.booleans(), st.lists(ints, max_size=3),
+                     st.integers(-(2**63), -1), st.integers(min_value=2**63, max_value=2**64 - 1),
+                     st.binary(max_size=4)),
+    "oint": st.one_of(st.text(max_size=8), st.floats(), st.booleans(), st.integers(-(2**63), -1)),
+    "list": st.one_of(ints, st.text(max_size=8), st.dictionaries(st.text(max_size=4), ints, max_size=2),
+                      st.lists(st.one_of(st.text(max_size=3), st.floats(), st.integers(-(2**63), -1)), min_size=1, max_size=4)),
+    "olist": st.one_of(ints, st.text(max_size=8), st.lists(st.integers(-(2**63), -1), min_size=1, max_size=3)),
+    "str": st.one_of(ints, st.lists(st.text(max_size=3), max_size=2), st.binary(max_size=4), st.none(),
+                     st.text(min_size=p.MAX_NAME + 1, max_size=p.MAX_NAME + 10)),
+    "ostr": st.one_of(ints, st.lists(st.text(max_size=3), max_size=2), st.binary(max_size=4),
+                      st.text(min_size=p.MAX_NAME + 1, max_size=p.MAX_NAME + 10)),
+    "bool": st.one_of(ints, st.text(max_size=3), st.none()),
+}
+GOOD = {
+    "int": st.integers(0, 100), "oint": st.integers(0, 100), "list": st.lists(st.integers(0, 7), max_size=3),
+    "olist": st.lists(st.integers(0, 7), max_size=3), "str": st.just("x"), "ostr": st.just("x"),
+    "bool": st.booleans(),
+}
+
+
+class Env:
+    """The test's view: an anonymous socket, the attacker's socket and token, ids."""
+
+    anon: zmq.Socket
+    attacker_sock: zmq.Socket
+    attacker_token: str
+    attacker_group: int
+    victim_groups: list[int]
+    sent = 0
+
+
+def send(env: Env, frames: list[bytes], attacker: bool) -> p.Reply:
+    sock = env.attacker_sock if attacker else env.anon
+    sock.send_multipart(frames)
+    env.sent += 1
+    assert sock.poll(5000), "the daemon stopped answering"
+    return p.decode_reply(sock.recv_multipart()[-1])  # (a REQ-style envelope is echoed)
+
+
+def with_header(d: dict, rid: int, token: str = "") -> dict:
+    return {"id": rid, "token": token, **d}
+
+
+def hostile(env: Env):
+    ids = st.integers(1, 2**40)
+    ops = st.sampled_from(ALL_OPS)
+
+    @st.composite
+    def wrong_type(draw):
+        op = draw(st.sampled_from([o for o in ALL_OPS if FIELDS[o]]))
+        fields = {k: draw(GOOD[kind]) for k, kind in FIELDS[op].items()}
+        bad = draw(st.sampled_from(sorted(FIELDS[op])))
+        fields[bad] = draw(WRONG[FIELDS[op][bad]])
+        rid = draw(ids)
+        return ("attacker", [p.encode({"op": op, **with_header(fields, rid, env.attacker_token)})], rid)
+
+    @st.composite
+    def unknown_op(draw):
+        op = draw(st.one_of(st.text(max_size=12).filter(lambda s: s not in ALL_OPS), ints,
+                            st.none(), st.lists(ints, max_size=2)))
+        rid = draw(ids)
+        return ("anon", [p.encode({"op": op, "id": rid})], rid)
+
+    @st.composite
+    def unknown_field(draw):
+        op = draw(ops)
+        name = draw(st.text(min_size=1, max_size=10).filter(
+            lambda s: s not in {"op", "id", "token", *FIELDS[op]}))
+        rid = draw(ids)
+        return ("anon", [p.encode({"op": op, "id": rid, name: draw(anything)})], rid)
+
+    @st.composite
+    def garbage(draw):
+        data = draw(st.binary(max_size=64))
+        try:
+            p.decode_request(data)
+        except p.DecodeError:
+            return ("anon", [data], None)
+        return ("anon", [b"\xc1"], None)  # (a valid request by chance: use an invalid byte)
+
+    @st.composite
+    def truncated(draw):
+        op = draw(st.sampled_from(["grant", "release", "ps", "map", "register"]))
+        fields = {k: draw(GOOD[kind]) for k, kind in FIELDS[op].items()}
+        frame = p.encode({"op": op, **with_header(fields, draw(ids), env.attacker_token)})
+        return ("attacker", [frame[: draw(st.integers(0, len(frame) - 1))]], None)
+
+    @st.composite
+    def bad_token(draw):
+        op = draw(st.sampled_from(TENANT_OPS))
+        token = draw(st.one_of(st.text(alphabet="0123456789abcdef", min_size=1, max_size=32),
+                               st.just(env.attacker_token)))  # a stolen token, wrong socket
+        rid = draw(ids)
+        fields = {"grant": {"group": env.attacker_group, "units": [1]},
+                  "release": {"group": env.attacker_group, "units": [0]},
+                  "report": {"group": env.attacker_group},
+                  "create_group": {"n_regions": 1, "capacity": PAGE},
+                  "destroy_group": {"group": env.attacker_group}, "bye": {}}[op]
+        return ("anon", [p.encode({"op": op, **with_header(fields, rid, token)})], rid)
+
+    @st.composite
+    def foreign_group(draw):
+        op = draw(st.sampled_from(["grant", "release", "report", "destroy_group"]))
+        group = draw(st.one_of(st.sampled_from(env.victim_groups),
+                               st.integers(0, 2**40).filter(lambda g: g != env.attacker_group)))
+        rid = draw(ids)
+        fields = {"group": group}
+        if op in ("grant", "release"):
+            fields["units"] = draw(st.lists(st.integers(0, 3), min_size=1, max_size=3, unique=True))
+        return ("attacker", [p.encode({"op": op, **with_header(fields, rid, env.attacker_token)})], rid)
+
+    @st.composite
+    def bad_units(draw):
+        rid = draw(ids)
+        g = env.attacker_group
+        case = draw(st.sampled_from(["release_unheld", "grant_held", "out_of_range", "duplicate"]))
+        if case == "release_unheld":
+            req = {"op": "release", "units": draw(st.lists(st.integers(1, 7), min_size=1, max_size=4))}
+        elif case == "grant_held":
+            req = {"op": "grant", "units": [0, *draw(st.lists(st.integers(1, 7), max_size=2, unique=True))]}
+        elif case == "out_of_range":
+            req = {"op": draw(st.sampled_from(["grant", "release"])),
+                   "units": [draw(st.integers(8, p.MAX_PAGES_PER_REGION - 1))]}
+        else:
+            u = draw(st.integers(1, 7))
+            req = {"op": draw(st.sampled_from(["grant", "release"])), "units": [u, u]}
+        return ("attacker", [p.encode({**req, **with_header({"group": g}, rid, env.attacker_token)})], rid)
+
+    @st.composite
+    def bad_values(draw):
+        rid = draw(ids)
+        case = draw(st.sampled_from(["capacity", "regions", "limit", "map", "register", "huge_bases"]))
+        tok = env.attacker_token
+        if case == "capacity":
+            cap = draw(st.integers(0, 64)) * PAGE + draw(st.integers(1, PAGE - 1))
+            req = {"op": "create_group", "n_regions": 1, "capacity": cap}
+        elif case == "regions":
+            req = {"op": "create_group", "capacity": PAGE,
+                   "n_regions": draw(st.one_of(st.just(0), st.integers(p.MAX_REGIONS + 1, 2**40)))}
+        elif case == "limit":
+            req = {"op": "set_limit", "tenant": draw(st.sampled_from(["", "bad name", "a/b"])),
+                   "max": draw(st.integers(0, 10))}
+        elif case == "map":
+            req = {"op": "map", "tenant": draw(st.sampled_from(["nobody", "999999", "ghost"]))}
+        elif case == "register":
+            req = {"op": "register", "name": "again", "version": draw(st.integers(0, 10))}
+        else:
+            req = {"op": "create_group", "n_regions": 2, "capacity": PAGE,
+                   "bases": draw(st.lists(st.integers(0, 2**40), min_size=3, max_size=5))}
+        return ("attacker", [p.encode({**req, **with_header({}, rid, tok)})], rid)
+
+    @st.composite
+    def multi_frame(draw):
+        frames = draw(st.lists(st.binary(max_size=16), min_size=2, max_size=4))
+        if len(frames) == 2 and frames[0] == b"":
+            frames[1] = b"\xc1"  # keep the REQ-style envelope invalid too
+        return ("anon", frames, None)
+
+    return st.one_of(wrong_type(), unknown_op(), unknown_field(), garbage(), truncated(),
+                     bad_token(), foreign_group(), bad_units(), bad_values(), multi_frame())
+
+
+def test_ten_thousand_hostile_messages(start_daemon, tmp_path):
+    d = start_daemon(budget=str(256 * PAGE))
+    stop = tmp_path / "stop"
+    victim = d.worker("churn", "--name", "victim", "--seconds", "600", "--until-file", str(stop),
+                      "--max-blocks", "48", "--low", "0", "--high", "1")
+    read_event(victim, "ready")
+    ctx = zmq.Context.instance()
+    env = Env()
+    with d.connect("attacker") as attacker:
+        ag = attacker.region_group(1, 8 * PAGE)
+        ag.grant([0])
+        env.attacker_group = ag.id
+        env.attacker_token = attacker.conn.token
+        env.attacker_sock = attacker.conn.sock
+        with d.monitor() as m:
+            env.victim_groups = [g.id for g in m.map("victim").groups]
+        assert env.victim_groups
+        env.anon = ctx.socket(zmq.DEALER)
+        env.anon.setsockopt(zmq.LINGER, 0)
+        env.anon.connect(paths.control_endpoint(d.run_dir))
+        started = time.monotonic()
+
+        @settings(max_examples=N_MESSAGES, deadline=None, database=None, derandomize=True,
+                  suppress_health_check=list(HealthCheck))
+        @given(msg=hostile(env))
+        def one(msg):
+            channel, frames, rid = msg
+            with attacker.conn._lock:  # the attacker's own socket, raw
+                reply = send(env, frames, channel == "attacker")
+            assert isinstance(reply, p.Error), (msg, reply)
+            assert reply.code in p.CODES
+            if rid is not None:
+                assert reply.id == rid, (msg, reply)
+
+        one()
+        # a few big ones hypothesis would not generate: huge counts and oversized frames
+        for frames in (
+            [p.encode({"op": "grant", "id": 1, "token": env.attacker_token, "group": ag.id,
+                       "units": list(range(p.MAX_UNITS + 1))})],
+            [p.encode({"op": "release", "id": 2, "token": env.attacker_token, "group": ag.id,
+                       "units": list(range(2, 2 + p.MAX_UNITS))})],
+            [b"\x81" + b"x" * (p.MAX_FRAME + 10)],
+            [p.encode({"op": "ps", "id": 3, "token": "", "pad": "y" * (p.MAX_FRAME + 1)})],
+        ):
+            with attacker.conn._lock:
+                reply = send(env, frames, True)
+            assert isinstance(reply, p.Error), reply
+        elapsed = time.monotonic() - started
+        assert env.sent >= N_MESSAGES, env.sent
+
+        # the attacker itself still works, and the victim is still being served
+        ag.release([0])
+        ag.grant([1, 2])
+        assert victim.poll() is None, victim.stderr.read()
+        with d.monitor() as m:
+            (v,) = [t for t in m.ps().tenants if t.name == "victim"]
+            assert v.registered
+        env.anon.close()
+    stop.touch()
+    done = read_event(victim, "done")
+    assert victim.wait(20) == 0
+    assert done["ok"] > 100 and done["grants"] > 10, done
+    assert d.check() == []
+    s = d.stats()
+    assert s.pool.granted == 0 and not s.tenants, s
+    assert s.errors >= N_MESSAGES
+    print(f"{env.sent} hostile messages in {elapsed:.1f} s; victim: {done}")
