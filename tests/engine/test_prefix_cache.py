@@ -1,0 +1,78 @@
+"""Prefix caching: hits are exact, give the same logits as a cold run, and ref counts
+go back to zero."""
+
+from __future__ import annotations
+
+import torch
+
+from kvpool.engine import LLM, Engine, EngineConfig, SamplingParams
+from kvpool.engine.request import Request
+
+from .helpers import prompts
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, return_logits=True)
+
+
+def _pair():
+    (shared,) = prompts((40,), seed=7)
+    return shared + [5, 6, 7], shared[:35] + [9, 9, 9, 9, 9]
+
+
+def _assert_same(a, b):
+    assert a.output_token_ids == b.output_token_ids
+    torch.testing.assert_close(torch.stack(a.logits), torch.stack(b.logits), atol=1e-5, rtol=0)
+
+
+def test_hit_gives_cold_logits(hf_dirs):
+    first, second = _pair()
+    warm = LLM(str(hf_dirs["llama"]), num_kv_blocks=64, block_size=16)
+    warm.generate([first], GREEDY)
+    hit = warm.generate([second], GREEDY)[0]
+    assert hit.num_prefix_hit_tokens == 32  # two full shared blocks
+    cold = LLM(str(hf_dirs["llama"]), num_kv_blocks=64, block_size=16,
+               enable_prefix_caching=False).generate([second], GREEDY)[0]
+    assert cold.num_prefix_hit_tokens == 0
+    _assert_same(hit, cold)
+    stats = warm.engine.stats()
+    assert stats["prefix_hit_tokens"] == 32 and stats["kv_blocks"]["used"] == 0
+
+
+def test_hit_is_capped_below_the_prompt_length(hf_dirs):
+    """A prompt made only of cached full blocks still computes its last token."""
+    (p,) = prompts((32,), seed=3)
+    llm = LLM(str(hf_dirs["llama"]), num_kv_blocks=64, block_size=16)
+    a = llm.generate([p], GREEDY)[0]
+    b = llm.generate([p], GREEDY)[0]
+    assert b.num_prefix_hit_tokens == 16
+    _assert_same(a, b)
+
+
+def test_shared_blocks_are_ref_counted_while_running(hf_dirs):
+    first, second = _pair()
+    eng = Engine(EngineConfig(str(hf_dirs["llama"]), num_kv_blocks=64, block_size=16))
+    ra = eng.add_request(first, GREEDY)
+    eng.step()  # prefill of the first request: its full blocks are now cached
+    rb = eng.add_request(second, GREEDY)
+    eng.step()
+    a, b = eng.requests[ra], eng.requests[rb]
+    assert b.block_ids[:2] == a.block_ids[:2]
+    assert [eng.pool.ref_count(x) for x in a.block_ids[:2]] == [2, 2]
+    eng.check_integrity()
+    while eng.has_unfinished():
+        eng.step()
+        eng.check_integrity()
+    assert eng.pool.num_used_blocks == 0
+    assert all(eng.pool.ref_count(x) == 0 for x in range(1, eng.pool.capacity))
+
+
+def test_equal_hash_with_other_tokens_is_a_miss(hf_dirs, monkeypatch):
+    """Even if every block hashed alike, the stored tokens decide."""
+    monkeypatch.setattr(Request, "block_hash", lambda self, i, bs: 42)
+    first, second = prompts((40, 40), seed=11)
+    llm = LLM(str(hf_dirs["llama"]), num_kv_blocks=64, block_size=16)
+    llm.generate([first], GREEDY)
+    out = llm.generate([second], GREEDY)[0]
+    assert out.num_prefix_hit_tokens == 0
+    cold = LLM(str(hf_dirs["llama"]), num_kv_blocks=64, block_size=16,
+               enable_prefix_caching=False).generate([second], GREEDY)[0]
+    _assert_same(out, cold)
