@@ -98,7 +98,7 @@ def daemon(backend, device, budget, page_size, warm_min, warm_max, run_dir, conf
     import logging
 
     from kvpool.daemon.config import Config
-    from kvpool.daemon.server import AlreadyRunning, Server
+    from kvpool.daemon.server import Server, StartupError
 
     try:
         cfg = Config.load(config_path, backend=backend, device=device, budget=budget,
@@ -116,7 +116,7 @@ def daemon(backend, device, budget, page_size, warm_min, warm_max, run_dir, conf
         raise click.ClickException(str(e)) from None
     try:
         server.serve()
-    except AlreadyRunning as e:
+    except StartupError as e:
         raise click.ClickException(str(e)) from None
 
 

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import select
 import socket
 import threading
+import time
 from pathlib import Path
 
 import zmq
@@ -25,6 +27,8 @@ import zmq
 from kvpool import fdchannel, paths
 from kvpool import protocol as p
 from kvpool.client_lib.errors import DaemonUnavailable, KvpoolError, from_reply
+
+SLICE_S = 0.1  # while waiting for a reply, look for the daemon's death this often
 
 
 class Connection:
@@ -64,6 +68,7 @@ class Connection:
         self._lock = threading.Lock()
         self._unsolicited: list[p.Reply] = []
         self.closed = False
+        self.daemon_gone = False
 
     # ---- requests -----------------------------------------------------------------
     def call(self, req: p.Request, timeout_ms: int | None = None) -> tuple[p.Reply, list[int]]:
@@ -84,15 +89,38 @@ class Connection:
         return reply, fds
 
     def _wait(self, id: int, timeout_ms: int) -> p.Reply:
+        deadline = time.monotonic() + timeout_ms / 1000
         while True:
-            if not self.sock.poll(timeout_ms):
+            if self.daemon_gone:
+                raise DaemonUnavailable(p.INTERNAL, "the daemon closed the fd channel (it exited)")
+            left = deadline - time.monotonic()
+            if left <= 0:
                 raise DaemonUnavailable(p.BUSY, f"no reply from the daemon in {timeout_ms} ms")
+            if not self.sock.poll(min(left, SLICE_S) * 1000):
+                self._check_eof()
+                continue
             msg = p.decode_reply(self.sock.recv())
             if msg.id == id:
                 return msg
             if msg.id == 0:
                 self._unsolicited.append(msg)
             # else: the late reply of a request that timed out; dropped
+
+    def _check_eof(self) -> None:
+        """Notice a dead daemon: its end of the fd channel reads EOF."""
+        if self.fdsock is None or self.daemon_gone:
+            return
+        readable, _, _ = select.select([self.fdsock], [], [], 0)
+        if readable:
+            try:
+                with contextlib.suppress(BlockingIOError):
+                    self.fdsock.setblocking(False)
+                    if self.fdsock.recv(1, socket.MSG_PEEK) == b"":
+                        self.daemon_gone = True
+            except OSError:
+                self.daemon_gone = True
+            finally:
+                self.fdsock.settimeout(self.timeout_ms / 1000)
 
     def _recv_fds(self, id: int, total: int) -> list[int]:
         assert self.fdsock is not None

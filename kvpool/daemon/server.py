@@ -40,7 +40,11 @@ MAX_ZMQ_MESSAGE = 16 << 20  # larger frames make libzmq drop the peer (memory gu
 BURST = 64  # control messages handled per loop turn before looking at other sockets
 
 
-class AlreadyRunning(RuntimeError):
+class StartupError(RuntimeError):
+    """The daemon cannot start (sockets, permissions, configuration)."""
+
+
+class AlreadyRunning(StartupError):
     pass
 
 
@@ -71,7 +75,10 @@ class Server:
 
     # ---- setup / teardown -----------------------------------------------------------
     def start(self) -> None:
-        paths.ensure_run_dir(self.run_dir)
+        try:
+            paths.ensure_run_dir(self.run_dir)
+        except OSError as e:
+            raise StartupError(f"cannot create the run directory {self.run_dir}: {e}") from None
         pages_path = paths.pages_path(self.run_dir)
         with contextlib.suppress(OSError), fdchannel.connect(str(pages_path)):
             raise AlreadyRunning(f"a daemon already serves {self.run_dir}")
@@ -84,13 +91,20 @@ class Server:
         control = paths.control_path(self.run_dir)
         with contextlib.suppress(FileNotFoundError):
             control.unlink()
-        self.router.bind(paths.control_endpoint(self.run_dir))
-        self.listener = fdchannel.listen(str(pages_path), mode=self.cfg.socket_mode)
+        try:
+            self.router.bind(paths.control_endpoint(self.run_dir))
+            self.listener = fdchannel.listen(str(pages_path), mode=self.cfg.socket_mode)
+        except (zmq.ZMQError, OSError) as e:
+            raise StartupError(f"cannot listen in {self.run_dir}: {e}") from None
         os.chmod(control, self.cfg.socket_mode)
         if self.cfg.socket_group:
-            gid = grp.getgrnam(self.cfg.socket_group).gr_gid
-            for path in (control, pages_path):
-                os.chown(path, -1, gid)
+            try:
+                gid = grp.getgrnam(self.cfg.socket_group).gr_gid
+                for path in (control, pages_path):
+                    os.chown(path, -1, gid)
+            except (KeyError, OSError) as e:
+                raise StartupError(f"cannot give the sockets to group "
+                                   f"{self.cfg.socket_group!r}: {e}") from None
         self.poller = zmq.Poller()
         self.poller.register(self.router, zmq.POLLIN)
         self._watch(self.listener.fileno(), self._accept)
@@ -124,6 +138,21 @@ class Server:
         self.notifier.close()
         log.info("stopped")
 
+    def _abort_start(self) -> None:
+        """Undo a partial start (never touching another daemon's sockets)."""
+        router = getattr(self, "router", None)
+        if router is not None:
+            router.close(linger=0)
+            self.ctx.term()
+        listener = getattr(self, "listener", None)
+        if listener is not None:
+            listener.close()
+            for path in (paths.control_path(self.run_dir), paths.pages_path(self.run_dir)):
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+        self.pool.close()
+        self.backend.close()
+
     def _on_signal(self, signum, frame) -> None:
         self._stop = True
 
@@ -141,7 +170,11 @@ class Server:
 
     # ---- loop -----------------------------------------------------------------------
     def serve(self) -> None:
-        self.start()
+        try:
+            self.start()
+        except BaseException:
+            self._abort_start()
+            raise
         try:
             while not self._stop:
                 self.turn()
