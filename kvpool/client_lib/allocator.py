@@ -11,13 +11,15 @@ Every chunk is in exactly one state:
 * *unmapped*   — in ``_unmapped`` (a min-heap: low addresses are reused first);
 * *in flight*  — being granted or released by some thread (``_inflight``);
 * *current*    — ``_cur``: the mapped chunk blocks are taken from first;
-* *partial*    — in ``_partial``: mapped, some blocks free and some held;
+* *partial*    — in ``_buckets[k]`` where ``k`` is its count of held blocks (0 < k <
+  blocks_per_chunk): mapped, some blocks free and some held;
 * *full*       — mapped, every block held (tracked by ``_used`` only);
 * *reserve*    — in ``_reserve``: mapped, no block held (the local reserve).
 
 Fast path (``alloc``/``free``): a lock, list pops/appends and a bytearray; no system
-call, no message. When the current chunk runs out, the fullest partial chunk becomes
-current (so emptier chunks can drain into the reserve), then a reserve chunk. Slow
+call, no message. Blocks come from the current chunk; when it runs out, or when frees
+leave it emptier than some partial chunk, the fullest partial chunk (highest bucket)
+becomes current, so emptier chunks drain into the reserve; then a reserve chunk. Slow
 path: one batched grant for the missing chunks, mapped before ``alloc`` returns.
 
 A background thread keeps ``len(_reserve)`` between ``low`` and ``high`` (growing to
@@ -89,7 +91,8 @@ class ElasticBlockAllocator:
         self._free: list[list[int] | None] = [None] * nchunks
         self._cur = -1
         self._curfree: list[int] = _EMPTY
-        self._partial: set[int] = set()
+        self._buckets: list[set[int]] = [set() for _ in range(bpc)]  # by held count
+        self._top = 0  # no bucket above this index is non-empty
         self._reserve: list[int] = []
         self._unmapped: list[int] = list(range(nchunks))  # a heap (sorted is a heap)
         self._inflight: set[int] = set()
@@ -164,15 +167,26 @@ class ElasticBlockAllocator:
 
     def _next_chunk(self) -> list[int]:
         """Make the fullest partial chunk (else a reserve chunk) current."""
-        if self._partial:
-            used = self._used
-            c = max(self._partial, key=used.__getitem__)
-            self._partial.remove(c)
-        else:
-            c = self._reserve.pop()
+        buckets = self._buckets
+        k = self._top
+        while k > 0 and not buckets[k]:
+            k -= 1
+        self._top = k
+        c = buckets[k].pop() if k > 0 else self._reserve.pop()
         self._cur = c
         self._curfree = self._free[c]  # type: ignore[assignment]
         return self._curfree
+
+    def _demote(self) -> None:
+        """(lock held) The current chunk goes back to its bucket (or the reserve)."""
+        c, u = self._cur, self._used[self._cur]
+        if u == 0:
+            self._reserve.append(c)
+        elif u < self.blocks_per_chunk:
+            self._buckets[u].add(c)
+            if u > self._top:
+                self._top = u
+        self._cur, self._curfree = -1, _EMPTY
 
     def free(self, ids: Iterable[int]) -> None:
         """Give blocks back. Raises ValueError (changing nothing) if one is not held."""
@@ -180,25 +194,37 @@ class ElasticBlockAllocator:
         bpc = self.blocks_per_chunk
         with self._lock:
             held = self._held
-            for i, b in enumerate(ids):
-                if not (0 <= b < self.num_blocks and held[b]):
-                    for b2 in ids[:i]:
-                        held[b2] = 1
-                    why = "out of range" if not 0 <= b < self.num_blocks else "not held"
-                    raise ValueError(f"free: block {b!r} is {why}")
-                held[b] = 0
-            used, frees, cur = self._used, self._free, self._cur
+            i = 0
+            try:
+                for i, b in enumerate(ids):
+                    if b < 0 or not held[b]:
+                        raise ValueError(f"free: block {b!r} is not held")
+                    held[b] = 0
+            except (ValueError, IndexError, TypeError) as e:
+                for b2 in ids[:i]:
+                    held[b2] = 1
+                if isinstance(e, ValueError):
+                    raise
+                raise ValueError(f"free: block {ids[i]!r} is not a block id") from None
+            used, frees, buckets = self._used, self._free, self._buckets
+            cur = self._cur
             for b in ids:
                 c = b // bpc
                 u = used[c] - 1
                 used[c] = u
                 frees[c].append(b)  # type: ignore[union-attr]
-                if c != cur:
-                    if u == 0:
-                        self._partial.discard(c)
-                        self._reserve.append(c)
-                    elif u == bpc - 1:
-                        self._partial.add(c)
+                if c == cur:
+                    continue
+                if u + 1 < bpc:
+                    buckets[u + 1].discard(c)
+                if u == 0:
+                    self._reserve.append(c)
+                else:
+                    buckets[u].add(c)
+                    if u > self._top:
+                        self._top = u
+            if cur >= 0 and used[cur] < self._top:
+                self._demote()  # a fuller partial chunk exists: take blocks from it next
             n = len(ids)
             self._nfree += n
             self._in_use -= n
@@ -309,8 +335,7 @@ class ElasticBlockAllocator:
             idle = now - self._last_active >= self.idle_timeout_s
             low, high = (0, 0) if idle else (self.low, self.high)
             if idle and self._cur >= 0 and self._used[self._cur] == 0:
-                self._reserve.append(self._cur)  # an empty current chunk drains too
-                self._cur, self._curfree = -1, _EMPTY
+                self._demote()  # an empty current chunk drains too
             r = len(self._reserve)
             grow = high - r if r < low and now >= self._backoff_until else 0
             chunks = self._pick_unmapped(min(grow, len(self._unmapped))) if grow else None
@@ -376,7 +401,10 @@ class ElasticBlockAllocator:
             assert len(unmapped) == len(self._unmapped), "a chunk is unmapped twice"
             reserve = set(self._reserve)
             assert len(reserve) == len(self._reserve), "a chunk is in the reserve twice"
-            states = [unmapped, self._inflight, reserve, self._partial,
+            partial = set().union(*self._buckets)
+            assert sum(map(len, self._buckets)) == len(partial), "a chunk is in two buckets"
+            assert not self._buckets[0], "bucket 0 is not used"
+            states = [unmapped, self._inflight, reserve, partial,
                       {self._cur} if self._cur >= 0 else set()]
             for i, a in enumerate(states):
                 for b in states[i + 1:]:
@@ -400,9 +428,10 @@ class ElasticBlockAllocator:
                 elif held == 0:
                     assert c in reserve, f"empty chunk {c} not in reserve"
                 elif held < bpc:
-                    assert c in self._partial, f"partial chunk {c} not tracked"
+                    assert c in self._buckets[held], f"partial chunk {c} not in bucket {held}"
+                    assert held <= self._top, f"top {self._top} below a non-empty bucket"
                 else:
-                    assert c not in self._partial and c not in reserve, f"full chunk {c} listed"
+                    assert c not in partial and c not in reserve, f"full chunk {c} listed"
                 nfree += len(fl)
                 in_use += held
             assert nfree == self._nfree, f"free count {self._nfree} != {nfree}"
@@ -432,7 +461,8 @@ class ElasticBlockAllocator:
                 heapq.heappush(self._unmapped, c)
             self._held = bytearray(self.num_blocks)
             self._reserve.clear()
-            self._partial.clear()
+            for bucket in self._buckets:
+                bucket.clear()
             self._cur, self._curfree = -1, _EMPTY
             self._nfree = self._in_use = 0
         if chunks and not self.group.closed:

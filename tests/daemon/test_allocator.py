@@ -1,0 +1,206 @@
+"""ElasticBlockAllocator against a real daemon: layouts, policy, watermarks, invariants."""
+
+from __future__ import annotations
+
+import ctypes
+import random
+import time
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvpool.client_lib import ElasticBlockAllocator
+
+from .helpers import PAGE
+
+
+def wait_for(cond, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.005)
+
+
+@pytest.mark.parametrize("block,ppc,bpc", [
+    (16 << 10, 1, 4),  # a unit holds several blocks
+    (64 << 10, 1, 1),
+    (128 << 10, 2, 1),  # a block spans two units
+    (48 << 10, 3, 4),  # neither divides: chunks of lcm = 192 KiB
+])
+def test_layouts_map_every_block_in_every_region(daemon, block, ppc, bpc):
+    with daemon.connect("layout") as t:
+        g = t.region_group(3, 24 * PAGE)
+        a = ElasticBlockAllocator(g, block, background=False)
+        assert (a.pages_per_chunk, a.blocks_per_chunk) == (ppc, bpc)
+        blocks = a.alloc(a.num_blocks)
+        assert sorted(blocks) == list(range(a.num_blocks))
+        for b in blocks:  # first and last byte of each block, in each region: mapped
+            for r in g.ranges:
+                base = r.base + a.block_offset(b)
+                ctypes.memset(base, b % 251 + 1, 1)
+                ctypes.memset(base + block - 1, b % 251 + 1, 1)
+        for b in blocks:
+            for r in g.ranges:
+                assert ctypes.string_at(r.base + a.block_offset(b), 1)[0] == b % 251 + 1
+        assert a.alloc(1) is None  # virtual capacity exhausted: None, not an exception
+        a.check_integrity()
+        a.free(blocks)
+        a.check_integrity()
+        assert daemon.stats().pool.granted == a.mapped_chunks * ppc * 3 * PAGE
+
+
+def test_fast_path_prefers_the_fullest_unit(daemon):
+    with daemon.connect("fullest") as t:
+        g = t.region_group(1, 8 * PAGE)
+        a = ElasticBlockAllocator(g, 16 << 10, background=False)  # 4 blocks per unit
+        first = a.alloc(8)  # two full chunks
+        c = {b: b // 4 for b in first}
+        chunk_a, chunk_b = sorted(set(c.values()))
+        in_a = [b for b in first if c[b] == chunk_a]
+        in_b = [b for b in first if c[b] == chunk_b]
+        a.free(in_a[:3])  # chunk a: 1 held
+        a.free(in_b[:1])  # chunk b: 3 held -> the fullest
+        got = a.alloc(1)
+        assert got[0] // 4 == chunk_b
+        got2 = a.alloc(1)  # b is full now: a is the only partial chunk
+        assert got2[0] // 4 == chunk_a
+        a.check_integrity()
+        slow = a.slow_allocs
+        a.free(got + got2 + in_a[3:] + in_b[1:])
+        assert a.alloc(4) is not None and a.slow_allocs == slow  # served from the reserve
+
+
+def test_free_of_a_block_not_held_raises_and_changes_nothing(daemon):
+    with daemon.connect("strict") as t:
+        g = t.region_group(1, 4 * PAGE)
+        a = ElasticBlockAllocator(g, 16 << 10, background=False)
+        got = a.alloc(3)
+        for bad in ([got[0], got[0]], [got[1], 10**6], [-1], [got[2], 15]):
+            with pytest.raises(ValueError):
+                a.free(bad)
+            a.check_integrity()
+        assert a.used_blocks == 3
+        a.free(got)
+        with pytest.raises(ValueError):
+            a.free([got[0]])
+        with pytest.raises(ValueError):
+            a.alloc(-1)
+        assert a.alloc(0) == []
+
+
+def test_alloc_returns_none_when_the_daemon_says_no(start_daemon):
+    d = start_daemon(budget=str(4 * PAGE))
+    with d.connect("short") as t:
+        g = t.region_group(2, 8 * PAGE)
+        a = ElasticBlockAllocator(g, 16 << 10, background=False)
+        assert a.alloc(8) is not None  # 2 units x 2 regions = the budget
+        assert a.alloc(1) is None  # NO_MEMORY -> None
+        a.check_integrity()
+        d.cli("limit", "short", str(2 * PAGE))
+        b = a.alloc(4)
+        assert b is None
+        a.check_integrity()
+
+
+def test_background_thread_keeps_watermarks_and_drains_when_idle(daemon):
+    with daemon.connect("bg") as t:
+        g = t.region_group(1, 64 * PAGE)
+        a = ElasticBlockAllocator(g, 16 << 10, low=2, high=5, idle_timeout_s=0.4, tick_s=0.002)
+        held = a.alloc(1)
+        wait_for(lambda: a.reserve_chunks >= 2)
+        assert a.reserve_chunks <= 5
+        more = a.alloc(40)  # eats the reserve; the thread refills it
+        wait_for(lambda: a.reserve_chunks >= 2)
+        a.free(more)  # 10 chunks come back empty: the surplus over 5 is released
+        wait_for(lambda: a.reserve_chunks <= 5)
+        assert a.releases >= 1
+        a.check_integrity()
+        wait_for(lambda: a.reserve_chunks == 0, timeout=5)  # idle
+        a.report()
+        (grp,) = daemon.cli_json("map", "bg")["groups"]
+        assert grp["table"].count("#") == 1 and "+" not in grp["table"]  # only `held`'s unit
+        a.free(held)
+        a.check_integrity()
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(ops=st.lists(st.tuples(st.booleans(), st.integers(1, 12), st.integers(0, 2**32)),
+                    min_size=1, max_size=60),
+       block=st.sampled_from([16 << 10, 32 << 10, 48 << 10, 128 << 10]))
+def test_random_alloc_free_sequences_keep_the_books(shared_tenant, ops, block):
+    g = shared_tenant.region_group(2, 32 * PAGE)
+    a = ElasticBlockAllocator(g, block, low=1, high=3, tick_s=0.001)
+    held: list[int] = []
+    try:
+        for is_alloc, n, seed in ops:
+            if is_alloc or not held:
+                got = a.alloc(n)
+                if got is not None:
+                    assert not set(got) & set(held)
+                    held.extend(got)
+            else:
+                random.Random(seed).shuffle(held)
+                k = min(n, len(held))
+                a.free(held[:k])
+                del held[:k]
+            a.check_integrity()
+        a.free(held)
+        a.check_integrity()
+    finally:
+        g.close()
+
+
+@pytest.fixture(scope="module")
+def shared_tenant():
+    """One daemon and tenant for the hypothesis test (module scope: fast examples)."""
+    import shutil
+    import signal
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from .helpers import REPO, DaemonProc, wait_ready
+
+    run_dir = Path(tempfile.mkdtemp(prefix="kvp-", dir="/tmp"))
+    log = run_dir.with_suffix(".log")
+    with open(log, "w") as f:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvpool.cli.main", "daemon", "--backend", "host", "--run-dir",
+             str(run_dir), "--budget", str(48 * PAGE), "--page-size", str(PAGE)],
+            stdout=f, stderr=subprocess.STDOUT, cwd=REPO)
+    d = DaemonProc(run_dir=run_dir, proc=proc, log=log, page_size=PAGE)
+    wait_ready(d)
+    t = d.connect("hyp")
+    yield t
+    t.close()
+    assert d.check() == []
+    assert d.stats().pool.granted == 0
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(10)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    log.unlink(missing_ok=True)
+
+
+def test_concurrent_engine_and_refill_threads(daemon):
+    """The engine thread allocates and frees while the refill thread grows and shrinks."""
+    with daemon.connect("threads") as t:
+        g = t.region_group(2, 64 * PAGE)
+        a = ElasticBlockAllocator(g, 16 << 10, low=1, high=2, tick_s=0.0005)
+        rng = random.Random(7)
+        held: list[int] = []
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:
+            if held and rng.random() < 0.5:
+                k = rng.randint(1, len(held))
+                a.free(held[:k])
+                del held[:k]
+            else:
+                got = a.alloc(rng.randint(1, 10))
+                if got:
+                    held += got
+        a.free(held)
+        a.stop()
+        a.check_integrity()
+        assert a.grants > 5 and a.releases > 1
