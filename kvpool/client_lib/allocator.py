@@ -126,9 +126,20 @@ class ElasticBlockAllocator:
             raise ValueError(f"cannot allocate {n} blocks")
         with self._lock:
             self._ops += 1
-            if n <= self._nfree:
+            fl = self._curfree
+            if n == 1 and fl:  # the common case, inlined
+                b = fl.pop()
+                self._held[b] = 1
+                self._used[self._cur] += 1
+                self._nfree -= 1
+                self._in_use += 1
+                out = [b]
+            elif n <= self._nfree:
                 out = self._take(n)
-                if len(self._reserve) < self.low:
+            else:
+                out = None
+            if out is not None:
+                if len(self._reserve) < self.low and not self._wake.is_set():
                     self._wake.set()
                 return out
         return self._alloc_slow(n)
@@ -229,7 +240,7 @@ class ElasticBlockAllocator:
             self._nfree += n
             self._in_use -= n
             self._ops += 1
-            if len(self._reserve) > self.high:
+            if len(self._reserve) > self.high and not self._wake.is_set():
                 self._wake.set()
 
     # ---- slow path -------------------------------------------------------------------

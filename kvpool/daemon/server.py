@@ -67,6 +67,7 @@ class Server:
         )
         self.arbiter = Arbiter(cfg, self.pool, budget)
         self.notifier = Notifier.from_env()
+        self._handles_are_fds = self.backend.name == "host"
         self._stop = False
         self._handlers: dict[int, object] = {}  # fileno -> callable(fileno)
         self._next_liveness = 0.0
@@ -274,12 +275,17 @@ class Server:
     def _send_pages(self, t: Tenant, req_id: int, pfns: list[int]) -> bool:
         """Pass the grant's descriptors (before the reply: the ordering rule)."""
         total = len(pfns)
+        pages = self.pool.pages
         try:
             for first in range(0, total, fdchannel.MAX_FDS):
                 chunk = pfns[first : first + fdchannel.MAX_FDS]
-                fds = [self.backend.export(self.pool.pages[pfn]) for pfn in chunk]
+                header = p.encode(p.FdHeader(req_id, total, first))
+                if self._handles_are_fds:
+                    # host pages are memfds already: SCM_RIGHTS copies them, no dup needed
+                    fdchannel.send_fds(t.conn, header, [pages[pfn].handle for pfn in chunk])
+                    continue
+                fds = [self.backend.export(pages[pfn]) for pfn in chunk]
                 with fdchannel.closing(fds):
-                    header = p.encode(p.FdHeader(req_id, total, first))
                     fdchannel.send_fds(t.conn, header, fds)
         except OSError as e:  # includes socket.timeout: the tenant stopped reading
             self._drop(t, f"fd channel send failed: {e}")

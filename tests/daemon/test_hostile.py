@@ -205,7 +205,7 @@ def test_ten_thousand_hostile_messages(start_daemon, tmp_path):
     d = start_daemon(budget=str(256 * PAGE))
     stop = tmp_path / "stop"
     victim = d.worker("churn", "--name", "victim", "--seconds", "600", "--until-file", str(stop),
-                      "--max-blocks", "48", "--low", "0", "--high", "1")
+                      "--max-blocks", "48", "--low", "0", "--high", "1", "--pace-ms", "0.5")
     read_event(victim, "ready")
     ctx = zmq.Context.instance()
     env = Env()
@@ -262,7 +262,7 @@ def test_ten_thousand_hostile_messages(start_daemon, tmp_path):
     stop.touch()
     done = read_event(victim, "done")
     assert victim.wait(20) == 0
-    assert done["ok"] > 100 and done["grants"] > 10, done
+    assert done["ok"] > 100 and done["grants"] > 10, done  # served all along
     assert d.check() == []
     s = d.stats()
     assert s.pool.granted == 0 and not s.tenants, s

@@ -36,6 +36,8 @@ def churn(args) -> None:
         probe_done = False
         stop_file = Path(args.until_file) if args.until_file else None
         while time.monotonic() < deadline and not (stop_file and stop_file.exists()):
+            if args.pace_ms:
+                time.sleep(args.pace_ms / 1000)
             if held and (len(held) >= args.max_blocks or rng.random() < 0.45):
                 victims = rng.sample(list(held), min(len(held), rng.randint(1, 8)))
                 for b in victims:
@@ -104,6 +106,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=2.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--probe-over-limit", action="store_true")
+    ap.add_argument("--pace-ms", type=float, default=0.0, help="churn: sleep per step")
     ap.add_argument("--until-file", default=None, help="churn: stop early once this exists")
     ap.add_argument("--units", type=int, default=8)
     ap.add_argument("--fill", type=lambda s: int(s, 0), default=0xAB)
