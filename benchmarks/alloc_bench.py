@@ -248,7 +248,7 @@ def main() -> None:
                       "≤ 1.5x" if n == 64 else "")
     Console(width=120).print(table)
     result = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "command": " ".join([os.path.relpath(sys.executable), *sys.argv]),
         "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine(),
         "page_size": page_size,

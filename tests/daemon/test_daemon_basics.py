@@ -231,3 +231,10 @@ def test_connection_demultiplexes_unsolicited_and_stale_replies(tmp_path):
     assert [m.bytes for m in msgs] == [1 << 20, 2 << 20]
     conn.close()
     router.close()
+
+
+def test_the_daemon_process_never_loads_torch(daemon):
+    with connect(name="probe", run_dir=daemon.run_dir) as t:
+        t.region_group(1, 2 * PAGE).grant([0])
+        maps = open(f"/proc/{daemon.pid}/maps").read()
+    assert "libtorch" not in maps and "torch/_C" not in maps
