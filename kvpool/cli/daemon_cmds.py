@@ -110,9 +110,11 @@ def daemon(backend, device, budget, page_size, warm_min, warm_max, run_dir, conf
         level=cfg.log_level.upper(), stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s" if not as_json else
         '{"time":"%(asctime)s","level":"%(levelname)s","logger":"%(name)s","msg":"%(message)s"}')
+    from kvpool.vmm import VmmError
+
     try:
         server = Server(cfg)
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, VmmError) as e:
         raise click.ClickException(str(e)) from None
     try:
         server.serve()

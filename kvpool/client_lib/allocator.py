@@ -331,8 +331,8 @@ class ElasticBlockAllocator:
                 self.rebalance()
                 self._maybe_report()
             except Exception as e:
-                if self._stopped or self.group.tenant.closed:
-                    break
+                if self._stopped or self.group.tenant.closed or self.group.tenant.conn.daemon_gone:
+                    break  # nothing left to refill from
                 log.warning("refill thread: %s", e)
                 self._backoff_until = time.monotonic() + 0.5
 
