@@ -319,6 +319,13 @@ class ElasticBlockAllocator:
         self.releases += 1
         return len(chunks)
 
+    def release_reserve(self, nbytes: int) -> int:
+        """Give back reserve chunks worth at least ``nbytes`` (or the whole reserve) now;
+        returns the bytes released. The reserve refills only below ``low`` again."""
+        per_chunk = self.chunk_bytes * self.group.n_regions
+        k = -(-nbytes // per_chunk)
+        return self._shrink(k) * per_chunk if k > 0 else 0
+
     # ---- background thread -----------------------------------------------------------------
     def _run(self) -> None:
         while not self._stopped:

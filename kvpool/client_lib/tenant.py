@@ -58,13 +58,27 @@ class Tenant:
         return g
 
     def poll(self) -> list[p.Reply]:
-        """Unsolicited messages from the daemon (e.g. a later issue's ``Reclaim``); each
-        is also passed to ``on_message`` when set."""
+        """Handle unsolicited messages from the daemon (allocators' refill threads call
+        this). Each goes to ``on_message`` when set; otherwise a ``Reclaim`` is answered
+        from the cheapest source, the allocators' reserves (unused mapped units)."""
         msgs = self.conn.poll()
-        if self.on_message is not None:
-            for m in msgs:
+        for m in msgs:
+            if self.on_message is not None:
                 self.on_message(m)
+            elif isinstance(m, p.Reclaim):
+                self.reclaim_reserve(m.bytes)
         return msgs
+
+    def reclaim_reserve(self, nbytes: int) -> int:
+        """Release up to ``nbytes`` of reserve units (rounded up to whole chunks) from
+        every group's allocator; returns the bytes released."""
+        freed = 0
+        for g in list(self.groups.values()):
+            if freed >= nbytes:
+                break
+            if g.allocator is not None:
+                freed += g.allocator.release_reserve(nbytes - freed)
+        return freed
 
     def ping(self) -> None:
         self.conn.call(p.Ping())

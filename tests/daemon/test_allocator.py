@@ -204,3 +204,22 @@ def test_concurrent_engine_and_refill_threads(daemon):
         a.stop()
         a.check_integrity()
         assert a.grants > 5 and a.releases > 1
+
+
+def test_reclaim_is_served_from_the_reserve(daemon):
+    from kvpool import protocol as p
+
+    with daemon.connect("reclaimed") as t:
+        g = t.region_group(2, 32 * PAGE)
+        a = ElasticBlockAllocator(g, 16 << 10, background=False)
+        held = a.alloc(1)
+        a.rebalance()  # reserve below low: grows to high
+        assert a.reserve_chunks == a.high
+        t.conn._unsolicited.append(p.Reclaim(bytes=3 * 2 * PAGE))  # as if the daemon asked
+        t.poll()
+        assert a.reserve_chunks == a.high - 3
+        assert t.reclaim_reserve(1 << 30) == (a.high - 3) * 2 * PAGE
+        assert a.reserve_chunks == 0
+        a.check_integrity()
+        assert daemon.stats().pool.granted == 2 * PAGE  # only the unit holding `held`
+        a.free(held)
