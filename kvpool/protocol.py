@@ -13,6 +13,18 @@ Transport (see DESIGN.md "Wire"):
   accept the daemon sends one :class:`FdHello` (session token, backend, page size);
   afterwards it only sends page descriptors, each message headed by a :class:`FdHeader`.
 
+Reclaim (see DESIGN.md "Arbitration"): when a grant or lease does not fit, the daemon
+sends unsolicited :class:`Reclaim` messages (``id`` 0, numbered by ``seq``) to other
+tenants: ``mode="reserve"`` asks for mapped-but-unused units only, ``mode="shrink"``
+asks the tenant's shrink callback to empty whole units. The tenant answers each with a
+:class:`Reclaimed` request once it has released what it could. Grants that have to wait
+for reclaim are answered when the pages are free, or with ``NO_MEMORY`` at the deadline.
+
+After a daemon restart a tenant registers again and sends one :class:`Adopt` request
+describing every group it still maps; the page descriptors travel first on the fd
+channel, *from the client to the daemon*, headed by :class:`FdHeader` with the request
+id, in the same unit-major order as a grant's.
+
 Ordering rule for grants: the daemon sends every fd message of a grant on the fd
 channel *before* it sends the :class:`Granted` reply on ZeroMQ. When the client reads
 ``Granted(id, nfds)`` the descriptors are already queued on its fd socket, in the order
@@ -32,7 +44,7 @@ from typing import Annotated, Any, Optional, Union
 import msgspec
 from msgspec import Meta, Struct
 
-VERSION = 1
+VERSION = 2  # 2: arbitration (reclaim, leases, knobs), adopt after a daemon restart, admin ops
 
 # ---- bounds (validated on decode) ------------------------------------------------
 MAX_FRAME = 1 << 20  # bytes of one control message
@@ -64,6 +76,8 @@ Bytes = Annotated[int, Meta(ge=0, le=MAX_BYTES)]
 Unit = Annotated[int, Meta(ge=0, lt=MAX_PAGES_PER_REGION)]
 Units = Annotated[list[Unit], Meta(max_length=MAX_UNITS)]
 Kind = Annotated[str, Meta(pattern=r"^(engine|lease|monitor|admin|test)$")]
+Weight = Annotated[float, Meta(gt=0, le=10000)]
+Seq = Annotated[int, Meta(ge=0, le=MAX_ID)]
 
 
 # ====================================================================== requests
@@ -81,6 +95,10 @@ class Register(Request, tag="register"):
     kind: Kind = "engine"
     device: Annotated[int, Meta(ge=0, le=1024)] = 0
     version: int = VERSION
+    # the tenant's own knobs; used only when the daemon's config has no entry for ``name``
+    min: Optional[Bytes] = None
+    max: Optional[Bytes] = None
+    weight: Optional[Weight] = None
 
 
 class CreateGroup(Request, tag="create_group"):
@@ -103,12 +121,15 @@ class Grant(Request, tag="grant"):
     """Back ``units`` (virtual page indices, unmapped in the group) with fresh pages.
 
     ``in_use``/``reserve`` report the tenant's state *after* this request (bytes in use
-    in the group; units of the group held as mapped-but-unused reserve)."""
+    in the group; units of the group held as mapped-but-unused reserve).
+    ``speculative`` grants (reserve refills) are served from free memory only: they never
+    wait and never make the daemon reclaim from other tenants."""
 
     group: Id
     units: Units
     in_use: Optional[Bytes] = None
     reserve: Optional[Units] = None
+    speculative: bool = False
 
 
 class Release(Request, tag="release"):
@@ -126,6 +147,42 @@ class Report(Request, tag="report"):
     group: Id
     in_use: Optional[Bytes] = None
     reserve: Optional[Units] = None
+
+
+class Lease(Request, tag="lease"):
+    """Set this tenant's lease to ``bytes`` (0 ends it): memory the tenant uses through its
+    own allocator, counted against the budget. Growing may wait for reclaim."""
+
+    bytes: Bytes
+
+
+class Reclaimed(Request, tag="reclaimed"):
+    """The tenant finished handling :class:`Reclaim` ``seq``; ``freed`` bytes released."""
+
+    seq: Seq
+    freed: Bytes = 0
+
+
+class AdoptGroup(Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
+    """One group a tenant still maps after a daemon restart (its old id is kept)."""
+
+    id: Annotated[int, Meta(ge=1, le=MAX_ID)]
+    n_regions: Annotated[int, Meta(ge=1, le=MAX_REGIONS)]
+    capacity: Annotated[int, Meta(ge=1, le=MAX_BYTES)]
+    bases: Annotated[list[Annotated[int, Meta(ge=0, le=MAX_ID)]], Meta(max_length=MAX_REGIONS)] = []
+    label: Annotated[str, Meta(max_length=MAX_NAME)] = ""
+    units: Units = []
+    in_use: Optional[Bytes] = None
+    reserve: Optional[Units] = None
+
+
+class Adopt(Request, tag="adopt"):
+    """After a daemon restart: everything this tenant still holds. ``nfds`` descriptors
+    (unit-major per group, groups in order) were sent on the fd channel first."""
+
+    groups: Annotated[list[AdoptGroup], Meta(max_length=MAX_GROUPS)] = []
+    lease: Bytes = 0
+    nfds: Annotated[int, Meta(ge=0, le=1 << 20)] = 0
 
 
 class Bye(Request, tag="bye"):
@@ -152,23 +209,30 @@ class MapReq(Request, tag="map"):
 
 
 class SetLimit(Request, tag="set_limit"):
-    """Set the hard limit (bytes) of every tenant called ``tenant`` (admin op)."""
+    """Set the knobs of every tenant called ``tenant`` (admin op; the session must belong
+    to an admin identity). Unset fields are left as they are."""
 
     tenant: Name
-    max: Bytes
+    max: Optional[Bytes] = None
+    min: Optional[Bytes] = None
+    weight: Optional[Weight] = None
+
+
+class Shutdown(Request, tag="shutdown"):
+    """Stop the daemon (admin op). Tenants keep their mapped pages."""
 
 
 class Check(Request, tag="check"):
-    """Run the daemon's invariant check (admin op)."""
+    """Run the daemon's invariant check (read-only: a monitor op)."""
 
 
 REQUESTS = (
     Register, CreateGroup, DestroyGroup, Grant, Release, Report, Bye, Ping,
-    Ps, Stats, MapReq, SetLimit, Check,
+    Ps, Stats, MapReq, SetLimit, Check, Lease, Reclaimed, Adopt, Shutdown,
 )
 AnyRequest = Union[REQUESTS]  # type: ignore[valid-type]
-MONITOR_OPS = frozenset({"ps", "stats", "map", "ping"})
-ADMIN_OPS = frozenset({"set_limit", "check"})
+MONITOR_OPS = frozenset({"ps", "stats", "map", "ping", "check"})
+ADMIN_OPS = frozenset({"set_limit", "shutdown"})
 
 
 # ====================================================================== replies
@@ -224,6 +288,12 @@ class TenantInfo(Struct, kw_only=True):
     min: int
     max: int
     weight: float
+    lease: int = 0  # bytes leased (held outside kvpool's mappings)
+    share: int = 0  # weighted fair share right now (bytes)
+    asked: int = 0  # bytes the daemon is waiting for this tenant to give back
+    ignored: int = 0  # reclaims this tenant let expire
+    unresponsive: bool = False  # capped at its min until it answers a reclaim
+    waiting: int = 0  # bytes of this tenant's requests waiting for reclaim
 
 
 class PoolInfo(Struct, kw_only=True):
@@ -238,6 +308,9 @@ class PoolInfo(Struct, kw_only=True):
     created: int  # pages created since start
     warm_min: int
     warm_max: int
+    leased: int = 0  # bytes of leases (counted against the budget)
+    waiting: int = 0  # bytes asked by requests waiting for reclaim
+    recovering: bool = False  # rebuilding its accounting after a restart (no grants)
 
 
 class GroupInfo(Struct, kw_only=True):
@@ -275,15 +348,43 @@ class CheckReply(Reply, tag="check"):
 
 
 class Reclaim(Reply, tag="reclaim"):
-    """Unsolicited (``id`` 0): the daemon asks the tenant to give back ``bytes``."""
+    """Unsolicited (``id`` 0): the daemon asks the tenant to give back ``bytes``.
+
+    ``mode`` is ``reserve`` (mapped-but-unused units only) or ``shrink`` (call the shrink
+    callback to empty whole units); ``urgent`` means memory above ``min`` must go now
+    (the engine may preempt). Answer with :class:`Reclaimed` ``seq`` within
+    ``deadline_ms``."""
 
     bytes: int
     reason: str = ""
+    seq: int = 0
+    mode: str = "reserve"
+    urgent: bool = False
+    deadline_ms: int = 0
+
+
+class LimitSet(Reply, tag="limit"):
+    """``applied`` when every tenant of that name is within its new knobs; otherwise
+    ``pending`` bytes are being reclaimed."""
+
+    tenant: str
+    tenants: int = 0
+    applied: bool = True
+    pending: int = 0
+
+
+class Leased(Reply, tag="leased"):
+    bytes: int
+
+
+class Adopted(Reply, tag="adopted"):
+    groups: list[int]
+    pages: int
 
 
 REPLIES = (
     Error, Registered, GroupCreated, Granted, Done, PsReply, StatsReply, MapReply,
-    CheckReply, Reclaim,
+    CheckReply, Reclaim, LimitSet, Leased, Adopted,
 )
 AnyReply = Union[REPLIES]  # type: ignore[valid-type]
 

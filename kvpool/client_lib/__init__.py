@@ -9,17 +9,20 @@ block allocator (fast path / slow path) and zero-copy tensor views.
         k0 = group.tensor(0, torch.float16, (alloc.num_blocks, block_size, heads, dim))
         blocks = alloc.alloc(4)      # None when memory is short: queue the request
         alloc.free(blocks)
+        tenant.set_shrink_callback(lambda nbytes, urgent: evict(nbytes, urgent))
 """
 
 from kvpool.client_lib.admin import Monitor
-from kvpool.client_lib.allocator import ElasticBlockAllocator
+from kvpool.client_lib.allocator import ElasticBlockAllocator, Holdings
 from kvpool.client_lib.errors import DaemonUnavailable, KvpoolError, NoMemory, OverLimit
 from kvpool.client_lib.regions import RegionGroup
-from kvpool.client_lib.tenant import Tenant, connect
+from kvpool.client_lib.tenant import Lease, Tenant, connect
 
 __all__ = [
     "DaemonUnavailable",
     "ElasticBlockAllocator",
+    "Holdings",
+    "Lease",
     "KvpoolError",
     "Monitor",
     "NoMemory",

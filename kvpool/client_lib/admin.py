@@ -1,4 +1,11 @@
-"""A monitor/admin connection: read-only ops need no tenant session (used by the CLI)."""
+"""A monitor/admin connection (used by the CLI).
+
+Read-only ops (``ps``, ``stats``, ``map``, ``check``) need no session. Admin ops
+(``set_limit``, ``shutdown``) are decided from the caller's identity as the kernel reports
+it (``SO_PEERCRED``) on the fd channel, so the first admin op opens an fd-channel session
+and registers it as kind ``admin`` (not listed by ``ps``); the daemon checks that the
+peer is root, the daemon's user or in its admin group.
+"""
 
 from __future__ import annotations
 
@@ -13,10 +20,24 @@ from kvpool.client_lib.connection import Connection
 class Monitor:
     def __init__(self, run_dir: str | os.PathLike | None = None, timeout_s: float = 5.0):
         self.run_dir = paths.run_dir(run_dir)
+        self.timeout_s = timeout_s
         self.conn = Connection(Path(self.run_dir), timeout_s=timeout_s, fd_channel=False)
+        self._admin: Connection | None = None
 
     def call(self, req: p.Request) -> p.Reply:
         return self.conn.call(req)[0]
+
+    def admin_call(self, req: p.Request) -> p.Reply:
+        """Send an admin op over an fd-channel session (opened on first use)."""
+        if self._admin is None:
+            conn = Connection(Path(self.run_dir), timeout_s=self.timeout_s)
+            try:
+                conn.call(p.Register(name="admin", kind="admin"))
+            except BaseException:
+                conn.close()
+                raise
+            self._admin = conn
+        return self._admin.call(req)[0]
 
     def ps(self) -> p.PsReply:
         return self.call(p.Ps())  # type: ignore[return-value]
@@ -27,13 +48,27 @@ class Monitor:
     def map(self, tenant: str | None = None, pfns: bool = False) -> p.MapReply:
         return self.call(p.MapReq(tenant=tenant, pfns=pfns))  # type: ignore[return-value]
 
-    def set_limit(self, tenant: str, nbytes: int) -> None:
-        self.call(p.SetLimit(tenant=tenant, max=nbytes))
+    def set_limit(self, tenant: str, nbytes: int | None = None, *, min: int | None = None,
+                  weight: float | None = None) -> p.LimitSet:
+        """Change ``tenant``'s knobs (admin); the reply says whether the change is
+        applied or how many bytes are still being reclaimed."""
+        return self.admin_call(p.SetLimit(tenant=tenant, max=nbytes, min=min,  # type: ignore[return-value]
+                                          weight=weight))
+
+    def shutdown(self) -> None:
+        self.admin_call(p.Shutdown())
 
     def check(self) -> list[str]:
         return self.call(p.Check()).problems  # type: ignore[attr-defined]
 
     def close(self) -> None:
+        if self._admin is not None:
+            try:
+                self._admin.call(p.Bye())
+            except Exception:
+                pass
+            self._admin.close()
+            self._admin = None
         self.conn.close()
 
     def __enter__(self) -> "Monitor":

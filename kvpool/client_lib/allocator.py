@@ -23,9 +23,13 @@ becomes current, so emptier chunks drain into the reserve; then a reserve chunk.
 path: one batched grant for the missing chunks, mapped before ``alloc`` returns.
 
 A background thread keeps ``len(_reserve)`` between ``low`` and ``high`` (growing to
-``high`` in one grant when below ``low``; releasing the surplus above ``high`` in one
-release), shrinks the reserve to nothing after ``idle_timeout_s`` without alloc/free, picks
-up the daemon's unsolicited messages, and reports the reserve to the daemon.
+``high`` in one *speculative* grant when below ``low`` — served from free memory only,
+never making the daemon reclaim from others; releasing the surplus above ``high`` in one
+release), shrinks the reserve to nothing after ``idle_timeout_s`` without alloc/free, and
+reports the reserve to the daemon. The tenant's own background thread answers the
+daemon's reclaim requests (:meth:`release_reserve`, then the shrink callback).
+While the daemon is away (restart) the thread keeps going: grants fail (``alloc`` of
+unmapped memory returns None), mapped blocks keep working.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import logging
 import math
 import threading
 import time
+from dataclasses import dataclass
 from typing import Iterable
 
 from kvpool.client_lib.errors import KvpoolError
@@ -43,6 +48,23 @@ from kvpool.client_lib.regions import RegionGroup
 log = logging.getLogger("kvpool.client")
 
 _EMPTY: list[int] = []
+
+
+@dataclass(frozen=True)
+class Holdings:
+    """What an allocator holds, in bytes of physical memory (all regions together).
+
+    ``mapped = in_use + free``; ``reserve`` is the part of ``free`` in wholly empty chunks
+    (what :meth:`ElasticBlockAllocator.release_reserve` can give back without evicting);
+    ``chunk`` is the bytes one chunk (the release granularity) is worth."""
+
+    mapped: int
+    in_use: int
+    free: int
+    reserve: int
+    chunk: int
+    mapped_chunks: int
+    reserve_chunks: int
 
 
 class ElasticBlockAllocator:
@@ -110,6 +132,7 @@ class ElasticBlockAllocator:
         self._last_report = 0.0
         self._reported: tuple | None = None
         self._backoff_until = 0.0
+        self._reclaimed_at = 0.0
         group.allocator = self
         self._thread: threading.Thread | None = None
         if background:
@@ -273,11 +296,12 @@ class ElasticBlockAllocator:
         return [c * ppc + i for c in chunks for i in range(ppc)]
 
     def _grow(self, chunks: list[int], into_reserve: bool) -> bool:
-        """Grant and map ``chunks`` (in flight); on success they become reserve chunks."""
+        """Grant and map ``chunks`` (in flight); on success they become reserve chunks.
+        Reserve refills (``into_reserve``) are speculative: free memory only."""
         reserve = self._reserve_units(extra=chunks if into_reserve else ())
         try:
             self.group.grant(self._units(chunks), reserve=reserve, populate=self.populate,
-                             in_use=self._in_use_bytes())
+                             in_use=self._in_use_bytes(), speculative=into_reserve)
         except KvpoolError as e:
             log.debug("grant of %d chunks failed: %s", len(chunks), e)
             with self._lock:
@@ -320,11 +344,19 @@ class ElasticBlockAllocator:
         return len(chunks)
 
     def release_reserve(self, nbytes: int) -> int:
-        """Give back reserve chunks worth at least ``nbytes`` (or the whole reserve) now;
-        returns the bytes released. The reserve refills only below ``low`` again."""
+        """Give back empty chunks worth at least ``nbytes`` (or all of them) now; returns
+        the bytes released. An empty current chunk counts. Refills pause for a second
+        (the daemon wanted this memory elsewhere)."""
         per_chunk = self.chunk_bytes * self.group.n_regions
         k = -(-nbytes // per_chunk)
-        return self._shrink(k) * per_chunk if k > 0 else 0
+        if k <= 0:
+            return 0
+        with self._lock:
+            if self._cur >= 0 and self._used[self._cur] == 0:
+                self._demote()
+            self._reclaimed_at = time.monotonic()
+            self._backoff_until = max(self._backoff_until, self._reclaimed_at + 1.0)
+        return self._shrink(k) * per_chunk
 
     # ---- background thread -----------------------------------------------------------------
     def _run(self) -> None:
@@ -333,14 +365,20 @@ class ElasticBlockAllocator:
             self._wake.clear()
             if self._stopped:
                 break
+            tenant = self.group.tenant
+            if tenant.closed:
+                break
+            if not tenant.connected:  # the daemon is away: the tenant thread reconnects
+                self._wake.wait(0.05)
+                continue
             try:
-                self.group.tenant.poll()
                 self.rebalance()
                 self._maybe_report()
             except Exception as e:
-                if self._stopped or self.group.tenant.closed or self.group.tenant.conn.daemon_gone:
-                    break  # nothing left to refill from
-                log.warning("refill thread: %s", e)
+                if self._stopped or tenant.closed:
+                    break
+                if tenant.connected:
+                    log.warning("refill thread: %s", e)
                 self._backoff_until = time.monotonic() + 0.5
 
     def rebalance(self) -> None:
@@ -390,6 +428,30 @@ class ElasticBlockAllocator:
             self._last_report = time.monotonic()
 
     # ---- introspection ---------------------------------------------------------------------
+    def holdings(self) -> Holdings:
+        """What this allocator holds now (for an engine deciding what to evict)."""
+        with self._lock:
+            mapped_chunks = sum(1 for f in self._free if f is not None)
+            empty = len(self._reserve) + (
+                1 if self._cur >= 0 and self._used[self._cur] == 0 else 0)
+            nfree, in_use = self._nfree, self._in_use
+        per_block = self.block_bytes * self.group.n_regions
+        per_chunk = self.chunk_bytes * self.group.n_regions
+        return Holdings(mapped=mapped_chunks * per_chunk, in_use=in_use * per_block,
+                        free=nfree * per_block, reserve=empty * per_chunk, chunk=per_chunk,
+                        mapped_chunks=mapped_chunks, reserve_chunks=empty)
+
+    def chunk_of(self, block: int) -> int:
+        """The chunk (release granularity) ``block`` lives in."""
+        return block // self.blocks_per_chunk
+
+    def held_by_chunk(self) -> dict[int, int]:
+        """Mapped chunks with held blocks -> how many blocks each holds. Freeing every
+        held block of a chunk lets the library release it: evict chunks with the fewest
+        held blocks first to free whole units."""
+        with self._lock:
+            return {c: u for c, u in enumerate(self._used) if u and self._free[c] is not None}
+
     @property
     def free_blocks(self) -> int:
         """Blocks allocatable without a message (mapped and free)."""

@@ -71,12 +71,22 @@ class Connection:
         self.daemon_gone = False
 
     # ---- requests -----------------------------------------------------------------
-    def call(self, req: p.Request, timeout_ms: int | None = None) -> tuple[p.Reply, list[int]]:
+    def call(self, req: p.Request, timeout_ms: int | None = None,
+             fds_ahead: list[int] | None = None) -> tuple[p.Reply, list[int]]:
         """Send ``req``; returns ``(reply, fds)``. ``fds`` (only for grants) belong to the
-        caller. Raises :class:`KvpoolError` for error replies (after closing any fds)."""
+        caller. Raises :class:`KvpoolError` for error replies (after closing any fds).
+        ``fds_ahead`` (an Adopt's pages) go on the fd channel first, headed by the request
+        id; the caller keeps (and closes) its descriptors."""
         req.token = self.token
         with self._lock:
             req.id = next(self._ids)
+            if fds_ahead:
+                if self.fdsock is None:
+                    raise KvpoolError(p.BAD_REQUEST, "no fd channel to send descriptors on")
+                for first in range(0, len(fds_ahead), fdchannel.MAX_FDS):
+                    chunk = fds_ahead[first : first + fdchannel.MAX_FDS]
+                    header = p.encode(p.FdHeader(req.id, len(fds_ahead), first))
+                    fdchannel.send_fds(self.fdsock, header, chunk)
             self.sock.send(p.encode(req), copy=True)
             reply = self._wait(req.id, self.timeout_ms if timeout_ms is None else timeout_ms)
             fds: list[int] = []
@@ -161,9 +171,21 @@ class Connection:
             self.fdsock.settimeout(timeout)
 
     # ---- unsolicited messages ---------------------------------------------------------
+    def probe(self) -> bool:
+        """Whether the daemon still holds our fd channel (False once it is gone)."""
+        if self._lock.acquire(blocking=False):
+            try:
+                if not self.closed:
+                    self._check_eof()
+            finally:
+                self._lock.release()
+        return not self.daemon_gone
+
     def poll(self) -> list[p.Reply]:
         """Unsolicited messages (``id`` 0) received so far, without blocking."""
         with self._lock:
+            if self.closed:
+                return []
             while self.sock.poll(0):
                 msg = p.decode_reply(self.sock.recv())
                 if msg.id == 0:

@@ -7,7 +7,9 @@ virtual page ``u`` of every region: :meth:`RegionGroup.grant` maps the daemon's 
 there, :meth:`RegionGroup.release` unmaps them everywhere and then gives them back.
 
 Invariant: ``mapped`` is exactly the set of units mapped in every region (and granted to
-this tenant by the daemon).
+this tenant by the daemon). On the host backend ``handles[u]`` keeps one page descriptor
+per region of every mapped unit, so the tenant can hand its pages to a restarted daemon
+(:meth:`adopt_state`); on CUDA the handles are retained from the mappings instead.
 """
 
 from __future__ import annotations
@@ -60,6 +62,9 @@ class RegionGroup:
         self.id: int = reply.group
         self.npages: int = reply.npages
         self.mapped: set[int] = set()
+        self.keep_handles = self.backend.name == "host"
+        self.handles: dict[int, list] = {}  # unit -> Page per region (host backend)
+        self.label = label
         self.allocator = None  # an ElasticBlockAllocator registers itself here
         self._lock = threading.Lock()
         self.closed = False
@@ -75,29 +80,35 @@ class RegionGroup:
 
     # ---- grant / release ----------------------------------------------------------------
     def grant(self, units: Sequence[int], *, in_use: int | None = None,
-              reserve: Sequence[int] | None = None, populate: bool = False) -> None:
+              reserve: Sequence[int] | None = None, populate: bool = False,
+              speculative: bool = False) -> None:
         """Get pages for ``units`` (unmapped) and map them in every region. All or nothing;
-        raises :class:`~kvpool.client_lib.errors.KvpoolError` (``NoMemory``, ...)."""
+        raises :class:`~kvpool.client_lib.errors.KvpoolError` (``NoMemory``, ...). The
+        daemon may hold the request while it reclaims from other tenants (up to its
+        reclaim deadline); ``speculative`` grants (reserve refills) never wait."""
         units = sorted(units)
         if not units:
             return
         req = p.Grant(group=self.id, units=units, in_use=in_use,
-                      reserve=None if reserve is None else list(reserve))
+                      reserve=None if reserve is None else list(reserve), speculative=speculative)
         _, fds = self.tenant.call(req)
         with fdchannel.closing(fds):
             try:
-                self._map(units, fds, populate)
+                kept = self._map(units, fds, populate)
             except BaseException:
                 log.exception("mapping granted units failed; giving them back")
                 self.tenant.call(p.Release(group=self.id, units=units))
                 raise
         with self._lock:
             self.mapped.update(units)
+            self.handles.update(kept)
 
-    def _map(self, units: list[int], fds: list[int], populate: bool) -> None:
+    def _map(self, units: list[int], fds: list[int], populate: bool) -> dict[int, list]:
+        """Map the granted pages; returns the page handles kept per unit (host only)."""
         backend, ps, nr = self.backend, self.page_size, self.n_regions
         runs = unit_runs(units)
         done: list[tuple[Range, int, int]] = []
+        kept: dict[int, list] = {u: [] for u in units} if self.keep_handles else {}
         try:
             for r, rng in enumerate(self.ranges):
                 for first, idx, n in runs:
@@ -105,13 +116,23 @@ class RegionGroup:
                     try:
                         backend.map_pages(rng, first * ps, pages, populate)
                     finally:
-                        for page in pages:
-                            backend.release(page)
+                        for k, page in enumerate(pages):
+                            if self.keep_handles:
+                                kept[first + k].append(page)
+                            else:
+                                backend.release(page)
                     done.append((rng, first * ps, n))
         except BaseException:
             for rng, off, n in done:
                 backend.unmap(rng, off, n)
+            self._drop_handles(kept)
             raise
+        return kept
+
+    def _drop_handles(self, handles: dict[int, list]) -> None:
+        for pages in handles.values():
+            for page in pages:
+                self.backend.release(page)
 
     def release(self, units: Sequence[int], *, in_use: int | None = None,
                 reserve: Sequence[int] | None = None) -> None:
@@ -124,16 +145,45 @@ class RegionGroup:
             if missing:
                 raise ValueError(f"unit {missing[0]} of group {self.id} is not mapped")
             self.mapped.difference_update(units)
+            handles = {u: self.handles.pop(u) for u in units if u in self.handles}
         ps = self.page_size
         for rng in self.ranges:
             for first, _, n in unit_runs(units):
                 self.backend.unmap(rng, first * ps, n)
+        self._drop_handles(handles)
         self.tenant.call(p.Release(group=self.id, units=units, in_use=in_use,
                                    reserve=None if reserve is None else list(reserve)))
 
     def report(self, *, in_use: int | None = None, reserve: Sequence[int] | None = None) -> None:
         self.tenant.call(p.Report(group=self.id, in_use=in_use,
                                   reserve=None if reserve is None else list(reserve)))
+
+    # ---- daemon restart ----------------------------------------------------------------
+    def adopt_state(self) -> tuple[p.AdoptGroup, list[int], list[int]]:
+        """(caller holds ``_lock``) This group as an Adopt entry, the page descriptors to
+        send (unit-major), and those of them the caller must close after sending."""
+        units = sorted(self.mapped)
+        fds: list[int] = []
+        owned: list[int] = []
+        for u in units:
+            if self.keep_handles:
+                fds.extend(page.handle for page in self.handles[u])
+                continue
+            for r in range(self.n_regions):  # CUDA: re-export what the mapping holds
+                page = self.backend.retain_handle(self.unit_address(r, u))
+                try:
+                    fd = self.backend.export(page)
+                finally:
+                    self.backend.release(page)
+                fds.append(fd)
+                owned.append(fd)
+        a = self.allocator
+        entry = p.AdoptGroup(
+            id=self.id, n_regions=self.n_regions, capacity=self.capacity, bases=self.bases,
+            label=self.label, units=units,
+            in_use=a._in_use_bytes() if a is not None else None,
+            reserve=[u for u in a._reserve_units() if u in self.mapped] if a is not None else None)
+        return entry, fds, owned
 
     # ---- views ----------------------------------------------------------------------------
     def tensor(self, i: int, dtype=None, shape: Sequence[int] | None = None,
@@ -159,10 +209,12 @@ class RegionGroup:
         with self._lock:
             units = sorted(self.mapped)
             self.mapped.clear()
+            handles, self.handles = self.handles, {}
         ps = self.page_size
         for rng in self.ranges:
             for first, _, n in unit_runs(units):
                 self.backend.unmap(rng, first * ps, n)
+        self._drop_handles(handles)
         try:
             if not self.tenant.closed:
                 self.tenant.call(p.DestroyGroup(group=self.id))

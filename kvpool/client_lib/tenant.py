@@ -5,32 +5,60 @@ out a session token), registers over ZeroMQ, and opens this process's own vmm ba
 the daemon's kind and page size. Closing (or leaving the ``with`` block) releases every
 unit of every group and ends the session; if the process dies instead, the daemon sees
 the fd channel close and takes everything back itself.
+
+A background thread (the *keeper*) looks for the daemon's unsolicited messages every
+``POLL_S``, so reclaim requests reach even a tenant whose own threads do nothing:
+
+* ``Reclaim(mode="reserve")`` — release empty chunks of the allocators' reserves;
+* ``Reclaim(mode="shrink")`` — the same, then the shrink callback (see
+  :meth:`Tenant.set_shrink_callback`) frees blocks and the chunks that became empty are
+  released, repeated until enough is free or the deadline nears; then ``Reclaimed``.
+
+The keeper also notices the daemon's death (fd-channel EOF). The tenant keeps serving
+with the pages it maps, reconnects with backoff, registers again and *adopts*: it sends
+every group's mapped units with their page descriptors, so the new daemon owns the pages
+again and rebuilds its accounting (host: the page memfds the group keeps; CUDA: handles
+retained from the mappings with ``cuMemRetainAllocationHandle`` and re-exported).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import resource
+import threading
+import time
 from pathlib import Path
 from typing import Callable
 
 from kvpool import paths
 from kvpool import protocol as p
 from kvpool.client_lib.connection import Connection
+from kvpool.client_lib.errors import KvpoolError
 from kvpool.client_lib.regions import RegionGroup
 from kvpool.vmm import open_backend
 
 log = logging.getLogger("kvpool.client")
 
+POLL_S = 0.02  # the keeper's period: reclaims reach an idle tenant this fast
+SHRINK_ROUNDS = 4  # shrink callback calls per reclaim at most
+ShrinkCallback = Callable[[int, bool], None]
+
 
 class Tenant:
     def __init__(self, name: str, device: int = 0, run_dir: str | os.PathLike | None = None,
-                 kind: str = "engine", timeout_s: float = 10.0):
+                 kind: str = "engine", timeout_s: float = 10.0, *, min: int | None = None,
+                 max: int | None = None, weight: float | None = None, keeper: bool = True):
         self.run_dir = paths.run_dir(run_dir)
+        self.timeout_s = timeout_s
+        self._register = p.Register(name=name, kind=kind, device=device, min=min, max=max,
+                                    weight=weight)
+        _raise_fd_limit()
         self.conn = Connection(Path(self.run_dir), timeout_s=timeout_s)
         self.closed = False
         try:
-            reply, _ = self.conn.call(p.Register(name=name, kind=kind, device=device))
+            reply, _ = self.conn.call(self._fresh_register())
             hello = self.conn.hello
             assert hello is not None
             self.backend = open_backend(hello.backend, device, hello.page_size)
@@ -40,12 +68,33 @@ class Tenant:
         self.info: p.Registered = reply
         self.id = reply.tenant
         self.name = name
+        self.kind = kind
         self.device = device
         self.page_size = reply.page_size
         self.limit = reply.limit
         self.budget = reply.budget
         self.groups: dict[int, RegionGroup] = {}
         self.on_message: Callable[[p.Reply], None] | None = None
+        self.lease_bytes = 0
+        self.reconnects = 0
+        self.reclaims = 0  # reclaim requests handled
+        self._shrink: ShrinkCallback | None = None
+        self._swap = threading.Lock()  # held while the connection is replaced
+        self._stop = threading.Event()
+        self._keeper: threading.Thread | None = None
+        if keeper:
+            self._keeper = threading.Thread(target=self._keep, name=f"kvpool-tenant-{name}",
+                                            daemon=True)
+            self._keeper.start()
+
+    def _fresh_register(self) -> p.Register:
+        r = self._register
+        return p.Register(name=r.name, kind=r.kind, device=r.device, min=r.min, max=r.max,
+                          weight=r.weight)
+
+    @property
+    def connected(self) -> bool:
+        return not self.conn.daemon_gone and not self.closed
 
     def call(self, req: p.Request) -> tuple[p.Reply, list[int]]:
         return self.conn.call(req)
@@ -57,20 +106,73 @@ class Tenant:
         self.groups[g.id] = g
         return g
 
+    # ---- reclaim ---------------------------------------------------------------------
+    def set_shrink_callback(self, fn: ShrinkCallback | None) -> None:
+        """Register ``fn(nbytes, urgent)``: the daemon wants ``nbytes`` more back than the
+        reserves held (this tenant is above its weighted fair share, or above a lowered
+        ``max``).
+
+        The callback frees KV blocks through the allocator (``ElasticBlockAllocator.free``),
+        cheapest first: cached prefix blocks, page-aware so whole chunks empty
+        (``held_by_chunk()`` tells which chunks are nearly empty; ``holdings()`` what is
+        held). When ``urgent`` is True the memory must go (deadline near, or above the
+        limit): the engine may preempt running requests. After each call the library
+        releases the chunks that became empty and, if still short, calls again (at most
+        ``SHRINK_ROUNDS`` times, until the deadline nears), then answers the daemon.
+
+        Thread safety: ``fn`` runs on the tenant's background thread, concurrently with the
+        engine's own threads. It must synchronise with the engine's step loop itself (for
+        example take the scheduler's lock, or hand the work to the step loop and wait
+        briefly); ``ElasticBlockAllocator.free`` is thread-safe. It should return within
+        the reclaim deadline (about a second) and must not call into this Tenant's
+        reclaim machinery. Exceptions are logged and end this reclaim."""
+        self._shrink = fn
+
     def poll(self) -> list[p.Reply]:
-        """Handle unsolicited messages from the daemon (allocators' refill threads call
-        this). Each goes to ``on_message`` when set; otherwise a ``Reclaim`` is answered
-        from the cheapest source, the allocators' reserves (unused mapped units)."""
+        """Handle unsolicited messages from the daemon (the keeper thread calls this).
+        Each goes to ``on_message`` when set; otherwise :meth:`handle_message`."""
         msgs = self.conn.poll()
         for m in msgs:
             if self.on_message is not None:
                 self.on_message(m)
-            elif isinstance(m, p.Reclaim):
-                self.reclaim_reserve(m.bytes)
+            else:
+                self.handle_message(m)
         return msgs
 
+    def handle_message(self, m: p.Reply) -> None:
+        if isinstance(m, p.Reclaim):
+            self.reclaim(m)
+
+    def reclaim(self, m: p.Reclaim) -> int:
+        """Answer one reclaim request; returns the bytes released."""
+        self.reclaims += 1
+        window = (m.deadline_ms / 1000 if m.deadline_ms else 2.0)
+        start = time.monotonic()
+        deadline = start + window * 0.8
+        freed = self.reclaim_reserve(m.bytes)
+        rounds = 0
+        while (m.mode == "shrink" and self._shrink is not None and freed < m.bytes
+               and rounds < SHRINK_ROUNDS and time.monotonic() < deadline):
+            urgent = m.urgent or (rounds > 0 and time.monotonic() - start > window / 2)
+            try:
+                self._shrink(m.bytes - freed, urgent)
+            except Exception:
+                log.exception("shrink callback failed")
+                break
+            got = self.reclaim_reserve(m.bytes - freed)
+            freed += got
+            rounds += 1
+            if got == 0 and rounds >= 2:
+                break
+        if m.seq:
+            with contextlib.suppress(KvpoolError):
+                self.conn.call(p.Reclaimed(seq=m.seq, freed=min(freed, p.MAX_BYTES)))
+        log.debug("reclaim %d (%s, %s): %d of %d bytes released", m.seq, m.mode, m.reason,
+                  freed, m.bytes)
+        return freed
+
     def reclaim_reserve(self, nbytes: int) -> int:
-        """Release up to ``nbytes`` of reserve units (rounded up to whole chunks) from
+        """Release up to ``nbytes`` of empty chunks (rounded up to whole chunks) from
         every group's allocator; returns the bytes released."""
         freed = 0
         for g in list(self.groups.values()):
@@ -80,12 +182,103 @@ class Tenant:
                 freed += g.allocator.release_reserve(nbytes - freed)
         return freed
 
+    # ---- leases -----------------------------------------------------------------------
+    def lease(self, nbytes: int) -> "Lease":
+        """Hold ``nbytes`` (rounded up to pages) against the budget for memory this process
+        uses through its own allocator. The daemon reclaims from other tenants to make
+        room (and on CUDA checks the device's real free memory); raises ``NoMemory`` when
+        it cannot within its deadline. Ends with ``Lease.close()`` or with the process."""
+        reply, _ = self.conn.call(p.Lease(bytes=nbytes), timeout_ms=int(self.timeout_s * 1000))
+        self.lease_bytes = reply.bytes  # type: ignore[attr-defined]
+        return Lease(self, reply.bytes)  # type: ignore[attr-defined]
+
+    def set_lease(self, nbytes: int) -> int:
+        reply, _ = self.conn.call(p.Lease(bytes=nbytes))
+        self.lease_bytes = reply.bytes  # type: ignore[attr-defined]
+        return self.lease_bytes
+
+    # ---- the keeper thread: messages, daemon liveness, reconnect ------------------------
+    def _keep(self) -> None:
+        next_probe = 0.0
+        while not self._stop.wait(POLL_S):
+            if self.closed:
+                return
+            try:
+                now = time.monotonic()
+                if now >= next_probe:
+                    next_probe = now + 0.1
+                    self.conn.probe()
+                if self.conn.daemon_gone:
+                    self._reconnect()
+                    continue
+                self.poll()
+            except KvpoolError as e:
+                if not self.closed and not self.conn.daemon_gone:
+                    log.warning("tenant thread: %s", e)
+            except Exception:
+                if not self.closed:
+                    log.exception("tenant thread")
+
+    def _reconnect(self) -> None:
+        """The daemon is gone: reconnect with backoff, register again, adopt our pages."""
+        delay = 0.05
+        log.warning("kvpool daemon gone; serving from mapped pages and reconnecting")
+        while not self._stop.is_set() and not self.closed:
+            try:
+                conn = Connection(Path(self.run_dir), timeout_s=self.timeout_s)
+            except KvpoolError:
+                self._stop.wait(delay)
+                delay = min(delay * 2, 1.0)
+                continue
+            try:
+                self._rejoin(conn)
+                return
+            except (KvpoolError, OSError) as e:
+                log.warning("re-registering failed: %s", e)
+                conn.close()
+                self._stop.wait(delay)
+                delay = min(delay * 2, 1.0)
+
+    def _rejoin(self, conn: Connection) -> None:
+        reply, _ = conn.call(self._fresh_register())
+        groups = list(self.groups.values())
+        locks = [g._lock for g in groups]
+        for lock in locks:
+            lock.acquire()
+        owned: list[int] = []
+        try:
+            entries, fds = [], []
+            for g in groups:
+                entry, gfds, gowned = g.adopt_state()
+                entries.append(entry)
+                fds.extend(gfds)
+                owned.extend(gowned)
+            conn.call(p.Adopt(groups=entries, lease=self.lease_bytes, nfds=len(fds)),
+                      fds_ahead=fds)
+            old, self.conn = self.conn, conn
+        finally:
+            for fd in owned:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            for lock in locks:
+                lock.release()
+        old.close()
+        self.info = reply
+        self.id = reply.tenant  # type: ignore[attr-defined]
+        self.reconnects += 1
+        log.warning("reconnected to the kvpool daemon as tenant %d; adopted %d groups",
+                    self.id, len(entries))
+
+    # ---- misc ----------------------------------------------------------------------------
     def ping(self) -> None:
         self.conn.call(p.Ping())
 
     def close(self) -> None:
         if self.closed:
             return
+        self._stop.set()
+        if self._keeper is not None and self._keeper is not threading.current_thread():
+            self._keeper.join()
         try:
             for g in list(self.groups.values()):
                 try:
@@ -108,7 +301,38 @@ class Tenant:
         self.close()
 
 
+class Lease:
+    """A held lease (context manager). ``close()`` gives the memory back."""
+
+    def __init__(self, tenant: Tenant, nbytes: int):
+        self.tenant = tenant
+        self.nbytes = nbytes
+
+    def close(self) -> None:
+        if self.nbytes and not self.tenant.closed:
+            self.tenant.set_lease(0)
+        self.nbytes = 0
+
+    def __enter__(self) -> "Lease":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _raise_fd_limit() -> None:
+    """Host tenants keep one descriptor per mapped page: allow the hard limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
 def connect(name: str, device: int = 0, run_dir: str | os.PathLike | None = None,
-            kind: str = "engine", timeout_s: float = 10.0) -> Tenant:
-    """Register with the daemon serving ``run_dir`` (see :mod:`kvpool.paths`)."""
-    return Tenant(name, device=device, run_dir=run_dir, kind=kind, timeout_s=timeout_s)
+            kind: str = "engine", timeout_s: float = 10.0, *, min: int | None = None,
+            max: int | None = None, weight: float | None = None) -> Tenant:
+    """Register with the daemon serving ``run_dir`` (see :mod:`kvpool.paths`). ``min``,
+    ``max`` (bytes) and ``weight`` are this tenant's own knobs, used unless the daemon's
+    config names it (the config and live admin changes win)."""
+    return Tenant(name, device=device, run_dir=run_dir, kind=kind, timeout_s=timeout_s,
+                  min=min, max=max, weight=weight)

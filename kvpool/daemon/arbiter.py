@@ -2,8 +2,11 @@
 
 ``Arbiter.handle(identity, request)`` returns an :class:`Outcome`: the reply, the pfns
 whose descriptors must go to the tenant's fd channel *before* the reply is sent (for
-grants), and whether the tenant's session ends. Unsolicited messages for tenants
-(``Reclaim``) are queued in :attr:`Arbiter.outbox` for the server to send.
+grants), and whether the tenant's session ends. A grant or lease that must wait for
+reclaim returns a *deferred* outcome; :meth:`Arbiter.tick` later returns its real one
+(with the envelope to answer). Unsolicited messages for tenants (``Reclaim``) are
+queued in :attr:`Arbiter.outbox` for the server to send. Reclaim policy lives in
+:mod:`kvpool.daemon.reclaim`, the weighted shares in :mod:`kvpool.daemon.fairshare`.
 
 Every failure is a :class:`Fail` carrying a stable error code; the server turns any
 other exception into ``INTERNAL`` and keeps serving.
@@ -11,7 +14,9 @@ other exception into ``INTERNAL`` and keeps serving.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -20,6 +25,7 @@ from kvpool import protocol as p
 from kvpool.daemon.auth import Denied, authorize
 from kvpool.daemon.config import Config
 from kvpool.daemon.pool import NoMemory, Pool
+from kvpool.daemon.reclaim import Reclaimer, Waiter
 from kvpool.daemon.regions import Group
 from kvpool.daemon.tenants import Tenant, Tenants
 from kvpool.sizes import parse_size
@@ -37,10 +43,13 @@ class Fail(Exception):
 
 @dataclass
 class Outcome:
-    reply: p.Reply
+    reply: p.Reply | None
     send: list[int] = field(default_factory=list)  # pfns to pass on the fd channel first
     tenant: Tenant | None = None
     end_session: bool = False
+    deferred: bool = False  # no reply now: tick() answers it later
+    envelope: list[bytes] | None = None  # where to answer (deferred outcomes from tick)
+    stop: bool = False  # an admin asked the daemon to stop
 
 
 class Arbiter:
@@ -50,8 +59,14 @@ class Arbiter:
         self.page_size = pool.page_size
         self.budget = budget
         self.tenants = Tenants()
-        self.limits: dict[str, int] = {}  # set_limit overrides, by tenant name (bytes)
+        self.knob_overrides: dict[str, dict] = {}  # set_limit changes, by tenant name
+        self.recovering = False
         self.outbox: list[tuple[bytes, p.Reply]] = []
+        self.reclaimer = Reclaimer(self, cfg.reclaim_timeout_s)
+        self.groups: dict[int, Group] = {}  # every live group, by id (all tenants)
+        self.recover_pids: set[int] = set()  # tenants of a previous daemon, not back yet
+        self.recover_until = 0.0
+        self._envelope: list[bytes] = []
         self.started = time.monotonic()
         self.requests = 0
         self.errors = 0
@@ -70,12 +85,17 @@ class Arbiter:
             p.MapReq: self.map,
             p.SetLimit: self.set_limit,
             p.Check: self.check,
+            p.Lease: self.lease,
+            p.Reclaimed: self.reclaimed,
+            p.Adopt: self.adopt,
+            p.Shutdown: lambda t, i, r: Outcome(p.Done(id=r.id), stop=True),
         }
 
     # ---- entry point ------------------------------------------------------------------
-    def handle(self, identity: bytes, req: p.Request) -> Outcome:
+    def handle(self, identity: bytes, req: p.Request, envelope: list[bytes] | None = None) -> Outcome:
         self.requests += 1
         op = req.__struct_config__.tag
+        self._envelope = envelope or [identity]
         try:
             tenant = authorize(op, req.token, identity, self.tenants)
             result = self._handlers[type(req)](tenant, identity, req)
@@ -105,20 +125,81 @@ class Arbiter:
             pfns = g.release_all()
             self.pool.give_back(pfns, t.id)
             pages += len(pfns)
+            self.groups.pop(g.id, None)
         t.groups.clear()
         t.granted = 0
+        self.pool.unlease(t.lease_pages)
+        t.lease_pages = 0
+        t.ask = None
+        self.reclaimer.forget(t)
+        self.recover_pids.discard(t.pid)
         self.tenants.remove(t)
         log.info("tenant %d (%s, pid %d) dropped: %s; %d pages returned",
                  t.id, t.name or "-", t.pid, why, pages)
 
+    def knobs(self, name: str, asked: p.Register | None = None) -> tuple[int, int, float]:
+        """``(min, max, weight)`` in pages for tenant ``name``: a live admin change wins,
+        then the daemon config's ``[tenants.NAME]``, then what the tenant asked for at
+        registration, then the defaults."""
+        live = self.knob_overrides.get(name, {})
+        configured = name in self.cfg.tenants
+        policy = self.cfg.policy(name)
+
+        def pick(key, conf, default):
+            if key in live:
+                return live[key]
+            if configured and conf is not None:
+                return conf
+            if asked is not None and getattr(asked, key) is not None:
+                return getattr(asked, key)
+            return conf if conf is not None else default
+
+        mx = pick("max", policy.max, self.cfg.default_max)
+        mn = pick("min", policy.min if configured else None, 0)
+        w = pick("weight", policy.weight if configured else None, 1.0)
+        ps = self.page_size
+        return (parse_size(mn, self.budget) // ps,
+                min(parse_size(mx, self.budget), self.budget) // ps, float(w))
+
     def limit_pages(self, name: str) -> int:
-        if name in self.limits:
-            nbytes = self.limits[name]
-        else:
-            policy = self.cfg.policy(name)
-            raw = policy.max if policy.max is not None else self.cfg.default_max
-            nbytes = parse_size(raw, self.budget)
-        return min(nbytes, self.budget) // self.page_size
+        return self.knobs(name)[1]
+
+    # ---- the arbitration step -------------------------------------------------------------
+    def tick(self, now: float | None = None) -> list[Outcome]:
+        """Serve waiting requests whose pages are free, fail the late ones, and send the
+        reclaim asks still needed. Returns outcomes to emit (each with its envelope)."""
+        now = time.monotonic() if now is None else now
+        if self.recovering and (now >= self.recover_until or not self.recover_pids):
+            self.recovering = False
+            log.info("recovery done: %d tenants, %d pages adopted", len(self.tenants),
+                     self.pool.granted)
+        if self.recovering:
+            return []
+        out = []
+        for w, err in self.reclaimer.step(now):
+            o = Outcome(err, tenant=w.tenant) if err is not None else self._serve(w)
+            if err is not None:
+                self.errors += 1
+            o.envelope = w.envelope
+            out.append(o)
+        return out
+
+    def next_deadline(self) -> float | None:
+        d = self.reclaimer.next_deadline()
+        if self.recovering:
+            d = min(d, self.recover_until) if d is not None else self.recover_until
+        return d
+
+    def _serve(self, w: Waiter) -> Outcome:
+        t, r = w.tenant, w.req
+        if isinstance(r, p.Lease):
+            return Outcome(self._lease_now(t, r, w.pages), tenant=t)
+        return self._grant_now(t, t.groups[r.group], r)
+
+    def log_ignored(self, t: Tenant, ask) -> None:
+        log.warning("tenant %d (%s) ignored reclaim %d (%s, %d pages still held above the "
+                    "ask); capped at its min until it answers", t.id, t.name, ask.seq,
+                    ask.reason, ask.pages)
 
     # ---- tenant ops -----------------------------------------------------------------
     def register(self, t: Tenant, identity: bytes, r: p.Register) -> p.Reply:
@@ -129,11 +210,14 @@ class Arbiter:
         if r.device != self.pool.backend.device:
             raise Fail(p.NOT_FOUND, f"device {r.device} is not served (this daemon serves "
                                     f"device {self.pool.backend.device})")
-        policy = self.cfg.policy(r.name)
+        mn, mx, weight = self.knobs(r.name, r)
+        if r.kind not in ("monitor", "admin"):
+            floors = sum(x.min_pages for x in self.tenants if x.arbitrated)
+            if mn and floors + mn > self.budget // self.page_size:
+                raise Fail(p.OVER_LIMIT, f"min of {mn} pages would make the guaranteed "
+                                         f"minimums ({floors} pages) exceed the budget")
         t.name, t.kind, t.identity, t.registered = r.name, r.kind, identity, True
-        t.max_pages = self.limit_pages(r.name)
-        t.min_pages = parse_size(policy.min, self.budget) // self.page_size
-        t.weight = float(policy.weight)
+        t.min_pages, t.max_pages, t.weight = mn, mx, weight
         log.info("tenant %d registered: %s (%s), pid %d uid %d, limit %d pages",
                  t.id, t.name, t.kind, t.pid, t.uid, t.max_pages)
         return p.Registered(
@@ -145,6 +229,8 @@ class Arbiter:
     def _group(self, t: Tenant, gid: int) -> Group:
         g = t.groups.get(gid)
         if g is None:
+            if gid in self.groups:
+                raise Fail(p.UNAUTHORIZED, f"group {gid} belongs to another tenant")
             raise Fail(p.NOT_FOUND, f"no group {gid} in this session")
         return g
 
@@ -162,7 +248,10 @@ class Arbiter:
         g = Group(id=self._next_group, tenant=t.id, n_regions=r.n_regions, npages=npages,
                   bases=list(r.bases), label=r.label)
         self._next_group += 1
+        while self._next_group in self.groups:
+            self._next_group += 1
         t.groups[g.id] = g
+        self.groups[g.id] = g
         return p.GroupCreated(id=r.id, group=g.id, npages=npages)
 
     def destroy_group(self, t: Tenant, identity: bytes, r: p.DestroyGroup) -> p.Reply:
@@ -170,7 +259,9 @@ class Arbiter:
         pfns = g.release_all()
         self.pool.give_back(pfns, t.id)
         t.granted -= len(pfns)
+        self.reclaimer.released(t, len(pfns))
         del t.groups[g.id]
+        self.groups.pop(g.id, None)
         return p.Done(id=r.id)
 
     def _units(self, g: Group, units: list[int]) -> None:
@@ -189,25 +280,146 @@ class Arbiter:
         n = len(r.units) * g.n_regions
         if n > MAX_PAGES_PER_GRANT:
             raise Fail(p.BAD_REQUEST, f"{n} pages in one grant exceed {MAX_PAGES_PER_GRANT}")
-        if t.granted + n > t.max_pages:
-            raise Fail(p.OVER_LIMIT, f"{t.name}: {t.granted} + {n} pages would exceed its limit "
-                                     f"of {t.max_pages} pages")
-        if n > self.pool.available:
-            self.on_short(t, n - self.pool.available)
+        if any(set(w.req.units) & set(r.units) for w in self.reclaimer.waiters
+               if w.tenant is t and isinstance(w.req, p.Grant) and w.req.group == g.id):
+            raise Fail(p.BAD_REQUEST, f"a unit of group {g.id} is already being granted")
+        self._admit(t, n, r.speculative)
+        if n > self.pool.available - self.reclaimer.waiting_pages:
+            return self._defer(t, r, n)
+        return self._grant_now(t, g, r)
+
+    def _admit(self, t: Tenant, n: int, speculative: bool) -> None:
+        """Refuse what can never be granted now: past the limit, or during recovery."""
+        if self.recovering:
+            raise Fail(p.BUSY, "the daemon is rebuilding its accounting after a restart")
+        if t.held + t.waiting_pages + n > t.cap_pages:
+            why = " (capped at its min: it ignored a reclaim)" if t.unresponsive else ""
+            raise Fail(p.OVER_LIMIT, f"{t.name}: {t.held} + {n} pages would exceed its limit "
+                                     f"of {t.cap_pages} pages{why}")
+
+    def _defer(self, t: Tenant, r: p.Request, n: int) -> Outcome:
+        """Not enough free memory: wait for reclaim, when ``t`` is entitled to it."""
+        speculative = getattr(r, "speculative", False)
+        if speculative or not self.reclaimer.may_grow(t, n):
+            why = ("speculative grants use free memory only" if speculative else
+                   f"{t.name} is at its fair share")
+            raise Fail(p.NO_MEMORY, f"{n} pages asked, {self.pool.available} available; {why}")
+        self.reclaimer.wait(t, self._envelope, r, n, time.monotonic())
+        return Outcome(None, tenant=t, deferred=True)
+
+    def _grant_now(self, t: Tenant, g: Group, r: p.Grant) -> Outcome:
+        n = len(r.units) * g.n_regions
         try:
             pfns = self.pool.take(n, t.id)
         except NoMemory as e:
-            raise Fail(p.NO_MEMORY, str(e)) from None
+            self.errors += 1
+            return Outcome(p.error(r.id, p.NO_MEMORY, str(e)), tenant=t)
         g.grant(r.units, pfns)
         t.granted += n
         g.report(r.in_use, r.reserve)
         reply = p.Granted(id=r.id, group=g.id, units=r.units, nfds=n)
         return Outcome(reply, send=pfns, tenant=t)
 
-    def on_short(self, t: Tenant, pages: int) -> None:
-        """The budget is ``pages`` short for ``t``'s request: the place where reclaim
-        (warm pool, other tenants' reserves, tenants above their fair share, never below
-        ``min``) will be triggered. Today only the warm pool is spent (``take`` does)."""
+    # ---- leases, reclaim answers, adoption ---------------------------------------------------
+    def lease(self, t: Tenant, identity: bytes, r: p.Lease) -> p.Reply | Outcome:
+        pages = -(-r.bytes // self.page_size)
+        if pages <= t.lease_pages:
+            self.pool.unlease(t.lease_pages - pages)
+            t.lease_pages = pages
+            return p.Leased(id=r.id, bytes=pages * self.page_size)
+        n = pages - t.lease_pages
+        if any(w.tenant is t for w in self.reclaimer.waiters):
+            raise Fail(p.BUSY, "a request of this tenant is already waiting")
+        self._admit(t, n, False)
+        if n > self.pool.available - self.reclaimer.waiting_pages:
+            return self._defer(t, r, n)
+        return self._lease_now(t, r, n)
+
+    def _lease_now(self, t: Tenant, r: p.Lease, n: int) -> p.Reply:
+        try:
+            self.pool.lease(n)
+        except NoMemory as e:
+            self.errors += 1
+            return p.error(r.id, p.NO_MEMORY, str(e))
+        if self.pool.backend.name != "host":  # the device's real free memory decides too
+            free, _ = self.pool.backend.mem_info()
+            if free < n * self.page_size:
+                self.pool.unlease(n)
+                self.errors += 1
+                return p.error(r.id, p.NO_MEMORY, f"the device has {free} bytes free, "
+                                                  f"{n * self.page_size} leased")
+        t.lease_pages += n
+        return p.Leased(id=r.id, bytes=t.lease_pages * self.page_size)
+
+    def reclaimed(self, t: Tenant, identity: bytes, r: p.Reclaimed) -> p.Reply:
+        self.reclaimer.answered(t, r.seq, time.monotonic())
+        return p.Done(id=r.id)
+
+    def adopt(self, t: Tenant, identity: bytes, r: p.Adopt) -> p.Reply:
+        """A tenant of the previous daemon reports what it still maps, with the pages'
+        descriptors (``t.inbox``, read by the server). All or nothing."""
+        fds, t.inbox = t.inbox, []
+        try:
+            return self._adopt(t, r, fds)
+        finally:
+            for fd in fds:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+    def _adopt(self, t: Tenant, r: p.Adopt, fds: list[int]) -> p.Reply:
+        if t.groups or t.lease_pages:
+            raise Fail(p.BAD_REQUEST, "adopt must come right after register")
+        total = sum(len(g.units) * g.n_regions for g in r.groups)
+        if total != r.nfds or len(fds) != total:
+            raise Fail(p.BAD_REQUEST, f"adopt names {total} pages, says {r.nfds}, "
+                                      f"sent {len(fds)} descriptors")
+        ids = [g.id for g in r.groups]
+        if len(set(ids)) != len(ids) or any(i in self.groups for i in ids):
+            raise Fail(p.BAD_REQUEST, "adopt reuses a group id that is taken")
+        known = self.pool.page_keys()
+        pages, keys = [], set()
+        try:
+            for fd in fds:
+                key = self.pool.page_key_of_fd(fd)
+                if key is not None and (key in known or key in keys):
+                    raise Fail(p.UNAUTHORIZED, "adopt names a page that is granted already")
+                if key is not None:
+                    keys.add(key)
+                pages.append(self.pool.backend.import_(fd))
+        except Fail:
+            for page in pages:
+                self.pool.backend.release(page)
+            raise
+        except Exception as e:
+            for page in pages:
+                self.pool.backend.release(page)
+            raise Fail(p.BAD_REQUEST, f"adopt: a descriptor is not a page: {e}") from None
+        i = 0
+        for a in r.groups:
+            npages = a.capacity // self.page_size
+            if a.capacity % self.page_size or any(u >= npages for u in a.units):
+                for page in pages:
+                    self.pool.backend.release(page)
+                raise Fail(p.BAD_REQUEST, f"adopt: group {a.id} does not fit its capacity")
+        for a in r.groups:
+            g = Group(id=a.id, tenant=t.id, n_regions=a.n_regions,
+                      npages=a.capacity // self.page_size, bases=list(a.bases), label=a.label)
+            for u in a.units:
+                pfns = [self.pool.adopt(pages[i + k], t.id) for k in range(a.n_regions)]
+                i += a.n_regions
+                g.units[u] = pfns
+            g.report(a.in_use, a.reserve)
+            t.groups[g.id] = g
+            self.groups[g.id] = g
+            t.granted += g.pages
+            self._next_group = max(self._next_group, g.id + 1)
+        lease = -(-r.lease // self.page_size)
+        self.pool.leased += lease
+        t.lease_pages = lease
+        self.recover_pids.discard(t.pid)
+        log.info("tenant %d (%s, pid %d) adopted: %d groups, %d pages, lease %d pages",
+                 t.id, t.name, t.pid, len(r.groups), t.granted, lease)
+        return p.Adopted(id=r.id, groups=ids, pages=t.granted)
 
     def unsolicited(self, t: Tenant, msg: p.Reply) -> None:
         """Queue a message for ``t`` (sent by the server on the ROUTER to its identity)."""
@@ -223,6 +435,7 @@ class Arbiter:
         pfns = g.release(r.units)
         self.pool.give_back(pfns, t.id)
         t.granted -= len(pfns)
+        self.reclaimer.released(t, len(pfns))
         g.report(r.in_use, r.reserve)
         return p.Done(id=r.id)
 
@@ -234,13 +447,16 @@ class Arbiter:
         return Outcome(p.Done(id=r.id), tenant=t, end_session=True)
 
     # ---- monitor and admin ops ----------------------------------------------------------
-    def tenant_info(self, t: Tenant) -> p.TenantInfo:
+    def tenant_info(self, t: Tenant, shares: dict[int, int] | None = None) -> p.TenantInfo:
         ps = self.page_size
+        share = (shares or {}).get(t.id, 0)
         return p.TenantInfo(
             id=t.id, name=t.name, kind=t.kind, pid=t.pid, uid=t.uid, registered=t.registered,
             groups=len(t.groups), mapped=t.granted * ps, in_use=t.in_use_bytes(ps),
             reserve=t.reserve_pages * ps, min=t.min_pages * ps, max=t.max_pages * ps,
-            weight=t.weight,
+            weight=t.weight, lease=t.lease_pages * ps, share=share,
+            asked=max(0, t.ask.pages) * ps if t.ask is not None else 0,  # type: ignore[attr-defined]
+            ignored=t.ignored, unresponsive=t.unresponsive, waiting=t.waiting_pages * ps,
         )
 
     def pool_info(self) -> p.PoolInfo:
@@ -250,15 +466,22 @@ class Arbiter:
             budget=pool.budget_pages * ps, granted=pool.granted * ps, warm=len(pool.warm) * ps,
             dirty=len(pool.dirty) * ps, free=pool.free * ps, created=pool.created,
             warm_min=pool.warm_min * ps, warm_max=pool.warm_max * ps,
+            leased=pool.leased * ps, waiting=self.reclaimer.waiting_pages * ps,
+            recovering=self.recovering,
         )
 
+    def listed(self) -> list[p.TenantInfo]:
+        """Tenants for ``ps``/``stats`` (admin and monitor sessions are not tenants)."""
+        shares = self.reclaimer.shares()
+        return [self.tenant_info(x, shares) for x in self.tenants
+                if x.kind not in ("admin", "monitor")]
+
     def ps(self, t, identity, r: p.Ps) -> p.Reply:
-        return p.PsReply(id=r.id, tenants=[self.tenant_info(x) for x in self.tenants],
-                         pool=self.pool_info())
+        return p.PsReply(id=r.id, tenants=self.listed(), pool=self.pool_info())
 
     def stats(self, t, identity, r: p.Stats) -> p.Reply:
         return p.StatsReply(
-            id=r.id, pool=self.pool_info(), tenants=[self.tenant_info(x) for x in self.tenants],
+            id=r.id, pool=self.pool_info(), tenants=self.listed(),
             uptime_s=time.monotonic() - self.started, requests=self.requests, errors=self.errors,
         )
 
@@ -278,12 +501,20 @@ class Arbiter:
         return p.MapReply(id=r.id, pool=self.pool_info(), groups=groups)
 
     def set_limit(self, t, identity, r: p.SetLimit) -> p.Reply:
-        self.limits[r.tenant] = r.max
-        for x in self.tenants.named(r.tenant):
-            x.max_pages = self.limit_pages(r.tenant)
-            # Above the new limit: a later issue's reclaim asks it to shrink.
-        log.info("limit of %s set to %d bytes", r.tenant, r.max)
-        return p.Done(id=r.id)
+        change = {k: getattr(r, k) for k in ("min", "max", "weight") if getattr(r, k) is not None}
+        named = self.tenants.named(r.tenant)
+        if "min" in change:
+            floors = sum(x.min_pages for x in self.tenants if x.arbitrated and x.name != r.tenant)
+            if floors + len(named) * (change["min"] // self.page_size) > self.budget // self.page_size:
+                raise Fail(p.OVER_LIMIT, "the guaranteed minimums would exceed the budget")
+        self.knob_overrides.setdefault(r.tenant, {}).update(change)
+        for x in named:
+            x.min_pages, x.max_pages, x.weight = self.knobs(r.tenant)
+        log.info("knobs of %s set: %s", r.tenant, change)
+        # the server's tick() right after this reply asks tenants above the limit to shrink
+        pending = sum(max(0, x.granted - max(0, x.max_pages - x.lease_pages)) for x in named)
+        return p.LimitSet(id=r.id, tenant=r.tenant, tenants=len(named), applied=pending == 0,
+                          pending=pending * self.page_size)
 
     def check(self, t, identity, r: p.Check) -> p.Reply:
         return p.CheckReply(id=r.id, problems=self.check_integrity())
@@ -320,6 +551,9 @@ class Arbiter:
             if pages != t.granted:
                 problems.append(f"tenant {t.id} counts {t.granted} pages, its tables hold {pages}")
             total += pages
+        if sum(t.lease_pages for t in self.tenants) != self.pool.leased:
+            problems.append(f"tenants lease {sum(t.lease_pages for t in self.tenants)} pages, "
+                            f"the pool counts {self.pool.leased}")
         if set(seen) != set(self.pool.owner):
             orphans = set(self.pool.owner) - set(seen)
             problems.append(f"pfns {sorted(orphans)[:8]} are granted but in no table")

@@ -1,35 +1,76 @@
 """The one place where the daemon decides whether a request is allowed.
 
-Today's rule (admin identities come in a later issue):
+Identity comes from the kernel, never from the client: the fd channel's ``SO_PEERCRED``
+gives the peer's pid, uid and primary gid at connect time, plus its supplementary groups
+from ``/proc/<pid>/status`` (read at accept). The session token issued on that channel
+binds every control message to that identity. (ZeroMQ over ipc hides the peer's
+credentials, hence the fd channel: every client that needs an identity opens one; the
+CLI's admin commands do too.)
 
+Rules:
+
+* who may connect at all is decided by the filesystem: the run directory is 0750 and
+  the sockets 0660, both owned by the configured ``socket_group``;
 * ``register`` needs the token of a not-yet-registered fd-channel session;
-* monitor ops (``ps``, ``stats``, ``map``, ``ping``) are open to anyone who can connect
-  to the control socket (its mode 0660 and group decide who can);
-* admin ops (``set_limit``, ``check``) likewise — to be restricted to admin identities;
+* monitor ops (``ps``, ``stats``, ``map``, ``check``, ``ping``) are open to anyone who can
+  connect (read-only);
+* admin ops (``set_limit``, ``shutdown``) need the token of a session whose peer is an
+  *admin identity*: root, the daemon's own uid, or a member of ``admin_group``;
 * every other op needs the token of a registered tenant, sent from the ZeroMQ identity
-  that registered it (a stolen token used from another connection is refused).
+  that registered it (a stolen token used from another connection is refused); the
+  arbiter refuses a tenant's access to another tenant's groups (``UNAUTHORIZED``).
 """
 
 from __future__ import annotations
 
+import os
+
 from kvpool import protocol as p
 from kvpool.daemon.tenants import Tenant, Tenants
+
+READ_ONLY_OPS = frozenset(p.MONITOR_OPS | {"check"})
 
 
 class Denied(Exception):
     """Raised by :func:`authorize`; becomes an ``UNAUTHORIZED`` reply."""
 
 
+def peer_groups(pid: int, gid: int) -> set[int]:
+    """The peer's primary and supplementary groups (``/proc/<pid>/status`` ``Groups:``)."""
+    groups = {gid}
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("Groups:"):
+                    groups.update(int(x) for x in line.split()[1:])
+                    break
+    except (OSError, ValueError):
+        pass
+    return groups
+
+
+def is_admin(uid: int, groups: set[int], admin_gid: int | None) -> bool:
+    """Root, the daemon's own uid, or a member of the admin group."""
+    return uid == 0 or uid == os.getuid() or (admin_gid is not None and admin_gid in groups)
+
+
 def authorize(op: str, token: str, identity: bytes, tenants: Tenants) -> Tenant | None:
-    """The tenant a request acts as (None for anonymous monitor/admin requests)."""
+    """The tenant a request acts as (None for anonymous monitor requests)."""
     tenant = tenants.by_token.get(token) if token else None
     if op == "register":
         if tenant is None:
             raise Denied("unknown session token (connect the fd channel first)")
         return tenant
-    if op in p.MONITOR_OPS or op in p.ADMIN_OPS:
+    if op in READ_ONLY_OPS:
         if token and tenant is None:
             raise Denied("unknown session token")
+        return tenant
+    if op in p.ADMIN_OPS:
+        if tenant is None:
+            raise Denied(f"{op} needs an admin session (open the fd channel)")
+        if not tenant.admin:
+            raise Denied(f"{op} needs an admin identity (root, the daemon's user or the "
+                         f"admin group); uid {tenant.uid} is not one")
         return tenant
     if tenant is None:
         raise Denied("this op needs a valid session token")

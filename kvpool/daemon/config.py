@@ -7,7 +7,10 @@ TOML layout (see ``systemd/kvpool.toml``)::
     budget = "80%"            # bytes, a size ("24GiB") or a share of device memory
     page_size = "2MiB"
     run_dir = "/run/kvpool"
-    socket_group = "kvpool"   # group owning the sockets (mode 0660)
+    socket_group = "kvpool"   # group owning the run directory (0750) and sockets (0660)
+    admin_group = "kvpool-admin"  # members may change others' knobs and stop the daemon
+    reclaim_timeout_s = 2.0   # deadline of a reclaim (a waiting grant gets NO_MEMORY after)
+    recover_timeout_s = 5.0   # after a restart, wait this long for old tenants to report
     warm_min = "0"            # zeroed pages kept ready (size or page count "16p")
     warm_max = "256MiB"
     default_max = "100%"      # a tenant's hard limit unless configured (share of budget)
@@ -55,6 +58,7 @@ class Config:
     run_dir: str | None = None
     socket_mode: int = 0o660
     socket_group: str | None = None
+    admin_group: str | None = None  # besides root and the daemon's own uid
     warm_min: int | str = 0
     warm_max: int | str = "256MiB"
     default_max: int | str = "100%"
@@ -64,6 +68,8 @@ class Config:
     liveness_s: float = 0.25  # how often to check tenant pids (pidfds cover most cases)
     register_timeout_s: float = 10.0  # fd-channel sessions that never register are dropped
     send_timeout_s: float = 2.0  # a tenant whose fd socket stays full this long is dropped
+    reclaim_timeout_s: float = 2.0  # deadline of reclaim asks and of requests waiting on them
+    recover_timeout_s: float = 5.0  # after a restart: how long grants wait for old tenants
     log_level: str = "INFO"
 
     @classmethod

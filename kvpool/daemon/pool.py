@@ -6,17 +6,24 @@ Every page the daemon holds has a page id (pfn) and sits in exactly one place:
 * ``dirty`` — released by a tenant (``last owner`` kept) and not yet zeroed;
 * ``owner`` — granted to a tenant (its region tables say where).
 
+Leases are a count (``leased``): memory a tenant uses through its own allocator, which
+the pool keeps free by creating fewer pages.
+
 Invariants (checked by :meth:`Pool.check`): those three are disjoint and cover
-``pages``; ``len(pages) <= budget_pages`` always, so the budget is never exceeded (warm
-and dirty pages count: on CUDA they are real device memory). A page that changes tenant
-is zeroed first: ``take`` zeroes a dirty page of another owner before granting it, and
-idle time zeroes the rest (:meth:`maintain`).
+``pages``; ``len(pages) + leased <= budget_pages`` (after a restart, adopted pages may
+exceed it until tenants shrink), so the budget is never exceeded (warm and dirty pages
+count: on CUDA they are real device memory). A page that changes tenant is scrubbed
+first: ``take`` scrubs a dirty page of another owner before granting it, and idle time
+scrubs the rest (:meth:`maintain`). On the host backend scrubbing replaces the memfd
+with a fresh one (so a tenant that kept a descriptor or mapping of a page it released
+can never see the next tenant's data: there is no revoke on host); on CUDA it zeroes.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import os
 import time
 
 from kvpool.vmm import Backend, Page, VmmError
@@ -41,6 +48,8 @@ class Pool:
         self.owner: dict[int, int] = {}  # pfn -> tenant id
         self._next_pfn = 1
         self.created = 0  # pages created since start (a counter, for stats)
+        self.leased = 0  # pages leased to tenants (no page object: a budget count)
+        self.fresh_on_scrub = backend.name == "host"
 
     # ---- accounting -------------------------------------------------------------
     @property
@@ -50,7 +59,7 @@ class Pool:
     @property
     def free(self) -> int:
         """Pages that could still be created within the budget."""
-        return self.budget_pages - len(self.pages)
+        return max(0, self.budget_pages - len(self.pages) - self.leased)
 
     @property
     def available(self) -> int:
@@ -73,7 +82,7 @@ class Pool:
                 pfn, last = self.dirty.popleft()
                 if last != tenant:
                     out.append(pfn)  # appended first so a failed zero still rolls back
-                    self.backend.zero(self.pages[pfn])
+                    self._scrub(pfn)
                 else:
                     out.append(pfn)
             while len(out) < n:
@@ -94,8 +103,52 @@ class Pool:
             del self.owner[pfn]
             self.dirty.append((pfn, tenant))
 
+    def _scrub(self, pfn: int) -> None:
+        """Make ``pfn`` safe for another tenant: a fresh memfd on host, zeroes elsewhere."""
+        if self.fresh_on_scrub:
+            page = self.backend.create_page()
+            old, self.pages[pfn] = self.pages[pfn], page
+            self.backend.release(old)
+        else:
+            self.backend.zero(self.pages[pfn])
+
+    # ---- leases and adoption -----------------------------------------------------------
+    def lease(self, n: int) -> None:
+        """Count ``n`` more pages as leased, destroying warm/dirty pages to make room."""
+        if n > self.available:
+            raise NoMemory(f"{n} pages asked for a lease, {self.available} available")
+        while self.free < n and self.dirty:
+            self._destroy(self.dirty.popleft()[0])
+        while self.free < n and self.warm:
+            self._destroy(self.warm.pop(0))
+        self.leased += n
+
+    def unlease(self, n: int) -> None:
+        self.leased -= min(n, self.leased)
+
+    def adopt(self, page: Page, tenant: int) -> int:
+        """Take ownership of a page a tenant still maps after a daemon restart."""
+        pfn = self._next_pfn
+        self._next_pfn += 1
+        self.pages[pfn] = page
+        self.owner[pfn] = tenant
+        return pfn
+
+    def page_keys(self) -> set[tuple[int, int]]:
+        """``(st_dev, st_ino)`` of every page this pool holds (host backend only)."""
+        if self.backend.name != "host":
+            return set()
+        return {self.page_key_of_fd(page.handle) for page in self.pages.values()}  # type: ignore[misc]
+
+    def page_key_of_fd(self, fd: int) -> tuple[int, int] | None:
+        """The identity of a page descriptor (host: its memfd inode), to refuse duplicates."""
+        if self.backend.name != "host":
+            return None
+        st = os.fstat(fd)
+        return (st.st_dev, st.st_ino)
+
     def _create(self) -> int:
-        if len(self.pages) >= self.budget_pages:
+        if len(self.pages) + self.leased >= self.budget_pages:
             raise NoMemory("budget exhausted")
         page = self.backend.create_page()
         if self.backend.name != "host":  # a fresh memfd reads zeros; device memory may not
@@ -129,8 +182,8 @@ class Pool:
         while self.dirty and time.monotonic() < deadline:
             pfn, _ = self.dirty.popleft()
             try:
-                self.backend.zero(self.pages[pfn])
-            except VmmError as e:
+                self._scrub(pfn)
+            except (VmmError, OSError) as e:
                 log.error("zeroing page %d failed (%s); destroying it", pfn, e)
                 self._destroy(pfn)
                 continue
@@ -165,6 +218,7 @@ class Pool:
         self.warm.clear()
         self.dirty.clear()
         self.owner.clear()
+        self.leased = 0
 
     # ---- integrity --------------------------------------------------------------------
     def check(self) -> list[str]:
@@ -187,8 +241,9 @@ class Pool:
                 problems.append(f"pfns {sorted(lost)[:8]} are held but nowhere (leaked)")
             if ghosts:
                 problems.append(f"pfns {sorted(ghosts)[:8]} are listed but not held")
-        if len(self.pages) > self.budget_pages:
-            problems.append(f"{len(self.pages)} pages held exceed the budget of {self.budget_pages}")
+        if len(self.pages) + self.leased > self.budget_pages:
+            problems.append(f"{len(self.pages)} pages held + {self.leased} leased exceed the "
+                            f"budget of {self.budget_pages}")
         for pfn, page in self.pages.items():
             if page.released:
                 problems.append(f"pfn {pfn} holds a released page")

@@ -5,8 +5,14 @@
 * each tenant's pidfd (readable when the process exits),
 * a self-pipe woken by SIGTERM/SIGINT,
 
-plus timers (liveness, watchdog, status) and idle work (zeroing released pages, keeping
-the warm pool between its bounds). Request logic lives in :mod:`kvpool.daemon.arbiter`;
+plus timers (liveness, watchdog, status, reclaim deadlines) and idle work (scrubbing
+released pages, keeping the warm pool between its bounds). Requests that wait for
+reclaim are answered from :meth:`Arbiter.tick`, called after every message and at the
+arbiter's next deadline: the loop never blocks on a tenant.
+
+Restart: the daemon keeps ``state.json`` in the run directory (pids and names of its
+tenants, the next group id). A new daemon that finds live pids there grants nothing until
+those tenants have re-registered and adopted what they map (or ``recover_timeout_s``). Request logic lives in :mod:`kvpool.daemon.arbiter`;
 this file only moves bytes and descriptors. Nothing a client sends can raise out of
 the loop: bad frames get ``BAD_REQUEST``, handler bugs ``INTERNAL``.
 """
@@ -15,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import grp
+import json
 import logging
 import os
 import signal
@@ -26,7 +33,8 @@ import zmq
 
 from kvpool import fdchannel, paths
 from kvpool import protocol as p
-from kvpool.daemon.arbiter import Arbiter
+from kvpool.daemon.arbiter import Arbiter, Outcome
+from kvpool.daemon.auth import is_admin, peer_groups
 from kvpool.daemon.config import Config
 from kvpool.daemon.notify import Notifier
 from kvpool.daemon.pool import Pool
@@ -37,6 +45,7 @@ from kvpool.vmm import open_backend
 log = logging.getLogger("kvpool.daemon")
 
 MAX_ZMQ_MESSAGE = 16 << 20  # larger frames make libzmq drop the peer (memory guard)
+MAX_STASH = 1 << 16  # descriptors a tenant may send ahead of an Adopt
 BURST = 64  # control messages handled per loop turn before looking at other sockets
 
 
@@ -73,13 +82,22 @@ class Server:
         self._next_liveness = 0.0
         self._next_watchdog = 0.0
         self._next_status = 0.0
+        self._state_dirty = False
+        self._need_tick = False
+        self.admin_gid: int | None = None
 
     # ---- setup / teardown -----------------------------------------------------------
     def start(self) -> None:
         try:
             paths.ensure_run_dir(self.run_dir)
+            os.chmod(self.run_dir, 0o750)
         except OSError as e:
             raise StartupError(f"cannot create the run directory {self.run_dir}: {e}") from None
+        if self.cfg.admin_group:
+            try:
+                self.admin_gid = grp.getgrnam(self.cfg.admin_group).gr_gid
+            except KeyError:
+                raise StartupError(f"admin group {self.cfg.admin_group!r} does not exist") from None
         pages_path = paths.pages_path(self.run_dir)
         with contextlib.suppress(OSError), fdchannel.connect(str(pages_path)):
             raise AlreadyRunning(f"a daemon already serves {self.run_dir}")
@@ -101,7 +119,7 @@ class Server:
         if self.cfg.socket_group:
             try:
                 gid = grp.getgrnam(self.cfg.socket_group).gr_gid
-                for path in (control, pages_path):
+                for path in (control, pages_path, self.run_dir):
                     os.chown(path, -1, gid)
             except (KeyError, OSError) as e:
                 raise StartupError(f"cannot give the sockets to group "
@@ -118,12 +136,51 @@ class Server:
                  self.run_dir, self.backend.name, self.backend.device,
                  format_size(self.pool.page_size), format_size(self.arbiter.budget),
                  self.pool.budget_pages, self.pool.warm_min, self.pool.warm_max)
+        self._recover_state()
+        raise_fd_limit()
         self.notifier.ready(self._status_line())
+
+    # ---- restart state ----------------------------------------------------------------
+    @property
+    def _state_path(self):
+        return self.run_dir / "state.json"
+
+    def _recover_state(self) -> None:
+        """Read the previous daemon's tenants: grants wait until the live ones adopted."""
+        try:
+            state = json.loads(self._state_path.read_text())
+        except (OSError, ValueError):
+            return
+        a = self.arbiter
+        a._next_group = max(a._next_group, int(state.get("next_group", 1)))
+        pids = {int(t["pid"]) for t in state.get("tenants", [])
+                if int(t.get("pid", 0)) > 0 and psutil.pid_exists(int(t["pid"]))}
+        pids.discard(os.getpid())
+        if pids:
+            a.recovering = True
+            a.recover_pids = pids
+            a.recover_until = time.monotonic() + self.cfg.recover_timeout_s
+            log.info("recovering: waiting up to %gs for %d tenants of the previous daemon",
+                     self.cfg.recover_timeout_s, len(pids))
+
+    def _save_state(self) -> None:
+        a = self.arbiter
+        state = {"next_group": a._next_group, "tenants": [
+            {"pid": t.pid, "name": t.name} for t in a.tenants if t.arbitrated]}
+        tmp = self._state_path.with_suffix(".tmp")
+        try:
+            tmp.write_text(json.dumps(state))
+            os.replace(tmp, self._state_path)
+        except OSError as e:
+            log.warning("cannot save %s: %s", self._state_path, e)
+        self._state_dirty = False
 
     def shutdown(self) -> None:
         self.notifier.stopping()
         for t in list(self.arbiter.tenants):
             self._drop(t, "daemon shutting down")
+        with contextlib.suppress(OSError):
+            self._state_path.unlink()
         self.poller.unregister(self.router)
         self.router.close(linger=0)
         self.ctx.term()
@@ -194,15 +251,25 @@ class Server:
                 handler = self._handlers.get(item)
                 if handler is not None:
                     handler(item)
+        if self._need_tick:
+            self._need_tick = False
+            self._tick()
         self._timers()
         if busy and not events:
             self.pool.maintain(0.002)
 
     def _next_timer(self) -> float:
-        return min(self._next_liveness, self._next_watchdog, self._next_status)
+        t = min(self._next_liveness, self._next_watchdog, self._next_status)
+        d = self.arbiter.next_deadline()
+        return min(t, d + 0.001) if d is not None else t
 
     def _timers(self) -> None:
         now = time.monotonic()
+        d = self.arbiter.next_deadline()
+        if d is not None and now >= d:
+            self._tick()
+        if self._state_dirty:
+            self._save_state()
         if now >= self._next_liveness:
             self._next_liveness = now + self.cfg.liveness_s
             self._check_liveness(now)
@@ -248,20 +315,79 @@ class Server:
             self._reply(envelope, p.error(e.id, e.code, str(e)))
             return
         try:
-            out = self.arbiter.handle(identity, req)
-            if out.send:
-                if not self._send_pages(out.tenant, req.id, out.send):
-                    self._reply(envelope, p.error(req.id, p.BUSY, "fd channel failed; session dropped"))
-                    return
+            if isinstance(req, p.Adopt):
+                self._collect_fds(req)
+            out = self.arbiter.handle(identity, req, envelope)
         except Exception as e:  # a bug must not stop the daemon
             log.exception("request %s failed", type(req).__name__)
             self.arbiter.errors += 1
             self._reply(envelope, p.error(req.id, p.INTERNAL, f"{type(e).__name__}: {e}"))
             return
+        if not out.deferred:
+            self._emit(envelope, req.id, out)
+        if isinstance(req, (p.Register, p.CreateGroup, p.Adopt)) and out.reply is not None \
+                and out.reply.ok:
+            self._state_dirty = True
+        if out.stop:
+            log.info("shutdown requested by uid %d", out.tenant.uid if out.tenant else -1)
+            self._stop = True
+        self._tick()
+
+    def _emit(self, envelope: list[bytes], req_id: int, out: Outcome) -> None:
+        """Send one outcome: the grant's descriptors first, then the reply."""
+        try:
+            if out.send and not self._send_pages(out.tenant, req_id, out.send):
+                self._reply(envelope, p.error(req_id, p.BUSY, "fd channel failed; session dropped"))
+                return
+        except Exception as e:  # a bug must not stop the daemon
+            log.exception("sending pages failed")
+            self.arbiter.errors += 1
+            self._reply(envelope, p.error(req_id, p.INTERNAL, f"{type(e).__name__}: {e}"))
+            return
         self._reply(envelope, out.reply)
         if out.end_session and out.tenant is not None:
             self._drop(out.tenant, "said bye")
+
+    def _tick(self) -> None:
+        """Answer waiting requests that are done, then send queued reclaim asks."""
+        try:
+            for out in self.arbiter.tick():
+                self._emit(out.envelope, out.reply.id, out)
+        except Exception:  # a bug must not stop the daemon
+            log.exception("arbitration step failed")
         self._flush_outbox()
+
+    def _collect_fds(self, req: p.Adopt) -> None:
+        """Gather the descriptors an Adopt sent ahead on the sender's fd channel (some
+        may already be stashed by :meth:`_conn_readable`) into ``t.inbox``."""
+        t = self.arbiter.tenants.by_token.get(req.token)
+        if t is None:
+            return
+        got = [fd for rid, fds in t.stash if rid == req.id for fd in fds]
+        for rid, fds in t.stash:
+            if rid != req.id:
+                fdchannel.close_all(fds)
+        t.stash = []
+        deadline = time.monotonic() + 2.0
+        try:
+            while len(got) < req.nfds and time.monotonic() < deadline:
+                data, fds = fdchannel.recv_fds(t.conn)
+                if not data and not fds:
+                    break
+                if self._header_id(data) != req.id:
+                    fdchannel.close_all(fds)
+                    continue
+                got.extend(fds)
+        except OSError as e:
+            log.warning("reading adopt descriptors of tenant %d: %s", t.id, e)
+        t.inbox.extend(got)
+
+    @staticmethod
+    def _header_id(data: bytes) -> int | None:
+        try:
+            return p.decode_header(data).id
+        except Exception:
+            return None
 
     def _reply(self, envelope: list[bytes], reply: p.Reply) -> None:
         with contextlib.suppress(zmq.ZMQError):
@@ -307,6 +433,7 @@ class Server:
                     pidfd = os.pidfd_open(pid)
             conn.settimeout(self.cfg.send_timeout_s)
             t = self.arbiter.open_session(conn, pid, uid, gid, pidfd)
+            t.admin = is_admin(uid, peer_groups(pid, gid), self.admin_gid)
             hello = p.FdHello(p.VERSION, t.token, self.backend.name, self.backend.device,
                               self.pool.page_size)
             conn.send(p.encode(hello))
@@ -334,7 +461,11 @@ class Server:
         if not data and not fds:
             self._drop(t, "fd channel closed")
             return
-        fdchannel.close_all(fds)  # tenants have nothing to send here; never keep their fds
+        rid = self._header_id(data) if fds else None
+        if rid is not None and t.registered and sum(len(f) for _, f in t.stash) + len(fds) <= MAX_STASH:
+            t.stash.append((rid, fds))  # descriptors sent ahead of an Adopt
+            return
+        fdchannel.close_all(fds)  # tenants send nothing else here: never keep their fds
 
     def _pid_exited(self, fd: int) -> None:
         for t in self.arbiter.tenants:
@@ -355,6 +486,11 @@ class Server:
             return
         fileno = t.conn.fileno()
         self.arbiter.drop(t, why)
+        fdchannel.close_all(t.inbox + [fd for _, fds in t.stash for fd in fds])
+        t.inbox, t.stash = [], []
+        if t.arbitrated:
+            self._state_dirty = True
+        self._need_tick = True
         if fileno >= 0:
             self._unwatch(fileno)
         t.conn.close()
@@ -363,6 +499,16 @@ class Server:
             with contextlib.suppress(OSError):
                 os.close(t.pidfd)
             t.pidfd = None
+
+
+def raise_fd_limit() -> None:
+    """Host pages are descriptors: allow as many as the hard limit does."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 def run(cfg: Config) -> None:

@@ -28,12 +28,37 @@ class Tenant:
     kind: str = ""
     identity: bytes | None = None  # ZeroMQ routing id, set at register
     registered: bool = False
-    min_pages: int = 0  # guaranteed (used by reclaim, a later issue)
+    admin: bool = False  # an admin identity (decided from SO_PEERCRED at accept)
+    min_pages: int = 0  # guaranteed: never reclaimed
     max_pages: int = 0  # hard limit
     weight: float = 1.0  # share of contended memory
     groups: dict[int, Group] = field(default_factory=dict)
     granted: int = 0  # pages in this tenant's tables (sum over groups)
+    lease_pages: int = 0  # pages leased (no table: the tenant's own allocator uses them)
     since: float = field(default_factory=time.monotonic)
+    # reclaim state (see kvpool.daemon.reclaim)
+    ask: object | None = None  # the outstanding Ask, if any
+    short_until: float = 0.0  # answered a shrink short: not asked to shrink before this
+    ignored: int = 0  # asks that expired unanswered
+    unresponsive: bool = False  # capped at min_pages until it answers a reclaim
+    waiting_pages: int = 0  # pages of its requests queued for reclaim
+    inbox: list[int] = field(default_factory=list)  # fds it sent for an Adopt (server-read)
+    stash: list[tuple[int, list[int]]] = field(default_factory=list)  # (request id, fds) ahead
+
+    @property
+    def held(self) -> int:
+        """Pages counted against the budget for this tenant: tables plus lease."""
+        return self.granted + self.lease_pages
+
+    @property
+    def cap_pages(self) -> int:
+        """The most it may hold now: ``max``, or ``min`` while unresponsive."""
+        return min(self.max_pages, self.min_pages) if self.unresponsive else self.max_pages
+
+    @property
+    def arbitrated(self) -> bool:
+        """Takes part in arbitration (registered, not a monitor/admin session)."""
+        return self.registered and self.kind not in ("monitor", "admin")
 
     @property
     def in_use_pages(self) -> int:

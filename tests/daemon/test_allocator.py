@@ -215,8 +215,7 @@ def test_reclaim_is_served_from_the_reserve(daemon):
         held = a.alloc(1)
         a.rebalance()  # reserve below low: grows to high
         assert a.reserve_chunks == a.high
-        t.conn._unsolicited.append(p.Reclaim(bytes=3 * 2 * PAGE))  # as if the daemon asked
-        t.poll()
+        t.handle_message(p.Reclaim(bytes=3 * 2 * PAGE))  # as if the daemon asked
         assert a.reserve_chunks == a.high - 3
         assert t.reclaim_reserve(1 << 30) == (a.high - 3) * 2 * PAGE
         assert a.reserve_chunks == 0

@@ -1,0 +1,231 @@
+"""Reclaim: requests that wait for memory, and what the daemon asks tenants to give back.
+
+When a grant (or a lease) does not fit, the requester becomes a :class:`Waiter` with a
+deadline and the daemon reclaims, cheapest first:
+
+a. its warm pool and dirty pages (already counted in ``Pool.available``: free for the taking);
+b. tenants' reserves — an :class:`Ask` in mode ``reserve`` for mapped-but-unused units,
+   never below the tenant's ``min``;
+c. tenants above their weighted fair share (:func:`kvpool.daemon.fairshare.reclaim_plan`),
+   never below ``max(min, share)`` — an :class:`Ask` in mode ``shrink``: the tenant's shrink
+   callback frees cached blocks so whole units empty, and the library releases them.
+
+A tenant above its hard limit (``max`` lowered by an admin) gets an urgent shrink ask for
+the excess at once, idle or not. Every ask has a deadline; a tenant that lets one expire
+is counted (``ignored``) and marked unresponsive: capped at its ``min`` until it answers a
+reclaim, so memory it releases above ``min`` does not come back.
+
+Invariants: at most one outstanding ask per tenant; waiters are served strictly in
+arrival order (freed pages go to the oldest waiter, never to a newcomer); a waiter is
+answered exactly once (granted, or ``NO_MEMORY``/``OVER_LIMIT`` at its deadline).
+Pure bookkeeping over the arbiter's state: no sockets, no clocks of its own (``now`` is
+passed in), so it is testable alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvpool import protocol as p
+from kvpool.daemon.fairshare import Claim, fair_shares, may_grow, reclaim_plan
+from kvpool.daemon.tenants import Tenant
+
+if TYPE_CHECKING:
+    from kvpool.daemon.arbiter import Arbiter
+
+
+@dataclass(eq=False)
+class Waiter:
+    """A grant or lease growth queued until ``pages`` are free (or ``deadline``)."""
+
+    tenant: Tenant
+    envelope: list[bytes]
+    req: p.Request  # p.Grant or p.Lease
+    pages: int
+    deadline: float
+
+
+@dataclass(eq=False)
+class Ask:
+    """What the daemon asked ``tenant`` to give back and is still waiting for."""
+
+    seq: int
+    pages: int  # still to come (decremented as the tenant releases)
+    mode: str  # "reserve" | "shrink"
+    urgent: bool
+    deadline: float
+    reason: str
+
+
+class Reclaimer:
+    def __init__(self, arbiter: "Arbiter", timeout_s: float):
+        self.a = arbiter
+        self.timeout_s = timeout_s
+        self.waiters: list[Waiter] = []
+        self._seq = 0
+
+    # ---- bookkeeping ---------------------------------------------------------------
+    @property
+    def waiting_pages(self) -> int:
+        return sum(w.pages for w in self.waiters)
+
+    @property
+    def asked_pages(self) -> int:
+        return sum(t.ask.pages for t in self.a.tenants if t.ask is not None)  # type: ignore[attr-defined]
+
+    def wait(self, t: Tenant, envelope: list[bytes], req: p.Request, pages: int, now: float) -> None:
+        self.waiters.append(Waiter(t, envelope, req, pages, now + self.timeout_s))
+        t.waiting_pages += pages
+
+    def released(self, t: Tenant, pages: int) -> None:
+        """``t`` gave back ``pages``: they count towards its outstanding ask."""
+        ask = t.ask
+        if ask is not None:
+            ask.pages -= pages  # type: ignore[attr-defined]
+
+    def answered(self, t: Tenant, seq: int, now: float) -> None:
+        """The tenant finished handling reclaim ``seq`` (a :class:`~p.Reclaimed`)."""
+        ask = t.ask
+        if ask is None or ask.seq != seq:  # type: ignore[attr-defined]
+            return
+        if ask.pages > 0 and ask.mode == "shrink":  # type: ignore[attr-defined]
+            t.short_until = now + self.timeout_s  # it cannot give more now: ask others
+        t.ask = None
+        t.unresponsive = False
+
+    def forget(self, t: Tenant) -> list[Waiter]:
+        """``t`` is gone: its waiters are dropped (nobody to answer)."""
+        gone = [w for w in self.waiters if w.tenant is t]
+        self.waiters = [w for w in self.waiters if w.tenant is not t]
+        t.waiting_pages = 0
+        return gone
+
+    # ---- policy inputs ------------------------------------------------------------------
+    def claims(self, extra: tuple[Tenant, int] | None = None, protect: set[int] = frozenset()
+               ) -> list[Claim]:
+        """Every arbitrated tenant as the fair-share policy sees it (bytes). ``extra``
+        adds a request's pages to a tenant's demand; tenants in ``protect`` (ids) are
+        pinned at what they hold (their floor is raised to it)."""
+        ps = self.a.page_size
+        out = []
+        for t in self.a.tenants:
+            if not t.arbitrated:
+                continue
+            held = t.held - (t.ask.pages if t.ask is not None else 0)  # type: ignore[attr-defined]
+            held = max(held, 0)
+            demand = held + t.waiting_pages + (extra[1] if extra and extra[0] is t else 0)
+            floor = max(t.min_pages, held) if t.id in protect else t.min_pages
+            out.append(Claim(name=str(t.id), held=held * ps, demand=demand * ps,
+                             min=floor * ps, max=t.cap_pages * ps, weight=t.weight))
+        return out
+
+    def shares(self) -> dict[int, int]:
+        """Each arbitrated tenant's weighted fair share now (bytes), by tenant id."""
+        got = fair_shares(self.a.budget, self.claims(), self.a.page_size)
+        return {int(k): v for k, v in got.items()}
+
+    def may_grow(self, t: Tenant, pages: int) -> bool:
+        """Whether ``t`` may take ``pages`` more by reclaiming from others."""
+        ps = self.a.page_size
+        return may_grow(self.a.budget, self.claims(extra=(t, pages)), str(t.id), pages * ps, ps)
+
+    # ---- the step ---------------------------------------------------------------------
+    def step(self, now: float) -> list[tuple[Waiter, p.Reply | None]]:
+        """Serve what fits, expire what is late, and ask for what is missing. Returns the
+        waiters that are done: ``(waiter, None)`` to be served now (in order), or
+        ``(waiter, error reply)``."""
+        done: list[tuple[Waiter, p.Reply | None]] = []
+        self._expire_asks(now)
+        avail = self.a.pool.available
+        while self.waiters:
+            w = self.waiters[0]
+            if w.tenant.held + w.pages > w.tenant.cap_pages:
+                self._pop(w)
+                done.append((w, p.error(w.req.id, p.OVER_LIMIT, f"{w.tenant.name}: its limit "
+                                        f"changed while the request waited")))
+                continue
+            if w.pages > avail:
+                break
+            self._pop(w)
+            avail -= w.pages
+            done.append((w, None))
+        for w in [w for w in self.waiters if w.deadline <= now]:
+            self._pop(w)
+            done.append((w, p.error(w.req.id, p.NO_MEMORY,
+                                    f"{w.pages} pages not freed within {self.timeout_s:g} s "
+                                    f"(reclaim deadline)")))
+        self._enforce_limits(now)
+        need = self.waiting_pages - avail - self.asked_pages
+        if need > 0:
+            need = self._ask_reserves(need, now)
+        if need > 0:
+            self._ask_shrink(need, now)
+        return done
+
+    def _pop(self, w: Waiter) -> None:
+        self.waiters.remove(w)
+        w.tenant.waiting_pages -= w.pages
+
+    def _expire_asks(self, now: float) -> None:
+        for t in self.a.tenants:
+            ask = t.ask
+            if ask is None:
+                continue
+            if ask.pages <= 0:  # type: ignore[attr-defined]
+                t.ask = None  # satisfied (its Reclaimed, if any, finds nothing to clear)
+                t.unresponsive = False
+                continue
+            if ask.deadline <= now:  # type: ignore[attr-defined]
+                t.ask = None
+                if ask.pages > 0:  # type: ignore[attr-defined]
+                    t.ignored += 1
+                    t.unresponsive = t.held > t.min_pages
+                    self.a.log_ignored(t, ask)
+
+    def _send(self, t: Tenant, pages: int, mode: str, urgent: bool, reason: str, now: float) -> None:
+        self._seq += 1
+        t.ask = Ask(self._seq, pages, mode, urgent, now + self.timeout_s, reason)
+        self.a.unsolicited(t, p.Reclaim(
+            bytes=pages * self.a.page_size, reason=reason, seq=self._seq, mode=mode,
+            urgent=urgent, deadline_ms=int(self.timeout_s * 1000)))
+
+    def _enforce_limits(self, now: float) -> None:
+        """Tenants above their (lowered) limit shrink now, idle or not."""
+        for t in self.a.tenants:
+            excess = t.granted - max(0, t.max_pages - t.lease_pages)
+            if excess > 0 and t.ask is None and t.arbitrated:
+                self._send(t, excess, "shrink", True, "limit", now)
+
+    def _victims(self) -> list[Tenant]:
+        waiting = {w.tenant.id for w in self.waiters}
+        return [t for t in self.a.tenants
+                if t.arbitrated and t.ask is None and t.id not in waiting]
+
+    def _ask_reserves(self, need: int, now: float) -> int:
+        for t in sorted(self._victims(), key=lambda t: -t.reserve_pages):
+            if need <= 0:
+                break
+            spare = min(t.reserve_pages, t.held - t.min_pages)
+            if spare <= 0:
+                continue
+            take = min(spare, need)
+            self._send(t, take, "reserve", False, "reserve", now)
+            need -= take
+        return need
+
+    def _ask_shrink(self, need: int, now: float) -> None:
+        ps = self.a.page_size
+        victims = {t.id: t for t in self._victims() if t.short_until <= now}
+        protect = {t.id for t in self.a.tenants if t.id not in victims}
+        plan = reclaim_plan(self.a.budget, self.claims(protect=protect), need * ps, ps)
+        urgent = any(w.deadline - now < self.timeout_s / 2 for w in self.waiters)
+        for name, nbytes in plan:
+            t = victims.get(int(name))
+            if t is not None:
+                self._send(t, -(-nbytes // ps), "shrink", urgent, "fair share", now)
+
+    def next_deadline(self) -> float | None:
+        times = [w.deadline for w in self.waiters]
+        times += [t.ask.deadline for t in self.a.tenants if t.ask is not None]  # type: ignore[attr-defined]
+        return min(times) if times else None
