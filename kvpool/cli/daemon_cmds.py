@@ -1,4 +1,5 @@
-"""Daemon-side commands: ``kvpool daemon``, ``ps``, ``map``, ``limit``, ``check``.
+"""Daemon-side commands: ``kvpool daemon``, ``ps``, ``map``, ``limit``, ``check``, ``stop``
+and ``lease``.
 
 Heavy modules (zmq, the daemon, the vmm backends) are imported inside the commands so
 ``kvpool --help`` stays fast.
@@ -87,13 +88,19 @@ json_option = click.option("--json", "as_json", is_flag=True, help="Machine-read
 @click.option("--warm-min", type=SizeParam(), default=None, help="Zeroed pages kept ready.")
 @click.option("--warm-max", type=SizeParam(), default=None, help="Most zeroed pages kept.")
 @run_dir_option
+@click.option("--socket-group", default=None,
+              help="Group owning the run directory (0750) and sockets (0660).")
+@click.option("--admin-group", default=None,
+              help="Members may change other tenants' knobs and stop the daemon.")
+@click.option("--reclaim-timeout", "reclaim_timeout_s", type=float, default=None,
+              help="Seconds a reclaim may take before a waiting grant gets NO_MEMORY (2).")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False, exists=True),
               default=None, help="TOML configuration file (flags override it).")
 @click.option("--log-level", default=None,
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
 @json_option
-def daemon(backend, device, budget, page_size, warm_min, warm_max, run_dir, config_path,
-           log_level, as_json):
+def daemon(backend, device, budget, page_size, warm_min, warm_max, run_dir, socket_group,
+           admin_group, reclaim_timeout_s, config_path, log_level, as_json):
     """Run the kvpool daemon in the foreground (systemd: Type=notify)."""
     import logging
 
@@ -103,7 +110,8 @@ def daemon(backend, device, budget, page_size, warm_min, warm_max, run_dir, conf
     try:
         cfg = Config.load(config_path, backend=backend, device=device, budget=budget,
                           page_size=page_size, warm_min=warm_min, warm_max=warm_max,
-                          run_dir=run_dir, log_level=log_level)
+                          run_dir=run_dir, log_level=log_level, socket_group=socket_group,
+                          admin_group=admin_group, reclaim_timeout_s=reclaim_timeout_s)
     except (ValueError, TypeError, OSError) as e:
         raise click.ClickException(f"configuration: {e}") from None
     logging.basicConfig(
@@ -135,12 +143,24 @@ def ps(run_dir, as_json):
     from rich.table import Table
 
     table = Table(box=None)
-    for col in ("ID", "NAME", "PID", "KIND", "MAPPED", "IN USE", "RESERVE", "LIMIT", "GROUPS"):
-        table.add_column(col, justify="right" if col not in ("NAME", "KIND") else "left")
+    cols = ("ID", "NAME", "PID", "KIND", "MAPPED", "IN USE", "RESERVE", "LEASE", "SHARE",
+            "MIN", "LIMIT", "WEIGHT", "GROUPS", "STATE")
+    for col in cols:
+        table.add_column(col, justify="left" if col in ("NAME", "KIND", "STATE") else "right")
     for t in reply.tenants:
+        state = []
+        if t.unresponsive:
+            state.append(f"UNRESPONSIVE (ignored {t.ignored})")
+        elif t.ignored:
+            state.append(f"ignored {t.ignored}")
+        if t.asked:
+            state.append(f"asked {format_size(t.asked)}")
+        if t.waiting:
+            state.append(f"waiting {format_size(t.waiting)}")
         table.add_row(str(t.id), t.name or "(unregistered)", str(t.pid), t.kind,
                       format_size(t.mapped), format_size(t.in_use), format_size(t.reserve),
-                      format_size(t.max), str(t.groups))
+                      format_size(t.lease), format_size(t.share), format_size(t.min),
+                      format_size(t.max), f"{t.weight:g}", str(t.groups), ", ".join(state))
     Console().print(table)
 
 
@@ -194,29 +214,75 @@ def map_cmd(tenant, pfns, width, run_dir, as_json):
 
 @click.command()
 @click.argument("tenant")
-@click.argument("size")
+@click.argument("size", required=False)
+@click.option("--max", "max_", default=None, help="Hard limit (same as SIZE).")
+@click.option("--min", "min_", default=None, help="Guaranteed memory, never reclaimed.")
+@click.option("--weight", type=click.FloatRange(min=0, min_open=True, max=10000), default=None,
+              help="Share of contended memory (default 1).")
+@click.option("--wait", "wait_s", type=float, default=0.0,
+              help="Wait up to this many seconds for the memory above the limit to be freed.")
 @run_dir_option
 @json_option
-def limit(tenant, size, run_dir, as_json):
-    """Set TENANT's hard limit to SIZE (e.g. 8GiB, or 25% of the budget)."""
+def limit(tenant, size, max_, min_, weight, wait_s, run_dir, as_json):
+    """Set TENANT's knobs: hard limit SIZE (8GiB, or 25% of the budget), --min, --weight.
+
+    Lowering the limit below what the tenant holds starts reclaim at once (idle or not);
+    the command reports the change as applied or pending with the bytes still to free.
+    Needs an admin identity (root, the daemon's user, or the configured admin group)."""
+    import time
+
     from kvpool import protocol as p
+
+    if size is not None and max_ is not None:
+        raise click.UsageError("give the limit as SIZE or --max, not both")
+    size = size if size is not None else max_
 
     def go(mon):
         stats = mon.stats()
-        try:
-            nbytes = parse_size(size, stats.pool.budget)
-        except ValueError as e:
-            raise click.BadParameter(str(e), param_hint="SIZE") from None
-        if nbytes > p.MAX_BYTES:
-            raise click.BadParameter(f"{size!r} is too large", param_hint="SIZE")
-        mon.set_limit(tenant, nbytes)
-        return nbytes
+        out = {}
+        for key, text in (("max", size), ("min", min_)):
+            if text is None:
+                continue
+            try:
+                out[key] = parse_size(text, stats.pool.budget)
+            except ValueError as e:
+                raise click.BadParameter(str(e), param_hint=key.upper()) from None
+            if out[key] > p.MAX_BYTES:
+                raise click.BadParameter(f"{text!r} is too large", param_hint=key.upper())
+        if not out and weight is None:
+            raise click.UsageError("nothing to change: give SIZE, --min or --weight")
+        reply = mon.set_limit(tenant, out.get("max"), min=out.get("min"), weight=weight)
+        deadline = time.monotonic() + wait_s
+        while not reply.applied and time.monotonic() < deadline:
+            time.sleep(0.05)
+            held = sum(max(0, t.mapped - max(0, t.max - t.lease))
+                       for t in mon.ps().tenants if t.name == tenant)
+            reply = p.LimitSet(tenant=tenant, tenants=reply.tenants, applied=held == 0,
+                               pending=held)
+        return out, reply
 
-    nbytes = _call(run_dir, go)
+    out, reply = _call(run_dir, go)
     if as_json:
-        click.echo(json.dumps({"tenant": tenant, "max": nbytes}))
-    else:
-        click.echo(f"limit of {tenant} set to {format_size(nbytes)}")
+        click.echo(json.dumps({"tenant": tenant, **out,
+                               **({"weight": weight} if weight is not None else {}),
+                               "applied": reply.applied, "pending": reply.pending}))
+        return
+    parts = [f"limit of {tenant} set to {format_size(out['max'])}"] if "max" in out else []
+    if "min" in out:
+        parts.append(f"min of {tenant} set to {format_size(out['min'])}")
+    if weight is not None:
+        parts.append(f"weight of {tenant} set to {weight:g}")
+    click.echo("; ".join(parts))
+    if not reply.applied:
+        click.echo(f"pending: {format_size(reply.pending)} still to free")
+
+
+@click.command()
+@run_dir_option
+def stop(run_dir):
+    """Stop the daemon (admin identity needed). Tenants keep their mapped pages."""
+    _call(run_dir, lambda m: m.shutdown())
+    click.echo("stopping")
 
 
 @click.command()
@@ -234,5 +300,7 @@ def check(run_dir, as_json):
 
 
 def register(cli: click.Group) -> None:
-    for cmd in (daemon, ps, map_cmd, limit, check):
+    from kvpool.cli.lease_cmds import lease
+
+    for cmd in (daemon, ps, map_cmd, limit, check, stop, lease):
         cli.add_command(cmd)
