@@ -49,7 +49,7 @@ class KVCacheManager:
         hit = computed_blocks or []
         assert not hit or not req.block_ids, "prefix hit for a request that holds blocks"
         computed = req.num_computed_tokens + len(hit) * self.block_size
-        need = -(-(computed + num_new_tokens) // self.block_size) - len(req.block_ids) - len(hit)
+        need = self.num_new_blocks(req, num_new_tokens, hit)
         if hit:
             self.pool.touch(hit)  # first, so allocating cannot evict the hit blocks
         try:
@@ -65,6 +65,13 @@ class KVCacheManager:
             req.num_prefix_hit_tokens = len(hit) * self.block_size
         req.block_ids.extend(new)
         return new
+
+    def num_new_blocks(self, req: Request, num_new_tokens: int,
+                       computed_blocks: list[int] | None = None) -> int:
+        """Blocks :meth:`allocate_slots` would take from the pool for the same arguments."""
+        hit = len(computed_blocks or [])
+        total = req.num_computed_tokens + hit * self.block_size + num_new_tokens
+        return max(0, -(-total // self.block_size) - len(req.block_ids) - hit)
 
     def cache_blocks(self, req: Request) -> None:
         """Register the request's full, computed blocks in the prefix cache."""

@@ -6,7 +6,9 @@ Each step:
    freed and it goes back to the front of the queue to be recomputed), repeatedly, until
    the allocation fits or the request itself was the one preempted;
 2. then, if nothing was preempted this step, waiting requests are admitted in order
-   (prefix-cache hit first, then a chunk of the rest) while budget and seats last.
+   (prefix-cache hit first, then a chunk of the rest) while budget and seats last and
+   the pool keeps a free block per running request (so admission does not just trigger
+   the next preemption).
 No request is ever dropped: preempted requests keep their tokens and resume later.
 """
 
@@ -73,6 +75,11 @@ class Scheduler:
             req = self.waiting[0]
             hit, hit_tokens = self.kv.get_computed_blocks(req)
             n = min(req.num_tokens - hit_tokens, budget)
+            # NOTE: leave one free block per running request so they can keep decoding;
+            # admitting into the last blocks only leads to preempting someone next step.
+            need = self.kv.num_new_blocks(req, n, hit)
+            if self.running and self.kv.pool.get_num_free_blocks() - need < len(self.running):
+                break
             if self.kv.allocate_slots(req, n, hit) is None:
                 break
             self.waiting.popleft()

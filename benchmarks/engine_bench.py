@@ -1,0 +1,245 @@
+"""Throughput of the bundled engine on a tiny random Llama (CPU by default).
+
+(a) decode tokens/s at several batch sizes and context lengths, and prefill tokens/s for
+    several prompt lengths and chunk sizes, through the engine's step API;
+(b) one mixed-length offline workload (random prompt and output lengths) run through
+    ``LLM.generate`` (continuous batching, at most ``batch`` running) and through Hugging
+    Face ``generate`` with static batches of ``batch`` requests, for each of ``--batches`` (left-padded, each batch
+    runs until its longest request is done), on the same weights; reports useful output
+    tokens/s of both and their ratio.
+
+    python benchmarks/engine_bench.py                  # ~2 minutes on 2 cores
+    python benchmarks/engine_bench.py --quick          # smoke run
+
+Writes benchmarks/results/engine_bench.json (or --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from common import machine, write_result
+from rich.console import Console
+from rich.table import Table
+
+from kvpool.engine import LLM, Engine, EngineConfig, SamplingParams
+from kvpool.engine.tiny import make_tiny_model
+
+
+def _engine(path: Path, args: argparse.Namespace, **kw) -> Engine:
+    cfg = dict(device=args.device, block_size=16, num_kv_blocks=4096, max_num_seqs=256,
+               enable_prefix_caching=False, max_model_len=4096)
+    return Engine(EngineConfig(str(path), **{**cfg, **kw}))
+
+
+def _ids(rng: random.Random, n: int, vocab: int) -> list[int]:
+    return [rng.randrange(3, vocab) for _ in range(n)]
+
+
+def bench_decode(path: Path, args: argparse.Namespace, batch: int, ctx: int) -> dict:
+    blocks = batch * ((ctx + args.decode_steps + 2) // 16 + 2) + 8  # room for all: no preemption
+    eng = _engine(path, args, max_num_batched_tokens=max(2048, batch), num_kv_blocks=blocks)
+    rng = random.Random(batch * 7919 + ctx)
+    sp = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
+    for _ in range(batch):
+        eng.add_request(_ids(rng, ctx, eng.model_config.vocab_size), sp)
+    while any(r.num_output_tokens == 0 for r in eng.requests.values()):
+        eng.step()  # prefill, not timed
+    eng.step()
+    t = time.perf_counter()
+    for _ in range(args.decode_steps):
+        eng.step()
+    dt = time.perf_counter() - t
+    assert eng.scheduler.num_preemptions == 0
+    for rid in list(eng.requests):
+        eng.abort(rid)
+    return {"batch": batch, "ctx": ctx, "steps": args.decode_steps,
+            "ms_per_step": 1e3 * dt / args.decode_steps,
+            "tokens_per_s": batch * args.decode_steps / dt}
+
+
+def bench_prefill(path: Path, args: argparse.Namespace, length: int, chunk: int) -> dict:
+    eng = _engine(path, args, max_num_batched_tokens=chunk)
+    rng = random.Random(length + chunk)
+    sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    eng.add_request(_ids(rng, 32, eng.model_config.vocab_size), sp)  # warm-up
+    while eng.has_unfinished():
+        eng.step()
+    times = []
+    for _ in range(args.prefill_reps):
+        eng.add_request(_ids(rng, length, eng.model_config.vocab_size), sp)
+        t = time.perf_counter()
+        while eng.has_unfinished():
+            eng.step()
+        times.append(time.perf_counter() - t)
+    dt = sorted(times)[len(times) // 2]
+    return {"tokens": length, "chunk": chunk, "ms": 1e3 * dt, "tokens_per_s": length / dt}
+
+
+def mixed_workload(args: argparse.Namespace, vocab: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(args.seed)
+    return [(_ids(rng, rng.randint(args.min_prompt, args.max_prompt), vocab),
+             rng.randint(args.min_output, args.max_output)) for _ in range(args.requests)]
+
+
+def bench_mixed_engine(path: Path, args: argparse.Namespace, work) -> dict:
+    llm = LLM(str(path), device=args.device, block_size=16, num_kv_blocks=4096,
+              max_num_seqs=args.batch, max_num_batched_tokens=args.budget,
+              enable_prefix_caching=False)
+    llm.generate([work[0][0]], SamplingParams(temperature=0, max_tokens=4))  # warm-up
+    t = time.perf_counter()
+    outs = llm.generate([p for p, _ in work], [
+        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in work])
+    dt = time.perf_counter() - t
+    useful = sum(len(o.output_token_ids) for o in outs)
+    assert useful == sum(n for _, n in work)
+    s = llm.engine.stats()
+    return {"seconds": dt, "output_tokens": useful, "tokens_per_s": useful / dt,
+            "steps": s["steps"], "preemptions": s["preemptions"],
+            "ttft_p50_s": s["ttft_s"]["p50"], "tpot_p50_s": s["tpot_s"]["p50"],
+            "outputs": [o.output_token_ids for o in outs]}
+
+
+def bench_mixed_hf(path: Path, args: argparse.Namespace, work) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(args.device)
+    model.eval()
+    dev = torch.device(args.device)
+
+    def run(batch):
+        width = max(len(p) for p, _ in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        mask = torch.zeros(len(batch), width, dtype=torch.long)
+        for i, (p, _) in enumerate(batch):  # left padding, as HF decoder-only generate wants
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        with torch.no_grad():
+            out = model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev),
+                                 max_new_tokens=max(n for _, n in batch), do_sample=False,
+                                 eos_token_id=None, pad_token_id=0)
+        return [out[i, width:width + n].tolist() for i, (_, n) in enumerate(batch)]
+
+    run(work[:1])  # warm-up
+    t = time.perf_counter()
+    outs = []
+    for i in range(0, len(work), args.batch):
+        outs += run(work[i:i + args.batch])
+    dt = time.perf_counter() - t
+    useful = sum(n for _, n in work)
+    return {"seconds": dt, "output_tokens": useful, "tokens_per_s": useful / dt,
+            "generated_incl_padding": sum(max(n for _, n in work[i:i + args.batch]) *
+                                          len(work[i:i + args.batch])
+                                          for i in range(0, len(work), args.batch)),
+            "outputs": outs}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--vocab", type=int, default=512)
+    ap.add_argument("--batch-sizes", default="1,8,32,64")
+    ap.add_argument("--contexts", default="128,512,1024")
+    ap.add_argument("--decode-steps", type=int, default=32)
+    ap.add_argument("--prefill", default="128:128,512:512,512:128,2048:512",
+                    help="length:chunk pairs")
+    ap.add_argument("--prefill-reps", type=int, default=3)
+    ap.add_argument("--requests", type=int, default=128)
+    ap.add_argument("--batches", default="8,32", help="mixed workload batch sizes")
+    ap.add_argument("--budget", type=int, default=512, help="engine tokens per step")
+    ap.add_argument("--min-prompt", type=int, default=16)
+    ap.add_argument("--max-prompt", type=int, default=384)
+    ap.add_argument("--min-output", type=int, default=8)
+    ap.add_argument("--max-output", type=int, default=128)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    ap.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke run")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if args.quick:
+        args.batch_sizes, args.contexts, args.decode_steps = "1,4", "64", 4
+        args.prefill, args.prefill_reps, args.requests = "128:64", 1, 8
+        args.batches, args.max_prompt, args.max_output = "4", 64, 16
+    console = Console()
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = make_tiny_model(Path(tmp) / "bench-llama", layers=args.layers, hidden=args.hidden,
+                               heads=args.heads, kv_heads=args.kv_heads, vocab=args.vocab,
+                               max_position_embeddings=4096, seed=args.seed)
+        decode = [bench_decode(path, args, b, c)
+                  for c in map(int, args.contexts.split(","))
+                  for b in map(int, args.batch_sizes.split(","))]
+        prefill = [bench_prefill(path, args, *map(int, pc.split(":")))
+                   for pc in args.prefill.split(",")]
+        work = mixed_workload(args, args.vocab)
+        runs = []
+        for batch in map(int, args.batches.split(",")):
+            args.batch = batch
+            ours = bench_mixed_engine(path, args, work)
+            hf = None if args.no_hf else bench_mixed_hf(path, args, work)
+            runs.append((batch, ours, hf))
+
+    t = Table(title="decode (engine.step, greedy)")
+    for col in ("batch", "context", "ms/step", "tokens/s"):
+        t.add_column(col, justify="right")
+    for r in decode:
+        t.add_row(str(r["batch"]), str(r["ctx"]), f"{r['ms_per_step']:.2f}",
+                  f"{r['tokens_per_s']:,.0f}")
+    console.print(t)
+    t = Table(title="prefill (time to first token, one request)")
+    for col in ("tokens", "chunk", "ms", "tokens/s"):
+        t.add_column(col, justify="right")
+    for r in prefill:
+        t.add_row(str(r["tokens"]), str(r["chunk"]), f"{r['ms']:.1f}",
+                  f"{r['tokens_per_s']:,.0f}")
+    console.print(t)
+    mixed = {"requests": args.requests, "engine_budget": args.budget,
+             "prompt_len": [args.min_prompt, args.max_prompt],
+             "output_len": [args.min_output, args.max_output], "runs": []}
+    t = Table(title=f"mixed workload: {args.requests} requests, prompts "
+              f"{args.min_prompt}-{args.max_prompt}, outputs {args.min_output}-{args.max_output}")
+    for col in ("batch", "system", "seconds", "useful out tok/s", "engine / HF"):
+        t.add_column(col, justify="right")
+    for batch, ours, hf in runs:
+        run = {"batch": batch, "engine": {k: v for k, v in ours.items() if k != "outputs"}}
+        t.add_row(str(batch), "kvpool engine (continuous)", f"{ours['seconds']:.2f}",
+                  f"{ours['tokens_per_s']:,.0f}", "")
+        if hf is not None:
+            agree = [sum(a == b for a, b in zip(x, y)) / len(x)
+                     for x, y in zip(ours["outputs"], hf["outputs"])]
+            run["hf_generate_static"] = {k: v for k, v in hf.items() if k != "outputs"}
+            run["throughput_ratio_engine_over_hf"] = ours["tokens_per_s"] / hf["tokens_per_s"]
+            run["greedy_token_agreement_with_hf"] = sum(agree) / len(agree)
+            t.add_row(str(batch), "HF generate (static batches)", f"{hf['seconds']:.2f}",
+                      f"{hf['tokens_per_s']:,.0f}",
+                      f"{run['throughput_ratio_engine_over_hf']:.2f}x")
+        mixed["runs"].append(run)
+    console.print(t)
+    model = {"arch": "llama", "layers": args.layers, "hidden": args.hidden,
+             "heads": args.heads, "kv_heads": args.kv_heads, "vocab": args.vocab,
+             "dtype": "float32", "block_size": 16}
+    info = machine()
+    try:
+        import transformers
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    info["torch_threads"] = torch.get_num_threads()
+    out = write_result("engine_bench", {"model": model, "device": args.device,
+                                        "machine": info, "decode": decode,
+                                        "prefill": prefill, "mixed": mixed,
+                                        "runtime_s": time.perf_counter() - t0}, args.out)
+    console.print(f"wrote {out} in {time.perf_counter() - t0:.0f}s")
+
+
+if __name__ == "__main__":
+    main()
