@@ -4,11 +4,11 @@
     several prompt lengths and chunk sizes, through the engine's step API;
 (b) one mixed-length offline workload (random prompt and output lengths) run through
     ``LLM.generate`` (continuous batching, at most ``batch`` running) and through Hugging
-    Face ``generate`` with static batches of ``batch`` requests, for each of ``--batches`` (left-padded, each batch
-    runs until its longest request is done), on the same weights; reports useful output
-    tokens/s of both and their ratio.
+    Face ``generate`` with static batches of ``batch`` requests, for each of ``--batches``
+    (left-padded, each batch runs until its longest request is done), on the same weights;
+    reports useful output tokens/s of both, their ratio and how often the greedy tokens agree.
 
-    python benchmarks/engine_bench.py                  # ~2 minutes on 2 cores
+    python benchmarks/engine_bench.py                  # ~30 s on 2 cores
     python benchmarks/engine_bench.py --quick          # smoke run
 
 Writes benchmarks/results/engine_bench.json (or --out).

@@ -21,7 +21,7 @@ _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "m
 
 
 def parse_size(size: int | str) -> int:
-    """Bytes from ``123``, ``"64MiB"``, ``"1.5G"`` (k/M/G are powers of 1000, KiB/MiB/GiB of 1024)."""
+    """Bytes from ``123``, ``"64MiB"``, ``"1.5G"`` (k/M/G: powers of 1000; KiB/MiB/GiB: 1024)."""
     if isinstance(size, int):
         return size
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", size)

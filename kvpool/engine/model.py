@@ -38,7 +38,8 @@ class Attention(nn.Module):
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split(
             [self.h * self.d, self.kvh * self.d, self.kvh * self.d], dim=-1)
-        q, k, v = q.view(t, self.h, self.d), k.view(t, self.kvh, self.d), v.view(t, self.kvh, self.d)
+        q = q.view(t, self.h, self.d)
+        k, v = k.view(t, self.kvh, self.d), v.view(t, self.kvh, self.d)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         assert fb.cos is not None and fb.sin is not None

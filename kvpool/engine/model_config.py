@@ -116,7 +116,8 @@ def _read_rope(d: dict[str, Any]) -> tuple[float, dict[str, Any]]:
     top-level ``rope_theta`` plus an optional ``rope_scaling`` dict. Accept both."""
     params = d.get("rope_parameters")
     if isinstance(params, dict) and "rope_theta" not in params and params:
-        params = next(iter(params.values()), None)  # v5 per-layer-type form {"full_attention": {...}}
+        # v5 per-layer-type form: {"full_attention": {...}, ...}
+        params = next(iter(params.values()), None)
     scaling = dict(d.get("rope_scaling") or {})
     if isinstance(params, dict):
         theta = params.get("rope_theta", d.get("rope_theta", 10000.0))

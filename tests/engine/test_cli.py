@@ -49,3 +49,15 @@ def test_elastic_without_adapter_is_a_clear_error(monkeypatch):
 def test_serve_rejects_bad_options(tiny_dir):
     r = CliRunner().invoke(cli, ["serve", str(tiny_dir), "--kv-cache-size", "lots"])
     assert r.exit_code != 0 and "cannot parse size" in r.output
+
+
+def test_import_boundaries():
+    """The engine never pulls in the daemon side; the CLI module does not import torch."""
+    import subprocess
+
+    code = ("import sys, kvpool.engine, kvpool.engine.server; "
+            "bad = [m for m in sys.modules if m.startswith(('kvpool.daemon', "
+            "'kvpool.client_lib', 'kvpool.vmm'))]; assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
+    code = "import sys, kvpool.cli.engine_cmds; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)

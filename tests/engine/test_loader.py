@@ -46,7 +46,8 @@ def test_no_safetensors(hf_dirs, tmp_path):
 def test_missing_tensor_is_named(hf_dirs, tmp_path):
     d = _copy(hf_dirs["llama"], tmp_path)
     _edit_tensors(d, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
-    with pytest.raises(CheckpointError, match=r"missing tensor\(s\): model\.layers\.1\.mlp\.up_proj"):
+    with pytest.raises(CheckpointError,
+                       match=r"missing tensor\(s\): model\.layers\.1\.mlp\.up_proj"):
         LLM(str(d))
 
 

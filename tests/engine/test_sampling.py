@@ -72,7 +72,8 @@ def test_eos_and_ignore_eos(llm):
     eng.eos_token_ids = {toks[3]}
     try:
         out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=20))[0]
-        assert out.finish_reason == "stop" and out.output_token_ids == toks[:toks.index(toks[3]) + 1]
+        assert out.finish_reason == "stop"
+        assert out.output_token_ids == toks[:toks.index(toks[3]) + 1]
         out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=20,
                                                     ignore_eos=True))[0]
         assert out.output_token_ids == toks

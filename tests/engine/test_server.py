@@ -88,7 +88,8 @@ def test_streaming_chat_equals_non_streaming(client):
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == full.choices[0].message.content
     assert chunks[0].choices[0].delta.role == "assistant"
-    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    finals = [c.choices[0].finish_reason for c in chunks
+              if c.choices and c.choices[0].finish_reason]
     assert finals == [full.choices[0].finish_reason]
     assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
 
