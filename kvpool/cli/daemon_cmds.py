@@ -161,7 +161,7 @@ def ps(run_dir, as_json):
                       format_size(t.mapped), format_size(t.in_use), format_size(t.reserve),
                       format_size(t.lease), format_size(t.share), format_size(t.min),
                       format_size(t.max), f"{t.weight:g}", str(t.groups), ", ".join(state))
-    Console().print(table)
+    Console(width=None if sys.stdout.isatty() else 200).print(table)
 
 
 def render_map(reply, width: int = GRID_WIDTH) -> str:

@@ -300,8 +300,10 @@ class Arbiter:
     def _defer(self, t: Tenant, r: p.Request, n: int) -> Outcome:
         """Not enough free memory: wait for reclaim, when ``t`` is entitled to it."""
         speculative = getattr(r, "speculative", False)
-        if speculative or not self.reclaimer.may_grow(t, n):
+        if speculative or t.ask is not None or \
+                not self.reclaimer.may_grow(t, n, lease=isinstance(r, p.Lease)):
             why = ("speculative grants use free memory only" if speculative else
+                   f"{t.name} is being asked to give memory back" if t.ask is not None else
                    f"{t.name} is at its fair share")
             raise Fail(p.NO_MEMORY, f"{n} pages asked, {self.pool.available} available; {why}")
         self.reclaimer.wait(t, self._envelope, r, n, time.monotonic())

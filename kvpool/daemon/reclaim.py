@@ -24,12 +24,15 @@ passed in), so it is testable alone.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvpool import protocol as p
 from kvpool.daemon.fairshare import Claim, fair_shares, may_grow, reclaim_plan
 from kvpool.daemon.tenants import Tenant
+
+log = logging.getLogger("kvpool.daemon.reclaim")
 
 if TYPE_CHECKING:
     from kvpool.daemon.arbiter import Arbiter
@@ -115,7 +118,9 @@ class Reclaimer:
             held = t.held - (t.ask.pages if t.ask is not None else 0)  # type: ignore[attr-defined]
             held = max(held, 0)
             demand = held + t.waiting_pages + (extra[1] if extra and extra[0] is t else 0)
-            floor = max(t.min_pages, held) if t.id in protect else t.min_pages
+            floor = max(t.min_pages, t.lease_pages)  # a lease is never reclaimed
+            if t.id in protect:
+                floor = max(floor, held)
             out.append(Claim(name=str(t.id), held=held * ps, demand=demand * ps,
                              min=floor * ps, max=t.cap_pages * ps, weight=t.weight))
         return out
@@ -125,9 +130,14 @@ class Reclaimer:
         got = fair_shares(self.a.budget, self.claims(), self.a.page_size)
         return {int(k): v for k, v in got.items()}
 
-    def may_grow(self, t: Tenant, pages: int) -> bool:
-        """Whether ``t`` may take ``pages`` more by reclaiming from others."""
+    def may_grow(self, t: Tenant, pages: int, lease: bool = False) -> bool:
+        """Whether ``t`` may take ``pages`` more by reclaiming from others: up to its fair
+        share; a lease may take everything above the others' floors (``min``, leases)."""
         ps = self.a.page_size
+        if lease:
+            floors = sum(max(x.min_pages, x.lease_pages) for x in self.a.tenants
+                         if x.arbitrated and x is not t)
+            return t.held + t.waiting_pages + pages <= self.a.budget // ps - floors
         return may_grow(self.a.budget, self.claims(extra=(t, pages)), str(t.id), pages * ps, ps)
 
     # ---- the step ---------------------------------------------------------------------
@@ -185,6 +195,8 @@ class Reclaimer:
 
     def _send(self, t: Tenant, pages: int, mode: str, urgent: bool, reason: str, now: float) -> None:
         self._seq += 1
+        log.debug("reclaim %d: %s asked for %d pages (%s%s, %s)", self._seq, t.name, pages,
+                  mode, ", urgent" if urgent else "", reason)
         t.ask = Ask(self._seq, pages, mode, urgent, now + self.timeout_s, reason)
         self.a.unsolicited(t, p.Reclaim(
             bytes=pages * self.a.page_size, reason=reason, seq=self._seq, mode=mode,
@@ -220,10 +232,22 @@ class Reclaimer:
         protect = {t.id for t in self.a.tenants if t.id not in victims}
         plan = reclaim_plan(self.a.budget, self.claims(protect=protect), need * ps, ps)
         urgent = any(w.deadline - now < self.timeout_s / 2 for w in self.waiters)
+        asked: dict[int, int] = {}
         for name, nbytes in plan:
-            t = victims.get(int(name))
-            if t is not None:
-                self._send(t, -(-nbytes // ps), "shrink", urgent, "fair share", now)
+            if int(name) in victims:
+                asked[int(name)] = -(-nbytes // ps)
+        rest = need - sum(asked.values())
+        if rest > 0 and any(isinstance(w.req, p.Lease) for w in self.waiters):
+            # a lease shrinks everyone else down to their floors, fullest first
+            for t in sorted(victims.values(), key=lambda t: -(t.held - t.min_pages)):
+                spare = t.held - max(t.min_pages, t.lease_pages) - asked.get(t.id, 0)
+                if rest <= 0 or spare <= 0:
+                    continue
+                take = min(spare, rest)
+                asked[t.id] = asked.get(t.id, 0) + take
+                rest -= take
+        for tid, pages in asked.items():
+            self._send(victims[tid], pages, "shrink", urgent, "fair share", now)
 
     def next_deadline(self) -> float | None:
         times = [w.deadline for w in self.waiters]

@@ -24,6 +24,7 @@ import grp
 import json
 import logging
 import os
+import select
 import signal
 import socket
 import time
@@ -451,6 +452,8 @@ class Server:
         if t is None:
             self._unwatch(fd)
             return
+        if not select.select([t.conn], [], [], 0)[0]:
+            return  # already drained (an Adopt read its descriptors this turn)
         try:
             data, fds = fdchannel.recv_fds(t.conn, maxfds=fdchannel.MAX_FDS)
         except fdchannel.FdChannelError:

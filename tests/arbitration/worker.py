@@ -38,12 +38,12 @@ class Cache:
         self.evictions = 0
 
     def add(self, n: int) -> bool:
+        got = self.a.alloc(n)  # not under the lock: the slow path may wait for reclaim
+        if got is None:
+            return False
         with self.lock:
-            got = self.a.alloc(n)
-            if got is None:
-                return False
             self.held.update(got)
-            return True
+        return True
 
     def drop(self, rng: random.Random, n: int) -> None:
         with self.lock:
