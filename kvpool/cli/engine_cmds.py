@@ -31,8 +31,9 @@ def register(cli: click.Group) -> None:
                   "[default: 256MiB]")
     @click.option("--num-kv-blocks", default=None, type=int, help="overrides --kv-cache-size")
     @click.option("--block-size", default=16, show_default=True, type=int)
-    @click.option("--kv-layout", type=click.Choice(["block_major", "per_layer"]),
-                  default="block_major", show_default=True)
+    @click.option("--kv-layout", type=click.Choice(["auto", "block_major", "per_layer"]),
+                  default="auto", show_default=True,
+                  help="auto: per_layer on CUDA, block_major elsewhere")
     @click.option("--max-num-batched-tokens", default=512, show_default=True, type=int)
     @click.option("--max-num-seqs", default=64, show_default=True, type=int)
     @click.option("--max-model-len", default=None, type=int)

@@ -6,6 +6,15 @@ Public API::
     Engine(EngineConfig(...)): add_request / step / abort / has_unfinished / stats
     BlockPool (ABC), FixedBlockPool, KVCache, KVCacheSpec  -- the pluggable KV parts
 
+Plugging in external KV memory (what ``kvpool.engine_adapters.bundled.enable`` does):
+set ``EngineConfig.block_pool_factory = lambda num_blocks: MyPool(...)`` (a
+:class:`BlockPool` whose ``get_new_blocks`` raises :class:`PoolExhausted` when memory is
+short) and ``EngineConfig.kv_cache_factory = lambda spec, capacity, device:
+KVCache.from_buffers(spec, buffers)`` with one buffer (block_major) or ``2 * layers``
+(per_layer) tensors covering ``capacity`` blocks; or pass ``block_pool=`` / ``kv_cache=``
+to :class:`Engine` directly. The scheduler only ever sees the ABC and re-reads free counts
+every step, so the pool may grow and shrink between steps.
+
 Never imports kvpool.daemon, kvpool.client_lib or kvpool.vmm.
 """
 

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from kvpool.engine.kv_cache import KVCache, KVCacheSpec
 
 KVLayout = Literal["block_major", "per_layer"]
+KVLayoutOption = Literal["auto", "block_major", "per_layer"]
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2,
           "mib": 1 << 20, "g": 1000**3, "gb": 1000**3, "gib": 1 << 30, "t": 1000**4,
@@ -50,7 +51,7 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_size: int | str | None = None
     num_kv_blocks: int | None = None
-    kv_layout: KVLayout = "block_major"
+    kv_layout: KVLayoutOption = "auto"  # "auto": per_layer on CUDA, block_major elsewhere
     max_num_batched_tokens: int = 512  # per-step token budget: decodes + prefill chunks
     max_num_seqs: int = 64
     max_model_len: int | None = None  # default: the model's max_position_embeddings
@@ -65,7 +66,7 @@ class EngineConfig:
         assert self.block_size > 0, "block_size must be positive"
         assert self.max_num_batched_tokens > 0, "max_num_batched_tokens must be positive"
         assert self.max_num_seqs > 0, "max_num_seqs must be positive"
-        assert self.kv_layout in ("block_major", "per_layer"), f"bad kv_layout {self.kv_layout}"
+        assert self.kv_layout in ("auto", "block_major", "per_layer"), f"bad kv_layout {self.kv_layout}"
         assert self.num_kv_blocks is None or self.num_kv_blocks >= 2, "need >= 2 KV blocks"
         if self.kv_cache_size is not None:
             self.kv_cache_size = parse_size(self.kv_cache_size)

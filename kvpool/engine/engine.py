@@ -48,8 +48,11 @@ class Engine:
         self.tokenizer = Tokenizer.from_dir(path)
         self.served_model_name = config.served_model_name or path.resolve().name
         mc = self.model_config
+        layout = config.kv_layout
+        if layout == "auto":  # DESIGN.md: per-layer buffers on GPUs (page-local reads)
+            layout = "per_layer" if self.device.type == "cuda" else "block_major"
         self.kv_spec = KVCacheSpec(mc.num_layers, config.block_size, mc.num_kv_heads,
-                                   mc.head_dim, self.dtype, config.kv_layout)
+                                   mc.head_dim, self.dtype, layout)
         num_blocks = config.num_kv_blocks or max(
             2, (config.kv_cache_size or DEFAULT_KV_CACHE_SIZE) // self.kv_spec.block_bytes)
         if block_pool is None:
@@ -132,6 +135,16 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def preempt_until_free(self, num_blocks: int) -> int:
+        """Preempt the newest running requests (they requeue and recompute later) until the
+        pool reports ``num_blocks`` free or nothing runs; returns how many were preempted.
+        For a memory arbiter that needs KV memory back; call between steps."""
+        n = 0
+        while self.scheduler.running and self.pool.get_num_free_blocks() < num_blocks:
+            self.scheduler.preempt(self.scheduler.running.pop())
+            n += 1
+        return n
+
     # --- the step -------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
@@ -212,7 +225,7 @@ class Engine:
                           "block_size": self.config.block_size,
                           "block_bytes": self.kv_spec.block_bytes,
                           "usage": round(self.pool.get_usage(), 4)},
-            "kv_layout": self.config.kv_layout,
+            "kv_layout": self.kv_spec.layout,
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "preemptions": self.scheduler.num_preemptions,

@@ -122,7 +122,7 @@ def create_app(aengine: AsyncEngine) -> FastAPI:
             raise APIError(400, f"max_tokens must be >= 1, got {max_tokens}")
 
     def params(body: _Common, prompt: list[int], max_tokens: int | None,
-               extra_stop_ids: list[int] = ()) -> SamplingParams:  # type: ignore[assignment]
+               extra_stop_ids: tuple[int, ...] = ()) -> SamplingParams:
         if len(prompt) >= engine.max_model_len:
             raise APIError(400, f"prompt has {len(prompt)} tokens; the context holds "
                            f"{engine.max_model_len} (max_model_len), including the output",
@@ -167,7 +167,7 @@ def create_app(aengine: AsyncEngine) -> FastAPI:
             raise APIError(400, "this model has no tokenizer.json; chat needs one")
         text = tok.apply_chat_template(body.messages)
         ids = tok.encode(text)
-        sp = params(body, ids, max_tokens, [tok.im_end_id] if tok.im_end_id is not None else [])
+        sp = params(body, ids, max_tokens, () if tok.im_end_id is None else (tok.im_end_id,))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if body.stream:
             return _sse(_stream_chat(aengine, rid, name, ids, sp, _include_usage(body)))

@@ -66,3 +66,21 @@ def test_pool_failing_despite_free_blocks(hf_dirs):
     llm, outs = _outputs(hf_dirs["llama"], 64, block_pool_factory=FlakyPool)
     assert isinstance(llm.engine.pool, FlakyPool) and llm.engine.pool.calls > 0
     assert [o.output_token_ids for o in outs] == [o.output_token_ids for o in ref]
+
+
+def test_preempt_until_free_from_outside(hf_dirs):
+    """What a memory arbiter does between steps: take KV back, requests still finish
+    with the same output."""
+    _, ref = _outputs(hf_dirs["llama"], 256)
+    eng = Engine(EngineConfig(str(hf_dirs["llama"]), num_kv_blocks=256, block_size=4))
+    ids = [eng.add_request(p, sp) for p, sp in zip(prompts(LENGTHS, seed=5), _params())]
+    for _ in range(3):
+        eng.step()
+    assert eng.preempt_until_free(eng.pool.capacity - 1) == len(LENGTHS)
+    assert eng.pool.num_used_blocks == 0
+    eng.check_integrity()
+    done = {}
+    while eng.has_unfinished():
+        done |= {o.request_id: o for o in eng.step() if o.finished}
+    assert [done[i].output_token_ids for i in ids] == [o.output_token_ids for o in ref]
+    assert all(done[i].num_preemptions == 1 for i in ids)
