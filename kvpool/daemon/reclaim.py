@@ -168,10 +168,24 @@ class Reclaimer:
         self._enforce_limits(now)
         need = self.waiting_pages - avail - self.asked_pages
         if need > 0:
-            need = self._ask_reserves(need, now)
-        if need > 0:
-            self._ask_shrink(need, now)
+            self._ask(need, now)
         return done
+
+    def _ask(self, need: int, now: float) -> None:
+        """One ask per tenant per round: its reserve first (cheap), plus a shrink when
+        reserves do not cover ``need``. Asking a tenant for its reserve alone and only
+        then for more would let a busy tenant, whose reserve refills as requests finish,
+        answer reserve asks forever while the waiter starves."""
+        reserves = self._plan_reserves(need)
+        rest = need - sum(reserves.values())
+        shrinks, urgent = self._plan_shrink(rest, now) if rest > 0 else ({}, False)
+        victims = {t.id: t for t in self._victims()}
+        for tid in sorted(set(reserves) | set(shrinks)):
+            pages = reserves.get(tid, 0) + shrinks.get(tid, 0)
+            if tid in shrinks:
+                self._send(victims[tid], pages, "shrink", urgent, "fair share", now)
+            else:
+                self._send(victims[tid], pages, "reserve", False, "reserve", now)
 
     def _pop(self, w: Waiter) -> None:
         self.waiters.remove(w)
@@ -214,19 +228,19 @@ class Reclaimer:
         return [t for t in self.a.tenants
                 if t.arbitrated and t.ask is None and t.id not in waiting]
 
-    def _ask_reserves(self, need: int, now: float) -> int:
+    def _plan_reserves(self, need: int) -> dict[int, int]:
+        plan: dict[int, int] = {}
         for t in sorted(self._victims(), key=lambda t: -t.reserve_pages):
             if need <= 0:
                 break
             spare = min(t.reserve_pages, t.held - t.min_pages)
             if spare <= 0:
                 continue
-            take = min(spare, need)
-            self._send(t, take, "reserve", False, "reserve", now)
-            need -= take
-        return need
+            plan[t.id] = min(spare, need)
+            need -= plan[t.id]
+        return plan
 
-    def _ask_shrink(self, need: int, now: float) -> None:
+    def _plan_shrink(self, need: int, now: float) -> tuple[dict[int, int], bool]:
         ps = self.a.page_size
         victims = {t.id: t for t in self._victims() if t.short_until <= now}
         protect = {t.id for t in self.a.tenants if t.id not in victims}
@@ -246,8 +260,7 @@ class Reclaimer:
                 take = min(spare, rest)
                 asked[t.id] = asked.get(t.id, 0) + take
                 rest -= take
-        for tid, pages in asked.items():
-            self._send(victims[tid], pages, "shrink", urgent, "fair share", now)
+        return asked, urgent
 
     def next_deadline(self) -> float | None:
         times = [w.deadline for w in self.waiters]

@@ -159,6 +159,7 @@ class FixedBlockPool(BlockPool):
         return out
 
     def free_blocks(self, block_ids: Iterable[int]) -> None:
+        released = []
         for b in block_ids:
             assert b != NULL_BLOCK and self._ref[b] > 0, f"double free of block {b}"
             self._ref[b] -= 1
@@ -166,7 +167,18 @@ class FixedBlockPool(BlockPool):
                 if b in self._entry:
                     self._evictable[b] = None
                 else:
-                    self._free.appendleft(b)  # reuse recently touched memory first
+                    released.append(b)
+        if released:
+            self._release(released, recent=True)
+
+    def _release(self, blocks: list[int], recent: bool) -> None:
+        """Blocks that are neither used nor cached any more go back to the free store;
+        ``recent`` ones (just used) are reused first, evicted ones last. Subclasses whose
+        memory comes from elsewhere (an elastic allocator) override this."""
+        if recent:
+            self._free.extendleft(blocks)  # reuse recently touched memory first
+        else:
+            self._free.extend(blocks)
 
     def touch(self, block_ids: Iterable[int]) -> None:
         for b in block_ids:
@@ -198,8 +210,9 @@ class FixedBlockPool(BlockPool):
         while self._evictable and (n is None or len(out) < n):
             b, _ = self._evictable.popitem(last=False)
             self._uncache(b)
-            self._free.append(b)
             out.append(b)
+        if out:
+            self._release(out, recent=False)
         return out
 
     def get_num_free_blocks(self) -> int:

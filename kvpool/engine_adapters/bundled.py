@@ -1,0 +1,396 @@
+"""Makes the bundled engine's KV cache elastic: the only bridge between it and kvpool.
+
+``enable(config)`` (what ``kvpool serve --elastic`` and ``KVPOOL_ENABLE=1`` call) checks
+that the engine is one this adapter knows, then installs two factories on its
+``EngineConfig``:
+
+* the KV storage becomes a kvpool *region group* (one region per KV buffer: one for the
+  block-major layout, ``2 * layers`` for per-layer), reserved virtually for the whole
+  configured KV size and backed by daemon pages only where blocks are in use;
+* the block pool becomes an :class:`ElasticBlockPool`: the engine's own prefix-cache
+  bookkeeping (it subclasses :class:`FixedBlockPool`), with free blocks coming from and
+  going back to the client library's :class:`ElasticBlockAllocator`.
+
+When the daemon asks this tenant to shrink, :meth:`ElasticBlockPool.shrink` evicts cached
+prefix blocks page-aware (chunks whose every held block is evictable first, so whole
+units empty), and when that is not enough preempts running requests, newest first (the
+daemon only asks for memory above the tenant's ``max(min, fair share)``); the library
+then releases the emptied units.
+
+Invariants: block ids equal allocator block ids, block 0 (the engine's null block) is
+allocated at start and never freed, and every block the engine references or caches is
+held in the allocator (``check_integrity`` verifies both sides).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+import os
+import threading
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvpool.engine import block_pool as engine_pool
+from kvpool.engine.block_pool import NULL_BLOCK, BlockPool, FixedBlockPool
+from kvpool.engine.config import EngineConfig
+from kvpool.engine.errors import PoolExhausted
+from kvpool.engine.kv_cache import KVCache, KVCacheSpec
+
+log = logging.getLogger("kvpool.adapter")
+
+# The engine surface this adapter was written against; anything else is refused.
+KNOWN_POOL_METHODS = frozenset({
+    "capacity", "get_new_blocks", "free_blocks", "touch", "get_cached_block",
+    "cache_full_blocks", "evict_cached_blocks", "get_num_free_blocks", "num_used_blocks",
+    "ref_count", "check_integrity",
+})
+KNOWN_LAYOUTS = ("block_major", "per_layer")
+ADAPTER_KEY = "kvpool"
+SHRINK_STEP_WAIT_S = 0.3
+
+
+class AdapterError(RuntimeError):
+    """The engine, its layout or the settings are not something this adapter supports."""
+
+
+@dataclass
+class Settings:
+    """How this engine joins kvpool; ``from_env`` reads ``KVPOOL_*`` variables."""
+
+    name: str | None = None  # tenant name; default: the served model name
+    run_dir: str | None = None
+    device: int = 0
+    min_bytes: int | None = None
+    weight: float | None = None
+    low: int = 1  # reserve watermarks, in chunks
+    high: int = 2
+    idle_timeout_s: float = 5.0
+    populate: bool = True
+
+    @classmethod
+    def from_env(cls) -> Settings:
+        from kvpool.sizes import parse_size
+
+        env = os.environ
+        s = cls(name=env.get("KVPOOL_TENANT"), run_dir=env.get("KVPOOL_RUN_DIR"))
+        if "KVPOOL_DEVICE" in env:
+            s.device = int(env["KVPOOL_DEVICE"])
+        if "KVPOOL_MIN" in env:
+            s.min_bytes = parse_size(env["KVPOOL_MIN"])
+        if "KVPOOL_WEIGHT" in env:
+            s.weight = float(env["KVPOOL_WEIGHT"])
+        if "KVPOOL_IDLE_TIMEOUT" in env:
+            s.idle_timeout_s = float(env["KVPOOL_IDLE_TIMEOUT"])
+        return s
+
+
+def check_engine(config: EngineConfig) -> None:
+    """Refuse, with a message naming the difference, an engine this adapter does not know."""
+    abstract = set(getattr(BlockPool, "__abstractmethods__", ()))
+    if abstract != KNOWN_POOL_METHODS:
+        raise AdapterError(
+            "kvpool.engine_adapters.bundled does not know this engine version: BlockPool "
+            f"methods differ (new: {sorted(abstract - KNOWN_POOL_METHODS)}, gone: "
+            f"{sorted(KNOWN_POOL_METHODS - abstract)})")
+    for owner, attr in ((FixedBlockPool, "_release"), (KVCache, "from_buffers"),
+                        (EngineConfig, "kv_cache_factory")):
+        if not hasattr(owner, attr) and attr not in {
+                f.name for f in getattr(owner, "__dataclass_fields__", {}).values()}:
+            raise AdapterError(f"engine lacks {owner.__name__}.{attr}: unknown engine version")
+    from kvpool.engine.engine import Engine
+
+    if not hasattr(Engine, "preempt_until_free"):
+        raise AdapterError("engine lacks Engine.preempt_until_free: unknown engine version")
+    if config.kv_layout not in (*KNOWN_LAYOUTS, "auto"):
+        raise AdapterError(f"unknown KV layout {config.kv_layout!r}; the adapter knows "
+                           f"{KNOWN_LAYOUTS}")
+    if config.block_pool_factory is not None or config.kv_cache_factory is not None:
+        raise AdapterError("the engine config already has a custom block pool or KV storage")
+
+
+def enable(config: EngineConfig, settings: Settings | None = None) -> None:
+    """Make the engine built from ``config`` allocate its KV cache through kvpool."""
+    check_engine(config)
+    bridge = _Bridge(config, settings or Settings.from_env())
+    config.block_pool_factory = bridge.make_pool
+    config.kv_cache_factory = bridge.make_kv_cache
+    config.extra[ADAPTER_KEY] = bridge
+    _patch_engine_init()
+
+
+class ElasticBlockPool(FixedBlockPool):
+    """The engine's block pool with elastic memory behind it.
+
+    Capacity is the *virtual* block count; free blocks are whatever the allocator can hand
+    out (mapped blocks on the fast path, more pages from the daemon on the slow path).
+    Thread safety: every method runs under ``lock`` (an RLock) so the daemon-driven
+    :meth:`shrink` (on the client library's thread) can evict between engine calls;
+    preemption additionally takes ``step_lock``, which the bound engine holds per step.
+    """
+
+    def __init__(self, provisional_capacity: int) -> None:
+        self.allocator = None
+        self.engine = None
+        self._provisional = provisional_capacity
+        self.lock = threading.RLock()
+        self.step_lock = threading.RLock()
+        self.shrinks = self.shrink_preemptions = self.shrink_evictions = 0
+
+    # ---- binding ------------------------------------------------------------------
+    def bind(self, allocator) -> None:
+        """Adopt ``allocator`` (its block ids become ours) and take block 0 as null."""
+        super().__init__(allocator.num_blocks)
+        self._free.clear()  # free blocks live in the allocator, not here
+        self.allocator = allocator
+        null = allocator.alloc(1)
+        if null != [NULL_BLOCK]:
+            raise AdapterError(f"expected the allocator's first block to be 0, got {null}")
+
+    def bind_engine(self, engine) -> None:
+        """Serialize the engine's steps with preemption requested by :meth:`shrink`."""
+        if self.engine is engine:
+            return
+        self.engine = engine
+        for name in ("step", "add_request", "abort"):
+            method = getattr(engine, name)
+            setattr(engine, name, self._locked(method))
+
+    def _locked(self, method):
+        def call(*args, **kwargs):
+            with self.step_lock:
+                return method(*args, **kwargs)
+
+        call.__wrapped__ = method
+        return call
+
+    @property
+    def capacity(self) -> int:
+        return self._provisional if self.allocator is None else self._capacity
+
+    # ---- allocation ---------------------------------------------------------------
+    def get_new_blocks(self, n: int) -> list[int]:
+        # Cheapest first: mapped free blocks, then our own evictable cache (local, keeps
+        # the tenant's footprint), then more memory from the daemon. ``alloc`` may wait
+        # for the daemon to reclaim from others, so it runs without ``lock``: a shrink
+        # request for this tenant must not wait behind our own grant.
+        alloc = self.allocator
+        with self.lock:
+            short = n - alloc.free_blocks
+            if short > 0 and self._evictable:
+                self.evict_cached_blocks(min(short, len(self._evictable)))
+        out = alloc.alloc(n)
+        if out is None:
+            with self.lock:
+                evicted = self.evict_cached_blocks(None)
+            out = alloc.alloc(n) if evicted else None
+        if out is None:
+            raise PoolExhausted(f"kvpool has no memory for {n} more KV block(s) now")
+        with self.lock:
+            for b in out:
+                self._ref[b] = 1
+        return out
+
+    def _release(self, blocks: list[int], recent: bool) -> None:
+        self.allocator.free(blocks)
+
+    def free_blocks(self, block_ids) -> None:
+        with self.lock:
+            super().free_blocks(block_ids)
+
+    def touch(self, block_ids) -> None:
+        with self.lock:
+            super().touch(block_ids)
+
+    def get_cached_block(self, block_hash, tokens, parent):
+        with self.lock:
+            return super().get_cached_block(block_hash, tokens, parent)
+
+    def cache_full_blocks(self, block_ids, hashes, tokens, parent) -> None:
+        with self.lock:
+            super().cache_full_blocks(block_ids, hashes, tokens, parent)
+
+    def evict_cached_blocks(self, n: int | None = None) -> list[int]:
+        with self.lock:
+            return super().evict_cached_blocks(n)
+
+    def get_num_free_blocks(self) -> int:
+        with self.lock:
+            return self.allocator.free_blocks + len(self._evictable)
+
+    @property
+    def num_used_blocks(self) -> int:
+        with self.lock:
+            return self.allocator.used_blocks - len(self._evictable) - 1  # minus null
+
+    # ---- giving memory back --------------------------------------------------------
+    def shrink(self, nbytes: int, urgent: bool) -> None:
+        """Free blocks worth ``nbytes`` so the library can release whole chunks.
+
+        Page-aware: first the chunks whose held blocks are all evictable (fewest first),
+        then any evictable block (LRU); then, since the daemon asks only for memory above
+        this tenant's ``max(min, fair share)``, running requests (newest first: they
+        requeue and recompute) and their freshly cached blocks. ``urgent`` (deadline
+        near) only lets it wait longer for the engine's current step.
+        """
+        self.shrinks += 1
+        alloc = self.allocator
+        chunk_bytes = alloc.holdings().chunk
+        want = max(1, math.ceil(nbytes / chunk_bytes))
+        with self.lock:
+            before = self._held_chunks()
+            self._evict_whole_chunks(want)
+            if before - self._held_chunks() < want and self._evictable:
+                self.evict_cached_blocks(None)
+            emptied = before - self._held_chunks()
+        if emptied >= want or self.engine is None:
+            return
+        # The daemon only asks for memory above max(min, fair share), so what the cache
+        # could not cover must come from running requests. Preemption touches the
+        # scheduler: wait for the current step, longer when urgent, but never for long
+        # (a step may itself be waiting on the daemon); the library asks again if short.
+        if not self.step_lock.acquire(timeout=SHRINK_STEP_WAIT_S * (3 if urgent else 1)):
+            return
+        try:
+            with self.lock:
+                target = self._held_chunks() - (want - emptied)
+                running = self.engine.scheduler.running
+                while running and self._held_chunks() > max(target, 1):
+                    self.engine.scheduler.preempt(running.pop())
+                    self.shrink_preemptions += 1
+                    self.evict_cached_blocks(None)
+        finally:
+            self.step_lock.release()
+
+    def _evict_whole_chunks(self, want: int) -> int:
+        held = self.allocator.held_by_chunk()
+        evictable_in: dict[int, list[int]] = defaultdict(list)
+        for b in self._evictable:
+            evictable_in[self.allocator.chunk_of(b)].append(b)
+        null_chunk = self.allocator.chunk_of(NULL_BLOCK)
+        whole = sorted(
+            (held[c], c) for c, blocks in evictable_in.items()
+            if c != null_chunk and len(blocks) == held.get(c, -1)
+        )
+        emptied = 0
+        for _, c in whole[:want]:
+            for b in evictable_in[c]:
+                del self._evictable[b]
+                self._uncache(b)
+            self._release(evictable_in[c], recent=False)
+            self.shrink_evictions += len(evictable_in[c])
+            emptied += 1
+        return emptied
+
+    def _held_chunks(self) -> int:
+        return len(self.allocator.held_by_chunk())
+
+    def check_integrity(self) -> None:
+        with self.lock:
+            alloc = self.allocator
+            alloc.check_integrity()
+            assert self._ref[NULL_BLOCK] == 0, "null block referenced"
+            assert not self._free, "elastic pool keeps no free list of its own"
+            used = 0
+            for b in range(1, self._capacity):
+                r = self._ref[b]
+                assert r >= 0, f"negative ref count on block {b}"
+                if r > 0 or b in self._evictable:
+                    assert alloc._held[b], f"block {b} in use or cached but not held"
+                    assert (b in self._evictable) == (r == 0), f"block {b} state mixed up"
+                    used += 1
+                else:
+                    assert b not in self._entry, f"free block {b} still cached"
+            assert alloc.used_blocks == used + 1, (
+                f"allocator holds {alloc.used_blocks} blocks, pool accounts for {used} + null")
+            for h, dups in self._by_hash.items():
+                for b in dups:
+                    assert self._entry[b].block_hash == h, f"hash index wrong for block {b}"
+
+
+class _Bridge:
+    """Builds the tenant, region group, allocator and pool for one engine."""
+
+    def __init__(self, config: EngineConfig, settings: Settings) -> None:
+        self.config = config
+        self.settings = settings
+        self.pool: ElasticBlockPool | None = None
+        self.tenant = None
+        self.group = None
+
+    def make_pool(self, num_blocks: int) -> ElasticBlockPool:
+        self.pool = ElasticBlockPool(num_blocks)
+        return self.pool
+
+    def make_kv_cache(self, spec: KVCacheSpec, capacity: int, device: torch.device) -> KVCache:
+        from kvpool.client_lib import ElasticBlockAllocator, connect
+
+        if spec.layout not in KNOWN_LAYOUTS:
+            raise AdapterError(f"unknown KV layout {spec.layout!r}")
+        if self.pool is None:
+            raise AdapterError("the engine built its KV storage before its block pool")
+        s = self.settings
+        name = s.name or self.config.served_model_name or os.path.basename(
+            os.path.normpath(self.config.model))
+        self.tenant = connect(name=name, device=s.device, run_dir=s.run_dir, kind="engine",
+                              min=s.min_bytes, weight=s.weight)
+        try:
+            per_region = spec.buffer_block_bytes
+            chunk = math.lcm(self.tenant.page_size, per_region)
+            region_bytes = math.ceil(capacity * per_region / chunk) * chunk
+            self.group = self.tenant.region_group(spec.num_buffers, region_bytes, label=name)
+            allocator = ElasticBlockAllocator(
+                self.group, per_region, low=s.low, high=s.high,
+                idle_timeout_s=s.idle_timeout_s, populate=s.populate)
+            self.pool.bind(allocator)
+            self.tenant.set_shrink_callback(self.pool.shrink)
+            nblocks = allocator.num_blocks
+            buffers = [self.group.tensor(i, torch.uint8, nbytes=nblocks * per_region)
+                       for i in range(spec.num_buffers)]
+            if device.type != buffers[0].device.type:
+                raise AdapterError(f"the engine runs on {device} but kvpool's {self.tenant.backend.name} "
+                                   f"backend maps memory on {buffers[0].device}")
+            return KVCache.from_buffers(spec, buffers, nblocks)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self.tenant is not None:
+            self.tenant.close()
+            self.tenant = None
+
+
+_patched = threading.Lock()
+
+
+def _patch_engine_init() -> None:
+    """Once per process: after an Engine is built with an elastic pool, bind them."""
+    from kvpool.engine.engine import Engine
+
+    with _patched:
+        if getattr(Engine.__init__, "_kvpool_patched", False):
+            return
+        original = Engine.__init__
+
+        def __init__(self, config: EngineConfig, *args: Any, **kwargs: Any) -> None:
+            original(self, config, *args, **kwargs)
+            if isinstance(self.pool, ElasticBlockPool):
+                self.pool.bind_engine(self)
+
+        __init__._kvpool_patched = True
+        __init__.__signature__ = inspect.signature(original)
+        Engine.__init__ = __init__
+
+
+def bridge_of(config: EngineConfig) -> _Bridge | None:
+    """The adapter state of an enabled config (tests and the server's stats use it)."""
+    return config.extra.get(ADAPTER_KEY)
+
+
+__all__ = ["AdapterError", "ElasticBlockPool", "Settings", "check_engine", "enable",
+           "bridge_of", "engine_pool"]
