@@ -18,8 +18,11 @@ def _enable_elastic(engine_config: object) -> None:
         from kvpool.engine_adapters import bundled  # type: ignore[attr-defined]
     except ImportError:
         raise click.ClickException(
-            "elastic mode needs kvpool.engine_adapters.bundled (not installed yet)") from None
-    bundled.enable(engine_config)
+            "elastic mode needs kvpool.engine_adapters.bundled (not installed)") from None
+    try:
+        bundled.enable(engine_config)
+    except bundled.AdapterError as e:
+        raise click.ClickException(f"cannot make the KV cache elastic: {e}") from None
 
 
 def register(cli: click.Group) -> None:

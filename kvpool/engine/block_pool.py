@@ -118,6 +118,11 @@ class BlockPool(ABC):
         total = used + self.get_num_free_blocks()
         return used / total if total else 0.0
 
+    def held_bytes(self, block_bytes: int) -> int:
+        """Physical KV memory this pool holds now: all of it for a preallocated pool
+        (elastic pools override this with what is actually mapped)."""
+        return self.capacity * block_bytes
+
     def reset_prefix_cache(self) -> int:
         """Drop every evictable cache entry; returns how many."""
         return len(self.evict_cached_blocks(None))

@@ -226,6 +226,7 @@ class Engine:
                           "block_bytes": self.kv_spec.block_bytes,
                           "usage": round(self.pool.get_usage(), 4)},
             "kv_layout": self.kv_spec.layout,
+            "kv_held_bytes": self.pool.held_bytes(self.kv_spec.block_bytes),
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "preemptions": self.scheduler.num_preemptions,

@@ -43,6 +43,7 @@ class _Common(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    return_token_ids: bool = False  # vLLM extension: token ids next to the text
     n: int = 1
     stream: bool = False
     stream_options: dict[str, Any] | None = None
@@ -147,13 +148,15 @@ def create_app(aengine: AsyncEngine) -> FastAPI:
             if len(ids) != 1:
                 raise APIError(400, "streaming supports a single prompt")
             return _sse(_stream_completion(aengine, rid, name, ids[0], sps[0],
-                                           _include_usage(body)))
+                                           _include_usage(body), body.return_token_ids))
         outs = await asyncio.gather(*(_final(aengine, f"{rid}-{i}", p, sp)
                                       for i, (p, sp) in enumerate(zip(ids, sps))))
         return {"id": rid, "object": "text_completion", "created": int(time.time()),
                 "model": name,
                 "choices": [{"index": i, "text": o.text, "finish_reason": o.finish_reason,
-                             "logprobs": None} for i, o in enumerate(outs)],
+                             "logprobs": None,
+                             **({"token_ids": o.output_token_ids} if body.return_token_ids
+                                else {})} for i, o in enumerate(outs)],
                 "usage": _usage(outs)}
 
     @app.post("/v1/chat/completions")
@@ -228,15 +231,18 @@ def _sse(chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
 
 
 async def _stream_completion(aengine: AsyncEngine, rid: str, name: str, ids: list[int],
-                             sp: SamplingParams, include_usage: bool
+                             sp: SamplingParams, include_usage: bool, token_ids: bool = False
                              ) -> AsyncIterator[dict[str, Any]]:
     created, sent = int(time.time()), 0
     async for out in aengine.generate(rid, ids, sp):
         delta, sent = out.text[sent:], len(out.text)
-        if delta or out.finished:
+        if delta or out.finished or (token_ids and out.new_token_ids):
+            choice = {"index": 0, "text": delta, "logprobs": None,
+                      "finish_reason": out.finish_reason}
+            if token_ids:  # every token, even those whose text is still held back
+                choice["token_ids"] = out.new_token_ids
             yield {"id": rid, "object": "text_completion", "created": created, "model": name,
-                   "choices": [{"index": 0, "text": delta, "logprobs": None,
-                                "finish_reason": out.finish_reason}]}
+                   "choices": [choice]}
         if out.finished and include_usage:
             yield {"id": rid, "object": "text_completion", "created": created, "model": name,
                    "choices": [], "usage": _usage([out])}

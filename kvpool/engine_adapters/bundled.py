@@ -227,6 +227,9 @@ class ElasticBlockPool(FixedBlockPool):
         with self.lock:
             return self.allocator.used_blocks - len(self._evictable) - 1  # minus null
 
+    def held_bytes(self, block_bytes: int) -> int:
+        return self.allocator.holdings().mapped
+
     # ---- giving memory back --------------------------------------------------------
     def shrink(self, nbytes: int, urgent: bool) -> None:
         """Free blocks worth ``nbytes`` so the library can release whole chunks.

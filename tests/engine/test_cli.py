@@ -38,12 +38,14 @@ def test_generate_command(tiny_dir):
     assert "'Hello' ->" in r.output
 
 
-def test_elastic_without_adapter_is_a_clear_error(monkeypatch):
+def test_elastic_with_an_unknown_layout_is_a_clear_error(tiny_dir):
     from kvpool.cli import engine_cmds
+    from kvpool.engine import EngineConfig
 
-    monkeypatch.setitem(sys.modules, "kvpool.engine_adapters.bundled", None)  # not importable
-    with pytest.raises(click.ClickException, match="elastic mode needs kvpool.engine_adapters"):
-        engine_cmds._enable_elastic(object())
+    cfg = EngineConfig(model=str(tiny_dir))
+    cfg.kv_layout = "interleaved"
+    with pytest.raises(click.ClickException, match="cannot make the KV cache elastic.*layout"):
+        engine_cmds._enable_elastic(cfg)
 
 
 def test_serve_rejects_bad_options(tiny_dir):
