@@ -1,0 +1,148 @@
+"""Starts and stops the processes of a demo run: a daemon (elastic mode) and one
+``kvpool serve`` per model, each in its own process group so nothing outlives the run."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+
+class ClusterError(RuntimeError):
+    """A process of the run failed to start or died; the message says which and why."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    log: Path
+    url: str | None = None
+
+    def tail(self, n: int = 20) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+
+@dataclass
+class Cluster:
+    """``with Cluster(workdir) as c: c.daemon(...); c.serve(...)`` — every process is
+    killed (SIGTERM, then SIGKILL) when the block ends, whatever happened inside."""
+
+    workdir: Path
+    procs: list[Proc] = field(default_factory=list)
+    run_dir: Path | None = None
+
+    def __enter__(self) -> Cluster:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Proc:
+        log = self.workdir / f"{name}.log"
+        with open(log, "wb") as f:
+            popen = subprocess.Popen(
+                [sys.executable, "-m", "kvpool.cli.main", *args], stdout=f,
+                stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+                start_new_session=True)
+        proc = Proc(name, popen, log)
+        self.procs.append(proc)
+        return proc
+
+    def daemon(self, budget: int, page_size: int, extra: tuple[str, ...] = ()) -> Proc:
+        self.run_dir = Path(tempfile.mkdtemp(prefix="kvpool-demo-", dir="/tmp"))
+        proc = self._spawn("daemon", ["daemon", "--backend", "host", "--run-dir",
+                                      str(self.run_dir), "--budget", str(budget),
+                                      "--page-size", str(page_size), *extra])
+        deadline = time.monotonic() + 30
+        while not (self.run_dir / "pages.sock").exists():
+            self._check(proc)
+            if time.monotonic() > deadline:
+                raise ClusterError(f"the daemon did not start in 30 s:\n{proc.tail()}")
+            time.sleep(0.05)
+        return proc
+
+    def serve(self, name: str, model_dir: Path, kv_cache_size: int, elastic: bool,
+              extra: tuple[str, ...] = (), env: dict[str, str] | None = None) -> Proc:
+        port = free_port()
+        args = ["serve", str(model_dir), "--port", str(port), "--served-model-name", name,
+                "--kv-cache-size", str(kv_cache_size), "--log-level", "warning", *extra]
+        env = dict(env or {})
+        if elastic:
+            if self.run_dir is None:
+                raise ClusterError("start the daemon before elastic servers")
+            args.append("--elastic")
+            env |= {"KVPOOL_RUN_DIR": str(self.run_dir), "KVPOOL_TENANT": name}
+        proc = self._spawn(f"serve-{name}", args, env)
+        proc.url = f"http://127.0.0.1:{port}"
+        return proc
+
+    def wait_healthy(self, timeout_s: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        for proc in self.procs:
+            if proc.url is None:
+                continue
+            while True:
+                self._check(proc)
+                try:
+                    if httpx.get(f"{proc.url}/health", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise ClusterError(f"{proc.name} not healthy in {timeout_s:.0f} s:\n"
+                                       f"{proc.tail()}")
+                time.sleep(0.2)
+
+    def _check(self, proc: Proc) -> None:
+        if proc.popen.poll() is not None:
+            raise ClusterError(f"{proc.name} exited with code {proc.popen.returncode}:\n"
+                               f"{proc.tail()}")
+
+    def check_alive(self) -> None:
+        for proc in self.procs:
+            self._check(proc)
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs):  # servers first, the daemon last
+            _terminate(proc.popen)
+        self.procs.clear()
+        if self.run_dir is not None:
+            import shutil
+
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+            self.run_dir = None
+
+
+def _terminate(popen: subprocess.Popen, grace_s: float = 5.0) -> None:
+    if popen.poll() is not None:
+        return
+    try:
+        os.killpg(popen.pid, signal.SIGTERM)
+        popen.wait(grace_s)
+    except (ProcessLookupError, PermissionError):
+        pass
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(popen.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        popen.wait()

@@ -1,0 +1,200 @@
+"""The main job: three models on one device, static partitions vs elastic sharing.
+
+Both modes serve the same seeded bursty workload (models take turns peaking) with the
+same engine code; only the KV memory differs:
+
+* ``static``  — each server preallocates ``budget / n_models`` (what engines do today);
+* ``elastic`` — a kvpool daemon owns ``budget``; each server reserves the whole budget
+  virtually and maps pages only while it uses them, so a bursting model borrows what the
+  idle ones gave back.
+
+Memory per model is sampled from every server's ``/v1/stats`` (``kv_held_bytes``: the
+preallocation for static servers, the mapped pages for elastic ones), so both modes are
+measured by one code path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from kvpool.demo import report
+from kvpool.demo.cluster import Cluster, ClusterError
+from kvpool.demo.driver import Outcome, Replay, replay
+from kvpool.demo.workload import WorkloadShape, generate
+from kvpool.sizes import format_size
+
+MODES = ("static", "elastic")
+
+
+@dataclass
+class DemoConfig:
+    """Everything a run needs; the defaults finish in a few minutes on 2 CPU cores."""
+
+    out_dir: Path = Path("demo-out")
+    models: tuple[str, ...] = ("alpha", "beta", "gamma")
+    budget: int = 3 << 20  # KV bytes for all models together
+    page_size: int = 64 << 10
+    block_size: int = 16
+    layers: int = 2
+    hidden: int = 128
+    vocab: int = 512
+    max_num_seqs: int = 32
+    idle_timeout_s: float = 1.0  # elastic engines give an idle reserve back after this
+    workload: WorkloadShape = field(default_factory=lambda: WorkloadShape(
+        models=["alpha", "beta", "gamma"], duration_s=45.0, phase_s=7.5, base_rate=0.4,
+        peak_rate=5.0, output_range=(8, 48), prompt_range=(16, 256)))
+    modes: tuple[str, ...] = MODES
+    live: bool = True
+
+    def model_dir(self, name: str) -> Path:
+        return self.out_dir / "models" / name
+
+
+def ensure_models(cfg: DemoConfig) -> None:
+    """Write the tiny checkpoints the demo serves, once (kept between runs)."""
+    from kvpool.engine.tiny import make_tiny_model
+
+    for i, name in enumerate(cfg.models):
+        d = cfg.model_dir(name)
+        if not (d / "config.json").exists():
+            make_tiny_model(d, layers=cfg.layers, hidden=cfg.hidden, heads=4, kv_heads=2,
+                            vocab=cfg.vocab, seed=i)
+
+
+def _stats(url: str) -> dict:
+    return httpx.get(f"{url}/v1/stats", timeout=5).json()
+
+
+def run_mode(cfg: DemoConfig, mode: str, console: Console) -> tuple[Replay, dict]:
+    """Start the processes of ``mode``, replay the workload, stop everything."""
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; choose from {MODES}")
+    arrivals = generate(cfg.workload)
+    with Cluster(cfg.out_dir / "logs" / mode) as cluster:
+        elastic = mode == "elastic"
+        if elastic:
+            cluster.daemon(cfg.budget, cfg.page_size)
+        size = cfg.budget if elastic else cfg.budget // len(cfg.models)
+        env = {"KVPOOL_IDLE_TIMEOUT": str(cfg.idle_timeout_s)}
+        servers = {m: cluster.serve(m, cfg.model_dir(m), size, elastic, env=env,
+                                    extra=("--max-num-seqs", str(cfg.max_num_seqs),
+                                           "--block-size", str(cfg.block_size)))
+                   for m in cfg.models}
+        cluster.wait_healthy()
+        urls = {m: p.url for m, p in servers.items()}
+
+        def sample() -> dict:
+            row = {}
+            for m, url in urls.items():
+                try:
+                    row[m] = _stats(url)["kv_held_bytes"]
+                except (httpx.HTTPError, KeyError, ValueError):
+                    row[m] = 0
+            return row
+
+        progress = _Progress(mode, arrivals, cfg.models)
+        live = Live(progress.render(), console=console, refresh_per_second=4,
+                    transient=True) if cfg.live else None
+
+        def show() -> None:
+            if live is not None:
+                live.update(progress.render())
+
+        def on_done(o: Outcome) -> None:
+            progress.done(o)
+            show()
+
+        def sample_and_show() -> dict:
+            progress.memory = sample()
+            show()
+            return progress.memory
+
+        with live or contextlib.nullcontext():
+            rep = replay(arrivals, urls, cfg.vocab, sample_memory=sample_and_show,
+                         on_done=on_done)
+        cluster.check_alive()  # a server that died mid-run fails the run
+        final = {m: _stats(url) for m, url in urls.items()}
+    return rep, final
+
+
+class _Progress:
+    """The live view: requests done, in flight, and memory per model."""
+
+    def __init__(self, mode: str, arrivals, models) -> None:
+        self.mode = mode
+        self.total = {m: sum(1 for a in arrivals if a.model == m) for m in models}
+        self.finished = {m: 0 for m in models}
+        self.errors = {m: 0 for m in models}
+        self.memory: dict = {}
+        self.start = time.perf_counter()
+
+    def done(self, o: Outcome) -> None:
+        (self.errors if o.error else self.finished)[o.model] += 1
+
+    def render(self) -> Table:
+        t = Table(title=f"{self.mode}: {time.perf_counter() - self.start:.0f} s")
+        for col in ("model", "done", "errors", "KV memory"):
+            t.add_column(col, justify="left" if col == "model" else "right")
+        for m in self.total:
+            t.add_row(m, f"{self.finished[m]}/{self.total[m]}", str(self.errors[m]),
+                      format_size(self.memory.get(m, 0)))
+        return t
+
+
+def check_outcomes(mode: str, rep: Replay) -> None:
+    failed = [o for o in rep.outcomes if o.error]
+    if failed:
+        raise ClusterError(f"{mode}: {len(failed)} of {len(rep.outcomes)} requests failed; "
+                           f"first: {failed[0].model}: {failed[0].error}")
+
+
+def run_demo(cfg: DemoConfig, console: Console | None = None) -> dict:
+    """Both modes, the table, the chart and the JSON. Raises on any failure."""
+    console = console or Console()
+    cfg.out_dir.mkdir(parents=True, exist_ok=True)
+    ensure_models(cfg)
+    arrivals = generate(cfg.workload)
+    console.print(f"[bold]kvpool demo[/]: {len(cfg.models)} models, KV budget "
+                  f"{format_size(cfg.budget)}, {len(arrivals)} requests over "
+                  f"{cfg.workload.duration_s:.0f} s (models take turns peaking at "
+                  f"{cfg.workload.peak_rate:g} req/s, base {cfg.workload.base_rate:g} req/s)")
+    replays: dict[str, Replay] = {}
+    summaries: dict[str, dict] = {}
+    for mode in cfg.modes:
+        t0 = time.perf_counter()
+        rep, final = run_mode(cfg, mode, console)
+        check_outcomes(mode, rep)
+        preempt = {m: s.get("preemptions", 0) for m, s in final.items()}
+        replays[mode], summaries[mode] = rep, report.summarize(rep, preempt)
+        console.print(f"{mode}: {len(rep.outcomes)} requests in {time.perf_counter() - t0:.0f} s")
+    console.print(report.table("TTFT / TPOT per model (ms), KV memory", summaries))
+    result = {"config": _config_json(cfg), "summary": summaries,
+              "runs": {m: r.to_json() for m, r in replays.items()}}
+    if {"static", "elastic"} <= set(summaries):
+        s, e = summaries["static"]["all"], summaries["elastic"]["all"]
+        if s["ttft_p99"] and e["ttft_p99"]:
+            result["p99_ttft_ratio_static_over_elastic"] = s["ttft_p99"] / e["ttft_p99"]
+            console.print(f"p99 TTFT: static {s['ttft_p99'] * 1e3:.0f} ms, elastic "
+                          f"{e['ttft_p99'] * 1e3:.0f} ms: elastic is "
+                          f"{result['p99_ttft_ratio_static_over_elastic']:.1f}x lower")
+    chart = report.chart(cfg.out_dir / "memory.png", replays, cfg.budget,
+                         "KV memory per model over time")
+    path = cfg.out_dir / "results.json"
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    console.print(f"chart: {chart}\nraw results: {path}")
+    return result
+
+
+def _config_json(cfg: DemoConfig) -> dict:
+    d = asdict(cfg)
+    d["out_dir"] = str(cfg.out_dir)
+    return d
