@@ -29,6 +29,7 @@ import logging
 import math
 import os
 import threading
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
@@ -140,6 +141,9 @@ class ElasticBlockPool(FixedBlockPool):
         self.lock = threading.RLock()
         self.step_lock = threading.RLock()
         self.shrinks = self.shrink_preemptions = self.shrink_evictions = 0
+        self.idle_evictions = 0
+        self._stopped = threading.Event()
+        self._idle_thread: threading.Thread | None = None
 
     # ---- binding ------------------------------------------------------------------
     def bind(self, allocator) -> None:
@@ -159,6 +163,52 @@ class ElasticBlockPool(FixedBlockPool):
         for name in ("step", "add_request", "abort"):
             method = getattr(engine, name)
             setattr(engine, name, self._locked(method))
+
+    def start_idle_release(self, idle_timeout_s: float) -> None:
+        """Once the bound engine has had no request and taken no step for
+        ``idle_timeout_s``, evict its prefix cache so the allocator's own idle trim gives
+        the emptied chunks back: an idle engine keeps one unit (the null block's), the
+        rest flows to tenants that need it. Without this an idle engine's cache counts
+        as held memory and fair share protects it (an idle tenant could keep half the
+        budget). Eviction runs under ``step_lock`` with no request in the engine, so it
+        cannot race a prefix hit being taken."""
+        if self._idle_thread is not None or idle_timeout_s <= 0:
+            return
+        self._idle_thread = threading.Thread(
+            target=self._idle_loop, args=(idle_timeout_s,), name="kvpool-idle-cache",
+            daemon=True)
+        self._idle_thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def _idle_loop(self, timeout_s: float) -> None:
+        tick = min(max(timeout_s / 4, 0.01), 0.5)
+        last_steps, since = -1, time.monotonic()
+        while not self._stopped.wait(tick):
+            engine, alloc = self.engine, self.allocator
+            if engine is None or alloc is None:
+                continue
+            if alloc.group.tenant.closed:
+                return
+            now = time.monotonic()
+            steps = engine.counters["steps"]
+            if steps != last_steps or engine.has_unfinished():
+                last_steps, since = steps, now
+                continue
+            if now - since < timeout_s or not self._evictable:
+                continue
+            if not self.step_lock.acquire(blocking=False):
+                continue  # a step or an add_request is under way: not idle
+            try:
+                if engine.has_unfinished():
+                    continue
+                with self.lock:
+                    self.idle_evictions += len(self.evict_cached_blocks(None))
+            except Exception:  # never let the watcher die on a transient error
+                log.exception("idle cache release failed")
+            finally:
+                self.step_lock.release()
 
     def _locked(self, method):
         def call(*args, **kwargs):
@@ -351,6 +401,7 @@ class _Bridge:
                 idle_timeout_s=s.idle_timeout_s, populate=s.populate)
             self.pool.bind(allocator)
             self.tenant.set_shrink_callback(self.pool.shrink)
+            self.pool.start_idle_release(s.idle_timeout_s)
             nblocks = allocator.num_blocks
             buffers = [self.group.tensor(i, torch.uint8, nbytes=nblocks * per_region)
                        for i in range(spec.num_buffers)]
@@ -363,6 +414,8 @@ class _Bridge:
             raise
 
     def close(self) -> None:
+        if self.pool is not None:
+            self.pool.stop()
         if self.tenant is not None:
             self.tenant.close()
             self.tenant = None

@@ -1,0 +1,117 @@
+"""Real ``kvpool serve`` subprocesses for the multi-tenant tests: start, wait, drive, kill."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    name: str
+    proc: subprocess.Popen
+    port: int
+    log: Path
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def logs(self) -> str:
+        return self.log.read_text() if self.log.exists() else ""
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Signal the server's whole process group (it runs in its own session)."""
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def stop(self) -> None:
+        self.kill(signal.SIGTERM)
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.kill(signal.SIGKILL)
+            self.proc.wait(10)
+
+
+class Servers:
+    """Starts servers and kills every one of them (process groups) in :meth:`close`."""
+
+    def __init__(self, model: Path, log_dir: Path) -> None:
+        self.model, self.log_dir = model, log_dir
+        self.all: list[Server] = []
+
+    def start(self, name: str, *, run_dir: Path | None = None, elastic: bool = True,
+              idle_timeout: float = 1.0, extra: tuple[str, ...] = ()) -> Server:
+        port = free_port()
+        log = self.log_dir / f"serve-{name}-{port}.log"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}
+        if elastic:
+            env.update(KVPOOL_RUN_DIR=str(run_dir), KVPOOL_IDLE_TIMEOUT=str(idle_timeout))
+        cmd = [sys.executable, "-m", "kvpool.cli.main", "serve", str(self.model), "--port",
+               str(port), "--served-model-name", name, "--kv-cache-size", "4MiB",
+               "--max-model-len", "512", "--log-level", "warning",
+               *(("--elastic",) if elastic else ()), *extra]
+        with open(log, "w") as f:
+            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, env=env,
+                                    start_new_session=True)
+        s = Server(name, proc, port, log)
+        self.all.append(s)
+        return s
+
+    def wait_healthy(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        for s in self.all:
+            while True:
+                if s.proc.poll() is not None:
+                    raise AssertionError(f"kvpool serve {s.name} exited ({s.proc.returncode})"
+                                         f":\n{s.logs()}")
+                try:
+                    if httpx.get(f"{s.base}/health", timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"kvpool serve {s.name} not healthy:\n{s.logs()}")
+                time.sleep(0.1)
+
+    def close(self) -> None:
+        for s in self.all:
+            s.kill(signal.SIGKILL)
+        for s in self.all:
+            try:
+                s.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+def prompt(seed: int, n: int = 64, vocab: int = 512) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(8, vocab) for _ in range(n)]
+
+
+def complete(base: str, ids: list[int], max_tokens: int, timeout: float = 60.0,
+             **kw) -> httpx.Response:
+    body = {"prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            **kw}
+    return httpx.post(f"{base}/v1/completions", json=body, timeout=timeout)

@@ -1,0 +1,194 @@
+"""Elastic engines as real processes: two ``kvpool serve --elastic`` tenants on one real
+daemon (64 KiB pages, a 4 MiB budget that cannot hold both engines' peaks at once).
+
+* a burst on one engine borrows the memory the idle one gave back, and it flows back
+  for a burst on the other (``kvpool ps --json`` samples);
+* SIGKILL of one engine under load frees its memory within seconds, the other keeps
+  serving (requests in flight and new ones);
+* greedy tokens of an elastic server equal a static server's, through HTTP.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from daemon.helpers import PAGE
+
+from .serve_procs import Servers, complete, prompt
+
+BUDGET = 4 << 20
+# One burst: 16 requests at once of 64 + 128 tokens = 12 blocks of 16 KiB each, about
+# 3 MiB at the peak: more than half the budget, and two peaks do not fit in it.
+BURST_SEQS, BURST_REQS, PROMPT_LEN, MAX_TOKENS = 16, 32, 64, 128
+IDLE_FOOTPRINT = 4 * PAGE  # an idle engine keeps one unit (null block) + a little reserve
+
+
+@pytest.fixture
+def servers(tiny_model, tmp_path):
+    s = Servers(tiny_model, tmp_path)
+    yield s
+    s.close()
+
+
+class Sampler:
+    """What ``kvpool ps --json`` prints, every 50 ms: (time, phase, {tenant: mapped},
+    granted). It asks the daemon through the same monitor call as the CLI, in-process:
+    a CLI process per sample would start too slowly on a loaded 2-core machine."""
+
+    def __init__(self, daemon) -> None:
+        self.d = daemon
+        self.phase = "start"
+        self.samples: list[tuple[float, str, dict[str, int], int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+    def _run(self) -> None:
+        from kvpool.protocol import to_builtins
+
+        with self.d.monitor() as m:
+            while not self._stop.is_set():
+                phase = self.phase
+                reply = m.ps()
+                ps = to_builtins({"tenants": reply.tenants, "pool": reply.pool})
+                self.samples.append((time.monotonic(), phase,
+                                     {t["name"]: t["mapped"] for t in ps["tenants"]},
+                                     ps["pool"]["granted"]))
+                self._stop.wait(0.05)
+
+    def mapped(self, phase: str, name: str) -> list[int]:
+        return [m.get(name, 0) for _, ph, m, _ in self.samples if ph == phase]
+
+
+def burst(base: str, seed: int, n: int = BURST_REQS, seqs: int = BURST_SEQS) -> list[dict]:
+    def one(i: int) -> dict:
+        r = complete(base, prompt(seed * 1000 + i, PROMPT_LEN), MAX_TOKENS)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    with ThreadPoolExecutor(seqs) as ex:
+        outs = list(ex.map(one, range(n)))
+    assert all(o["usage"]["completion_tokens"] == MAX_TOKENS for o in outs)
+    return outs
+
+
+def test_burst_borrows_idle_memory_and_it_flows_back(start_daemon, servers):
+    d = start_daemon(budget=str(BUDGET))
+    a = servers.start("a", run_dir=d.run_dir)
+    b = servers.start("b", run_dir=d.run_dir)
+    servers.wait_healthy()
+    with Sampler(d) as sm:
+        for phase, server, seed in (("b1", b, 1), ("a", a, 2), ("b2", b, 3)):
+            sm.phase = phase
+            burst(server.base, seed)
+        sm.phase = "end"
+        time.sleep(0.3)
+    report = "\n".join(f"{t - sm.samples[0][0]:6.2f} {ph:5} " + " ".join(
+        f"{k}={v >> 10}K" for k, v in sorted(m.items())) for t, ph, m, _ in sm.samples)
+    # The CLI shows the same accounting.
+    assert {t["name"] for t in d.cli_json("ps")["tenants"]} == {"a", "b"}
+    assert len(sm.mapped("a", "a")) >= 5, report
+    print(report)
+    # B's first burst: B holds most of the budget.
+    assert max(sm.mapped("b1", "b")) > BUDGET // 2, report
+    # A's burst borrows what B held: A above half, B back to its idle footprint.
+    assert max(sm.mapped("a", "a")) > BUDGET // 2, report
+    assert min(sm.mapped("a", "b")) <= IDLE_FOOTPRINT, report
+    # ...and it flows back for B's next burst.
+    assert max(sm.mapped("b2", "b")) > BUDGET // 2, report
+    assert min(sm.mapped("b2", "a")) <= IDLE_FOOTPRINT, report
+    assert max(g for *_, g in sm.samples) <= BUDGET, report
+    assert d.check() == []
+
+
+def test_sigkill_of_one_engine_frees_its_memory_and_the_other_keeps_serving(
+        start_daemon, servers):
+    d = start_daemon(budget=str(BUDGET))
+    a = servers.start("a", run_dir=d.run_dir)
+    b = servers.start("b", run_dir=d.run_dir)
+    servers.wait_healthy()
+
+    def mapped() -> dict[str, int]:
+        return {t["name"]: t["mapped"] for t in d.cli_json("ps")["tenants"]}
+
+    def load(base: str, seed: int, n: int, max_tokens: int) -> list:
+        def one(i: int):
+            try:
+                return complete(base, prompt(seed * 1000 + i, 32), max_tokens, timeout=30)
+            except httpx.HTTPError as e:
+                return e
+
+        ex = ThreadPoolExecutor(n)
+        return ex, [ex.submit(one, i) for i in range(n)]
+
+    ex_a, futs_a = load(a.base, 7, 12, 400)
+    ex_b, futs_b = load(b.base, 8, 6, 200)
+    try:
+        deadline = time.monotonic() + 20
+        while mapped().get("a", 0) < BUDGET // 4:  # A is under load and holds memory
+            assert time.monotonic() < deadline, mapped()
+            time.sleep(0.05)
+        assert not any(f.done() for f in futs_b), "B's load ended before the kill"
+        held = d.cli_json("ps")["pool"]["granted"]
+        t0 = time.monotonic()
+        a.kill(signal.SIGKILL)
+        while "a" in mapped():
+            assert time.monotonic() - t0 < 2.0, "the killed engine's memory is still held"
+            time.sleep(0.02)
+        gone_s = time.monotonic() - t0
+        after = d.cli_json("ps")
+        assert after["pool"]["granted"] < held
+        assert [t["name"] for t in after["tenants"]] == ["b"]
+        # B's requests that were in flight at the kill complete, and new ones too.
+        for f in futs_b:
+            r = f.result(timeout=60)
+            assert isinstance(r, httpx.Response) and r.status_code == 200, r
+            assert r.json()["usage"]["completion_tokens"] == 200
+        for i in range(4):
+            r = complete(b.base, prompt(900 + i, 32), 16)
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 16
+        assert all(not isinstance(f.result(), httpx.Response) for f in futs_a)
+        assert gone_s < 2.0
+        assert d.check() == []
+    finally:
+        a.kill(signal.SIGKILL)
+        ex_a.shutdown(wait=True)
+        ex_b.shutdown(wait=True)
+
+
+def test_elastic_server_greedy_tokens_equal_static_server(start_daemon, servers):
+    d = start_daemon(budget="2MiB")
+    elastic = servers.start("el", run_dir=d.run_dir)
+    static = servers.start("st", elastic=False)
+    servers.wait_healthy()
+    prompts = [prompt(100 + i, n) for i, n in enumerate((5, 17, 40, 64, 90, 130, 8, 33))]
+
+    def run(base: str) -> list[list[int]]:
+        def one(p: list[int]) -> list[int]:
+            r = complete(base, p, 48, return_token_ids=True)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["token_ids"]
+
+        with ThreadPoolExecutor(len(prompts)) as ex:
+            return list(ex.map(one, prompts))
+
+    want = run(static.base)
+    assert all(len(t) == 48 for t in want)
+    assert run(elastic.base) == want
+    assert run(elastic.base) == want  # again, now with prefix-cache hits
+    stats = httpx.get(f"{elastic.base}/v1/stats").json()
+    assert 0 < stats["kv_held_bytes"] <= 2 << 20
+    assert d.check() == []
