@@ -228,11 +228,17 @@ class ElasticBlockPool(FixedBlockPool):
         # the tenant's footprint), then more memory from the daemon. ``alloc`` may wait
         # for the daemon to reclaim from others, so it runs without ``lock``: a shrink
         # request for this tenant must not wait behind our own grant.
+        # Fast path (every decode step calls this, mostly with n == 0): no pool lock
+        # unless the cache must be evicted. The free count and the evictable set read
+        # without the lock are only a hint; eviction rechecks under it.
+        if n <= 0:
+            return []
         alloc = self.allocator
-        with self.lock:
-            short = n - alloc.free_blocks
-            if short > 0 and self._evictable:
-                self.evict_cached_blocks(min(short, len(self._evictable)))
+        if n > alloc.free_blocks and self._evictable:
+            with self.lock:
+                short = n - alloc.free_blocks
+                if short > 0 and self._evictable:
+                    self.evict_cached_blocks(min(short, len(self._evictable)))
         out = alloc.alloc(n)
         if out is None:
             with self.lock:
@@ -240,9 +246,11 @@ class ElasticBlockPool(FixedBlockPool):
             out = alloc.alloc(n) if evicted else None
         if out is None:
             raise PoolExhausted(f"kvpool has no memory for {n} more KV block(s) now")
-        with self.lock:
-            for b in out:
-                self._ref[b] = 1
+        # No lock needed: the blocks are new (not evictable, so a shrink cannot touch
+        # them) and shrink's preemption excludes the engine step through ``step_lock``.
+        ref = self._ref
+        for b in out:
+            ref[b] = 1
         return out
 
     def _release(self, blocks: list[int], recent: bool) -> None:
