@@ -133,6 +133,8 @@ class ElasticBlockAllocator:
         self._reported: tuple | None = None
         self._backoff_until = 0.0
         self._reclaimed_at = 0.0
+        self._demand = 0  # chunks a non-waiting alloc could not get (see alloc(wait=False))
+        self._demand_after = 0.0
         group.allocator = self
         self._thread: threading.Thread | None = None
         if background:
@@ -141,8 +143,15 @@ class ElasticBlockAllocator:
             self._thread.start()
 
     # ---- fast path -------------------------------------------------------------------
-    def alloc(self, n: int = 1) -> list[int] | None:
-        """``n`` block ids, or None when the memory is not there (never raises for that)."""
+    def alloc(self, n: int = 1, wait: bool = True) -> list[int] | None:
+        """``n`` block ids, or None when the memory is not there (never raises for that).
+
+        ``wait=False`` never blocks on arbitration: when free memory does not cover the
+        slow path, the missing chunks become *demand* that the background thread asks
+        for (a grant the daemon may hold while it reclaims from others) and this call
+        returns None at once; a later call finds the chunks mapped. An engine's step
+        loop uses this so one model's wait for memory never stalls its running
+        requests."""
         if n <= 0:
             if n == 0:
                 return []
@@ -165,7 +174,7 @@ class ElasticBlockAllocator:
                 if len(self._reserve) < self.low and not self._wake.is_set():
                     self._wake.set()
                 return out
-        return self._alloc_slow(n)
+        return self._alloc_slow(n, wait)
 
     def _take(self, n: int) -> list[int]:
         """Take ``n`` blocks from mapped chunks (lock held; ``n <= _nfree``)."""
@@ -267,14 +276,22 @@ class ElasticBlockAllocator:
                 self._wake.set()
 
     # ---- slow path -------------------------------------------------------------------
-    def _alloc_slow(self, n: int) -> list[int] | None:
+    def _alloc_slow(self, n: int, wait: bool = True) -> list[int] | None:
         self.slow_allocs += 1
         with self._lock:
             missing = n - self._nfree
-            chunks = self._pick_unmapped(-(-missing // self.blocks_per_chunk))
+            k = -(-missing // self.blocks_per_chunk)
+            if not wait and self._demand:  # already asked in the background: no round trip
+                self._demand = max(self._demand, k)
+                return None
+            chunks = self._pick_unmapped(k)
             if chunks is None:
                 return None  # the virtual capacity is exhausted
-        if not self._grow(chunks, into_reserve=False):
+        if not self._grow(chunks, into_reserve=False, speculative=not wait):
+            if not wait:
+                with self._lock:
+                    self._demand = max(self._demand, k)
+                self._wake.set()
             return None
         with self._lock:
             if n > self._nfree:  # cannot happen: the refill thread only releases reserve
@@ -295,13 +312,16 @@ class ElasticBlockAllocator:
         ppc = self.pages_per_chunk
         return [c * ppc + i for c in chunks for i in range(ppc)]
 
-    def _grow(self, chunks: list[int], into_reserve: bool) -> bool:
+    def _grow(self, chunks: list[int], into_reserve: bool, speculative: bool | None = None
+              ) -> bool:
         """Grant and map ``chunks`` (in flight); on success they become reserve chunks.
-        Reserve refills (``into_reserve``) are speculative: free memory only."""
+        Speculative grants (reserve refills, by default) use free memory only."""
         reserve = self._reserve_units(extra=chunks if into_reserve else ())
+        if speculative is None:
+            speculative = into_reserve
         try:
             self.group.grant(self._units(chunks), reserve=reserve, populate=self.populate,
-                             in_use=self._in_use_bytes(), speculative=into_reserve)
+                             in_use=self._in_use_bytes(), speculative=speculative)
         except KvpoolError as e:
             log.debug("grant of %d chunks failed: %s", len(chunks), e)
             with self._lock:
@@ -383,6 +403,8 @@ class ElasticBlockAllocator:
 
     def rebalance(self) -> None:
         """One refill/trim step (the background thread calls this; tests may too)."""
+        if self._demand and time.monotonic() >= self._demand_after:
+            self._serve_demand()
         now = time.monotonic()
         with self._lock:
             if self._ops != self._last_ops:
@@ -400,6 +422,15 @@ class ElasticBlockAllocator:
                 self._backoff_until = time.monotonic() + 0.2  # NO_MEMORY / OVER_LIMIT
         elif r > high:
             self._shrink(r - high)
+
+    def _serve_demand(self) -> None:
+        """Ask for the chunks a non-waiting ``alloc`` missed, waiting as long as the daemon
+        holds the grant for reclaim; they land in the reserve for the next ``alloc``."""
+        with self._lock:
+            k, self._demand = self._demand, 0
+            chunks = self._pick_unmapped(min(k, len(self._unmapped)))
+        if chunks and not self._grow(chunks, into_reserve=True, speculative=False):
+            self._demand_after = time.monotonic() + 0.02  # refused: do not hammer
 
     def _reserve_units(self, extra: Iterable[int] = ()) -> list[int]:
         with self._lock:
@@ -451,6 +482,11 @@ class ElasticBlockAllocator:
         held blocks first to free whole units."""
         with self._lock:
             return {c: u for c, u in enumerate(self._used) if u and self._free[c] is not None}
+
+    @property
+    def unmapped_chunks(self) -> int:
+        """Chunks of the virtual capacity with no memory behind them now."""
+        return len(self._unmapped)
 
     @property
     def free_blocks(self) -> int:

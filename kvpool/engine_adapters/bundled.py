@@ -225,9 +225,11 @@ class ElasticBlockPool(FixedBlockPool):
     # ---- allocation ---------------------------------------------------------------
     def get_new_blocks(self, n: int) -> list[int]:
         # Cheapest first: mapped free blocks, then our own evictable cache (local, keeps
-        # the tenant's footprint), then more memory from the daemon. ``alloc`` may wait
-        # for the daemon to reclaim from others, so it runs without ``lock``: a shrink
-        # request for this tenant must not wait behind our own grant.
+        # the tenant's footprint), then free memory from the daemon. Memory that needs
+        # reclaiming from others is asked for by the allocator's thread (wait=False):
+        # the step loop never waits on arbitration, it keeps its running requests
+        # going and admits the waiting ones once the memory lands. ``lock`` is not held
+        # across the daemon call, so a shrink of this tenant never waits behind it.
         # Fast path (every decode step calls this, mostly with n == 0): no pool lock
         # unless the cache must be evicted. The free count and the evictable set read
         # without the lock are only a hint; eviction rechecks under it.
@@ -239,11 +241,11 @@ class ElasticBlockPool(FixedBlockPool):
                 short = n - alloc.free_blocks
                 if short > 0 and self._evictable:
                     self.evict_cached_blocks(min(short, len(self._evictable)))
-        out = alloc.alloc(n)
+        out = alloc.alloc(n, wait=False)
         if out is None:
             with self.lock:
                 evicted = self.evict_cached_blocks(None)
-            out = alloc.alloc(n) if evicted else None
+            out = alloc.alloc(n, wait=False) if evicted else None
         if out is None:
             raise PoolExhausted(f"kvpool has no memory for {n} more KV block(s) now")
         # No lock needed: the blocks are new (not evictable, so a shrink cannot touch
@@ -277,8 +279,15 @@ class ElasticBlockPool(FixedBlockPool):
             return super().evict_cached_blocks(n)
 
     def get_num_free_blocks(self) -> int:
+        """Blocks this pool could hand out: mapped free, evictable, and the virtual
+        capacity not mapped yet. Optimistic on purpose: whether the daemon grants the
+        unmapped part is decided at allocation, which fails fast (and asks the daemon in
+        the background) when it cannot; counting only mapped blocks would cap admission
+        at the local reserve and never ask the daemon for more."""
+        alloc = self.allocator
         with self.lock:
-            return self.allocator.free_blocks + len(self._evictable)
+            return (alloc.free_blocks + len(self._evictable)
+                    + alloc.unmapped_chunks * alloc.blocks_per_chunk)
 
     @property
     def num_used_blocks(self) -> int:
@@ -299,27 +308,22 @@ class ElasticBlockPool(FixedBlockPool):
         near) only lets it wait longer for the engine's current step.
         """
         self.shrinks += 1
-        alloc = self.allocator
-        chunk_bytes = alloc.holdings().chunk
-        want = max(1, math.ceil(nbytes / chunk_bytes))
-        with self.lock:
-            before = self._held_chunks()
-            self._evict_whole_chunks(want)
-            if before - self._held_chunks() < want and self._evictable:
-                self.evict_cached_blocks(None)
-            emptied = before - self._held_chunks()
-        if emptied >= want or self.engine is None:
-            return
-        # The daemon only asks for memory above max(min, fair share), so what the cache
-        # could not cover must come from running requests. Preemption touches the
-        # scheduler: wait for the current step, longer when urgent, but never for long
-        # (a step may itself be waiting on the daemon); the library asks again if short.
+        want = max(1, math.ceil(nbytes / self.allocator.holdings().chunk))
+        # Everything here runs between engine steps (``step_lock``): an eviction in the
+        # middle of a step could take a prefix hit the scheduler found but has not yet
+        # touched. Steps never wait on the daemon, so the wait is one step at most.
         if not self.step_lock.acquire(timeout=SHRINK_STEP_WAIT_S * (3 if urgent else 1)):
-            return
+            return  # the library asks again if it is still short
         try:
             with self.lock:
-                target = self._held_chunks() - (want - emptied)
-                running = self.engine.scheduler.running
+                before = self._held_chunks()
+                self._evict_whole_chunks(want)
+                if before - self._held_chunks() < want and self._evictable:
+                    self.evict_cached_blocks(None)
+                # The daemon only asks for memory above max(min, fair share): what the
+                # cache could not cover comes from running requests, newest first.
+                target = before - want
+                running = self.engine.scheduler.running if self.engine else []
                 while running and self._held_chunks() > max(target, 1):
                     self.engine.scheduler.preempt(running.pop())
                     self.shrink_preemptions += 1
