@@ -10,7 +10,7 @@ import click
 @click.command()
 @click.option("--out", "out_dir", default="demo-out", show_default=True,
               type=click.Path(file_okay=False), help="models, logs, chart and results.json")
-@click.option("--budget", default="3MiB", show_default=True, help="KV memory for all models")
+@click.option("--budget", default="2MiB", show_default=True, help="KV memory for all models")
 @click.option("--page-size", default="64KiB", show_default=True)
 @click.option("--duration", default=None, type=float, help="seconds of workload per mode")
 @click.option("--peak-rate", default=None, type=float, help="req/s of the bursting model")
