@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Literal
+
+from kvpool.sizes import parse_size  # shared with the CLI and the daemon; no daemon import
 
 if TYPE_CHECKING:
     import torch
@@ -15,21 +16,6 @@ if TYPE_CHECKING:
 
 KVLayout = Literal["block_major", "per_layer"]
 KVLayoutOption = Literal["auto", "block_major", "per_layer"]
-
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2,
-          "mib": 1 << 20, "g": 1000**3, "gb": 1000**3, "gib": 1 << 30, "t": 1000**4,
-          "tb": 1000**4, "tib": 1 << 40}
-
-
-def parse_size(size: int | str) -> int:
-    """Bytes from ``123``, ``"64MiB"``, ``"1.5G"`` (k/M/G: powers of 1000; KiB/MiB/GiB: 1024)."""
-    if isinstance(size, int):
-        return size
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", size)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"cannot parse size {size!r} (examples: 1048576, 64MiB, 2GB)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
 
 @dataclass
 class EngineConfig:
