@@ -111,6 +111,15 @@ class Server:
         control = paths.control_path(self.run_dir)
         with contextlib.suppress(FileNotFoundError):
             control.unlink()
+        if self.cfg.socket_group:
+            # The directory first, setgid: the sockets are born with the group, so no
+            # client ever sees them (or the directory) owned by the wrong group.
+            try:
+                os.chown(self.run_dir, -1, grp.getgrnam(self.cfg.socket_group).gr_gid)
+                os.chmod(self.run_dir, 0o2750)
+            except (KeyError, OSError) as e:
+                raise StartupError(f"cannot give the run directory to group "
+                                   f"{self.cfg.socket_group!r}: {e}") from None
         try:
             self.router.bind(paths.control_endpoint(self.run_dir))
             self.listener = fdchannel.listen(str(pages_path), mode=self.cfg.socket_mode)
@@ -120,7 +129,7 @@ class Server:
         if self.cfg.socket_group:
             try:
                 gid = grp.getgrnam(self.cfg.socket_group).gr_gid
-                for path in (control, pages_path, self.run_dir):
+                for path in (control, pages_path):
                     os.chown(path, -1, gid)
             except (KeyError, OSError) as e:
                 raise StartupError(f"cannot give the sockets to group "
