@@ -20,10 +20,12 @@ test: $(STAMP)
 	$(PY) -m pytest -q tests
 
 demo: $(STAMP)
-	$(PY) benchmarks/vmm_bench.py --backend host
+	$(VENV)/bin/kvpool demo
 
 bench: $(STAMP)
 	$(PY) benchmarks/vmm_bench.py --backend host
+	$(PY) benchmarks/alloc_bench.py
+	$(PY) benchmarks/elastic_overhead_bench.py
 
 gpu-check: $(STAMP)
 	bash scripts/gpu_check.sh
