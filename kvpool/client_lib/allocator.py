@@ -282,15 +282,15 @@ class ElasticBlockAllocator:
             missing = n - self._nfree
             k = -(-missing // self.blocks_per_chunk)
             if not wait and self._demand:  # already asked in the background: no round trip
-                self._demand = max(self._demand, k)
+                self._demand = max(self._demand, k + self.high)
                 return None
             chunks = self._pick_unmapped(k)
             if chunks is None:
                 return None  # the virtual capacity is exhausted
         if not self._grow(chunks, into_reserve=False, speculative=not wait):
-            if not wait:
+            if not wait:  # ask for a burst's worth at once: one reclaim round, not many
                 with self._lock:
-                    self._demand = max(self._demand, k)
+                    self._demand = max(self._demand, k + self.high)
                 self._wake.set()
             return None
         with self._lock:

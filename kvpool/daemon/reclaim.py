@@ -38,6 +38,11 @@ if TYPE_CHECKING:
     from kvpool.daemon.arbiter import Arbiter
 
 
+# A tenant that answered a shrink short is not asked again for this long (others are);
+# short enough that a waiter does not sit out most of its deadline behind one round.
+SHORT_BACKOFF_S = 0.5
+
+
 @dataclass(eq=False)
 class Waiter:
     """A grant or lease growth queued until ``pages`` are free (or ``deadline``)."""
@@ -93,7 +98,7 @@ class Reclaimer:
         if ask is None or ask.seq != seq:  # type: ignore[attr-defined]
             return
         if ask.pages > 0 and ask.mode == "shrink":  # type: ignore[attr-defined]
-            t.short_until = now + self.timeout_s  # it cannot give more now: ask others
+            t.short_until = now + min(self.timeout_s, SHORT_BACKOFF_S)  # ask others first
         t.ask = None
         t.unresponsive = False
 

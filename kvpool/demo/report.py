@@ -59,8 +59,8 @@ def table(title: str, runs: dict[str, dict[str, dict]]) -> Table:
     from kvpool.sizes import format_size
 
     t = Table(title=title)
-    for col in ("mode", "model", "done", "TTFT mean", "p50", "p99 (ms)", "TPOT (ms)",
-                "preempt", "mem peak", "mem mean"):
+    for col in ("mode", "model", "done", "TTFT mean", "TTFT p50", "TTFT p99", "TPOT",
+                "preempted", "mem peak", "mem mean"):
         t.add_column(col, justify="left" if col in ("mode", "model") else "right")
     for mode, summary in runs.items():
         for model, s in summary.items():

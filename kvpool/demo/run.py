@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -172,7 +173,7 @@ def check_outcomes(mode: str, rep: Replay) -> None:
 
 def run_demo(cfg: DemoConfig, console: Console | None = None) -> dict:
     """Both modes, the table, the chart and the JSON. Raises on any failure."""
-    console = console or Console()
+    console = console or Console(width=None if sys.stdout.isatty() else 120)
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
     ensure_models(cfg)
     arrivals = generate(cfg.workload)
