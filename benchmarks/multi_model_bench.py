@@ -48,7 +48,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
               help="models and logs")
 def main(peaks: str, base_rate: float, duration: float, budget: str, page_size: str,
          models: str, seed: int, chart_peak: float, out_dir: str) -> None:
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 150)
     names = tuple(models.split(","))
     cfg = DemoConfig(out_dir=Path(out_dir), models=names, budget=parse_size(budget),
                      page_size=parse_size(page_size), live=False)
