@@ -36,7 +36,6 @@ from typing import Any
 
 import torch
 
-from kvpool.engine import block_pool as engine_pool
 from kvpool.engine.block_pool import NULL_BLOCK, BlockPool, FixedBlockPool
 from kvpool.engine.config import EngineConfig
 from kvpool.engine.errors import PoolExhausted
@@ -460,5 +459,5 @@ def bridge_of(config: EngineConfig) -> _Bridge | None:
     return config.extra.get(ADAPTER_KEY)
 
 
-__all__ = ["AdapterError", "ElasticBlockPool", "Settings", "check_engine", "enable",
-           "bridge_of", "engine_pool"]
+__all__ = ["AdapterError", "ElasticBlockPool", "Settings", "bridge_of", "check_engine",
+           "enable"]

@@ -5,11 +5,9 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
-import threading
 import time
 
 import psutil
-import pytest
 import torch
 
 from kvpool.client_lib import ElasticBlockAllocator

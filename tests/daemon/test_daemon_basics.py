@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import subprocess
@@ -14,7 +13,7 @@ import zmq
 
 from kvpool import fdchannel, paths
 from kvpool import protocol as p
-from kvpool.client_lib import KvpoolError, NoMemory, OverLimit, connect
+from kvpool.client_lib import NoMemory, OverLimit, connect
 from kvpool.client_lib.connection import Connection
 
 from .helpers import PAGE, REPO

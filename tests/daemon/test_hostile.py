@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import time
 
-import msgspec
 import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
