@@ -126,3 +126,23 @@ def test_refuses_without_a_daemon(tiny_model, tmp_path):
     enable(cfg, Settings(run_dir=str(tmp_path / "nowhere"), name="x"))
     with pytest.raises(Exception, match="daemon|connect|No such file|not running"):
         Engine(cfg)
+
+
+def test_kvpool_enable_makes_an_unmodified_launch_elastic(tiny_model, tmp_path):
+    """``KVPOOL_ENABLE=1`` with a plain ``kvpool serve`` (no --elastic) joins the daemon."""
+    import httpx
+
+    from kvpool.client_lib import Monitor
+    from kvpool.demo.cluster import Cluster
+
+    with Cluster(tmp_path / "logs") as c:
+        c.daemon(4 << 20, 64 << 10)
+        s = c.serve("plain", tiny_model, 4 << 20, elastic=False,
+                    env={"KVPOOL_ENABLE": "1", "KVPOOL_RUN_DIR": str(c.run_dir)})
+        c.wait_healthy()
+        r = httpx.post(f"{s.url}/v1/completions", timeout=60,
+                       json={"prompt": [11, 12, 13], "max_tokens": 4, "ignore_eos": True})
+        assert r.status_code == 200
+        with Monitor(c.run_dir) as m:
+            (tenant,) = m.ps().tenants
+        assert tenant.name == "plain" and tenant.kind == "engine" and tenant.mapped > 0
