@@ -23,13 +23,24 @@ class FdChannelError(OSError):
 
 
 def listen(path: str, mode: int = 0o660, backlog: int = 128) -> socket.socket:
-    """Bind and listen on a fresh SOCK_SEQPACKET socket at ``path`` (replacing a stale one)."""
+    """Listen on a fresh SOCK_SEQPACKET socket at ``path`` (replacing a stale one).
+
+    The socket is bound under a temporary name and renamed into place once it listens
+    with its final mode, so whoever sees ``path`` can connect (no ECONNREFUSED window)."""
+    tmp = f"{path}.{os.getpid()}.tmp"
     with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
+        os.unlink(tmp)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    sock.bind(path)
-    os.chmod(path, mode)
-    sock.listen(backlog)
+    try:
+        sock.bind(tmp)
+        os.chmod(tmp, mode)
+        sock.listen(backlog)
+        os.replace(tmp, path)
+    except OSError:
+        sock.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
     return sock
 
 

@@ -104,15 +104,16 @@ def test_tensor_data_survives_reserve_churn(daemon):
             for b, val in kept.items():
                 assert torch.all(k[b] == val) and torch.all(v[b] == -val), f"block {b} changed"
 
-        first = a.alloc(3)  # slow path: nothing mapped yet
-        assert a.slow_allocs == 1
+        first = a.alloc(3)  # slow path, unless the refill thread mapped a reserve first
+        slow = a.slow_allocs
+        assert slow <= 1
         fill(first)
         deadline = time.monotonic() + 5
         while a.reserve_chunks < 1 and time.monotonic() < deadline:
             time.sleep(0.005)
         assert a.reserve_chunks >= 1, "the refill thread built no reserve"
         more = a.alloc(4)  # fast path: the partial chunk, then a reserve chunk
-        assert a.slow_allocs == 1
+        assert a.slow_allocs == slow
         fill(more)
         verify()
         # churn: the reserve grows and shrinks (grants and releases) around kept blocks
@@ -132,7 +133,7 @@ def test_tensor_data_survives_reserve_churn(daemon):
         assert a.reserve_chunks == 0 and a.releases > releases
         verify()
         big = a.alloc(12)  # slow path again after the drain
-        assert big is not None and a.slow_allocs >= 2
+        assert big is not None and a.slow_allocs > slow
         fill(big)
         verify()
         # another view of the same memory agrees
