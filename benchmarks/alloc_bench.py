@@ -17,12 +17,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import datetime
-import json
 import os
-import platform
-import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -32,8 +27,12 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from common import write_result  # noqa: E402
 
 from kvpool import fdchannel  # noqa: E402
+from kvpool.demo.cluster import Cluster  # noqa: E402
 from kvpool.sizes import format_size, parse_size  # noqa: E402
 
 BATCHES = (1, 8, 64)
@@ -116,19 +115,6 @@ class FloorClient:
         self.backend.free_range(self.rng)
 
 
-# ---------------------------------------------------------------------------- daemon side
-def start_daemon(run_dir: str, page_size: int, budget: int) -> subprocess.Popen:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvpool.cli.main", "daemon", "--backend", "host", "--run-dir",
-         run_dir, "--budget", str(budget), "--page-size", str(page_size),
-         "--log-level", "WARNING"], cwd=REPO)
-    deadline = time.monotonic() + 20
-    while not (os.path.exists(f"{run_dir}/pages.sock") and os.path.exists(f"{run_dir}/control.sock")):
-        assert proc.poll() is None and time.monotonic() < deadline, "daemon did not start"
-        time.sleep(0.01)
-    return proc
-
-
 def bench_fast(tenant, page_size: int, iters: int) -> dict:
     from kvpool.client_lib import ElasticBlockAllocator
 
@@ -186,28 +172,18 @@ def bench_slow(tenant, floor: FloorClient, page_size: int, reps: dict[int, int])
     return results
 
 
-def machine() -> dict:
-    cpu = ""
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+def versions() -> dict:
     import msgspec
     import zmq
 
-    return {"platform": platform.platform(), "cpu": cpu, "cpus": os.cpu_count(),
-            "python": platform.python_version(), "pyzmq": zmq.__version__,
-            "libzmq": zmq.zmq_version(), "msgspec": msgspec.__version__}
+    return {"pyzmq": zmq.__version__, "libzmq": zmq.zmq_version(), "msgspec": msgspec.__version__}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--page-size", default="2MiB")
     ap.add_argument("--quick", action="store_true", help="fewer repetitions")
-    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "alloc_bench.json"))
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/)")
     ap.add_argument("--floor-server", help=argparse.SUPPRESS)
     ap.add_argument("--floor-pages", type=int, default=64, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -223,18 +199,16 @@ def main() -> None:
 
     reps = {1: 60, 8: 30, 64: 15} if args.quick else {1: 300, 8: 150, 64: 60}
     fast_iters = 50_000 if args.quick else 200_000
-    run_dir = tempfile.mkdtemp(prefix="kvpbench-", dir="/tmp")
-    daemon = start_daemon(run_dir, page_size, budget=256 * page_size)
-    floor = FloorClient(run_dir, page_size, 64)
-    try:
-        with connect(name="bench", run_dir=run_dir) as tenant:
-            fast = bench_fast(tenant, page_size, fast_iters)
-            slow = bench_slow(tenant, floor, page_size, reps)
-    finally:
-        floor.close()
-        daemon.send_signal(signal.SIGTERM)
-        daemon.wait(10)
-        shutil.rmtree(run_dir, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix="kvpbench-") as tmp, Cluster(Path(tmp)) as cluster:
+        cluster.daemon(256 * page_size, page_size, extra=("--log-level", "WARNING"))
+        run_dir = str(cluster.run_dir)
+        floor = FloorClient(run_dir, page_size, 64)
+        try:
+            with connect(name="bench", run_dir=run_dir) as tenant:
+                fast = bench_fast(tenant, page_size, fast_iters)
+                slow = bench_slow(tenant, floor, page_size, reps)
+        finally:
+            floor.close()
 
     table = Table(title=f"kvpool allocation cost (host backend, page {format_size(page_size)})")
     for col in ("path", "batch", "kvpool", "floor", "ratio", "goal"):
@@ -246,21 +220,15 @@ def main() -> None:
                       f"{r['floor_us_per_page']:.1f} µs/page", f"{r['ratio']:.2f}x",
                       "≤ 1.5x" if n == 64 else "")
     Console(width=120).print(table)
-    result = {
-        "command": " ".join([os.path.relpath(sys.executable), *sys.argv]),
-        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine(),
+    path = write_result("alloc_bench", {
+        "versions": versions(),
         "page_size": page_size,
         "fast_path_us_per_block": {"alloc1_free": fast[1], "alloc16_free": fast[16]},
         "slow_path": {str(n): r for n, r in slow.items()},
         "goals": {"fast_path_us_per_block": 2.0, "slow_path_ratio_at_64": 1.5},
         "met": {"fast_path": fast[1] <= 2.0, "slow_path_64": slow[64]["ratio"] <= 1.5},
-    }
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {args.out}")
-
+    }, args.out)
+    print(f"wrote {path}")
 
 if __name__ == "__main__":
     main()

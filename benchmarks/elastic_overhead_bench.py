@@ -21,13 +21,9 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import random
 import shutil
-import signal
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -37,23 +33,11 @@ from rich.console import Console
 from rich.table import Table
 
 from kvpool.engine import Engine, EngineConfig, SamplingParams
+from kvpool.demo.cluster import Cluster
 from kvpool.engine.tiny import make_tiny_model
+from kvpool.sizes import parse_size
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def start_daemon(run_dir: Path, budget: str) -> subprocess.Popen:
-    log = open(run_dir.with_suffix(".log"), "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvpool.cli.main", "daemon", "--backend", "host", "--run-dir",
-         str(run_dir), "--budget", budget], stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
-        start_new_session=True)
-    deadline = time.monotonic() + 20
-    while not ((run_dir / "pages.sock").exists() and (run_dir / "control.sock").exists()):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit(f"daemon did not start: {run_dir.with_suffix('.log').read_text()}")
-        time.sleep(0.02)
-    return proc
 
 
 def make_engines(model: Path, run_dir: Path, args: argparse.Namespace) -> dict[str, Engine]:
@@ -131,21 +115,14 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     tmp = Path(tempfile.mkdtemp(prefix="kvp-overhead-"))
-    run_dir = tmp / "run"
-    run_dir.mkdir()
-    daemon = start_daemon(run_dir, args.budget)
     try:
-        model = make_tiny_model(tmp / "tiny", seed=0)
-        engines = make_engines(model, run_dir, args)
-        results = [decode_samples(engines, int(b), args) for b in args.batches.split(",")]
-        bridge = engines["elastic"].config.extra["kvpool"]
-        bridge.close()
+        with Cluster(tmp / "logs") as cluster:
+            cluster.daemon(parse_size(args.budget), 2 << 20)
+            model = make_tiny_model(tmp / "tiny", seed=0)
+            engines = make_engines(model, cluster.run_dir, args)
+            results = [decode_samples(engines, int(b), args) for b in args.batches.split(",")]
+            engines["elastic"].config.extra["kvpool"].close()
     finally:
-        os.killpg(daemon.pid, signal.SIGTERM)
-        try:
-            daemon.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(daemon.pid, signal.SIGKILL)
         shutil.rmtree(tmp, ignore_errors=True)
     overall = math.exp(statistics.fmean(math.log(r["ratio"]) for r in results))
     table = Table(title="decode step time, elastic vs static (no contention)")
