@@ -45,6 +45,8 @@ class TenantPolicy:
     min: int | str = 0
     max: int | str | None = None  # None: the daemon's default_max
     weight: float = 1.0
+    uids: list[int] = field(default_factory=list)  # who may claim this name; empty: anyone
+    group: str | None = None  # members of this group may claim this name too
 
 
 @dataclass
@@ -71,6 +73,11 @@ class Config:
     reclaim_timeout_s: float = 2.0  # deadline of reclaim asks and of requests waiting on them
     recover_timeout_s: float = 5.0  # after a restart: how long grants wait for old tenants
     log_level: str = "INFO"
+    # caps (a session or tenant past one gets a clear refusal)
+    max_sessions_per_uid: int = 64
+    max_sessions: int = 1024
+    max_groups_per_tenant: int = 64
+    max_virtual_pages_per_tenant: int = 1 << 20
 
     @classmethod
     def load(cls, path: str | os.PathLike | None = None, **overrides: Any) -> "Config":
@@ -93,7 +100,7 @@ class Config:
             if isinstance(policy, TenantPolicy):
                 cfg.tenants[name] = policy
                 continue
-            extra = set(policy) - {"min", "max", "weight"}
+            extra = set(policy) - {"min", "max", "weight", "uids", "group"}
             if extra:
                 raise ValueError(f"[tenants.{name}]: unknown keys {', '.join(sorted(extra))}")
             cfg.tenants[name] = TenantPolicy(**policy)
