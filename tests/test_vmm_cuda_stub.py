@@ -237,7 +237,8 @@ def test_map_pages_is_all_or_nothing(stub_dir):
         raises(InvalidArgument, b.map_pages, r, 0, [good[0], good[1], bogus])
         assert r.mapped == {}
         b.map_pages(r, 0, good)  # the rolled-back slots are free to map again
-        assert peek(r.base, 1) is not None
+        ctypes.memset(r.base, 0x33, 2 * MiB); ctypes.memset(r.base + 2 * MiB, 0x44, 2 * MiB)
+        assert peek(r.base + 2 * MiB - 2, 4) == b"\\x33\\x33\\x44\\x44"
         b.unmap(r, 0, 2)
         for p in good: b.release(p)
         b.free_range(r)
@@ -385,10 +386,11 @@ def test_free_range_deferred_while_pinned(stub_dir):
         b = CudaBackend()
         r = b.reserve(2 * MiB)
         p = b.create_page(); b.map(r, 0, p); b.release(p)
+        ctypes.memset(r.base, 0x5C, 2 * MiB)
         b.pin(r)
         b.free_range(r)
         assert not r.freed and r.mapped  # still reserved and mapped while pinned
-        assert peek(r.base, 1) is not None
+        assert peek(r.base, 2) == peek(r.base + 2 * MiB - 2, 2) == b"\\x5c\\x5c"
         b.unpin(r)
         assert r.freed and r.mapped == {}
         assert b.mem_info()[0] == b.mem_info()[1]

@@ -90,16 +90,23 @@ def test_free_of_a_block_not_held_raises_and_changes_nothing(daemon):
 
 
 def test_alloc_returns_none_when_the_daemon_says_no(start_daemon):
-    d = start_daemon(budget=str(4 * PAGE))
-    with d.connect("short") as t:
+    d = start_daemon(budget=str(8 * PAGE))
+    with d.connect("short") as t, d.connect("filler") as f:
+        fg = f.region_group(1, 4 * PAGE)
+        fg.grant(range(4))  # half the budget
         g = t.region_group(2, 8 * PAGE)
         a = ElasticBlockAllocator(g, 16 << 10, background=False)
-        assert a.alloc(8) is not None  # 2 units x 2 regions = the budget
+        assert a.alloc(8) is not None  # 2 units x 2 regions = the rest of the budget
         assert a.alloc(1) is None  # NO_MEMORY -> None
         a.check_integrity()
-        d.cli("limit", "short", str(2 * PAGE))
-        b = a.alloc(4)
-        assert b is None
+        fg.release(range(4))  # the budget has room again...
+        d.cli("limit", "short", str(4 * PAGE))  # ...but the limit is what short holds
+        pool = d.stats().pool
+        assert pool.budget - pool.granted >= 2 * PAGE  # free or warm: grantable
+        assert a.alloc(4) is None  # OVER_LIMIT -> None, with the budget free
+        a.check_integrity()
+        d.cli("limit", "short", str(6 * PAGE))
+        assert a.alloc(4) is not None  # the limit, not the budget, refused before
         a.check_integrity()
 
 
