@@ -67,9 +67,10 @@ class Cluster:
         self.procs.append(proc)
         return proc
 
-    def daemon(self, budget: int, page_size: int, extra: tuple[str, ...] = ()) -> Proc:
+    def daemon(self, budget: int, page_size: int, extra: tuple[str, ...] = (),
+               backend: str = "host") -> Proc:
         self.run_dir = Path(tempfile.mkdtemp(prefix="kvpool-demo-", dir="/tmp"))
-        proc = self._spawn("daemon", ["daemon", "--backend", "host", "--run-dir",
+        proc = self._spawn("daemon", ["daemon", "--backend", backend, "--run-dir",
                                       str(self.run_dir), "--budget", str(budget),
                                       "--page-size", str(page_size), *extra])
         deadline = time.monotonic() + 30
