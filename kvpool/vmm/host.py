@@ -1,7 +1,9 @@
 """Host backend: the vmm protocol on plain RAM with memfd + mmap (any Linux machine).
 
-* a page is a memfd of ``page_size`` bytes, sealed against shrinking and growing so no
-  peer can truncate it under another process's mapping (that would be SIGBUS);
+* a page is a memfd of ``page_size`` bytes, sealed against shrinking and growing, and
+  the seals themselves sealed, so no peer can truncate it under another process's
+  mapping (that would be SIGBUS); ``import_`` refuses any descriptor without those
+  seals (:data:`REQUIRED_SEALS`), whoever sent it;
 * a range is a ``PROT_NONE`` anonymous reservation; it costs no memory;
 * map is ``mmap(MAP_FIXED | MAP_SHARED)`` of the memfd inside the range;
 * unmap maps ``PROT_NONE`` back over the slots, so the address space stays reserved
@@ -42,6 +44,8 @@ MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault pages in writable, no later wri
 FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 1, 2
 MAP_FAILED = ctypes.c_void_p(-1).value
 DEFAULT_PAGE_SIZE = 2 << 20
+# Seals every page carries: its size is fixed for good, and no one can add or drop seals.
+REQUIRED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 # Mappings the rest of the process (Python, torch, libraries) may add after we looked.
 MAP_COUNT_HEADROOM = 4096
 
@@ -136,7 +140,7 @@ class HostBackend(Backend):
             raise ResourceLimit("create_page", f"memfd_create: {e.strerror}") from e
         try:
             os.ftruncate(fd, self.page_size)
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, REQUIRED_SEALS)
         except OSError as e:
             os.close(fd)
             raise OutOfMemory("create_page", f"sizing memfd to {self.page_size}: {e}") from e
@@ -154,6 +158,15 @@ class HostBackend(Backend):
             raise InvalidArgument("import", f"fd {fd!r} is not an open descriptor: {e}") from e
         if not stat.S_ISREG(st.st_mode) or not target.startswith("/memfd:"):
             raise InvalidArgument("import", f"fd {fd} is not a memfd page ({target})")
+        try:
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        except OSError as e:
+            raise InvalidArgument("import", f"fd {fd}: cannot read its seals: {e}") from e
+        if seals & REQUIRED_SEALS != REQUIRED_SEALS:
+            raise InvalidArgument(
+                "import", f"fd {fd} lacks seals {REQUIRED_SEALS & ~seals:#x} (has {seals:#x}): "
+                "a holder could resize it under the other mappings"
+            )
         if st.st_size != self.page_size:
             raise InvalidArgument(
                 "import", f"fd {fd} holds {st.st_size} bytes, expected page size {self.page_size}"
