@@ -55,6 +55,9 @@ MAX_UNITS = 1 << 16  # units named in one request
 MAX_GROUPS = 256  # live groups per tenant
 MAX_BYTES = 1 << 50  # any byte count
 MAX_ID = (1 << 63) - 1
+MAX_GROUP_ID = (1 << 31) - 1  # group ids the daemon hands out (and accepts in an Adopt)
+MAP_REPLY_BYTES = 1 << 20  # a map reply stays about this small; the rest is paged
+MAP_BASES = 8  # region bases shown per group in a map reply
 
 # ---- error codes (stable: clients and scripts match on them) ---------------------
 BAD_REQUEST = "BAD_REQUEST"  # undecodable, invalid, or inconsistent with the state
@@ -202,10 +205,13 @@ class Stats(Request, tag="stats"):
 
 
 class MapReq(Request, tag="map"):
-    """Page tables of every group (or only ``tenant``'s, by name or id) plus the pool."""
+    """Page tables of every group (or only ``tenant``'s, by name or id) plus the pool,
+    groups in id order from the first one above ``after`` (paging: pass the reply's
+    ``next``). Needs a registered session (any kind)."""
 
     tenant: Optional[Annotated[str, Meta(max_length=MAX_NAME)]] = None
     pfns: bool = False
+    after: Id = 0
 
 
 class SetLimit(Request, tag="set_limit"):
@@ -313,6 +319,15 @@ class PoolInfo(Struct, kw_only=True):
     recovering: bool = False  # rebuilding its accounting after a restart (no grants)
 
 
+class Run(Struct, array_like=True):
+    """``length`` consecutive virtual pages from ``start``, all mapped: in use, or idle
+    reserve when ``reserve``. Unmapped pages are the gaps between runs."""
+
+    start: int
+    length: int
+    reserve: bool = False
+
+
 class GroupInfo(Struct, kw_only=True):
     id: int
     tenant: int
@@ -320,9 +335,33 @@ class GroupInfo(Struct, kw_only=True):
     label: str
     n_regions: int
     npages: int
-    bases: list[int]
-    table: str  # one char per virtual page: '#' in use, '+' mapped reserve, '.' unmapped
+    bases: list[int]  # the first MAP_BASES region bases (informational)
+    runs: list[Run] = []  # the page table, run-length encoded (size: O(mapped units))
     pfns: Optional[dict[int, list[int]]] = None  # unit -> pfn per region (on request)
+
+    @property
+    def in_use_units(self) -> int:
+        return sum(r.length for r in self.runs if not r.reserve)
+
+    @property
+    def reserve_units(self) -> int:
+        return sum(r.length for r in self.runs if r.reserve)
+
+    def cells(self, start: int = 0, stop: int | None = None) -> str:
+        """The table for virtual pages ``start..stop`` as text, one char per page: ``#``
+        in use, ``+`` mapped reserve, ``.`` unmapped (decode only the slice you draw)."""
+        stop = self.npages if stop is None else min(stop, self.npages)
+        out = bytearray(b"." * max(0, stop - start))
+        for r in self.runs:
+            lo, hi = max(r.start, start), min(r.start + r.length, stop)
+            if lo < hi:
+                out[lo - start : hi - start] = (b"+" if r.reserve else b"#") * (hi - lo)
+        return out.decode()
+
+    @property
+    def table(self) -> str:
+        """The whole table as text (``cells()``); O(npages): prefer slices of ``cells``."""
+        return self.cells()
 
 
 class PsReply(Reply, tag="ps"):
@@ -339,8 +378,14 @@ class StatsReply(Reply, tag="stats"):
 
 
 class MapReply(Reply, tag="map"):
+    """One page of the map. ``next`` is set when groups were left out (the reply stays
+    under :data:`MAP_REPLY_BYTES`): ask again with ``after=next`` for the rest;
+    ``truncated`` counts the groups left out of this reply."""
+
     pool: PoolInfo
     groups: list[GroupInfo]
+    next: Optional[int] = None
+    truncated: int = 0
 
 
 class CheckReply(Reply, tag="check"):
@@ -364,8 +409,10 @@ class Reclaim(Reply, tag="reclaim"):
 
 
 class LimitSet(Reply, tag="limit"):
-    """``applied`` when every tenant of that name is within its new knobs; otherwise
-    ``pending`` bytes are being reclaimed."""
+    """``tenants`` is how many connected memory-holding tenants of that name the change
+    applied to now; 0 means no such tenant is connected: the knobs are stored and apply
+    when one registers. ``applied`` when every one of them is within its new knobs;
+    otherwise ``pending`` bytes are being reclaimed."""
 
     tenant: str
     tenants: int = 0
@@ -391,13 +438,15 @@ AnyReply = Union[REPLIES]  # type: ignore[valid-type]
 
 # ====================================================================== fd channel
 class FdHello(Struct, array_like=True):
-    """First message on a new fd-channel connection (no descriptors)."""
+    """First message on a new fd-channel connection (no descriptors). A refused session
+    (too many sessions) gets an empty ``token`` and the reason in ``error``, then EOF."""
 
     version: int
     token: str
     backend: str
     device: int
     page_size: int
+    error: str = ""
 
 
 class FdHeader(Struct, array_like=True):

@@ -170,8 +170,8 @@ def render_map(reply, width: int = GRID_WIDTH) -> str:
     pool = reply.pool
     ps_ = pool.page_size
     for g in reply.groups:
-        used = g.table.count("#")
-        res = g.table.count("+")
+        used = g.in_use_units  # the table arrives run-length encoded (GroupInfo.runs)
+        res = g.reserve_units
         lines.append(
             f"group {g.id} {g.label or ''}".rstrip()
             + f" — tenant {g.tenant_name or '?'} (id {g.tenant}): {g.n_regions} region(s) x "
@@ -182,7 +182,7 @@ def render_map(reply, width: int = GRID_WIDTH) -> str:
             more = f", ... ({len(g.bases)} regions)" if len(g.bases) > 4 else ""
             lines.append(f"  bases: {shown}{more}")
         for start in range(0, g.npages, width):
-            row = "".join(GLYPHS[c] for c in g.table[start : start + width])
+            row = "".join(GLYPHS[c] for c in g.cells(start, start + width))
             lines.append(f"  {start:>7} {row}")
     if not reply.groups:
         lines.append("no region groups")

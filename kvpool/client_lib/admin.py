@@ -46,7 +46,13 @@ class Monitor:
         return self.call(p.Stats())  # type: ignore[return-value]
 
     def map(self, tenant: str | None = None, pfns: bool = False) -> p.MapReply:
-        return self.call(p.MapReq(tenant=tenant, pfns=pfns))  # type: ignore[return-value]
+        """The whole map: the daemon sends it in bounded pages (``next``), joined here."""
+        reply = self.call(p.MapReq(tenant=tenant, pfns=pfns))
+        groups = list(reply.groups)  # type: ignore[attr-defined]
+        while reply.next is not None:  # type: ignore[attr-defined]
+            reply = self.call(p.MapReq(tenant=tenant, pfns=pfns, after=reply.next))  # type: ignore[attr-defined]
+            groups.extend(reply.groups)  # type: ignore[attr-defined]
+        return p.MapReply(id=reply.id, pool=reply.pool, groups=groups)  # type: ignore[attr-defined]
 
     def set_limit(self, tenant: str, nbytes: int | None = None, *, min: int | None = None,
                   weight: float | None = None) -> p.LimitSet:

@@ -33,6 +33,7 @@ from kvpool.sizes import parse_size
 log = logging.getLogger("kvpool.daemon")
 
 MAX_PAGES_PER_GRANT = 1 << 16
+NO_MEMORY_KINDS = ("monitor", "admin")  # session kinds that may hold no memory
 
 
 class Fail(Exception):
@@ -106,6 +107,17 @@ class Arbiter:
         if isinstance(result, Outcome):
             return result
         return Outcome(result, tenant=tenant)
+
+    def _cap(self, name: str, default: int) -> int:
+        """A resource cap from the config (``default`` where the config predates it)."""
+        return int(getattr(self.cfg, name, default))
+
+    @staticmethod
+    def _holder(t: Tenant, op: str) -> None:
+        """Only memory-holding kinds hold memory: a monitor or admin session never does
+        (so nothing it could hold escapes ``ps``, reclaim or the budget's accounting)."""
+        if t.kind in NO_MEMORY_KINDS:
+            raise Fail(p.UNAUTHORIZED, f"a {t.kind} session holds no memory ({op} refused)")
 
     def _fail(self, id: int, code: str, message: str) -> Outcome:
         self.errors += 1
@@ -359,7 +371,9 @@ class Arbiter:
 
     def adopt(self, t: Tenant, identity: bytes, r: p.Adopt) -> p.Reply:
         """A tenant of the previous daemon reports what it still maps, with the pages'
-        descriptors (``t.inbox``, read by the server). All or nothing."""
+        descriptors (``t.inbox``, read by the server). Recovery only, all or nothing:
+        every descriptor it came with is closed whatever the outcome (the pool keeps
+        its own reference to the pages it adopts)."""
         fds, t.inbox = t.inbox, []
         try:
             return self._adopt(t, r, fds)
@@ -368,16 +382,69 @@ class Arbiter:
                 with contextlib.suppress(OSError):
                     os.close(fd)
 
-    def _adopt(self, t: Tenant, r: p.Adopt, fds: list[int]) -> p.Reply:
+    def _may_adopt(self, t: Tenant, r: p.Adopt) -> None:
+        """Who may adopt: a memory-holding session of a pid the previous daemon recorded,
+        once, while this daemon is recovering. An empty Adopt (nothing to report) is
+        always accepted: it changes nothing."""
+        self._holder(t, "adopt")
+        if not r.groups and not r.lease and not r.nfds:
+            return
+        if not self.recovering:
+            raise Fail(p.UNAUTHORIZED, "adopt is accepted only while the daemon recovers "
+                                       "after a restart")
+        if t.pid not in self.recover_pids:
+            raise Fail(p.UNAUTHORIZED, f"pid {t.pid} was not a tenant of the previous daemon "
+                                       f"(or has adopted already)")
         if t.groups or t.lease_pages:
             raise Fail(p.BAD_REQUEST, "adopt must come right after register")
+
+    def _check_adopt(self, t: Tenant, r: p.Adopt, nfds: int) -> int:
+        """Validate an Adopt against the state before any effect; returns its pages."""
         total = sum(len(g.units) * g.n_regions for g in r.groups)
-        if total != r.nfds or len(fds) != total:
+        if total != r.nfds or nfds != total:
             raise Fail(p.BAD_REQUEST, f"adopt names {total} pages, says {r.nfds}, "
-                                      f"sent {len(fds)} descriptors")
+                                      f"sent {nfds} descriptors")
         ids = [g.id for g in r.groups]
+        # ids the previous daemon can have handed out: below the next id it recorded
+        top = min(self._next_group, p.MAX_GROUP_ID + 1)
+        if any(i >= top for i in ids):
+            raise Fail(p.BAD_REQUEST, f"adopt: group ids must be below {top} (ids the "
+                                      f"previous daemon handed out)")
         if len(set(ids)) != len(ids) or any(i in self.groups for i in ids):
             raise Fail(p.BAD_REQUEST, "adopt reuses a group id that is taken")
+        if len(r.groups) > self._cap("max_groups_per_tenant", 64):
+            raise Fail(p.BAD_REQUEST, f"adopt: {len(r.groups)} groups exceed the per-tenant cap")
+        virtual = 0
+        for a in r.groups:
+            npages = a.capacity // self.page_size
+            if a.capacity % self.page_size or npages > p.MAX_PAGES_PER_REGION:
+                raise Fail(p.BAD_REQUEST, f"adopt: group {a.id} capacity is not a valid "
+                                          f"multiple of the page size")
+            if len(set(a.units)) != len(a.units):
+                raise Fail(p.BAD_REQUEST, f"adopt: group {a.id} names a unit twice")
+            if any(u >= npages for u in a.units):
+                raise Fail(p.BAD_REQUEST, f"adopt: group {a.id} does not fit its capacity")
+            virtual += npages * a.n_regions
+        if virtual > self._cap("max_virtual_pages_per_tenant", 1 << 20):
+            raise Fail(p.BAD_REQUEST, f"adopt: {virtual} virtual pages exceed the per-tenant cap")
+        lease = -(-r.lease // self.page_size)
+        held = self.pool.granted + self.pool.leased
+        if total + lease + held > self.pool.budget_pages:
+            raise Fail(p.BAD_REQUEST, f"adopt: {total} pages and a lease of {lease} pages do "
+                                      f"not fit the budget ({self.pool.budget_pages} pages, "
+                                      f"{held} held)")
+        if total + lease > t.max_pages:
+            raise Fail(p.BAD_REQUEST, f"adopt: {total + lease} pages exceed {t.name}'s limit "
+                                      f"of {t.max_pages} pages")
+        return total
+
+    def _adopt(self, t: Tenant, r: p.Adopt, fds: list[int]) -> p.Reply:
+        self._may_adopt(t, r)
+        if not r.groups and not r.lease and not r.nfds:
+            if not fds:
+                self.recover_pids.discard(t.pid)
+                return p.Adopted(id=r.id, groups=[], pages=0)
+        self._check_adopt(t, r, len(fds))
         known = self.pool.page_keys()
         pages, keys = [], set()
         try:
@@ -398,12 +465,6 @@ class Arbiter:
             raise Fail(p.BAD_REQUEST, f"adopt: a descriptor is not a page: {e}") from None
         i = 0
         for a in r.groups:
-            npages = a.capacity // self.page_size
-            if a.capacity % self.page_size or any(u >= npages for u in a.units):
-                for page in pages:
-                    self.pool.backend.release(page)
-                raise Fail(p.BAD_REQUEST, f"adopt: group {a.id} does not fit its capacity")
-        for a in r.groups:
             g = Group(id=a.id, tenant=t.id, n_regions=a.n_regions,
                       npages=a.capacity // self.page_size, bases=list(a.bases), label=a.label)
             for u in a.units:
@@ -414,14 +475,13 @@ class Arbiter:
             t.groups[g.id] = g
             self.groups[g.id] = g
             t.granted += g.pages
-            self._next_group = max(self._next_group, g.id + 1)
         lease = -(-r.lease // self.page_size)
         self.pool.leased += lease
         t.lease_pages = lease
         self.recover_pids.discard(t.pid)
         log.info("tenant %d (%s, pid %d) adopted: %d groups, %d pages, lease %d pages",
                  t.id, t.name, t.pid, len(r.groups), t.granted, lease)
-        return p.Adopted(id=r.id, groups=ids, pages=t.granted)
+        return p.Adopted(id=r.id, groups=[g.id for g in r.groups], pages=t.granted)
 
     def unsolicited(self, t: Tenant, msg: p.Reply) -> None:
         """Queue a message for ``t`` (sent by the server on the ROUTER to its identity)."""
@@ -488,18 +548,31 @@ class Arbiter:
         )
 
     def map(self, t, identity, r: p.MapReq) -> p.Reply:
+        """Groups in id order after ``r.after``, page tables run-length encoded (a reply's
+        size follows the pages mapped, not the virtual size), cut at about
+        :data:`p.MAP_REPLY_BYTES` with ``next`` saying where to go on."""
         tenants = list(self.tenants) if r.tenant is None else self.tenants.find(r.tenant)
         if r.tenant is not None and not tenants:
             raise Fail(p.NOT_FOUND, f"no tenant {r.tenant!r}")
-        groups = [
-            p.GroupInfo(
-                id=g.id, tenant=x.id, tenant_name=x.name, label=g.label, n_regions=g.n_regions,
-                npages=g.npages, bases=g.bases, table=g.table(),
-                pfns=dict(g.units) if r.pfns else None,
-            )
-            for x in tenants
-            for g in x.groups.values()
-        ]
+        names = {x.id: x.name for x in tenants}
+        ids = sorted(g.id for x in tenants for g in x.groups.values() if g.id > r.after)
+        groups: list[p.GroupInfo] = []
+        size = 0
+        for n, gid in enumerate(ids):
+            g = self.groups[gid]
+            runs = [p.Run(a, b, c) for a, b, c in g.runs()]
+            cost = 128 + 10 * (len(runs) + min(len(g.bases), p.MAP_BASES))
+            if r.pfns:
+                cost += 10 * g.pages + 10 * len(g.units)
+            if groups and size + cost > p.MAP_REPLY_BYTES:
+                return p.MapReply(id=r.id, pool=self.pool_info(), groups=groups,
+                                  next=groups[-1].id, truncated=len(ids) - n)
+            size += cost
+            groups.append(p.GroupInfo(
+                id=g.id, tenant=g.tenant, tenant_name=names.get(g.tenant, ""), label=g.label,
+                n_regions=g.n_regions, npages=g.npages, bases=g.bases[: p.MAP_BASES],
+                runs=runs, pfns=dict(g.units) if r.pfns else None,
+            ))
         return p.MapReply(id=r.id, pool=self.pool_info(), groups=groups)
 
     def set_limit(self, t, identity, r: p.SetLimit) -> p.Reply:

@@ -56,9 +56,20 @@ class Group:
         else:
             self.reserve &= self.units.keys()
 
-    def table(self) -> str:
-        """One char per virtual page: ``#`` in use, ``+`` mapped reserve, ``.`` unmapped."""
-        cells = bytearray(b"." * self.npages)
-        for u in self.units:
-            cells[u] = ord("+") if u in self.reserve else ord("#")
-        return cells.decode()
+    @property
+    def virtual_pages(self) -> int:
+        """Virtual pages the group spans (what the per-tenant cap counts)."""
+        return self.npages * self.n_regions
+
+    def runs(self) -> list[tuple[int, int, bool]]:
+        """The table run-length encoded: ``(start, length, reserve)`` for each stretch
+        of consecutive mapped units of one state; unmapped stretches are left out.
+        O(mapped units), whatever the group's virtual size."""
+        out: list[list] = []
+        for u in sorted(self.units):
+            res = u in self.reserve
+            if out and out[-1][0] + out[-1][1] == u and out[-1][2] == res:
+                out[-1][1] += 1
+            else:
+                out.append([u, 1, res])
+        return [(a, b, c) for a, b, c in out]
