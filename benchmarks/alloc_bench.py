@@ -9,8 +9,10 @@
   memfds over a SOCK_SEQPACKET socket first; the client imports and maps them with the
   same backend calls and writes the same bytes.
 
-Usage: .venv/bin/python benchmarks/alloc_bench.py [--page-size 2MiB] [--quick]
-Writes benchmarks/results/alloc_bench.json (command, machine, timestamp, numbers).
+Usage: .venv/bin/python benchmarks/alloc_bench.py [--page-size 2MiB] [--quick] [--backend cuda]
+Writes benchmarks/results/alloc_bench.json (alloc_bench_cuda.json with --backend cuda;
+command, machine, timestamp, numbers). On CUDA the floor server exports ``cuMemCreate``
+pages once and the byte per page is written with ``cuMemsetD8Async`` + one synchronize.
 """
 
 from __future__ import annotations
@@ -38,16 +40,31 @@ from kvpool.sizes import format_size, parse_size  # noqa: E402
 BATCHES = (1, 8, 64)
 
 
+def touch(backend, addrs: list[int]) -> None:
+    """Write one byte (1) at each address: a CPU store on host, a device memset on CUDA."""
+    if backend.name != "cuda":
+        for a in addrs:
+            ctypes.memset(a, 1, 1)
+        return
+    try:
+        from cuda.bindings import driver as cu
+    except ImportError:
+        from cuda import cuda as cu
+    for a in addrs:
+        cu.cuMemsetD8Async(a, 1, 1, 0)
+    cu.cuCtxSynchronize()
+
+
 # ---------------------------------------------------------------------------- floor server
-def floor_server(run_dir: str, page_size: int, npages: int) -> None:
-    """A minimal server: on a request for N pages, send N memfds, then reply (no logic)."""
+def floor_server(run_dir: str, page_size: int, npages: int, kind: str = "host") -> None:
+    """A minimal server: on a request for N pages, send N page fds, then reply (no logic)."""
     import zmq
 
-    from kvpool.vmm.host import HostBackend
+    from kvpool.vmm import open_backend
 
-    backend = HostBackend(page_size=page_size)
+    backend = open_backend(kind, page_size=page_size)
     pages = [backend.create_page() for _ in range(npages)]
-    fds = [pg.handle for pg in pages]
+    fds = [backend.export(pg) for pg in pages]
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
     router.bind(f"ipc://{run_dir}/floor.sock")
@@ -68,14 +85,14 @@ def floor_server(run_dir: str, page_size: int, npages: int) -> None:
 
 
 class FloorClient:
-    def __init__(self, run_dir: str, page_size: int, npages: int):
+    def __init__(self, run_dir: str, page_size: int, npages: int, kind: str = "host"):
         import zmq
 
-        from kvpool.vmm.host import HostBackend
+        from kvpool.vmm import open_backend
 
         self.proc = subprocess.Popen(
             [sys.executable, __file__, "--floor-server", run_dir, "--page-size", str(page_size),
-             "--floor-pages", str(npages)], stdout=subprocess.PIPE, text=True)
+             "--floor-pages", str(npages), "--backend", kind], stdout=subprocess.PIPE, text=True)
         deadline = time.monotonic() + 20
         while not os.path.exists(f"{run_dir}/floor-pages.sock"):
             assert time.monotonic() < deadline, "floor server did not start"
@@ -85,7 +102,7 @@ class FloorClient:
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.connect(f"ipc://{run_dir}/floor.sock")
-        self.backend = HostBackend(page_size=page_size)
+        self.backend = open_backend(kind, page_size=page_size)
         self.page_size = page_size
         self.rng = self.backend.reserve(npages * page_size)
 
@@ -101,8 +118,7 @@ class FloorClient:
             self.backend.map_pages(self.rng, 0, pages)
             for pg in pages:
                 self.backend.release(pg)
-        for i in range(n):
-            ctypes.memset(self.rng.base + i * self.page_size, 1, 1)
+        touch(self.backend, [self.rng.base + i * self.page_size for i in range(n)])
 
     def ungrant(self, n: int) -> None:
         self.backend.unmap(self.rng, 0, n)
@@ -152,8 +168,7 @@ def bench_slow(tenant, floor: FloorClient, page_size: int, reps: dict[int, int])
         for i in range(reps[n] + 3):
             t0 = time.perf_counter()
             g.grant(units)
-            for u in units:
-                ctypes.memset(base + u * page_size, 1, 1)
+            touch(g.backend, [base + u * page_size for u in units])
             t1 = time.perf_counter()
             g.release(units)
             t2 = time.perf_counter()
@@ -186,10 +201,12 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/)")
     ap.add_argument("--floor-server", help=argparse.SUPPRESS)
     ap.add_argument("--floor-pages", type=int, default=64, help=argparse.SUPPRESS)
+    ap.add_argument("--backend", choices=["host", "cuda"], default="host",
+                    help="the daemon's and the floor's memory backend")
     args = ap.parse_args()
     page_size = parse_size(args.page_size)
     if args.floor_server:
-        floor_server(args.floor_server, page_size, args.floor_pages)
+        floor_server(args.floor_server, page_size, args.floor_pages, args.backend)
         return
 
     from rich.console import Console
@@ -200,9 +217,10 @@ def main() -> None:
     reps = {1: 60, 8: 30, 64: 15} if args.quick else {1: 300, 8: 150, 64: 60}
     fast_iters = 50_000 if args.quick else 200_000
     with tempfile.TemporaryDirectory(prefix="kvpbench-") as tmp, Cluster(Path(tmp)) as cluster:
-        cluster.daemon(256 * page_size, page_size, extra=("--log-level", "WARNING"))
+        cluster.daemon(256 * page_size, page_size, extra=("--log-level", "WARNING"),
+                       backend=args.backend)
         run_dir = str(cluster.run_dir)
-        floor = FloorClient(run_dir, page_size, 64)
+        floor = FloorClient(run_dir, page_size, 64, args.backend)
         try:
             with connect(name="bench", run_dir=run_dir) as tenant:
                 fast = bench_fast(tenant, page_size, fast_iters)
@@ -210,7 +228,8 @@ def main() -> None:
         finally:
             floor.close()
 
-    table = Table(title=f"kvpool allocation cost (host backend, page {format_size(page_size)})")
+    table = Table(title=f"kvpool allocation cost ({args.backend} backend, page "
+                        f"{format_size(page_size)})")
     for col in ("path", "batch", "kvpool", "floor", "ratio", "goal"):
         table.add_column(col, justify="left" if col == "path" else "right")
     table.add_row("fast alloc+free", "1 block", f"{fast[1]:.2f} µs/block", "-", "-", "≤ 2 µs")
@@ -220,7 +239,9 @@ def main() -> None:
                       f"{r['floor_us_per_page']:.1f} µs/page", f"{r['ratio']:.2f}x",
                       "≤ 1.5x" if n == 64 else "")
     Console(width=120).print(table)
-    path = write_result("alloc_bench", {
+    name = "alloc_bench" if args.backend == "host" else f"alloc_bench_{args.backend}"
+    path = write_result(name, {
+        "backend": args.backend,
         "versions": versions(),
         "page_size": page_size,
         "fast_path_us_per_block": {"alloc1_free": fast[1], "alloc16_free": fast[16]},
