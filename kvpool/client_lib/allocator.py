@@ -277,28 +277,35 @@ class ElasticBlockAllocator:
 
     # ---- slow path -------------------------------------------------------------------
     def _alloc_slow(self, n: int, wait: bool = True) -> list[int] | None:
-        self.slow_allocs += 1
+        """Grant the chunks ``n`` blocks are missing and take the blocks in the same
+        critical section that maps the chunks in: granted chunks go straight to this
+        caller, so neither a reclaim nor the refill thread can release them first.
+        Another thread may take free blocks while the grant is in flight; then more
+        chunks are granted (each round grants at least one, so this ends)."""
         with self._lock:
-            missing = n - self._nfree
-            k = -(-missing // self.blocks_per_chunk)
-            if not wait and self._demand:  # already asked in the background: no round trip
-                self._demand = max(self._demand, k + self.high)
-                return None
-            chunks = self._pick_unmapped(k)
-            if chunks is None:
-                return None  # the virtual capacity is exhausted
-        if not self._grow(chunks, into_reserve=False, speculative=not wait):
-            if not wait:  # ask for a burst's worth at once: one reclaim round, not many
-                with self._lock:
+            self.slow_allocs += 1
+        while True:
+            with self._lock:
+                if n <= self._nfree:
+                    return self._take(n)
+                missing = n - self._nfree
+                k = -(-missing // self.blocks_per_chunk)
+                if not wait and self._demand:  # already asked in the background
                     self._demand = max(self._demand, k + self.high)
-                self._wake.set()
-            return None
-        with self._lock:
-            if n > self._nfree:  # cannot happen: the refill thread only releases reserve
+                    return None
+                chunks = self._pick_unmapped(k)
+                if chunks is None:
+                    return None  # the virtual capacity is exhausted
+            out = self._grow(chunks, into_reserve=False, speculative=not wait, take=n)
+            if out is False:
+                if not wait:  # ask for a burst's worth at once: one reclaim round, not many
+                    with self._lock:
+                        self._demand = max(self._demand, k + self.high)
+                    self._wake.set()
                 return None
-            out = self._take(n)
-        self._wake.set()
-        return out
+            if out is not None:
+                self._wake.set()
+                return out
 
     def _pick_unmapped(self, k: int) -> list[int] | None:
         """(lock held) ``k`` unmapped chunks, lowest first, now in flight; None if fewer."""
@@ -312,10 +319,16 @@ class ElasticBlockAllocator:
         ppc = self.pages_per_chunk
         return [c * ppc + i for c in chunks for i in range(ppc)]
 
-    def _grow(self, chunks: list[int], into_reserve: bool, speculative: bool | None = None
-              ) -> bool:
-        """Grant and map ``chunks`` (in flight); on success they become reserve chunks.
-        Speculative grants (reserve refills, by default) use free memory only."""
+    def _grow(self, chunks: list[int], into_reserve: bool, speculative: bool | None = None,
+              take: int = 0) -> bool | list[int] | None:
+        """Grant and map ``chunks`` (in flight); on success they become mapped empty
+        chunks. Speculative grants (reserve refills, by default) use free memory only.
+
+        Without ``take``: True, or False when the daemon refused. With ``take``: the
+        ``take`` blocks, taken under the lock that makes the chunks mapped (so no other
+        thread ever sees them in the reserve first); None when other threads took free
+        blocks meanwhile and ``take`` no longer fits (the chunks stay mapped); False
+        when refused."""
         reserve = self._reserve_units(extra=chunks if into_reserve else ())
         if speculative is None:
             speculative = into_reserve
@@ -329,15 +342,17 @@ class ElasticBlockAllocator:
                 for c in chunks:
                     heapq.heappush(self._unmapped, c)
             return False
-        self.grants += 1
         bpc = self.blocks_per_chunk
         with self._lock:
+            self.grants += 1
             for c in chunks:
                 self._inflight.discard(c)
                 self._free[c] = list(range((c + 1) * bpc - 1, c * bpc - 1, -1))
                 self._used[c] = 0
                 self._reserve.append(c)
             self._nfree += bpc * len(chunks)
+            if take:
+                return self._take(take) if take <= self._nfree else None
         return True
 
     def _shrink(self, k: int) -> int:
@@ -352,15 +367,17 @@ class ElasticBlockAllocator:
                 self._free[c] = None
             self._inflight.update(chunks)
             self._nfree -= self.blocks_per_chunk * len(chunks)
+        released = False
         try:
             self.group.release(self._units(chunks), reserve=self._reserve_units(),
                                in_use=self._in_use_bytes())
+            released = True
         finally:
             with self._lock:
                 self._inflight.difference_update(chunks)
                 for c in chunks:
                     heapq.heappush(self._unmapped, c)
-        self.releases += 1
+                self.releases += released
         return len(chunks)
 
     def release_reserve(self, nbytes: int) -> int:

@@ -125,8 +125,9 @@ def test_background_thread_keeps_watermarks_and_drains_when_idle(daemon):
         a.check_integrity()
         wait_for(lambda: a.reserve_chunks == 0, timeout=5)  # idle
         a.report()
-        (grp,) = daemon.cli_json("map", "bg")["groups"]
-        assert grp["table"].count("#") == 1 and "+" not in grp["table"]  # only `held`'s unit
+        with daemon.monitor() as m:
+            (grp,) = m.map("bg").groups
+        assert (grp.in_use_units, grp.reserve_units) == (1, 0)  # only `held`'s unit
         a.free(held)
         a.check_integrity()
 
