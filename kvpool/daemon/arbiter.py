@@ -223,7 +223,9 @@ class Arbiter:
             raise Fail(p.NOT_FOUND, f"device {r.device} is not served (this daemon serves "
                                     f"device {self.pool.backend.device})")
         mn, mx, weight = self.knobs(r.name, r)
-        if r.kind not in ("monitor", "admin"):
+        if r.kind in NO_MEMORY_KINDS:
+            mn = mx = 0  # holds nothing: no knobs, no claim on a name's policy
+        else:
             floors = sum(x.min_pages for x in self.tenants if x.arbitrated)
             if mn and floors + mn > self.budget // self.page_size:
                 raise Fail(p.OVER_LIMIT, f"min of {mn} pages would make the guaranteed "
@@ -247,6 +249,7 @@ class Arbiter:
         return g
 
     def create_group(self, t: Tenant, identity: bytes, r: p.CreateGroup) -> p.Reply:
+        self._holder(t, "create_group")
         if r.capacity % self.page_size:
             raise Fail(p.BAD_REQUEST, f"capacity {r.capacity} is not a multiple of the page "
                                       f"size {self.page_size}")
@@ -284,6 +287,7 @@ class Arbiter:
                 raise Fail(p.BAD_REQUEST, f"unit {u} is outside the group ({g.npages} pages)")
 
     def grant(self, t: Tenant, identity: bytes, r: p.Grant) -> Outcome:
+        self._holder(t, "grant")
         g = self._group(t, r.group)
         self._units(g, r.units)
         held = [u for u in r.units if u in g.units]
@@ -336,6 +340,7 @@ class Arbiter:
 
     # ---- leases, reclaim answers, adoption ---------------------------------------------------
     def lease(self, t: Tenant, identity: bytes, r: p.Lease) -> p.Reply | Outcome:
+        self._holder(t, "lease")
         pages = -(-r.bytes // self.page_size)
         if pages <= t.lease_pages:
             self.pool.unlease(t.lease_pages - pages)
@@ -533,10 +538,11 @@ class Arbiter:
         )
 
     def listed(self) -> list[p.TenantInfo]:
-        """Tenants for ``ps``/``stats`` (admin and monitor sessions are not tenants)."""
+        """Tenants for ``ps``/``stats``: every session but monitor and admin ones, and
+        every session that holds anything whatever its kind (none should)."""
         shares = self.reclaimer.shares()
         return [self.tenant_info(x, shares) for x in self.tenants
-                if x.kind not in ("admin", "monitor")]
+                if x.kind not in NO_MEMORY_KINDS or x.held or x.groups]
 
     def ps(self, t, identity, r: p.Ps) -> p.Reply:
         return p.PsReply(id=r.id, tenants=self.listed(), pool=self.pool_info())
@@ -603,6 +609,9 @@ class Arbiter:
         total = 0
         for t in self.tenants:
             pages = 0
+            if t.kind in NO_MEMORY_KINDS and (t.groups or t.held):
+                problems.append(f"{t.kind} session {t.id} holds memory ({t.held} pages, "
+                                f"{len(t.groups)} groups)")
             for g in t.groups.values():
                 if g.tenant != t.id:
                     problems.append(f"group {g.id} in tenant {t.id} names tenant {g.tenant}")
