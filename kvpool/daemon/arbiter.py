@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvpool import protocol as p
-from kvpool.daemon.auth import Denied, authorize
+from kvpool.daemon.auth import Denied, authorize, may_claim, peer_groups
 from kvpool.daemon.config import Config
 from kvpool.daemon.pool import NoMemory, Pool
 from kvpool.daemon.reclaim import Reclaimer, Waiter
@@ -127,7 +127,8 @@ class Arbiter:
     def open_session(self, conn, pid: int, uid: int, gid: int, pidfd: int | None) -> Tenant:
         """A new fd-channel connection: a tenant record with a fresh session token."""
         return self.tenants.add(
-            token=secrets.token_hex(16), pid=pid, uid=uid, gid=gid, conn=conn, pidfd=pidfd
+            token=secrets.token_hex(16), pid=pid, uid=uid, gid=gid, conn=conn, pidfd=pidfd,
+            peer_gids=peer_groups(pid, gid) if pid > 0 else {gid},
         )
 
     def drop(self, t: Tenant, why: str) -> None:
@@ -222,6 +223,8 @@ class Arbiter:
         if r.device != self.pool.backend.device:
             raise Fail(p.NOT_FOUND, f"device {r.device} is not served (this daemon serves "
                                     f"device {self.pool.backend.device})")
+        if r.kind not in NO_MEMORY_KINDS:
+            self._claim(t, r.name)
         mn, mx, weight = self.knobs(r.name, r)
         if r.kind in NO_MEMORY_KINDS:
             mn = mx = 0  # holds nothing: no knobs, no claim on a name's policy
@@ -239,6 +242,19 @@ class Arbiter:
             device=self.pool.backend.device, page_size=self.page_size, budget=self.budget,
             limit=t.max_pages * self.page_size,
         )
+
+    def _claim(self, t: Tenant, name: str) -> None:
+        """May ``t`` register as ``name``: the config's ``uids``/``group`` of that name
+        admit its peer, and no other live memory-holding session holds the name."""
+        if name in self.cfg.tenants:
+            why = may_claim(name, self.cfg.tenants[name], t.uid, t.peer_gids or {t.gid})
+            if why:
+                raise Fail(p.UNAUTHORIZED, why)
+        holders = [x for x in self.tenants.named(name) if x is not t]
+        if holders:
+            h = holders[0]
+            raise Fail(p.UNAUTHORIZED, f"tenant name {name!r} is held by tenant {h.id} "
+                                       f"(pid {h.pid}); choose another name")
 
     def _group(self, t: Tenant, gid: int) -> Group:
         g = t.groups.get(gid)

@@ -12,6 +12,9 @@ Rules:
 * who may connect at all is decided by the filesystem: the run directory is 0750 and
   the sockets 0660, both owned by the configured ``socket_group``;
 * ``register`` needs the token of a not-yet-registered fd-channel session;
+* ``register`` of a name configured with ``uids``/``group`` needs a peer with one of
+  those uids or in that group (:func:`may_claim`); a memory-holding session cannot take
+  a name another live one holds (the arbiter checks);
 * monitor ops (``ps``, ``stats``, ``map``, ``check``, ``ping``) are open to anyone who can
   connect (read-only);
 * admin ops (``set_limit``, ``shutdown``) need the token of a session whose peer is an
@@ -23,6 +26,7 @@ Rules:
 
 from __future__ import annotations
 
+import grp
 import os
 
 from kvpool import protocol as p
@@ -52,6 +56,27 @@ def peer_groups(pid: int, gid: int) -> set[int]:
 def is_admin(uid: int, groups: set[int], admin_gid: int | None) -> bool:
     """Root, the daemon's own uid, or a member of the admin group."""
     return uid == 0 or uid == os.getuid() or (admin_gid is not None and admin_gid in groups)
+
+
+def may_claim(name: str, policy, uid: int, groups: set[int]) -> str | None:
+    """Why a peer (``uid``, ``groups``) may not register as the configured tenant
+    ``name`` whose :class:`~kvpool.daemon.config.TenantPolicy` is ``policy``; None when
+    it may. A policy naming neither ``uids`` nor ``group`` may be claimed by anyone."""
+    uids = list(getattr(policy, "uids", None) or [])
+    group = getattr(policy, "group", None)
+    if not uids and not group:
+        return None
+    if uid in uids:
+        return None
+    if group:
+        try:
+            if grp.getgrnam(group).gr_gid in groups:
+                return None
+        except KeyError:
+            pass
+    who = " or ".join(x for x in (f"uid {', '.join(map(str, uids))}" if uids else "",
+                                  f"members of group {group}" if group else "") if x)
+    return f"tenant name {name!r} is reserved by the daemon's config for {who}; uid {uid} is not one"
 
 
 def authorize(op: str, token: str, identity: bytes, tenants: Tenants) -> Tenant | None:

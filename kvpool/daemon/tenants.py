@@ -29,6 +29,7 @@ class Tenant:
     identity: bytes | None = None  # ZeroMQ routing id, set at register
     registered: bool = False
     admin: bool = False  # an admin identity (decided from SO_PEERCRED at accept)
+    peer_gids: set[int] = field(default_factory=set)  # primary + supplementary, at accept
     min_pages: int = 0  # guaranteed: never reclaimed
     max_pages: int = 0  # hard limit
     weight: float = 1.0  # share of contended memory
@@ -100,7 +101,12 @@ class Tenants:
                 del self.by_fileno[fd]
 
     def named(self, name: str) -> list[Tenant]:
-        return [t for t in self.by_id.values() if t.name == name]
+        """Memory-holding tenants called ``name`` (monitor and admin sessions claim no
+        name). At most one is registered at a time (the arbiter refuses a second)."""
+        return [t for t in self.by_id.values() if t.name == name and t.arbitrated]
+
+    def count_uid(self, uid: int) -> int:
+        return sum(1 for t in self.by_id.values() if t.uid == uid)
 
     def find(self, key: str) -> list[Tenant]:
         """Tenants whose name is ``key``, or whose id is ``key``."""
