@@ -13,8 +13,16 @@ overall (geometric mean), and the elastic allocator's slow-path calls during tim
 
     python benchmarks/elastic_overhead_bench.py            # ~1 min on 2 cores
     python benchmarks/elastic_overhead_bench.py --quick    # smoke run
+    python benchmarks/elastic_overhead_bench.py --backend cuda --model llama-1b \
+        --dtype bfloat16 --layouts per_layer,block_major    # on a GPU (gpu_check.sh)
 
-Writes benchmarks/results/elastic_overhead_bench.json (or --out).
+``--backend cuda`` runs the daemon on the CUDA backend and both engines on the GPU;
+``--model`` is a preset of ``benchmarks/gpu_models.py`` (the default ``tiny`` is the
+engine's own tiny checkpoint); ``--layouts`` repeats the run per KV layout. Reports
+tokens/s (batch / median step time) next to the ratio.
+
+Writes benchmarks/results/elastic_overhead_bench.json (``_cuda`` with --backend cuda;
+or --out).
 """
 
 from __future__ import annotations
@@ -40,13 +48,15 @@ from kvpool.sizes import parse_size
 REPO = Path(__file__).resolve().parents[1]
 
 
-def make_engines(model: Path, run_dir: Path, args: argparse.Namespace) -> dict[str, Engine]:
+def make_engines(model: Path, run_dir: Path, args: argparse.Namespace,
+                 layout: str = "auto") -> dict[str, Engine]:
     from kvpool.engine_adapters.bundled import Settings, enable
 
     def cfg() -> EngineConfig:
-        return EngineConfig(model=str(model), device="cpu", block_size=16,
-                            kv_cache_size=args.kv_cache_size, max_num_seqs=256,
-                            max_num_batched_tokens=2048, max_model_len=2048)
+        return EngineConfig(model=str(model), device=args.device, dtype=args.dtype,
+                            block_size=16, kv_cache_size=args.kv_cache_size,
+                            max_num_seqs=256, max_num_batched_tokens=2048,
+                            max_model_len=2048, kv_layout=layout)
 
     elastic = cfg()
     # idle timeout far above the run: the reserve never drains between repetitions
@@ -93,6 +103,7 @@ def decode_samples(engines: dict[str, Engine], batch: int, args: argparse.Namesp
            "elastic_slow_allocs_timed": alloc.slow_allocs - slow_before,
            "elastic_grants_timed": alloc.grants - grants_before}
     out["ratio"] = out["elastic"]["median_us"] / out["static"]["median_us"]
+    out["tokens_per_s"] = {k: batch / (out[k]["median_us"] / 1e6) for k in engines}
     return out
 
 
@@ -107,8 +118,14 @@ def main() -> None:
     ap.add_argument("--budget", default="1GiB")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--backend", choices=["host", "cuda"], default="host",
+                    help="daemon backend; cuda also puts both engines on the GPU")
+    ap.add_argument("--model", default="tiny", help="tiny or a benchmarks/gpu_models.py preset")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--layouts", default="auto", help="comma list: auto,per_layer,block_major")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    args.device = "cuda" if args.backend == "cuda" else "cpu"
     if args.quick:
         args.reps, args.steps, args.warmup = 4, 8, 5
     import torch
@@ -117,28 +134,51 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="kvp-overhead-"))
     try:
         with Cluster(tmp / "logs") as cluster:
-            cluster.daemon(parse_size(args.budget), 2 << 20)
-            model = make_tiny_model(tmp / "tiny", seed=0)
-            engines = make_engines(model, cluster.run_dir, args)
-            results = [decode_samples(engines, int(b), args) for b in args.batches.split(",")]
-            engines["elastic"].config.extra["kvpool"].close()
+            cluster.daemon(parse_size(args.budget), 2 << 20, backend=args.backend)
+            if args.model == "tiny":
+                model = make_tiny_model(tmp / "tiny", seed=0)
+            else:
+                from gpu_models import make_model
+
+                model = make_model(tmp / args.model, args.model)
+            results = []
+            for layout in args.layouts.split(","):
+                engines = make_engines(model, cluster.run_dir, args, layout)
+                for b in args.batches.split(","):
+                    r = decode_samples(engines, int(b), args)
+                    results.append({"layout": engines["static"].kv_spec.layout, **r})
+                engines["elastic"].config.extra["kvpool"].close()
+                del engines
+                if args.device == "cuda":
+                    torch.cuda.empty_cache()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     overall = math.exp(statistics.fmean(math.log(r["ratio"]) for r in results))
-    table = Table(title="decode step time, elastic vs static (no contention)")
-    for col in ("batch", "static median ms", "elastic median ms", "elastic/static",
-                "paired reps", "slow allocs"):
+    table = Table(title=f"decode step time, elastic vs static (no contention; {args.model}, "
+                        f"{args.device})")
+    for col in ("layout", "batch", "static median ms", "elastic median ms", "elastic/static",
+                "paired reps", "slow allocs", "elastic tok/s"):
         table.add_column(col, justify="right")
     for r in results:
-        table.add_row(str(r["batch"]), f"{r['static']['median_us'] / 1e3:.3f}",
+        table.add_row(r["layout"], str(r["batch"]), f"{r['static']['median_us'] / 1e3:.3f}",
                       f"{r['elastic']['median_us'] / 1e3:.3f}", f"{r['ratio']:.3f}",
-                      f"{r['paired_rep_ratio_median']:.3f}", str(r["elastic_slow_allocs_timed"]))
-    console = Console()
+                      f"{r['paired_rep_ratio_median']:.3f}", str(r["elastic_slow_allocs_timed"]),
+                      f"{r['tokens_per_s']['elastic']:.0f}")
+    console = Console(width=120)
     console.print(table)
+    by = {(r["layout"], r["batch"]): r for r in results}
+    layout_effect = {  # static step time, block_major / per_layer, per batch size
+        str(b): by["block_major", b]["static"]["median_us"] / by["per_layer", b]["static"]["median_us"]
+        for (lay, b) in by if lay == "per_layer" and ("block_major", b) in by}
+    if layout_effect:
+        console.print("static step time block_major / per_layer: " + ", ".join(
+            f"batch {b}: {v:.3f}" for b, v in layout_effect.items()))
     payload = {"params": {k: v for k, v in vars(args).items() if k != "out"},
                "results": results, "overall_ratio_geomean": overall,
+               "layout_effect_block_major_over_per_layer": layout_effect,
                "within_3_percent": overall <= 1.03 and all(r["ratio"] <= 1.03 for r in results)}
-    path = write_result("elastic_overhead_bench", payload, args.out)
+    name = "elastic_overhead_bench" + ("_cuda" if args.backend == "cuda" else "")
+    path = write_result(name, payload, args.out)
     console.print(f"overall elastic/static {overall:.3f} -> {path}")
 
 
