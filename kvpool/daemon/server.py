@@ -24,7 +24,6 @@ import grp
 import json
 import logging
 import os
-import select
 import signal
 import socket
 import time
@@ -34,6 +33,7 @@ import zmq
 
 from kvpool import fdchannel, paths
 from kvpool import protocol as p
+from kvpool.daemon import fdqueue
 from kvpool.daemon.arbiter import Arbiter, Outcome
 from kvpool.daemon.auth import is_admin, peer_groups
 from kvpool.daemon.config import Config
@@ -45,9 +45,10 @@ from kvpool.vmm import open_backend
 
 log = logging.getLogger("kvpool.daemon")
 
-MAX_ZMQ_MESSAGE = 16 << 20  # larger frames make libzmq drop the peer (memory guard)
-MAX_STASH = 1 << 16  # descriptors a tenant may send ahead of an Adopt
-BURST = 64  # control messages handled per loop turn before looking at other sockets
+MAX_ZMQ_MESSAGE = 2 * p.MAX_FRAME  # larger frames make libzmq drop the peer (memory guard)
+MAX_FRAMES = 4  # frames of one control message: identity, [empty delimiter], body (+1 spare)
+DRAIN_SLICE = 4096  # frames of a refused message discarded per loop turn
+BURST = 64  # messages handled per socket per loop turn before looking at other sockets
 
 
 class StartupError(RuntimeError):
@@ -86,12 +87,17 @@ class Server:
         self._state_dirty = False
         self._need_tick = False
         self.admin_gid: int | None = None
+        self._out: dict[int, fdqueue.Outbound] = {}  # tenant id -> fd messages still to send
+        self._parked: dict[int, fdqueue.Parked] = {}  # tenant id -> Adopt awaiting its fds
+        self._discard: list | None = None  # [identity, frames read] of a refused message
+        self._drain_buf = bytearray(64)
 
     # ---- setup / teardown -----------------------------------------------------------
     def start(self) -> None:
         try:
             paths.ensure_run_dir(self.run_dir)
-            os.chmod(self.run_dir, 0o750)
+        except paths.UnsafePath as e:
+            raise StartupError(f"refusing to serve: {e}") from None
         except OSError as e:
             raise StartupError(f"cannot create the run directory {self.run_dir}: {e}") from None
         if self.cfg.admin_group:
@@ -134,6 +140,7 @@ class Server:
             except (KeyError, OSError) as e:
                 raise StartupError(f"cannot give the sockets to group "
                                    f"{self.cfg.socket_group!r}: {e}") from None
+        self.listener.setblocking(False)
         self.poller = zmq.Poller()
         self.poller.register(self.router, zmq.POLLIN)
         self._watch(self.listener.fileno(), self._accept)
@@ -158,7 +165,7 @@ class Server:
     def _recover_state(self) -> None:
         """Read the previous daemon's tenants: grants wait until the live ones adopted."""
         try:
-            state = json.loads(self._state_path.read_text())
+            state = json.loads(paths.read_private(self._state_path))
         except (OSError, ValueError):
             return
         a = self.arbiter
@@ -177,20 +184,23 @@ class Server:
         a = self.arbiter
         state = {"next_group": a._next_group, "tenants": [
             {"pid": t.pid, "name": t.name} for t in a.tenants if t.arbitrated]}
-        tmp = self._state_path.with_suffix(".tmp")
         try:
-            tmp.write_text(json.dumps(state))
-            os.replace(tmp, self._state_path)
+            paths.write_private(self._state_path, json.dumps(state).encode())
         except OSError as e:
             log.warning("cannot save %s: %s", self._state_path, e)
         self._state_dirty = False
 
-    def shutdown(self) -> None:
+    def shutdown(self, clean: bool = True) -> None:
+        """Close everything. ``state.json`` (the restart state) is removed only after a
+        clean, requested stop; after a crash the next daemon still waits for tenants."""
         self.notifier.stopping()
+        if not clean:
+            self._save_state()
         for t in list(self.arbiter.tenants):
             self._drop(t, "daemon shutting down")
-        with contextlib.suppress(OSError):
-            self._state_path.unlink()
+        if clean:
+            with contextlib.suppress(OSError):
+                self._state_path.unlink()
         self.poller.unregister(self.router)
         self.router.close(linger=0)
         self.ctx.term()
@@ -224,7 +234,7 @@ class Server:
     def _on_signal(self, signum, frame) -> None:
         self._stop = True
 
-    def _on_signal_pipe(self, fd: int) -> None:
+    def _on_signal_pipe(self, fd: int, ev: int = 0) -> None:
         with contextlib.suppress(BlockingIOError):
             os.read(fd, 512)
 
@@ -243,33 +253,62 @@ class Server:
         except BaseException:
             self._abort_start()
             raise
+        clean = False
         try:
             while not self._stop:
                 self.turn()
+            clean = True
         finally:
-            self.shutdown()
+            self.shutdown(clean)
 
     def turn(self) -> None:
-        """One loop iteration: wait for input (or not, when idle work is pending)."""
-        busy = self.pool.has_work()
+        """One loop iteration: wait for input (or not, when idle work is pending).
+
+        A handler that raises drops the tenant whose socket it served (never the daemon)."""
+        busy = self.pool.has_work() or self._discard is not None
         timeout_ms = 0 if busy else max(0.0, self._next_timer() - time.monotonic()) * 1000
         events = self.poller.poll(timeout_ms)
-        for item, _ in events:
+        for item, ev in events:
             if item is self.router:
-                self._control()
+                self._guard(None, self._control)
             else:
                 handler = self._handlers.get(item)
                 if handler is not None:
-                    handler(item)
+                    self._guard(item, handler, item, ev)
         if self._need_tick:
             self._need_tick = False
             self._tick()
-        self._timers()
+        self._guard(None, self._timers)
         if busy and not events:
             self.pool.maintain(0.002)
 
+    def _guard(self, fd: int | None, fn, *args) -> None:
+        """Run ``fn``; an unexpected exception drops the tenant behind ``fd`` (if any)."""
+        try:
+            fn(*args)
+        except Exception as e:  # a bug must not stop the daemon
+            self.arbiter.errors += 1
+            t = self._tenant_of_fd(fd) if fd is not None else None
+            log.exception("handling %s failed", f"tenant {t.id}" if t else f"fd {fd}"
+                          if fd is not None else "the loop step")
+            if t is not None:
+                self._drop(t, f"internal error: {type(e).__name__}: {e}")
+            elif fd is not None and fd not in (self.listener.fileno(), self._wake_r):
+                self._unwatch(fd)
+
+    def _tenant_of_fd(self, fd: int):
+        t = self.arbiter.tenants.by_fileno.get(fd)
+        if t is None:
+            t = next((x for x in self.arbiter.tenants if x.pidfd == fd), None)
+        return t
+
     def _next_timer(self) -> float:
         t = min(self._next_liveness, self._next_watchdog, self._next_status)
+        for out in self._out.values():
+            if out.stuck_since is not None:
+                t = min(t, out.stuck_since + self.cfg.send_timeout_s)
+        for parked in self._parked.values():
+            t = min(t, parked.deadline)
         d = self.arbiter.next_deadline()
         return min(t, d + 0.001) if d is not None else t
 
@@ -278,6 +317,7 @@ class Server:
         d = self.arbiter.next_deadline()
         if d is not None and now >= d:
             self._tick()
+        self._expire(now)
         if self._state_dirty:
             self._save_state()
         if now >= self._next_liveness:
@@ -292,6 +332,19 @@ class Server:
             self._next_status = now + 5.0
             self.notifier.status(self._status_line())
 
+    def _expire(self, now: float) -> None:
+        """Drop tenants whose fd socket stayed full too long; refuse overdue Adopts."""
+        for tid, out in list(self._out.items()):
+            t = self.arbiter.tenants.by_id.get(tid)
+            if t is not None and out.stuck_since is not None \
+                    and now - out.stuck_since >= self.cfg.send_timeout_s:
+                self._drop(t, f"fd channel full for {self.cfg.send_timeout_s:g} s "
+                              f"({out.fds} descriptors queued)")
+        for tid, parked in list(self._parked.items()):
+            t = self.arbiter.tenants.by_id.get(tid)
+            if t is not None and now >= parked.deadline:
+                self._unpark(t)
+
     def _status_line(self) -> str:
         pool = self.pool
         return (f"{len(self.arbiter.tenants)} tenants; "
@@ -300,12 +353,44 @@ class Server:
 
     # ---- control socket -------------------------------------------------------------
     def _control(self) -> None:
+        """Up to :data:`BURST` messages, read frame by frame: a message of more than
+        :data:`MAX_FRAMES` frames is refused and its rest discarded unread, a slice per
+        turn (never buffered whole)."""
         for _ in range(BURST):
+            if self._discard is not None and not self._drain():
+                return
             try:
-                frames = self.router.recv_multipart(zmq.NOBLOCK)
+                frames = self._recv_frames()
             except zmq.Again:
                 return
-            self._message(frames)
+            if frames is not None:
+                self._message(frames)
+
+    def _recv_frames(self) -> list[bytes] | None:
+        frames = [self.router.recv(zmq.NOBLOCK)]
+        while self.router.getsockopt(zmq.RCVMORE):
+            if len(frames) == MAX_FRAMES:
+                envelope = frames[:2] if frames[1] == b"" else frames[:1]
+                self.arbiter.requests += 1
+                self.arbiter.errors += 1
+                self._reply(envelope, p.error(0, p.BAD_REQUEST,
+                                              f"a message has at most {MAX_FRAMES - 1} frames"))
+                self._discard = [frames[0], len(frames)]
+                return None
+            frames.append(self.router.recv(zmq.NOBLOCK))
+        return frames
+
+    def _drain(self) -> bool:
+        """Discard up to :data:`DRAIN_SLICE` frames of a refused message; True once done."""
+        buf = self._drain_buf
+        for _ in range(DRAIN_SLICE):
+            self.router.recv_into(buf, flags=zmq.NOBLOCK)
+            self._discard[1] += 1
+            if not self.router.getsockopt(zmq.RCVMORE):
+                log.warning("discarded a control message of %d frames", self._discard[1])
+                self._discard = None
+                return True
+        return False
 
     def _message(self, frames: list[bytes]) -> None:
         identity, body = frames[0], frames[1:]
@@ -324,9 +409,32 @@ class Server:
             self.arbiter.errors += 1
             self._reply(envelope, p.error(e.id, e.code, str(e)))
             return
+        t = self._session(identity, req)
+        if t is not None and (t.id in self._parked or self._out.get(t.id)):
+            self.arbiter.requests += 1
+            self.arbiter.errors += 1
+            self._reply(envelope, p.error(req.id, p.BUSY, "the previous request of this "
+                                          "session is still being served (its descriptors)"))
+            return
+        if isinstance(req, p.Adopt) and t is not None \
+                and fdqueue.stashed(t.stash, req.id) < req.nfds:
+            self._parked[t.id] = fdqueue.Parked(identity, envelope, req,
+                                                time.monotonic() + fdqueue.ADOPT_WAIT_S)
+            return
+        self._handle(identity, envelope, req, t)
+
+    def _session(self, identity: bytes, req: p.Request):
+        """The registered session ``req`` speaks for from ``identity``, if any."""
+        t = self.arbiter.tenants.by_token.get(req.token) if req.token else None
+        if t is None or not t.registered or t.identity != identity:
+            return None
+        return t
+
+    def _handle(self, identity: bytes, envelope: list[bytes], req: p.Request, t) -> None:
+        uid = t.uid if t is not None else None
         try:
-            if isinstance(req, p.Adopt):
-                self._collect_fds(req)
+            if isinstance(req, p.Adopt) and t is not None:
+                self._take_stash(t, req.id)
             out = self.arbiter.handle(identity, req, envelope)
         except Exception as e:  # a bug must not stop the daemon
             log.exception("request %s failed", type(req).__name__)
@@ -339,24 +447,30 @@ class Server:
                 and out.reply.ok:
             self._state_dirty = True
         if out.stop:
-            log.info("shutdown requested by uid %d", out.tenant.uid if out.tenant else -1)
+            if uid is None and out.tenant is not None:
+                uid = out.tenant.uid
+            log.info("shutdown requested by uid %s", uid if uid is not None else "unknown")
             self._stop = True
         self._tick()
 
     def _emit(self, envelope: list[bytes], req_id: int, out: Outcome) -> None:
-        """Send one outcome: the grant's descriptors first, then the reply."""
-        try:
-            if out.send and not self._send_pages(out.tenant, req_id, out.send):
-                self._reply(envelope, p.error(req_id, p.BUSY, "fd channel failed; session dropped"))
+        """Send one outcome: the grant's descriptors first (queued), then the reply."""
+        t = out.tenant
+        if t is not None and t.id in self.arbiter.tenants.by_id and (out.send or self._out.get(t.id)):
+            q = self._out.setdefault(t.id, fdqueue.Outbound())
+            total = len(out.send)
+            for first in range(0, total, fdchannel.MAX_FDS):
+                header = p.encode(p.FdHeader(req_id, total, first))
+                q.push_fds(header, out.send[first : first + fdchannel.MAX_FDS])
+            q.push_reply(envelope, p.encode(out.reply), out.end_session)
+            if q.overflowing:
+                self._drop(t, f"{q.fds} descriptors queued on its fd channel")
                 return
-        except Exception as e:  # a bug must not stop the daemon
-            log.exception("sending pages failed")
-            self.arbiter.errors += 1
-            self._reply(envelope, p.error(req_id, p.INTERNAL, f"{type(e).__name__}: {e}"))
+            self._flush(t)
             return
         self._reply(envelope, out.reply)
-        if out.end_session and out.tenant is not None:
-            self._drop(out.tenant, "said bye")
+        if out.end_session and t is not None:
+            self._drop(t, "said bye")
 
     def _tick(self) -> None:
         """Answer waiting requests that are done, then send queued reclaim asks."""
@@ -367,30 +481,35 @@ class Server:
             log.exception("arbitration step failed")
         self._flush_outbox()
 
-    def _collect_fds(self, req: p.Adopt) -> None:
-        """Gather the descriptors an Adopt sent ahead on the sender's fd channel (some
-        may already be stashed by :meth:`_conn_readable`) into ``t.inbox``."""
-        t = self.arbiter.tenants.by_token.get(req.token)
-        if t is None:
-            return
-        got = [fd for rid, fds in t.stash if rid == req.id for fd in fds]
-        for rid, fds in t.stash:
-            if rid != req.id:
+    # ---- adopt: descriptors sent ahead ------------------------------------------------
+    def _take_stash(self, t: Tenant, rid: int) -> None:
+        """Move the descriptors stashed for Adopt ``rid`` into ``t.inbox`` (the arbiter
+        reads them there); close any others."""
+        for r, fds in t.stash:
+            if r == rid:
+                t.inbox.extend(fds)
+            else:
                 fdchannel.close_all(fds)
         t.stash = []
-        deadline = time.monotonic() + 2.0
-        try:
-            while len(got) < req.nfds and time.monotonic() < deadline:
-                data, fds = fdchannel.recv_fds(t.conn)
-                if not data and not fds:
-                    break
-                if self._header_id(data) != req.id:
-                    fdchannel.close_all(fds)
-                    continue
-                got.extend(fds)
-        except OSError as e:
-            log.warning("reading adopt descriptors of tenant %d: %s", t.id, e)
-        t.inbox.extend(got)
+
+    def _unpark(self, t: Tenant) -> None:
+        """Handle ``t``'s parked Adopt if its descriptors are in, or refuse it once late."""
+        parked = self._parked.get(t.id)
+        if parked is None:
+            return
+        req = parked.req
+        have = fdqueue.stashed(t.stash, req.id)
+        if have < req.nfds and time.monotonic() < parked.deadline:
+            return
+        del self._parked[t.id]
+        if have < req.nfds:
+            self.arbiter.requests += 1
+            self.arbiter.errors += 1
+            self._take_stash(t, -1)  # closes them all
+            self._reply(parked.envelope, p.error(req.id, p.BAD_REQUEST, f"adopt announced "
+                        f"{req.nfds} descriptors, {have} arrived in {fdqueue.ADOPT_WAIT_S:g} s"))
+            return
+        self._handle(parked.identity, parked.envelope, req, t)
 
     @staticmethod
     def _header_id(data: bytes) -> int | None:
@@ -399,87 +518,157 @@ class Server:
         except Exception:
             return None
 
-    def _reply(self, envelope: list[bytes], reply: p.Reply) -> None:
+    def _reply(self, envelope: list[bytes], reply: p.Reply | bytes) -> None:
+        frame = reply if isinstance(reply, bytes) else p.encode(reply)
         with contextlib.suppress(zmq.ZMQError):
-            self.router.send_multipart([*envelope, p.encode(reply)], zmq.NOBLOCK)
+            self.router.send_multipart([*envelope, frame], zmq.NOBLOCK)
 
     def _flush_outbox(self) -> None:
         while self.arbiter.outbox:
             identity, msg = self.arbiter.outbox.pop(0)
             self._reply([identity], msg)
 
-    def _send_pages(self, t: Tenant, req_id: int, pfns: list[int]) -> bool:
-        """Pass the grant's descriptors (before the reply: the ordering rule)."""
-        total = len(pfns)
-        pages = self.pool.pages
+    # ---- fd channel: outbound ----------------------------------------------------------
+    def _flush(self, t: Tenant) -> None:
+        """Send ``t``'s queued messages while its socket takes them (never blocking);
+        wait for ``POLLOUT`` when it is full. Replies leave only after the descriptors
+        queued before them (the ordering rule)."""
+        q = self._out.get(t.id)
+        while q:
+            item = q.items[0]
+            if isinstance(item, fdqueue.QueuedReply):
+                q.pop()
+                self._reply(item.envelope, item.frame)
+                if item.end_session:
+                    self._drop(t, "said bye")
+                    return
+                continue
+            try:
+                sent = self._send_message(t, item)
+            except OSError as e:
+                self._drop(t, f"fd channel send failed: {e}")
+                return
+            if not sent:
+                if q.stuck_since is None:
+                    q.stuck_since = time.monotonic()
+                self._want_write(t.conn.fileno(), True)
+                return
+            q.pop()
+        self._out.pop(t.id, None)
+        self._want_write(t.conn.fileno(), False)
+
+    def _send_message(self, t: Tenant, item: fdqueue.FdMessage) -> bool:
+        """One fd message; False when the socket is full. Only pages ``t`` still owns
+        are ever sent (a queued pfn it gave back meanwhile is a bug: the tenant drops)."""
+        pages, owner = self.pool.pages, self.pool.owner
+        if any(owner.get(pfn) != t.id for pfn in item.pfns):
+            raise OSError("a queued page is no longer this tenant's")
+        if self._handles_are_fds:
+            # host pages are memfds already: SCM_RIGHTS copies them, no dup needed
+            fds, owned = [pages[pfn].handle for pfn in item.pfns], False
+        else:
+            fds, owned = [self.backend.export(pages[pfn]) for pfn in item.pfns], True
         try:
-            for first in range(0, total, fdchannel.MAX_FDS):
-                chunk = pfns[first : first + fdchannel.MAX_FDS]
-                header = p.encode(p.FdHeader(req_id, total, first))
-                if self._handles_are_fds:
-                    # host pages are memfds already: SCM_RIGHTS copies them, no dup needed
-                    fdchannel.send_fds(t.conn, header, [pages[pfn].handle for pfn in chunk])
-                    continue
-                fds = [self.backend.export(pages[pfn]) for pfn in chunk]
-                with fdchannel.closing(fds):
-                    fdchannel.send_fds(t.conn, header, fds)
-        except OSError as e:  # includes socket.timeout: the tenant stopped reading
-            self._drop(t, f"fd channel send failed: {e}")
+            fdchannel.send_fds(t.conn, item.header, fds)
+        except (BlockingIOError, InterruptedError):
             return False
+        finally:
+            if owned:
+                fdchannel.close_all(fds)
         return True
 
-    # ---- fd channel -----------------------------------------------------------------
-    def _accept(self, fd: int) -> None:
+    def _want_write(self, fd: int, on: bool) -> None:
+        if fd >= 0 and fd in self._handlers:
+            self.poller.register(fd, zmq.POLLIN | (zmq.POLLOUT if on else 0))
+
+    # ---- fd channel: sessions and inbound ----------------------------------------------
+    def _accept(self, fd: int, ev: int = 0) -> None:
+        for _ in range(BURST):
+            try:
+                conn, _ = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                log.warning("accept failed: %s", e)
+                return
+            self._open(conn)
+
+    def _open(self, conn: socket.socket) -> None:
+        """A new fd-channel session: non-blocking from the start, hello sent at once (a
+        fresh socket's buffer is empty, so that send cannot find it full)."""
+        pidfd = None
         try:
-            conn, _ = self.listener.accept()
-        except OSError as e:
-            log.warning("accept failed: %s", e)
-            return
-        try:
+            conn.setblocking(False)
             pid, uid, gid = fdchannel.peer_credentials(conn)
-            pidfd = None
             if pid > 0:
                 with contextlib.suppress(OSError, AttributeError):
                     pidfd = os.pidfd_open(pid)
-            conn.settimeout(self.cfg.send_timeout_s)
             t = self.arbiter.open_session(conn, pid, uid, gid, pidfd)
+        except OSError as e:
+            log.warning("fd-channel session failed: %s", e)
+            self._close_session(conn, pidfd)
+            return
+        try:
             t.admin = is_admin(uid, peer_groups(pid, gid), self.admin_gid)
-            hello = p.FdHello(p.VERSION, t.token, self.backend.name, self.backend.device,
-                              self.pool.page_size)
-            conn.send(p.encode(hello))
+            conn.send(p.encode(p.FdHello(p.VERSION, t.token, self.backend.name,
+                                         self.backend.device, self.pool.page_size)))
         except OSError as e:
             log.warning("fd-channel handshake failed: %s", e)
-            conn.close()
+            self.arbiter.drop(t, "handshake failed")
+            self._close_session(conn, pidfd)
             return
-        self._watch(conn.fileno(), self._conn_readable)
+        self._watch(conn.fileno(), self._conn_event)
         if pidfd is not None:
             self._watch(pidfd, self._pid_exited)
         log.debug("session %d opened for pid %d uid %d", t.id, pid, uid)
 
-    def _conn_readable(self, fd: int) -> None:
+    @staticmethod
+    def _close_session(conn: socket.socket, pidfd: int | None) -> None:
+        conn.close()
+        if pidfd is not None:
+            with contextlib.suppress(OSError):
+                os.close(pidfd)
+
+    def _conn_event(self, fd: int, ev: int) -> None:
         t = self.arbiter.tenants.by_fileno.get(fd)
         if t is None:
             self._unwatch(fd)
             return
-        if not select.select([t.conn], [], [], 0)[0]:
-            return  # already drained (an Adopt read its descriptors this turn)
-        try:
-            data, fds = fdchannel.recv_fds(t.conn, maxfds=fdchannel.MAX_FDS)
-        except fdchannel.FdChannelError:
-            return  # oversized junk: ignored (descriptors already closed)
-        except (OSError, socket.timeout) as e:
-            self._drop(t, f"fd channel error: {e}")
-            return
-        if not data and not fds:
-            self._drop(t, "fd channel closed")
-            return
-        rid = self._header_id(data) if fds else None
-        if rid is not None and t.registered and sum(len(f) for _, f in t.stash) + len(fds) <= MAX_STASH:
-            t.stash.append((rid, fds))  # descriptors sent ahead of an Adopt
-            return
-        fdchannel.close_all(fds)  # tenants send nothing else here: never keep their fds
+        if ev & zmq.POLLOUT:
+            self._flush(t)
+        if ev & ~zmq.POLLOUT and t.id in self.arbiter.tenants.by_id:
+            self._read(t)
 
-    def _pid_exited(self, fd: int) -> None:
+    def _read(self, t: Tenant) -> None:
+        """Up to :data:`BURST` messages from ``t``'s fd channel, without blocking:
+        descriptors headed by a request id are stashed for an Adopt (at most the budget's
+        page count), anything else is closed at once."""
+        for _ in range(BURST):
+            try:
+                data, fds = fdchannel.recv_fds(t.conn, maxfds=fdchannel.MAX_FDS)
+            except (BlockingIOError, InterruptedError):
+                break
+            except fdchannel.FdChannelError:
+                continue  # oversized junk: ignored (descriptors already closed)
+            except OSError as e:
+                self._drop(t, f"fd channel error: {e}")
+                return
+            if not data and not fds:
+                self._drop(t, "fd channel closed")
+                return
+            rid = self._header_id(data) if fds else None
+            if rid is None or not t.registered:
+                fdchannel.close_all(fds)  # tenants send nothing else here: never keep their fds
+                continue
+            if fdqueue.stash_size(t.stash) + len(fds) > self.pool.budget_pages:
+                fdchannel.close_all(fds)
+                self._drop(t, "sent more descriptors than the budget has pages")
+                return
+            t.stash.append((rid, fds))  # descriptors sent ahead of an Adopt
+        if t.id in self._parked:
+            self._unpark(t)
+
+    def _pid_exited(self, fd: int, ev: int = 0) -> None:
         for t in self.arbiter.tenants:
             if t.pidfd == fd:
                 self._drop(t, f"process {t.pid} exited")
@@ -497,6 +686,8 @@ class Server:
         if t.id not in self.arbiter.tenants.by_id:
             return
         fileno = t.conn.fileno()
+        self._out.pop(t.id, None)
+        self._parked.pop(t.id, None)
         self.arbiter.drop(t, why)
         fdchannel.close_all(t.inbox + [fd for _, fds in t.stash for fd in fds])
         t.inbox, t.stash = [], []
