@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import uuid
+
+import psutil
 
 from click.testing import CliRunner
 
@@ -34,10 +38,11 @@ def test_demo_rejects_bad_sizes():
 def test_demo_runs_to_completion(tmp_path):
     """Both modes, real daemon and servers, a few seconds of load: table, chart, JSON."""
     out = tmp_path / "demo"
+    mark = uuid.uuid4().hex  # inherited by every process the demo starts
     proc = subprocess.run(
         [sys.executable, "-m", "kvpool.cli.main", "demo", "--out", str(out), "--duration", "4",
          "--peak-rate", "3", "--base-rate", "0.5", "--no-live"],
-        capture_output=True, text=True, timeout=240)
+        capture_output=True, text=True, timeout=240, env={**os.environ, MARK: mark})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads((out / "results.json").read_text())
     for mode in ("static", "elastic"):
@@ -45,5 +50,24 @@ def test_demo_runs_to_completion(tmp_path):
         assert s["requests"] > 0 and s["finished"] == s["requests"] and s["errors"] == 0
     assert (out / "memory.png").stat().st_size > 1000
     assert "p99 TTFT" in proc.stdout
-    leftovers = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True)
-    assert leftovers.stdout == "", "the demo left processes behind"
+    assert (out / "logs" / "elastic" / "daemon.log").exists()  # it did start a daemon
+    left = marked(mark)
+    for _, p in left:  # do not leak them into other tests
+        p.kill()
+    assert not left, f"the demo left processes behind: {[c for c, _ in left]}"
+
+
+MARK = "KVPOOL_TEST_DEMO_MARK"
+
+
+def marked(mark: str) -> list[tuple[str, psutil.Process]]:
+    """Live processes whose environment carries ``MARK=mark`` (the demo's descendants,
+    wherever they were reparented, whatever their command line)."""
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get(MARK) == mark and p.status() != psutil.STATUS_ZOMBIE:
+                found.append((" ".join(p.cmdline()), p))
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
+    return found

@@ -234,6 +234,7 @@ class Engine:
             **{k: self.counters[k] for k in ("steps", "computed_tokens", "prompt_tokens",
                                              "prefix_hit_tokens", "generated_tokens")},
             "finished_requests": self.counters["finished"],
+            "finish_reasons": dict(collections.Counter(r.finish_reason for r in self._finished)),
             "ttft_s": summarize(ttfts),
             "tpot_s": summarize(tpots),
         }

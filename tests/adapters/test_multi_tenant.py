@@ -154,24 +154,26 @@ def test_sigkill_of_one_engine_frees_its_memory_and_the_other_keeps_serving(
         held = mon.ps().pool.granted
         t0 = time.monotonic()
         a.kill(signal.SIGKILL)
+        # outcomes with generous deadlines; the latency is benchmarks/recovery_bench.py's
+        deadline = t0 + 30
         while "a" in mapped():
-            assert time.monotonic() - t0 < 2.0, "the killed engine's memory is still held"
+            assert time.monotonic() < deadline, "the killed engine's memory is still held"
             time.sleep(0.01)
-        gone_s = time.monotonic() - t0
         after = d.cli_json("ps")  # what an operator sees
         assert [t["name"] for t in after["tenants"]] == ["b"]
         assert after["pool"]["granted"] < held
-        time.sleep(1.5)  # B keeps serving after the kill
+        while sum(s > t0 for s, _, _, _ in list(b_done)) < 4:  # B keeps serving after it
+            assert time.monotonic() < deadline + 60, "B served few requests after the kill"
+            time.sleep(0.05)
         stop.set()
         for f in futs_b:
             f.result(timeout=60)
-        assert all(f.result(timeout=30) is not None for f in futs_a)
-        assert not any(isinstance(f.result(), httpx.Response) and f.result().status_code == 200
-                       for f in futs_a), "A's requests cannot have finished"
+        # every request A had in flight died with its connection (no reply, no timeout)
+        results_a = [f.result(timeout=60) for f in futs_a]
+        assert all(isinstance(r, httpx.TransportError) and not isinstance(r, httpx.TimeoutException)
+                   for r in results_a), results_a
         assert b_done and all(st == 200 and n == 64 for _, _, st, n in b_done), b_done
         assert any(s < t0 < e for s, e, _, _ in b_done), "no B request was in flight at the kill"
-        assert sum(s > t0 for s, _, _, _ in b_done) >= 4, "B served few requests after the kill"
-        assert gone_s < 2.0
         assert d.check() == []
     finally:
         stop.set()

@@ -111,7 +111,8 @@ def idle(args) -> None:
     t = connect(args)
     g, a = allocator(t, args)
     cache = Cache(a)
-    assert cache.add(args.blocks), "initial allocation failed"
+    if not cache.add(args.blocks):  # not inside an assert: python -O would skip the work
+        raise RuntimeError("initial allocation failed")
     if args.mode == "idle":
         t.set_shrink_callback(cache.shrink)
     emit(event="ready", pid=os.getpid(), blocks=len(cache.held))

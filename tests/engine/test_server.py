@@ -133,6 +133,7 @@ def test_malformed_requests_get_4xx_and_server_keeps_serving(server, client):
 
 
 def test_disconnect_aborts_and_stats(server, client):
+    before = httpx.get(f"{server}/metrics").json()["finish_reasons"]
     stream = client.completions.create(model=NAME, prompt="Once", max_tokens=100,
                                        stream=True, extra_body={"ignore_eos": True})
     next(iter(stream))
@@ -145,6 +146,9 @@ def test_disconnect_aborts_and_stats(server, client):
         assert time.time() < deadline, s
         time.sleep(0.1)
     assert s["kv_blocks"]["used"] == 0 and s["kv_blocks"]["total"] == 255
+    # the request was aborted, not run to its 100 tokens
+    assert s["finish_reasons"].get("abort", 0) == before.get("abort", 0) + 1, s["finish_reasons"]
+    assert s["finish_reasons"].get("length", 0) == before.get("length", 0)
     assert {"preemptions", "ttft_s", "tpot_s", "finished_requests"} <= set(s)
     assert s["ttft_s"]["count"] > 0
     assert httpx.get(f"{server}/v1/stats").json()["model"] == NAME
