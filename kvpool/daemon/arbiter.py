@@ -125,7 +125,17 @@ class Arbiter:
 
     # ---- sessions ---------------------------------------------------------------------
     def open_session(self, conn, pid: int, uid: int, gid: int, pidfd: int | None) -> Tenant:
-        """A new fd-channel connection: a tenant record with a fresh session token."""
+        """A new fd-channel connection: a tenant record with a fresh session token.
+        Raises :class:`Fail` (``OVER_LIMIT``) past the per-uid or the global session cap
+        (the server tells the peer why in its hello, then hangs up)."""
+        per_uid = self._cap("max_sessions_per_uid", 64)
+        if self.tenants.count_uid(uid) >= per_uid:
+            raise Fail(p.OVER_LIMIT, f"uid {uid} has {per_uid} sessions open already "
+                                     f"(max_sessions_per_uid)")
+        total = self._cap("max_sessions", 1024)
+        if len(self.tenants) >= total:
+            raise Fail(p.OVER_LIMIT, f"the daemon serves {total} sessions already "
+                                     f"(max_sessions)")
         return self.tenants.add(
             token=secrets.token_hex(16), pid=pid, uid=uid, gid=gid, conn=conn, pidfd=pidfd,
             peer_gids=peer_groups(pid, gid) if pid > 0 else {gid},
@@ -274,16 +284,34 @@ class Arbiter:
             raise Fail(p.BAD_REQUEST, f"capacity of {npages} pages exceeds {p.MAX_PAGES_PER_REGION}")
         if r.bases and len(r.bases) != r.n_regions:
             raise Fail(p.BAD_REQUEST, f"{len(r.bases)} bases for {r.n_regions} regions")
-        if len(t.groups) >= p.MAX_GROUPS:
-            raise Fail(p.OVER_LIMIT, f"a session may hold at most {p.MAX_GROUPS} groups")
-        g = Group(id=self._next_group, tenant=t.id, n_regions=r.n_regions, npages=npages,
+        most = min(p.MAX_GROUPS, self._cap("max_groups_per_tenant", 64))
+        if len(t.groups) >= most:
+            raise Fail(p.OVER_LIMIT, f"a tenant may hold at most {most} groups "
+                                     f"(max_groups_per_tenant)")
+        virtual = sum(g.virtual_pages for g in t.groups.values())
+        cap = self._cap("max_virtual_pages_per_tenant", 1 << 20)
+        if virtual + npages * r.n_regions > cap:
+            raise Fail(p.OVER_LIMIT, f"{r.n_regions} x {npages} virtual pages on top of the "
+                                     f"{virtual} this tenant's groups span exceed "
+                                     f"{cap} (max_virtual_pages_per_tenant)")
+        g = Group(id=self._new_group_id(), tenant=t.id, n_regions=r.n_regions, npages=npages,
                   bases=list(r.bases), label=r.label)
-        self._next_group += 1
-        while self._next_group in self.groups:
-            self._next_group += 1
         t.groups[g.id] = g
         self.groups[g.id] = g
         return p.GroupCreated(id=r.id, group=g.id, npages=npages)
+
+    def _new_group_id(self) -> int:
+        """The next free group id, in ``1..MAX_GROUP_ID`` (wrapping around, skipping live
+        ones): ids never grow past what clients, the wire and ``state.json`` carry."""
+        gid = self._next_group
+        for _ in range(len(self.groups) + 2):
+            if not 1 <= gid <= p.MAX_GROUP_ID:
+                gid = 1
+            if gid not in self.groups:
+                break
+            gid += 1
+        self._next_group = gid + 1
+        return gid
 
     def destroy_group(self, t: Tenant, identity: bytes, r: p.DestroyGroup) -> p.Reply:
         g = self._group(t, r.group)
