@@ -1,19 +1,37 @@
-"""Paged attention in plain PyTorch: store K/V by slot, gather by block table, SDPA.
+"""Paged attention: store this step's K/V by slot, then attend over the block tables.
 
 One masking rule covers decode, chunked prefill and prefix-cache hits: a query at
 absolute position p sees the keys at positions j <= p of its own sequence.
 
+Two backends, chosen once per engine by :func:`select_backend`:
+
+``native`` (CPU, float32): :mod:`kvpool.engine.native`'s kernel reads K/V in place through
+the block table, one varlen call per layer for the whole batch (decodes, prefill chunks and
+prefix-hit chunks alike): no gather, no padding, and the output goes to a workspace reused
+by every layer and step (``VarlenBatch.out``).
+
+``torch`` (any device; the CUDA path and the reference): gather by block table, then SDPA.
 The batch is ordered ``[q_len == 1 entries | one prefill chunk | one prefill chunk ...]`` so
 queries are never padded: every q_len == 1 entry (decodes, 1-token chunks) goes through
 one batched SDPA call, every longer chunk through its own call.
+# NOTE: a GPU paged kernel (e.g. a flash-attention varlen kernel with a block table) plugs in
+# as a third backend: it consumes the same ``VarlenBatch`` metadata as ``native``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import math
+from typing import Literal
+
 import torch
 import torch.nn.functional as F
+
+from kvpool.engine import native
+
+AttentionBackend = Literal["auto", "native", "torch"]
+NATIVE_HEAD_DIMS = (32, 64, 128, 256)
 
 
 @dataclass
@@ -44,6 +62,22 @@ class PrefillGroup:
 
 
 @dataclass
+class VarlenBatch:
+    """Native-backend metadata, one row per sequence in batch order: sequence s owns the
+    query tokens ``[q_start[s], q_start[s+1])``, has ``ctx_len[s]`` tokens of context after
+    this step (its last query sits at ``ctx_len[s] - 1``) and keys in the blocks
+    ``block_tables[s]`` (int32, padded with the null block 0). ``slots`` [T] (int64) is
+    ``block * block_size + offset`` of each token's K/V; ``out`` [T, H, D] is the workspace
+    every layer writes its attention output to (read by o_proj before the next layer)."""
+
+    q_start: torch.Tensor
+    ctx_len: torch.Tensor
+    block_tables: torch.Tensor
+    slots: torch.Tensor
+    out: torch.Tensor
+
+
+@dataclass
 class ForwardBatch:
     """Everything one forward pass needs besides the weights; built once per step and
     shared by all layers. ``slot_blocks``/``slot_offsets`` [T] say where each token's K/V
@@ -56,8 +90,33 @@ class ForwardBatch:
     logits_indices: torch.Tensor
     decode: DecodeGroup | None = None
     prefills: list[PrefillGroup] = field(default_factory=list)
+    varlen: VarlenBatch | None = None
     cos: torch.Tensor | None = None
     sin: torch.Tensor | None = None
+
+
+def select_backend(requested: AttentionBackend, device: torch.device, dtype: torch.dtype,
+                   num_heads: int, num_kv_heads: int, head_dim: int) -> str:
+    """``native`` where the kernel applies (CPU, float32, supported head_dim, at most 32
+    query heads per KV head) and builds; ``torch`` otherwise or when asked.
+
+    Raises:
+        RuntimeError: ``native`` was requested but cannot run here (says why).
+    """
+    if requested == "torch":
+        return "torch"
+    why = None
+    if device.type != "cpu" or dtype != torch.float32:
+        why = f"native attention needs cpu/float32, not {device.type}/{dtype}"
+    elif head_dim not in NATIVE_HEAD_DIMS or num_heads // num_kv_heads > 32:
+        why = f"native attention supports head_dim {NATIVE_HEAD_DIMS}, <= 32 heads per kv head"
+    elif native.load() is None:
+        why = f"native attention kernel unavailable: {native.error()}"
+    if why is None:
+        return "native"
+    if requested == "native":
+        raise RuntimeError(why)
+    return "torch"
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -65,6 +124,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     fb: ForwardBatch) -> torch.Tensor:
     """q [T, H, D], k/v [T, Hkv, D]; caches [num_blocks, block_size, Hkv, D] (maybe strided
     views). Writes this step's K/V into the caches, then attends. Returns [T, H, D]."""
+    if fb.varlen is not None:
+        return _native_attention(q, k, v, k_cache, v_cache, fb.varlen)
     k_cache[fb.slot_blocks, fb.slot_offsets] = k
     v_cache[fb.slot_blocks, fb.slot_offsets] = v
     bs = k_cache.shape[1]
@@ -99,3 +160,32 @@ def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
     # index_select is ~10x faster than on the 4-D view.
     g = cache.view(n, bs * h * dim).index_select(0, block_tables.reshape(-1))
     return g.view(b, nb * bs, h, dim).transpose(1, 2)
+
+
+def _native_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor, vb: VarlenBatch
+                      ) -> torch.Tensor:
+    lib = native.load()
+    assert lib is not None
+    t, h, d = q.shape
+    hkv = k.shape[1]
+    bs = k_cache.shape[1]
+    # invariants the kernel relies on: [.., Hkv, D] rows contiguous, same strides for K and V
+    assert k_cache.stride()[1:] == v_cache.stride()[1:] == (hkv * d, d, 1)
+    assert k_cache.stride(0) == v_cache.stride(0)
+    assert k.stride()[1:] == (d, 1) and v.stride()[1:] == (d, 1)
+    assert k.dtype == v.dtype == k_cache.dtype == q.dtype == torch.float32
+    with torch.profiler.record_function("kvpool::store_kv"):
+        lib.kvpool_store_kv(k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                            k_cache.stride(0), k_cache.stride(1), vb.slots.data_ptr(), t,
+                            k.stride(0), v.stride(0), bs)
+    q = q.contiguous()
+    out = vb.out[:t]
+    with torch.profiler.record_function("kvpool::paged_attention"):
+        rc = lib.kvpool_paged_attention(
+            q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            vb.block_tables.data_ptr(), vb.block_tables.stride(0), vb.q_start.data_ptr(),
+            vb.ctx_len.data_ptr(), vb.ctx_len.numel(), h, hkv, d, bs, 1.0 / math.sqrt(d))
+    assert rc == 0, "native attention rejected the shapes select_backend accepted"
+    return out

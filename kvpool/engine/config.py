@@ -42,6 +42,8 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     enable_prefix_caching: bool = True
+    # "auto": the native in-place paged kernel on CPU/float32, gather + SDPA elsewhere
+    attention_backend: Literal["auto", "native", "torch"] = "auto"
     seed: int = 0  # seeds the generator that unseeded sampling requests use
     served_model_name: str | None = None
     block_pool_factory: Callable[[int], BlockPool] | None = None
@@ -53,6 +55,8 @@ class EngineConfig:
         assert self.max_num_batched_tokens > 0, "max_num_batched_tokens must be positive"
         assert self.max_num_seqs > 0, "max_num_seqs must be positive"
         assert self.kv_layout in ("auto", "block_major", "per_layer"), f"bad kv_layout {self.kv_layout}"
+        assert self.attention_backend in ("auto", "native", "torch"), \
+            f"bad attention_backend {self.attention_backend}"
         assert self.num_kv_blocks is None or self.num_kv_blocks >= 2, "need >= 2 KV blocks"
         if self.kv_cache_size is not None:
             self.kv_cache_size = parse_size(self.kv_cache_size)

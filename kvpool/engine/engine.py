@@ -70,7 +70,8 @@ class Engine:
         self.scheduler = Scheduler(self.kv_manager, config.max_num_batched_tokens,
                                    config.max_num_seqs)
         self.runner = ModelRunner(self.model, kv_cache, config.block_size, self.device,
-                                  self.dtype)
+                                  self.dtype, config.attention_backend,
+                                  config.max_num_batched_tokens)
         self.eos_token_ids = set(mc.eos_token_ids)
         if self.tokenizer is not None:
             self.eos_token_ids |= self.tokenizer.eos_token_ids

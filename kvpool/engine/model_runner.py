@@ -1,10 +1,16 @@
-"""ModelRunner: turns a scheduled batch into a ForwardBatch and runs the model."""
+"""ModelRunner: turns a scheduled batch into a ForwardBatch and runs the model.
+
+The attention backend is fixed at construction (see :func:`attention.select_backend`);
+the native one gets its per-step metadata as a :class:`VarlenBatch` and writes into one
+persistent output workspace of ``max_num_tokens`` rows (grown if a step ever needs more).
+"""
 
 from __future__ import annotations
 
 import torch
 
-from kvpool.engine.attention import DecodeGroup, ForwardBatch, PrefillGroup
+from kvpool.engine.attention import (AttentionBackend, DecodeGroup, ForwardBatch,
+                                     PrefillGroup, VarlenBatch, select_backend)
 from kvpool.engine.kv_cache import KVCache
 from kvpool.engine.layers import RotaryEmbedding
 from kvpool.engine.model import LlamaForCausalLM
@@ -13,7 +19,9 @@ from kvpool.engine.request import Request
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, block_size: int,
-                 device: torch.device, dtype: torch.dtype) -> None:
+                 device: torch.device, dtype: torch.dtype,
+                 attention_backend: AttentionBackend = "auto", max_num_tokens: int = 512
+                 ) -> None:
         c = model.config
         self.model = model
         self.kv_cache = kv_cache
@@ -21,6 +29,11 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.rope = RotaryEmbedding(c.head_dim, c.rope_theta, c.rope_scaling, device)
+        self.backend = select_backend(attention_backend, device, dtype, c.num_heads,
+                                      c.num_kv_heads, c.head_dim)
+        self._attn_out = torch.empty(0)
+        if self.backend == "native":
+            self._attn_out = torch.empty(max_num_tokens, c.num_heads, c.head_dim, dtype=dtype)
 
     def run(self, scheduled: list[tuple[Request, int]]) -> tuple[list[Request], torch.Tensor]:
         """Computes K/V for every scheduled token; returns the requests whose chunk reaches
@@ -57,6 +70,9 @@ class ModelRunner:
             slot_offsets=positions % bs,
             logits_indices=torch.tensor(logits_idx, dtype=torch.long, device=dev),
             cos=cos, sin=sin)
+        if self.backend == "native":
+            fb.varlen = self._varlen(ordered, slot_blocks, fb)
+            return fb, samplers
         singles = [r for r, n in ordered if n == 1]
         if singles:
             fb.decode = self._decode_group(singles)
@@ -65,6 +81,25 @@ class ModelRunner:
             fb.prefills.append(self._prefill_group(req, t, n))
             t += n
         return fb, samplers
+
+    def _varlen(self, ordered: list[tuple[Request, int]], slot_blocks: list[int],
+                fb: ForwardBatch) -> VarlenBatch:
+        bs = self.block_size
+        q_start = [0]
+        ctx = []
+        for req, n in ordered:
+            q_start.append(q_start[-1] + n)
+            ctx.append(req.num_computed_tokens + n)
+        mb = max(-(-c // bs) for c in ctx)
+        tables = [r.block_ids[:mb] + [0] * (mb - min(len(r.block_ids), mb)) for r, _ in ordered]
+        t = q_start[-1]
+        if self._attn_out.shape[0] < t:
+            self._attn_out = torch.empty(t, *self._attn_out.shape[1:], dtype=self.dtype)
+        i32 = torch.int32
+        return VarlenBatch(
+            q_start=torch.tensor(q_start, dtype=i32), ctx_len=torch.tensor(ctx, dtype=i32),
+            block_tables=torch.tensor(tables, dtype=i32),
+            slots=fb.slot_blocks * bs + fb.slot_offsets, out=self._attn_out)
 
     def _decode_group(self, reqs: list[Request]) -> DecodeGroup:
         bs = self.block_size

@@ -1,0 +1,229 @@
+// Paged attention for CPUs, fp32: reads K/V in place through the block table.
+//
+// One varlen call per layer covers every sequence of the batch (decodes, prefill chunks,
+// prefix-hit chunks): sequence s owns query tokens [q_start[s], q_start[s+1]) of q, its last
+// query is at absolute position ctx_len[s] - 1, and a query at position p sees the keys at
+// positions j <= p (causal with an offset). Keys live at
+//   cache + block_table[s][j / bs] * block_stride + (j % bs) * tok_stride + kv_head * head_stride
+// with head_dim contiguous. No K/V copy, no padding, no heap allocation: each work item
+// (sequence, kv head, tile of query tokens) keeps its running softmax state on the stack.
+//
+// Built by kvpool/engine/native.py with g++ -O3 -march=native -fopenmp; called via ctypes.
+// The OpenMP runtime is the one torch already loaded (same soname), so torch.set_num_threads
+// governs this code too.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+typedef float vf __attribute__((vector_size(32)));
+typedef float vfu __attribute__((vector_size(32), aligned(4)));
+typedef int32_t vi __attribute__((vector_size(32)));
+
+static inline vf vload(const float* p) { return *reinterpret_cast<const vfu*>(p); }
+static inline void vstore(float* p, vf v) { *reinterpret_cast<vfu*>(p) = v; }
+static inline vf splat(float x) { return vf{x, x, x, x, x, x, x, x}; }
+static inline float hsum(vf v) {
+  float s = 0.f;
+  for (int i = 0; i < 8; ++i) s += v[i];
+  return s;
+}
+
+// Cephes-style expf on 8 lanes (relative error ~1e-7 over the clamped range).
+static inline vf vexp(vf x) {
+  const vf hi = splat(88.3762626647949f), lo = splat(-87.3365447504019f);
+  x = x > hi ? hi : x;
+  x = x < lo ? lo : x;
+  vf fx = x * splat(1.44269504088896341f) + splat(0.5f);
+  vi t = __builtin_convertvector(fx, vi);
+  vf tf = __builtin_convertvector(t, vf);
+  tf = tf > fx ? tf - splat(1.f) : tf;  // floor
+  x = x - tf * splat(0.693359375f) - tf * splat(-2.12194440e-4f);
+  vf y = splat(1.9875691500E-4f);
+  y = y * x + splat(1.3981999507E-3f);
+  y = y * x + splat(8.3334519073E-3f);
+  y = y * x + splat(4.1665795894E-2f);
+  y = y * x + splat(1.6666665459E-1f);
+  y = y * x + splat(5.0000001201E-1f);
+  y = y * x * x + x + splat(1.f);
+  vi e = (__builtin_convertvector(tf, vi) + 127) << 23;
+  return y * reinterpret_cast<vf&>(e);
+}
+
+namespace {
+
+constexpr int KC = 16;    // keys per inner chunk
+constexpr int MAXR = 32;  // query rows (tokens x heads of one kv group) per work item
+
+struct Args {
+  const float* q;  // [T, H, D]
+  float* out;      // [T, H, D]
+  const float* k_cache;
+  const float* v_cache;
+  int64_t block_stride, tok_stride, head_stride;  // elements
+  const int32_t* block_tables;                    // [S, bt_stride]
+  int64_t bt_stride;
+  const int32_t* q_start;  // [S + 1]
+  const int32_t* ctx_len;  // [S]
+  int S, H, Hkv, bs;
+  float scale;
+};
+
+// Attends rows = tiles tokens [t0, t0 + nt) x the g query heads of kv head kvh of seq s.
+template <int D>
+void attend_tile(const Args& a, int s, int kvh, int t0, int nt) {
+  constexpr int NV = D / 8;
+  const int g = a.H / a.Hkv;
+  const int R = nt * g;
+  const int qlen = a.q_start[s + 1] - a.q_start[s];
+  const int ctx = a.ctx_len[s];
+  const int first_pos = ctx - qlen;  // absolute position of the sequence's first query
+  alignas(32) float qb[MAXR][D];
+  alignas(32) float acc[MAXR][D];
+  alignas(32) float sc[MAXR][KC];
+  float m[MAXR], l[MAXR];
+  int qpos[MAXR];
+  for (int r = 0; r < R; ++r) {
+    const int t = t0 + r / g, h = kvh * g + r % g;
+    const float* src = a.q + ((int64_t)(a.q_start[s] + t) * a.H + h) * D;
+    for (int c = 0; c < NV; ++c) vstore(qb[r] + 8 * c, vload(src + 8 * c) * splat(a.scale));
+    for (int c = 0; c < NV; ++c) vstore(acc[r] + 8 * c, splat(0.f));
+    m[r] = -INFINITY;
+    l[r] = 0.f;
+    qpos[r] = first_pos + t;
+  }
+  const int kend = first_pos + t0 + nt;  // keys [0, kend) are visible to some row
+  const int32_t* bt = a.block_tables + (int64_t)s * a.bt_stride;
+  for (int j0 = 0; j0 < kend; j0 += KC) {
+    const int n = std::min(KC, kend - j0);
+    const float* kp[KC];
+    const float* vp[KC];
+    for (int j = 0; j < n; ++j) {
+      const int pos = j0 + j;
+      const int64_t off = (int64_t)bt[pos / a.bs] * a.block_stride +
+                          (int64_t)(pos % a.bs) * a.tok_stride + (int64_t)kvh * a.head_stride;
+      kp[j] = a.k_cache + off;
+      vp[j] = a.v_cache + off;
+    }
+    for (int j = 0; j < n; ++j) {  // scores
+      vf kv[NV];
+      for (int c = 0; c < NV; ++c) kv[c] = vload(kp[j] + 8 * c);
+      for (int r = 0; r < R; ++r) {
+        vf x = vload(qb[r]) * kv[0];
+        for (int c = 1; c < NV; ++c) x += vload(qb[r] + 8 * c) * kv[c];
+        sc[r][j] = hsum(x);
+      }
+    }
+    for (int r = 0; r < R; ++r) {  // online softmax
+      const int nv = std::min(n, qpos[r] - j0 + 1);
+      if (nv <= 0) {
+        for (int j = 0; j < KC; ++j) sc[r][j] = 0.f;
+        continue;
+      }
+      float mx = m[r];
+      for (int j = 0; j < nv; ++j) mx = std::max(mx, sc[r][j]);
+      const float alpha = std::exp(m[r] - mx);  // 0 on the first chunk (m = -inf)
+      m[r] = mx;
+      for (int j = nv; j < KC; ++j) sc[r][j] = -INFINITY;
+      float sum = 0.f;
+      for (int c = 0; c < KC; c += 8) {
+        vf p = vexp(vload(sc[r] + c) - splat(mx));
+        vstore(sc[r] + c, p);
+      }
+      for (int j = nv; j < KC; ++j) sc[r][j] = 0.f;
+      for (int j = 0; j < nv; ++j) sum += sc[r][j];
+      l[r] = l[r] * alpha + sum;
+      if (alpha != 1.f)
+        for (int c = 0; c < NV; ++c) vstore(acc[r] + 8 * c, vload(acc[r] + 8 * c) * splat(alpha));
+    }
+    for (int j = 0; j < n; ++j) {  // P @ V
+      vf vv[NV];
+      for (int c = 0; c < NV; ++c) vv[c] = vload(vp[j] + 8 * c);
+      for (int r = 0; r < R; ++r) {
+        const vf p = splat(sc[r][j]);
+        for (int c = 0; c < NV; ++c) vstore(acc[r] + 8 * c, vload(acc[r] + 8 * c) + p * vv[c]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const int t = t0 + r / g, h = kvh * g + r % g;
+    float* dst = a.out + ((int64_t)(a.q_start[s] + t) * a.H + h) * D;
+    const vf inv = splat(1.f / l[r]);
+    for (int c = 0; c < NV; ++c) vstore(dst + 8 * c, vload(acc[r] + 8 * c) * inv);
+  }
+}
+
+template <int D>
+void attend_all(const Args& a) {
+  const int g = a.H / a.Hkv;
+  const int tq = std::max(1, MAXR / g);  // query tokens per work item
+  // Work items: for each sequence, ceil(qlen / tq) tiles x Hkv heads. Sequences are few
+  // (<= max_num_seqs), so a prefix sum on the stack-free path is cheap.
+  int64_t total = 0;
+  for (int s = 0; s < a.S; ++s) {
+    const int qlen = a.q_start[s + 1] - a.q_start[s];
+    total += (int64_t)((qlen + tq - 1) / tq) * a.Hkv;
+  }
+#pragma omp parallel
+  {
+    int s = 0;
+    int64_t base = 0;  // first item of sequence s
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < total; ++item) {
+      // items arrive in increasing order per thread: advance the cursor monotonically
+      if (item < base) { s = 0; base = 0; }
+      for (;;) {
+        const int qlen = a.q_start[s + 1] - a.q_start[s];
+        const int64_t n = (int64_t)((qlen + tq - 1) / tq) * a.Hkv;
+        if (item < base + n) break;
+        base += n;
+        ++s;
+      }
+      const int64_t local = item - base;
+      const int qlen = a.q_start[s + 1] - a.q_start[s];
+      const int tile = (int)(local / a.Hkv), kvh = (int)(local % a.Hkv);
+      const int t0 = tile * tq;
+      attend_tile<D>(a, s, kvh, t0, std::min(tq, qlen - t0));
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Returns 0 on success, 1 if head_dim is not supported (the caller falls back).
+int kvpool_paged_attention(const float* q, float* out, const float* k_cache,
+                           const float* v_cache, int64_t block_stride, int64_t tok_stride,
+                           int64_t head_stride, const int32_t* block_tables, int64_t bt_stride,
+                           const int32_t* q_start, const int32_t* ctx_len, int S, int H,
+                           int Hkv, int D, int bs, float scale) {
+  Args a{q, out, k_cache, v_cache, block_stride, tok_stride, head_stride, block_tables,
+         bt_stride, q_start, ctx_len, S, H, Hkv, bs, scale};
+  if (H % Hkv != 0 || H / Hkv > MAXR) return 1;
+  switch (D) {
+    case 32: attend_all<32>(a); return 0;
+    case 64: attend_all<64>(a); return 0;
+    case 128: attend_all<128>(a); return 0;
+    case 256: attend_all<256>(a); return 0;
+    default: return 1;
+  }
+}
+
+// Writes k/v [T, Hkv, D] ([Hkv, D] contiguous per token; k_row/v_row elements between
+// tokens) into the caches at slots[t] = block * bs + offset; rows of Hkv * D elements.
+void kvpool_store_kv(const float* k, const float* v, float* k_cache, float* v_cache,
+                     int64_t block_stride, int64_t tok_stride, const int64_t* slots, int T,
+                     int64_t k_row, int64_t v_row, int bs) {
+  const size_t nbytes = (size_t)tok_stride * sizeof(float);
+  for (int t = 0; t < T; ++t) {
+    const int64_t off = (slots[t] / bs) * block_stride + (slots[t] % bs) * tok_stride;
+    std::memcpy(k_cache + off, k + (int64_t)t * k_row, nbytes);
+    std::memcpy(v_cache + off, v + (int64_t)t * v_row, nbytes);
+  }
+}
+
+int kvpool_abi_version() { return 1; }
+
+}  // extern "C"
