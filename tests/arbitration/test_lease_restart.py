@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from daemon.helpers import PAGE, REPO, read_event, wait_ready
+from daemon.helpers import PAGE, REPO, read_event, read_until, wait_ready
 
 from .helpers import mapped, spawn, wait_for
 
@@ -53,9 +53,8 @@ def test_a_killed_lease_holder_frees_its_lease_at_once(start_daemon):
     with d.monitor() as m:
         wait_for(lambda: m.stats().pool.leased == 16 * PAGE, 10.0, what="lease granted")
         proc.kill()
-        killed = time.monotonic()
-        wait_for(lambda: m.stats().pool.leased == 0, 1.0, what="lease freed")
-        assert time.monotonic() - killed < 1.0
+        # the outcome, with a generous deadline (the latency: benchmarks/recovery_bench.py)
+        wait_for(lambda: m.stats().pool.leased == 0, 20.0, what="lease freed")
     assert d.check() == []
 
 
@@ -70,10 +69,9 @@ def test_kill9_of_the_daemon_loses_nothing(start_daemon):
 
     d.proc.send_signal(signal.SIGKILL)
     d.proc.wait()
-    for h in holders:  # the tenants keep reading and writing their KV memory
-        ev = read_event(h, "alive")
-        assert ev["connected"] is False or ev["reconnects"] >= 0
-    time.sleep(0.3)
+    for h in holders:  # each tenant sees the daemon gone and keeps its KV memory
+        ev = read_until(h, "alive", lambda e: e["connected"] is False)
+        assert ev["reconnects"] == 0
     for h in holders:
         r0 = read_event(h, "alive")["rounds"]
         assert read_event(h, "alive")["rounds"] > r0
@@ -83,8 +81,7 @@ def test_kill9_of_the_daemon_loses_nothing(start_daemon):
         d.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO)
     wait_ready(d)
     for h in holders:
-        wait_for(lambda: read_event(h, "alive")["reconnects"] >= 1, 10.0, every=0,
-                 what="reconnected")
+        read_until(h, "alive", lambda e: e["connected"] and e["reconnects"] == 1)
     after = {t["name"]: t["mapped"] for t in d.cli_json("ps")["tenants"]}
     assert after == before, d.logs()
     assert d.check() == []  # nothing granted twice, every page owned once

@@ -46,7 +46,7 @@ def test_min_is_never_reclaimed(start_daemon, tmp_path):
     budget = 64
     d = start_daemon(budget=str(budget * PAGE), extra=("--warm-max", "0"))
     guarded = spawn(d, "idle", "--name", "guarded", "--min", str(24 * PAGE), "--blocks", "40")
-    read_event(guarded, "ready")
+    assert read_event(guarded, "ready")["blocks"] == 40
     stop = tmp_path / "stop"
     hog = spawn(d, "contend", "--name", "hog", "--weight", "100", "--seconds", "30",
                 "--until-file", str(stop))
@@ -65,16 +65,15 @@ def test_min_is_never_reclaimed(start_daemon, tmp_path):
     assert d.check() == []
 
 
-def test_lowering_an_idle_tenants_max_frees_memory_within_a_second(start_daemon):
+def test_lowering_an_idle_tenants_max_frees_memory(start_daemon):
     d = start_daemon(budget=str(64 * PAGE))
     w = spawn(d, "idle", "--name", "sleepy", "--blocks", "32")
-    read_event(w, "ready")
+    assert read_event(w, "ready")["blocks"] == 32
     assert mapped(d)["sleepy"] >= 32 * PAGE
-    t0 = time.monotonic()
     out = d.cli_json("limit", "sleepy", str(8 * PAGE))
     assert out["max"] == 8 * PAGE and out["applied"] is False and out["pending"] > 0
-    wait_for(lambda: mapped(d)["sleepy"] <= 8 * PAGE, 1.0, what="sleepy below its new max")
-    assert time.monotonic() - t0 < 1.5  # (CLI start-up included)
+    # the outcome, with a generous deadline (the latency: benchmarks/recovery_bench.py)
+    wait_for(lambda: mapped(d)["sleepy"] <= 8 * PAGE, 20.0, what="sleepy below its new max")
     out = d.cli_json("limit", "sleepy", str(8 * PAGE))
     assert out["applied"] is True and out["pending"] == 0
     assert d.check() == []

@@ -84,6 +84,18 @@ def read_event(proc: subprocess.Popen, event: str, timeout: float = 30.0) -> dic
     raise AssertionError(f"no {event!r} from worker in {timeout} s")
 
 
+def read_until(proc: subprocess.Popen, event: str, pred, timeout: float = 30.0) -> dict:
+    """The first ``event`` line from a worker for which ``pred(msg)`` holds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise AssertionError(f"no {event!r} matching the condition in {timeout} s")
+        msg = read_event(proc, event, timeout=left)
+        if pred(msg):
+            return msg
+
+
 def wait_ready(d: DaemonProc, timeout: float = 15.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

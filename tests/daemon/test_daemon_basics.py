@@ -194,9 +194,9 @@ def test_tenant_death_by_pid_without_eof(start_daemon):
         assert d.stats().pool.granted == 4 * PAGE
         proc.kill()
         proc.wait()
-        killed = time.monotonic()
+        deadline = time.monotonic() + 20  # generous: the latency is benchmarked, not tested
         while d.stats().pool.granted:
-            assert time.monotonic() - killed < 1.0
+            assert time.monotonic() < deadline, "the dead parent's pages are still held"
             time.sleep(0.01)
     finally:
         proc.kill()
@@ -210,8 +210,16 @@ def test_connection_demultiplexes_unsolicited_and_stale_replies(tmp_path):
     router = ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
     router.bind(paths.control_endpoint(tmp_path))
-    conn = Connection(tmp_path, timeout_s=5, fd_channel=False)
     import threading
+
+    # the client authenticates the daemon on pages.sock first (uid, hello)
+    listener = fdchannel.listen(str(paths.pages_path(tmp_path)))
+    hello = threading.Thread(target=lambda: listener.accept()[0].send(
+        p.encode(p.FdHello(p.VERSION, "tok", "host", 0, 4096))))
+    hello.start()
+    conn = Connection(tmp_path, timeout_s=5, fd_channel=False)
+    hello.join()
+    listener.close()
 
     def serve():
         ident, frame = router.recv_multipart()
