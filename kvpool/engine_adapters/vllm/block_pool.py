@@ -1,0 +1,328 @@
+"""vLLM's ``BlockPool`` with kvpool memory behind it (the scheduler seam).
+
+vLLM keeps every free block in one queue (LRU), cached or not, and its scheduler asks
+``get_num_free_blocks()`` before ``get_new_blocks()``. Here:
+
+* the queue holds only blocks whose memory is mapped and which still carry a prefix-cache
+  hash (evictable); a block freed without a hash goes straight back to the client
+  library's :class:`~kvpool.client_lib.ElasticBlockAllocator` (so whole chunks can empty);
+* ``get_num_free_blocks()`` is honest: mapped free blocks + evictable + a small stash, so
+  vLLM's own checks stay exact and ``get_new_blocks`` never fails;
+* when ``KVCacheManager.allocate_slots`` comes back empty-handed, :func:`allocate_slots`
+  asks the allocator for the shortfall without waiting (free memory now, else a
+  background request the daemon may serve by reclaiming from other tenants) and retries
+  once; if the memory is not there yet it returns None, which vLLM's scheduler already
+  treats as "keep the request waiting" (or preempts, for a running one). Nothing raises.
+
+Shrink (the daemon asks for memory back): between engine steps, evict cached blocks of
+chunks whose every held block is evictable (whole units empty), then any cached block,
+then preempt running requests newest first through vLLM's own ``_preempt_request`` (the
+same path ``reset_prefix_cache(reset_running_requests=True)`` uses).
+
+Invariant: a block is in exactly one of {allocator free, stash, queue (ref 0, hashed),
+in use (ref > 0)}; block 0 is vLLM's null block and stays held.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import defaultdict
+
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue
+
+from kvpool.engine_adapters.vllm.settings import AdapterError
+
+log = logging.getLogger("kvpool.vllm")
+SHRINK_STEP_WAIT_S = 0.3
+
+
+class ElasticBlockPool(BlockPool):
+    def __init__(self, num_gpu_blocks: int, *args, **kwargs) -> None:
+        from kvpool.engine_adapters.vllm.bridge import current
+
+        super().__init__(num_gpu_blocks, *args, **kwargs)
+        b = current()
+        if b is None or b.allocator is None:
+            raise AdapterError("kvpool: vLLM's scheduler runs in a process without the KV "
+                               "cache (a multi-process executor); kvpool needs one rank")
+        if b.allocator.num_blocks != num_gpu_blocks:
+            raise AdapterError(f"kvpool: scheduler has {num_gpu_blocks} blocks, the KV cache "
+                               f"{b.allocator.num_blocks}")
+        self.bridge = b
+        self.allocator = b.allocator
+        self.free_block_queue = FreeKVCacheBlockQueue([])  # only evictable blocks live here
+        self._stash: list[int] = []
+        self.lock = threading.RLock()
+        self.needed = 0  # the last block count the coordinator asked for
+        self.shrinks = self.shrink_preemptions = self.shrink_evictions = 0
+        self.idle_evictions = 0
+        self._stopped = threading.Event()
+        b.pool = self
+
+    # ---- allocation -----------------------------------------------------------------
+    def get_num_free_blocks(self) -> int:
+        return self.allocator.free_blocks + self.free_block_queue.num_free_blocks + len(
+            self._stash)
+
+    def get_new_blocks(self, num_blocks: int) -> list:
+        if num_blocks <= 0:
+            return []
+        with self.lock:
+            if num_blocks > self.get_num_free_blocks():
+                raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
+            ids = self._stash[:num_blocks]
+            del self._stash[:num_blocks]
+            short = num_blocks - len(ids)
+            mapped = min(short, self.allocator.free_blocks)
+            if mapped:
+                got = self.allocator.alloc(mapped, wait=False)
+                if got is None:  # cannot happen: free_blocks are mapped
+                    raise ValueError(f"Cannot get {mapped} mapped blocks")
+                ids += got
+            ret = [self.blocks[i] for i in ids]
+            rest = num_blocks - len(ret)
+            if rest:  # evict the least recently used cached blocks (they stay held)
+                evicted = self.free_block_queue.popleft_n(rest)
+                if self._reuse_watchers:
+                    self._notify_reuse(evicted)
+                for block in evicted:
+                    self._maybe_evict_cached_block(block)
+                ret += evicted
+        for block in ret:
+            assert block.ref_cnt == 0
+            block.ref_cnt = 1
+            if self.metrics_collector:
+                self.metrics_collector.on_block_allocated(block)
+        return ret
+
+    def free_blocks(self, ordered_blocks) -> None:
+        with self.lock:
+            cached, plain, other = [], [], {}
+            for block in ordered_blocks:
+                if block.pool is not None and block.pool is not self:
+                    other.setdefault(block.pool, []).append(block)
+                    continue
+                block.ref_cnt -= 1
+                if block.ref_cnt == 0 and not block.is_null:
+                    if block.block_hash is None or not self.enable_caching:
+                        plain.append(block.block_id)
+                    else:
+                        cached.append(block)
+            if plain:
+                self.allocator.free(plain)
+            self.free_block_queue.append_n(cached)
+        for pool, blocks in other.items():
+            pool.free_blocks(blocks)
+
+    def touch(self, blocks) -> None:
+        with self.lock:
+            super().touch(blocks)
+
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        with self.lock:
+            super().evict_blocks(block_ids)
+            self._drop_unhashed()
+
+    def reset_prefix_cache(self) -> bool:
+        with self.lock:
+            if self.allocator.used_blocks - self.free_block_queue.num_free_blocks - len(
+                    self._stash) != 1:
+                log.warning("Failed to reset prefix cache because some blocks are in use")
+                return False
+            self.evict_cached(None)
+            return super().reset_prefix_cache()
+
+    def get_usage(self) -> float:
+        """Fraction of the mapped memory in use (of the virtual capacity it would be ~0)."""
+        h = self.allocator
+        mapped = h.used_blocks + h.free_blocks
+        return 0.0 if mapped <= 1 else 1.0 - self.get_num_free_blocks() / (mapped - 1)
+
+    def stash_free(self) -> None:
+        """Give stashed blocks back to the allocator."""
+        with self.lock:
+            if self._stash:
+                self.allocator.free(self._stash)
+                self._stash = []
+
+    def grow(self, n: int) -> bool:
+        """Try to have ``n`` more free blocks now (no waiting); True if they are here."""
+        if n <= 0:
+            return True
+        got = self.allocator.alloc(n, wait=False)
+        if got is None:
+            return False
+        with self.lock:
+            self._stash += got
+        return True
+
+    # ---- eviction -------------------------------------------------------------------
+    def _drop_unhashed(self) -> None:
+        """(lock held) Queue blocks that lost their hash go back to the allocator."""
+        q = self.free_block_queue
+        gone = [b for b in q.get_all_free_blocks() if b.block_hash is None]
+        for b in gone:
+            q.remove(b)
+        if gone:
+            self.allocator.free([b.block_id for b in gone])
+
+    def evict_cached(self, n: int | None) -> int:
+        """Evict up to ``n`` (None: all) cached blocks, LRU first, into the allocator."""
+        with self.lock:
+            q = self.free_block_queue
+            k = q.num_free_blocks if n is None else min(n, q.num_free_blocks)
+            if k <= 0:
+                return 0
+            blocks = q.popleft_n(k)
+            if self._reuse_watchers:
+                self._notify_reuse(blocks)
+            for b in blocks:
+                self._maybe_evict_cached_block(b)
+            self.allocator.free([b.block_id for b in blocks])
+            return k
+
+    def evict_whole_chunks(self, want: int) -> int:
+        """Evict the cached blocks of up to ``want`` chunks that hold nothing else."""
+        with self.lock:
+            held = self.allocator.held_by_chunk()
+            by_chunk: dict[int, list] = defaultdict(list)
+            for b in self.free_block_queue.get_all_free_blocks():
+                by_chunk[self.allocator.chunk_of(b.block_id)].append(b)
+            null_chunk = self.allocator.chunk_of(0)
+            whole = sorted((held[c], c) for c, bl in by_chunk.items()
+                           if c != null_chunk and len(bl) == held.get(c, -1))[:want]
+            for _, c in whole:
+                for b in by_chunk[c]:
+                    self.free_block_queue.remove(b)
+                    self._reuse_watchers.pop(b.block_id, None)
+                    self._maybe_evict_cached_block(b)
+                self.allocator.free([b.block_id for b in by_chunk[c]])
+                self.shrink_evictions += len(by_chunk[c])
+            return len(whole)
+
+    def held_chunks(self) -> int:
+        return len(self.allocator.held_by_chunk())
+
+    # ---- giving memory back -----------------------------------------------------------
+    def shrink(self, nbytes: int, urgent: bool) -> None:
+        """The tenant's shrink callback: free blocks worth ``nbytes`` (see module doc)."""
+        self.shrinks += 1
+        b = self.bridge
+        want = max(1, math.ceil(nbytes / self.allocator.holdings().chunk))
+        if not b.step_lock.acquire(timeout=SHRINK_STEP_WAIT_S * (3 if urgent else 1)):
+            return  # the library asks again while it is still short
+        try:
+            self.stash_free()
+            before = self.held_chunks()
+            self.evict_whole_chunks(want)
+            if before - self.held_chunks() < want:
+                self.evict_cached(None)
+            target = max(before - want, 1)
+            sched = b.scheduler
+            if sched is None:
+                return
+            ts = time.monotonic()
+            while sched.running and self.held_chunks() > target:
+                req = sched.running.pop()
+                sched._preempt_request(req, ts, drop_stale_output=True)
+                sched.prev_step_scheduled_req_ids.discard(req.request_id)
+                self.shrink_preemptions += 1
+                self.evict_cached(None)
+        finally:
+            b.step_lock.release()
+
+    def start_idle_release(self, idle_timeout_s: float) -> None:
+        """After ``idle_timeout_s`` with no request in the engine, evict the prefix cache so
+        the allocator's idle trim returns the emptied chunks (an idle server keeps only
+        the null block's chunk)."""
+        if idle_timeout_s <= 0:
+            return
+        threading.Thread(target=self._idle_loop, args=(idle_timeout_s,),
+                         name="kvpool-idle-cache", daemon=True).start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def _idle_loop(self, timeout_s: float) -> None:
+        tick = min(max(timeout_s / 4, 0.01), 0.5)
+        b = self.bridge
+        last, since = -1, time.monotonic()
+        while not self._stopped.wait(tick):
+            sched = b.scheduler
+            if sched is None or self.allocator.group.tenant.closed:
+                continue
+            ops = self.allocator._ops
+            busy = sched.has_unfinished_requests()
+            now = time.monotonic()
+            if ops != last or busy:
+                last, since = ops, now
+                continue
+            if now - since < timeout_s or not (self.free_block_queue.num_free_blocks
+                                              or self._stash):
+                continue
+            if not b.step_lock.acquire(blocking=False):
+                continue
+            try:
+                if not sched.has_unfinished_requests():
+                    self.stash_free()
+                    self.idle_evictions += self.evict_cached(None)
+            except Exception:
+                log.exception("kvpool: idle cache release failed")
+            finally:
+                b.step_lock.release()
+
+    def check_integrity(self) -> None:
+        with self.lock:
+            a = self.allocator
+            a.check_integrity()
+            queued = {b.block_id for b in self.free_block_queue.get_all_free_blocks()}
+            used = sum(1 for blk in self.blocks[1:] if blk.ref_cnt > 0)
+            assert a.used_blocks == 1 + used + len(queued) + len(self._stash), (
+                f"allocator holds {a.used_blocks}, pool accounts for 1 + {used} + "
+                f"{len(queued)} + {len(self._stash)}")
+            for i in queued | set(self._stash):
+                assert a._held[i], f"free block {i} not held"
+
+
+def allocate_slots(original):
+    """Wrap ``KVCacheManager.allocate_slots``: on a shortfall ask kvpool (without waiting)
+    for the missing blocks and try once more; None still means "not now"."""
+
+    def allocate_slots(self, request, num_new_tokens, *args, **kwargs):
+        pool = self.block_pool
+        if not isinstance(pool, ElasticBlockPool):
+            return original(self, request, num_new_tokens, *args, **kwargs)
+        pool.needed = 0
+        out = original(self, request, num_new_tokens, *args, **kwargs)
+        if out is not None:
+            return out
+        reserved = kwargs.get("reserved_blocks", 0)
+        short = pool.needed + self.watermark_blocks + reserved - pool.get_num_free_blocks()
+        if short <= 0 or not pool.grow(short):
+            return None
+        pool.needed = 0
+        out = original(self, request, num_new_tokens, *args, **kwargs)
+        if out is None:
+            pool.stash_free()
+        return out
+
+    allocate_slots.__wrapped__ = original
+    return allocate_slots
+
+
+def record_needed(original):
+    """Wrap the coordinator's ``get_num_blocks_to_allocate`` to remember the count."""
+
+    def get_num_blocks_to_allocate(self, *args, **kwargs):
+        n = original(self, *args, **kwargs)
+        pool = self.block_pool
+        if isinstance(pool, ElasticBlockPool):
+            pool.needed = max(pool.needed, n)
+        return n
+
+    get_num_blocks_to_allocate.__wrapped__ = original
+    return get_num_blocks_to_allocate

@@ -1,0 +1,196 @@
+"""The one kvpool tenant of a vLLM engine-core process: connection, region group, allocator.
+
+vLLM's KV cache is one flat allocation in which layer ``l``'s page of block ``b`` starts at
+``offset + l * layer_stride + b * block_stride`` (``KVCacheTensor``). The bridge turns that
+into a kvpool *region group* without changing vLLM's view code:
+
+* layer-outer layouts (``LBHNC`` & co, the CPU and most GPU defaults): one region per
+  layer slot, each ``num_blocks * block_stride`` bytes; a block is ``block_stride`` bytes
+  of every region, so one allocation unit maps a block's K and V pages in every layer;
+* block-outer layouts (``BLHNC`` & co): one region, a block is one ``block_stride`` run.
+
+Each layer's view is then built by vLLM's own ``create_kv_cache_views`` over its region.
+Invariants: the allocator's block ids are vLLM's block ids; the allocator holds exactly
+``num_blocks`` blocks (vLLM's count is rounded to whole chunks before the cache is sized,
+:func:`round_num_blocks`); block 0 (vLLM's null block) is allocated here and never freed.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+from dataclasses import replace
+
+from kvpool.engine_adapters.vllm.settings import AdapterError, Settings
+
+log = logging.getLogger("kvpool.vllm")
+
+
+class Bridge:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.tenant = None
+        self.group = None
+        self.allocator = None
+        self.pool = None  # the ElasticBlockPool, once the scheduler built it
+        self.scheduler = None  # vLLM's Scheduler, once built
+        self.engine_core = None
+        self.step_lock = threading.RLock()  # held by the engine core's loop per step
+        self.num_blocks = 0
+        self.block_bytes = 0  # per region
+        self.n_regions = 0
+
+    # ---- connection -------------------------------------------------------------------
+    def connect(self, name: str):
+        """Register as tenant ``name`` (once per process); raises AdapterError when the
+        daemon is not there."""
+        if self.tenant is not None:
+            return self.tenant
+        from kvpool.client_lib import KvpoolError, connect
+
+        s = self.settings
+        try:
+            self.tenant = connect(name=name, device=s.device, run_dir=s.run_dir, kind="engine",
+                                  min=s.min_bytes, max=s.max_bytes, weight=s.weight)
+        except (KvpoolError, OSError) as e:
+            raise AdapterError(f"kvpool: cannot reach the kvpool daemon ({e})") from None
+        t = self.tenant
+        log.warning("kvpool: pid %d registered as tenant %r (id %d, kind engine) on the %s "
+                    "backend, page %d B, virtual KV capacity %d B", os.getpid(), name, t.id,
+                    t.backend.name, t.page_size, self.capacity())
+        return t
+
+    def capacity(self) -> int:
+        """The virtual KV capacity: the daemon's budget, or this tenant's max if lower."""
+        t = self.tenant
+        cap = t.budget
+        if t.limit and 0 < t.limit < cap:
+            cap = t.limit
+        return cap
+
+    def blocks_per_chunk(self, block_bytes_per_region: int) -> int:
+        ps = self.tenant.page_size
+        return math.lcm(ps, block_bytes_per_region) // block_bytes_per_region
+
+    # ---- the KV cache -------------------------------------------------------------------
+    def allocate(self, kv_cache_config, device, layout, kernel_block_sizes, create_views):
+        """vLLM's ``allocate_kv_cache`` over a region group: same return value."""
+        import torch
+
+        tensors = kv_cache_config.kv_cache_tensors
+        if not tensors:
+            return {}
+        if self.tenant is None:
+            raise AdapterError("kvpool: the KV cache is allocated in a process that is not "
+                               "registered with kvpool")
+        if self.group is not None:
+            raise AdapterError("kvpool: vLLM allocated its KV cache twice in one process")
+        num_blocks = kv_cache_config.num_blocks
+        strides = {t.block_stride for t in tensors}
+        if len(strides) != 1:
+            raise AdapterError(f"kvpool: KV tensors with different block strides {strides}")
+        block_stride = strides.pop()
+        block_outer = layout.is_block_outermost
+        specs = _layer_specs(kv_cache_config)
+        for name, spec in specs.items():
+            if not spec.has_layer_views:
+                raise AdapterError(f"kvpool: layer {name} has a KV spec without layer views "
+                                   f"({type(spec).__name__}); not supported")
+        # Where each layer's block 0 sits, and which region holds it.
+        slots: dict[str, int] = {}
+        for t in tensors:
+            for i, name in enumerate(t.layers):
+                slots[name] = t.offset + i * t.layer_stride
+        if block_outer:
+            bases = [0]
+            region_bytes = num_blocks * block_stride
+        else:
+            bases = sorted(set(slots.values()))
+            region_bytes = num_blocks * block_stride
+            for a, b in zip(bases, bases[1:]):
+                if b - a < region_bytes:
+                    raise AdapterError("kvpool: overlapping layer regions in the KV layout")
+        bpc = self.blocks_per_chunk(block_stride)
+        if num_blocks % bpc:
+            raise AdapterError(f"kvpool: {num_blocks} KV blocks are not whole chunks of {bpc}")
+        if num_blocks < 2:
+            raise AdapterError("kvpool: the KV budget holds less than two blocks")
+        from kvpool.client_lib import ElasticBlockAllocator
+
+        s = self.settings
+        label = self.tenant.name
+        self.group = self.tenant.region_group(len(bases), region_bytes, label=label)
+        self.allocator = ElasticBlockAllocator(
+            self.group, block_stride, low=s.low, high=s.high,
+            idle_timeout_s=s.idle_timeout_s, max_blocks=num_blocks)
+        if self.allocator.num_blocks != num_blocks:
+            raise AdapterError(f"kvpool: allocator holds {self.allocator.num_blocks} blocks, "
+                               f"vLLM expects {num_blocks}")
+        null = self.allocator.alloc(1)
+        if null != [0]:
+            raise AdapterError(f"kvpool: cannot map vLLM's null block (got {null}); is the "
+                               "daemon's budget smaller than one KV block?")
+        self.num_blocks, self.block_bytes, self.n_regions = num_blocks, block_stride, len(bases)
+        regions = [self.group.tensor(i, torch.int8, nbytes=region_bytes)
+                   for i in range(len(bases))]
+        if regions[0].device.type != torch.device(device).type:
+            raise AdapterError(f"kvpool: vLLM runs on {device} but the daemon's "
+                               f"{self.tenant.backend.name} backend maps memory on "
+                               f"{regions[0].device}")
+        index = {base: i for i, base in enumerate(bases)}
+        kv_caches = {}
+        for t in tensors:
+            group_id = next(g for g, grp in enumerate(kv_cache_config.kv_cache_groups)
+                            if t.layers[0] in grp.layer_names)
+            kbs = None
+            if kernel_block_sizes is not None and group_id < len(kernel_block_sizes):
+                kbs = kernel_block_sizes[group_id]
+            nb = kv_cache_config.num_blocks_of(t)
+            for name in t.layers:
+                slot = slots[name]
+                raw, offset = (regions[0], slot) if block_outer else (regions[index[slot]], 0)
+                one = replace(t, layers=[name], offset=offset, size=region_bytes)
+                kv_caches[name] = create_views(raw, specs[name], nb, layout, one,
+                                               kernel_block_size=kbs)[0]
+        log.info("kvpool: KV cache of %d blocks as %d region(s) of %d B (block %d B per "
+                 "region, %d blocks per chunk)", num_blocks, len(bases), region_bytes,
+                 block_stride, bpc)
+        return kv_caches
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.stop()
+        if self.tenant is not None:
+            self.tenant.close()
+            self.tenant = None
+
+
+def _layer_specs(kv_cache_config) -> dict:
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+
+    out = {}
+    for grp in kv_cache_config.kv_cache_groups:
+        spec = grp.kv_cache_spec
+        for name in grp.layer_names:
+            out[name] = (spec.kv_cache_specs[name] if isinstance(spec, UniformTypeKVCacheSpecs)
+                         else spec)
+    return out
+
+
+_bridge: Bridge | None = None
+_bridge_lock = threading.Lock()
+
+
+def bridge() -> Bridge:
+    """This process's bridge (created on first use)."""
+    global _bridge
+    with _bridge_lock:
+        if _bridge is None:
+            _bridge = Bridge(Settings.from_env())
+        return _bridge
+
+
+def current() -> Bridge | None:
+    return _bridge

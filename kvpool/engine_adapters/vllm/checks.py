@@ -1,0 +1,75 @@
+"""Start-up checks in the process that builds vLLM's config (the API server).
+
+Each refusal is one line on stderr and a nonzero exit (``SystemExit``), before vLLM starts
+its engine core: no daemon, a parallel layout kvpool cannot serve, a budget smaller than
+one KV chunk of this model. On success the config's KV size becomes kvpool's virtual
+capacity and, on CPU, the single rank runs in the engine-core process.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import torch
+
+from kvpool.engine_adapters.vllm.settings import Settings
+
+
+def fail(msg: str) -> None:
+    raise SystemExit(msg)
+
+
+def block_page_bytes(config) -> tuple[int, int]:
+    """(bytes of one layer's page of one block, layers with KV) for a plain decoder."""
+    mc, cc, pc = config.model_config, config.cache_config, config.parallel_config
+    dtype = mc.dtype if cc.cache_dtype in (None, "auto") else None
+    if dtype is None:
+        itemsize = 1 if "fp8" in str(cc.cache_dtype) else 2
+    else:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+    block = cc.block_size or 16
+    page = 2 * block * mc.get_num_kv_heads(pc) * mc.get_head_size() * itemsize
+    return page, mc.get_num_layers(pc)
+
+
+def check_config(config) -> None:
+    from kvpool.client_lib import KvpoolError, Monitor
+    from kvpool.engine_adapters.vllm.patches import say, served_name
+    from kvpool.paths import run_dir
+
+    s = Settings.from_env()
+    pc = config.parallel_config
+    if pc.tensor_parallel_size > 1 or pc.pipeline_parallel_size > 1 or (
+            pc.data_parallel_size > 1):
+        fail(f"kvpool: KVPOOL_ENABLE=1 serves one rank per vLLM server; got tensor-parallel "
+             f"{pc.tensor_parallel_size}, pipeline-parallel {pc.pipeline_parallel_size}, "
+             f"data-parallel {pc.data_parallel_size} (run one server per device, or unset "
+             "KVPOOL_ENABLE)")
+    where = run_dir(s.run_dir)
+    try:
+        mon = Monitor(s.run_dir, timeout_s=3.0)
+        try:
+            pool = mon.stats().pool
+        finally:
+            mon.close()
+    except (KvpoolError, OSError, TimeoutError) as e:
+        fail(f"kvpool: no kvpool daemon answers at {where} ({type(e).__name__}: {e}); start "
+             "one (`kvpool daemon`) or unset KVPOOL_ENABLE")
+    cap = pool.budget if not s.max_bytes else min(pool.budget, s.max_bytes)
+    page, layers = block_page_bytes(config)
+    chunk = math.lcm(pool.page_size, page)
+    need = math.ceil(2 / (chunk // page)) * chunk * layers  # the null block and one more
+    if cap < need:
+        fail(f"kvpool: the daemon's budget ({cap} B) is smaller than this model's smallest "
+             f"KV allocation ({need} B: {layers} layers x {chunk} B chunks of {page} B "
+             f"blocks on {pool.page_size} B pages)")
+    config.cache_config.kv_cache_memory_bytes = cap
+    if config.device_config.device_type == "cpu":
+        pc.distributed_executor_backend = "uni"
+    os.environ.setdefault("KVPOOL_RUN_DIR", str(where))
+    say(f"kvpool: API server pid {os.getpid()}: KV cache of {served_name(config)!r} comes "
+        f"from the kvpool daemon at {where} ({pool.backend} backend, budget {pool.budget} B, "
+        f"page {pool.page_size} B); the engine core registers the tenant")
+    sys.stderr.flush()

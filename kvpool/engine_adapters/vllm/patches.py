@@ -1,0 +1,216 @@
+"""The seams kvpool patches in vLLM (see docs/VLLM-ADAPTER.md for why each one).
+
+API server process (where the config is built):
+  ``EngineArgs.create_engine_config``   checks (one-line errors) and sets the KV size to
+                                        kvpool's virtual capacity; one rank on CPU runs the
+                                        uniprocess executor so the scheduler and the KV
+                                        cache share a process (as on a one-GPU server).
+Engine-core process:
+  ``CPUWorker/Worker.determine_available_memory``  registers the tenant, reports the
+                                        virtual capacity (no static slice, no free-memory
+                                        check against pages the daemon holds);
+  ``gpu_worker.request_memory``         the start-up free-memory guard: a warning, not an
+                                        error (the daemon holds the memory);
+  ``engine.core.get_kv_cache_configs``  rounds the block count to whole chunks;
+  ``allocate_kv_cache`` (V1 runner and Model Runner V2)  views over a region group;
+  ``kv_cache_coordinator.BlockPool``    the elastic block pool;
+  ``KVCacheManager.allocate_slots`` and ``KVCacheCoordinator.get_num_blocks_to_allocate``
+                                        ask kvpool for a shortfall, never raise;
+  ``Scheduler.__init__``                binds the pool to the scheduler (shrink callback,
+                                        idle release);
+  ``EngineCoreProc._process_engine_step/_handle_client_request``  one lock per step, so
+                                        a shrink runs between steps.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import sys
+
+from kvpool.engine_adapters.vllm.hooks import when_imported
+from kvpool.engine_adapters.vllm.settings import AdapterError
+
+log = logging.getLogger("kvpool.vllm")
+
+
+def say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def served_name(vllm_config) -> str:
+    from kvpool.engine_adapters.vllm.bridge import bridge
+
+    if bridge().settings.name:
+        return bridge().settings.name
+    n = vllm_config.model_config.served_model_name
+    if isinstance(n, (list, tuple)):
+        n = n[0] if n else None
+    return n or os.path.basename(os.path.normpath(vllm_config.model_config.model))
+
+
+# ---- API server process ------------------------------------------------------------------
+def _patch_arg_utils(mod) -> None:
+    from kvpool.engine_adapters.vllm.checks import check_config
+
+    cls = mod.EngineArgs
+    original = cls.create_engine_config
+    if getattr(original, "_kvpool", False):
+        return
+
+    @functools.wraps(original)
+    def create_engine_config(self, *args, **kwargs):
+        config = original(self, *args, **kwargs)
+        check_config(config)
+        return config
+
+    create_engine_config._kvpool = True
+    cls.create_engine_config = create_engine_config
+
+
+# ---- engine-core process: memory sizing -------------------------------------------------
+def _capacity_for(worker) -> int:
+    from kvpool.engine_adapters.vllm.bridge import bridge
+
+    b = bridge()
+    b.connect(served_name(worker.vllm_config))
+    return b.capacity()
+
+
+def _patch_cpu_worker(mod) -> None:
+    cls = mod.CPUWorker
+
+    def determine_available_memory(self) -> int:
+        if self._should_warm_up_model():
+            self.model_runner.warming_up_model()
+        return _capacity_for(self)
+
+    determine_available_memory.__wrapped__ = cls.determine_available_memory
+    cls.determine_available_memory = determine_available_memory
+
+
+def _patch_gpu_worker(mod) -> None:
+    cls = mod.Worker
+    original = cls.determine_available_memory
+
+    @functools.wraps(original)
+    def determine_available_memory(self) -> int:
+        original(self)  # the profile run (compiles, sizes activations); its figure is ours
+        return _capacity_for(self)
+
+    cls.determine_available_memory = determine_available_memory
+    request = mod.request_memory
+
+    @functools.wraps(request)
+    def request_memory(init_snapshot, cache_config, *args, **kwargs):
+        try:
+            return request(init_snapshot, cache_config, *args, **kwargs)
+        except ValueError as e:
+            say(f"kvpool: ignoring vLLM's start-up free-memory check ({str(e)[:120]}...): "
+                "the KV cache comes from kvpool")
+            return cache_config.kv_cache_memory_bytes or 0
+
+    mod.request_memory = request_memory
+
+
+def _patch_engine_core(mod) -> None:
+    from kvpool.engine_adapters.vllm.bridge import bridge, current
+
+    original = mod.get_kv_cache_configs
+
+    @functools.wraps(original)
+    def get_kv_cache_configs(vllm_config, kv_cache_specs, available_memory):
+        configs = original(vllm_config, kv_cache_specs, available_memory)
+        b = current()
+        if b is None or b.tenant is None or not configs or not configs[0].kv_cache_tensors:
+            return configs
+        c = configs[0]
+        t = c.kv_cache_tensors[0]
+        bpc = b.blocks_per_chunk(t.block_stride)
+        if c.num_blocks % bpc == 0:
+            return configs
+        per_block = t.size // c.num_blocks
+        whole = c.num_blocks // bpc * bpc
+        if whole < 2:
+            raise AdapterError(f"kvpool: the KV budget ({b.capacity()} B) is smaller than one "
+                               f"chunk of {bpc} KV blocks ({bpc * per_block} B)")
+        return original(vllm_config, kv_cache_specs, [whole * per_block] * len(available_memory))
+
+    mod.get_kv_cache_configs = get_kv_cache_configs
+
+    proc = mod.EngineCoreProc
+    for name in ("_process_engine_step", "_handle_client_request"):
+        method = getattr(proc, name)
+
+        def locked(self, *args, _m=method, **kwargs):
+            with bridge().step_lock:
+                return _m(self, *args, **kwargs)
+
+        functools.update_wrapper(locked, method)
+        setattr(proc, name, locked)
+
+
+# ---- engine-core process: the KV cache ------------------------------------------------------
+def _elastic_allocate(kv_cache_config, device, layout, kernel_block_sizes=None):
+    from vllm.v1.kv_cache_interface import create_kv_cache_views
+
+    from kvpool.engine_adapters.vllm.bridge import bridge
+
+    return bridge().allocate(kv_cache_config, device, layout, kernel_block_sizes,
+                             create_kv_cache_views)
+
+
+def _patch_allocate(mod) -> None:
+    if not hasattr(mod, "allocate_kv_cache"):
+        raise AdapterError(f"kvpool: {mod.__name__} has no allocate_kv_cache: unknown vLLM")
+    mod.allocate_kv_cache = _elastic_allocate
+
+
+# ---- engine-core process: the scheduler ------------------------------------------------------
+def _patch_coordinator(mod) -> None:
+    from kvpool.engine_adapters.vllm.block_pool import ElasticBlockPool, record_needed
+
+    mod.BlockPool = ElasticBlockPool
+    cls = mod.KVCacheCoordinator
+    cls.get_num_blocks_to_allocate = record_needed(cls.get_num_blocks_to_allocate)
+
+
+def _patch_manager(mod) -> None:
+    from kvpool.engine_adapters.vllm.block_pool import allocate_slots
+
+    cls = mod.KVCacheManager
+    cls.allocate_slots = allocate_slots(cls.allocate_slots)
+
+
+def _patch_scheduler(mod) -> None:
+    from kvpool.engine_adapters.vllm.block_pool import ElasticBlockPool
+    from kvpool.engine_adapters.vllm.bridge import bridge
+
+    cls = mod.Scheduler
+    original = cls.__init__
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        pool = self.kv_cache_manager.block_pool
+        if isinstance(pool, ElasticBlockPool):
+            b = bridge()
+            b.scheduler = self
+            b.tenant.set_shrink_callback(pool.shrink)
+            pool.start_idle_release(b.settings.idle_timeout_s)
+
+    cls.__init__ = __init__
+
+
+def install() -> None:
+    """Register every patch (each applies when its module is imported)."""
+    when_imported("vllm.engine.arg_utils", _patch_arg_utils)
+    when_imported("vllm.v1.worker.cpu_worker", _patch_cpu_worker)
+    when_imported("vllm.v1.worker.gpu_worker", _patch_gpu_worker)
+    when_imported("vllm.v1.engine.core", _patch_engine_core)
+    when_imported("vllm.v1.worker.gpu_model_runner", _patch_allocate)
+    when_imported("vllm.v1.worker.gpu.attn_utils", _patch_allocate)
+    when_imported("vllm.v1.core.kv_cache_coordinator", _patch_coordinator)
+    when_imported("vllm.v1.core.kv_cache_manager", _patch_manager)
+    when_imported("vllm.v1.core.sched.scheduler", _patch_scheduler)

@@ -1,0 +1,64 @@
+"""How a vLLM server joins kvpool: ``KVPOOL_*`` environment variables, read once per process.
+
+vLLM starts its engine core (and, with several ranks, its workers) as fresh processes that
+inherit the API server's environment, so the environment is the one channel that reaches
+all of them with the same values.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+TESTED_VERSIONS = ("0.32.0",)
+
+
+class AdapterError(RuntimeError):
+    """vLLM, its configuration or kvpool's state is something this adapter refuses."""
+
+
+def enabled() -> bool:
+    return os.environ.get("KVPOOL_ENABLE") == "1"
+
+
+@dataclass
+class Settings:
+    name: str | None = None  # tenant name; default: --served-model-name
+    run_dir: str | None = None
+    device: int = 0
+    min_bytes: int | None = None
+    max_bytes: int | None = None
+    weight: float | None = None
+    low: int = 1  # reserve watermarks, in chunks
+    high: int = 2
+    idle_timeout_s: float = 5.0
+    untested_ok: bool = False
+
+    @classmethod
+    def from_env(cls) -> Settings:
+        from kvpool.sizes import parse_size
+
+        env = os.environ
+        s = cls(name=env.get("KVPOOL_TENANT") or None, run_dir=env.get("KVPOOL_RUN_DIR") or None,
+                untested_ok=env.get("KVPOOL_VLLM_UNTESTED") == "1")
+        if env.get("KVPOOL_DEVICE"):
+            s.device = int(env["KVPOOL_DEVICE"])
+        if env.get("KVPOOL_MIN"):
+            s.min_bytes = parse_size(env["KVPOOL_MIN"])
+        if env.get("KVPOOL_MAX"):
+            s.max_bytes = parse_size(env["KVPOOL_MAX"])
+        if env.get("KVPOOL_WEIGHT"):
+            s.weight = float(env["KVPOOL_WEIGHT"])
+        if env.get("KVPOOL_IDLE_TIMEOUT"):
+            s.idle_timeout_s = float(env["KVPOOL_IDLE_TIMEOUT"])
+        return s
+
+
+def check_version(version: str, untested_ok: bool) -> str | None:
+    """None when ``version`` is tested; else the refusal (or, when allowed, the warning)."""
+    if version in TESTED_VERSIONS:
+        return None
+    return (f"kvpool: vLLM {version} is not a version this adapter was tested with "
+            f"({', '.join(TESTED_VERSIONS)})" +
+            ("; KVPOOL_VLLM_UNTESTED=1 given, trying anyway" if untested_ok else
+             "; set KVPOOL_VLLM_UNTESTED=1 to try it anyway"))
