@@ -300,6 +300,7 @@ class TenantInfo(Struct, kw_only=True):
     ignored: int = 0  # reclaims this tenant let expire
     unresponsive: bool = False  # capped at its min until it answers a reclaim
     waiting: int = 0  # bytes of this tenant's requests waiting for reclaim
+    retained: int = 0  # bytes of pages it released but still references (charged to it)
 
 
 class PoolInfo(Struct, kw_only=True):
@@ -317,6 +318,8 @@ class PoolInfo(Struct, kw_only=True):
     leased: int = 0  # bytes of leases (counted against the budget)
     waiting: int = 0  # bytes asked by requests waiting for reclaim
     recovering: bool = False  # rebuilding its accounting after a restart (no grants)
+    retained: int = 0  # bytes released by tenants that still reference them (charged)
+    renewed: int = 0  # fresh pages created in place of released ones since start
 
 
 class Run(Struct, array_like=True):

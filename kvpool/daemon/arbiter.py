@@ -352,8 +352,10 @@ class Arbiter:
         """Refuse what can never be granted now: past the limit, or during recovery."""
         if self.recovering:
             raise Fail(p.BUSY, "the daemon is rebuilding its accounting after a restart")
-        if t.held + t.waiting_pages + n > t.cap_pages:
+        kept = self.pool.retained_pages(t.id)  # released pages it still references
+        if t.held + kept + t.waiting_pages + n > t.cap_pages:
             why = " (capped at its min: it ignored a reclaim)" if t.unresponsive else ""
+            why += f" ({kept} released pages it still references count)" if kept else ""
             raise Fail(p.OVER_LIMIT, f"{t.name}: {t.held} + {n} pages would exceed its limit "
                                      f"of {t.cap_pages} pages{why}")
 
@@ -568,6 +570,7 @@ class Arbiter:
             weight=t.weight, lease=t.lease_pages * ps, share=share,
             asked=max(0, t.ask.pages) * ps if t.ask is not None else 0,  # type: ignore[attr-defined]
             ignored=t.ignored, unresponsive=t.unresponsive, waiting=t.waiting_pages * ps,
+            retained=self.pool.retained_pages(t.id) * ps,
         )
 
     def pool_info(self) -> p.PoolInfo:
@@ -579,6 +582,7 @@ class Arbiter:
             warm_min=pool.warm_min * ps, warm_max=pool.warm_max * ps,
             leased=pool.leased * ps, waiting=self.reclaimer.waiting_pages * ps,
             recovering=self.recovering,
+            retained=pool.retained_pages() * ps, renewed=pool.renewed,
         )
 
     def listed(self) -> list[p.TenantInfo]:

@@ -1,30 +1,41 @@
-"""The daemon's physical pages: creation, the warm pool, zeroing, and budget accounting.
+"""The daemon's physical pages: creation, the warm pool, retirement, budget accounting.
 
 Every page the daemon holds has a page id (pfn) and sits in exactly one place:
 
-* ``warm``  — zeroed and unowned, ready to grant;
-* ``dirty`` — released by a tenant (``last owner`` kept) and not yet zeroed;
+* ``warm``  — never exported to any tenant (freshly created, zeroed), ready to grant;
+* ``dirty`` — released by a tenant (``last owner`` kept), not yet retired;
 * ``owner`` — granted to a tenant (its region tables say where).
 
 Leases are a count (``leased``): memory a tenant uses through its own allocator, which
-the pool keeps free by creating fewer pages.
+the pool keeps free by creating fewer pages. ``retained`` lists pages the daemon has
+retired (dropped its own handle) while another process still references them: a tenant
+that kept a descriptor or a mapping of a page it released keeps that memory alive, so
+it stays charged to that tenant and to the budget until it is gone
+(:meth:`recheck_retained`, on the liveness timer).
 
-Invariants (checked by :meth:`Pool.check`): those three are disjoint and cover
-``pages``; ``len(pages) + leased <= budget_pages`` (after a restart, adopted pages may
-exceed it until tenants shrink), so the budget is never exceeded (warm and dirty pages
-count: on CUDA they are real device memory). A page that changes tenant is scrubbed
-first: ``take`` scrubs a dirty page of another owner before granting it, and idle time
-scrubs the rest (:meth:`maintain`). On the host backend scrubbing replaces the memfd
-with a fresh one (so a tenant that kept a descriptor or mapping of a page it released
-can never see the next tenant's data: there is no revoke on host); on CUDA it zeroes.
+Fresh pages (DESIGN.md): a physical page handed to a tenant was never exported to any
+other tenant. A released page goes back only to the tenant that released it (``take``
+prefers the caller's own dirty pages); for anyone else it is *retired* — its handle
+released — and a fresh page (a new memfd on host, a new ``cuMemCreate`` allocation on
+CUDA) takes its place. Idle time does this (:meth:`maintain`: retire dirty pages, feed
+the warm pool with fresh ones), so grants find fresh pages ready; a grant creates pages
+itself only when the warm pool runs out.
+
+Invariants (checked by :meth:`check`): the three places are disjoint and cover
+``pages``; ``len(pages) + leased + len(retained) <= budget_pages`` — warm, dirty and
+retained pages count (on CUDA they are real device memory), and the warm pool is
+trimmed first whenever that sum is over the budget (adopted pages after a restart may
+exceed it until tenants shrink); ``warm_min <= warm_max <= budget_pages``.
 """
 
 from __future__ import annotations
 
-import collections
 import logging
-import os
+import signal
+import threading
 import time
+from dataclasses import dataclass
+from typing import Iterator
 
 from kvpool.vmm import Backend, Page, VmmError
 
@@ -35,21 +46,34 @@ class NoMemory(Exception):
     """The budget (or the device) cannot supply the pages asked for."""
 
 
+@dataclass(eq=False)
+class Retained:
+    """A retired page another process still references: ``probe`` is the daemon's
+    handle for asking the backend whether it still does; ``tenant`` pays for it."""
+
+    probe: Page
+    tenant: int
+    since: float
+
+
 class Pool:
     def __init__(self, backend: Backend, budget_pages: int, warm_min: int = 0, warm_max: int = 0):
         self.backend = backend
         self.page_size = backend.page_size
         self.budget_pages = budget_pages
-        self.warm_min = min(warm_min, budget_pages)
-        self.warm_max = max(warm_max, self.warm_min)
+        self.warm_min = max(0, min(warm_min, budget_pages))
+        self.warm_max = min(max(warm_max, self.warm_min), budget_pages)
         self.pages: dict[int, Page] = {}
         self.warm: list[int] = []  # stack: hot pages first
-        self.dirty: collections.deque[tuple[int, int]] = collections.deque()  # (pfn, last owner)
+        self.dirty: dict[int, int] = {}  # pfn -> last owner, oldest release first
+        self._dirty_of: dict[int, dict[int, None]] = {}  # last owner -> its dirty pfns
         self.owner: dict[int, int] = {}  # pfn -> tenant id
+        self.retained: list[Retained] = []
         self._next_pfn = 1
-        self.created = 0  # pages created since start (a counter, for stats)
+        self.created = 0  # pages that grew the pool (a counter, for stats)
+        self.renewed = 0  # fresh pages created in place of a retired one
         self.leased = 0  # pages leased to tenants (no page object: a budget count)
-        self.fresh_on_scrub = backend.name == "host"
+        _ignore_lease_breaks()
 
     # ---- accounting -------------------------------------------------------------
     @property
@@ -59,68 +83,119 @@ class Pool:
     @property
     def free(self) -> int:
         """Pages that could still be created within the budget."""
-        return max(0, self.budget_pages - len(self.pages) - self.leased)
+        return max(0, self.budget_pages - len(self.pages) - self.leased - len(self.retained))
 
     @property
     def available(self) -> int:
-        """Pages a grant could get right now: warm + dirty + creatable."""
-        return len(self.warm) + len(self.dirty) + self.free
+        """Pages a grant could get right now: the budget less what is granted, leased or
+        retained (warm + dirty + creatable, except that pages over the budget count not)."""
+        return max(0, self.budget_pages - self.granted - self.leased - len(self.retained))
+
+    def retained_pages(self, tenant: int | None = None) -> int:
+        """Retired pages still referenced (by ``tenant``'s doing, or in all)."""
+        if tenant is None:
+            return len(self.retained)
+        return sum(1 for r in self.retained if r.tenant == tenant)
 
     # ---- grant / give back ----------------------------------------------------------
     def take(self, n: int, tenant: int) -> list[int]:
-        """``n`` pages for ``tenant`` (all or none), zeroed unless last owned by it."""
+        """``n`` pages for ``tenant`` (all or none): its own released pages first, then
+        fresh ones (warm, else created now, retiring others' released pages for room)."""
         if n > self.available:
             raise NoMemory(
-                f"{n} pages asked, {self.available} available "
-                f"(budget {self.budget_pages}, granted {self.granted})"
+                f"{n} pages asked, {self.available} available (budget {self.budget_pages}, "
+                f"granted {self.granted}, retained {len(self.retained)})"
             )
-        out: list[int] = []
+        own = [pfn for pfn, _ in zip(self._own_dirty(tenant), range(n))]
+        for pfn in own:
+            self._undirty(pfn)
+        fresh: list[int] = []
         try:
-            while len(out) < n and self.warm:
-                out.append(self.warm.pop())
-            while len(out) < n and self.dirty:
-                pfn, last = self.dirty.popleft()
-                if last != tenant:
-                    out.append(pfn)  # appended first so a failed zero still rolls back
-                    self._scrub(pfn)
-                else:
-                    out.append(pfn)
-            while len(out) < n:
-                out.append(self._create())
-        except (VmmError, OSError) as e:
-            # Roll back: every page taken so far is clean or this tenant's own; mark all
-            # of them dirty with an owner no tenant has, so each is zeroed before reuse.
-            for pfn in out:
-                self.dirty.append((pfn, -1))
-            raise NoMemory(f"backend could not supply pages: {e}") from e
+            while len(own) + len(fresh) < n and self.warm:
+                fresh.append(self.warm.pop())
+            while len(own) + len(fresh) < n:
+                if self.free == 0 and self.dirty:
+                    self._retire(next(iter(self.dirty)))  # room for a fresh page
+                    continue
+                fresh.append(self._create())
+        except (VmmError, OSError, NoMemory) as e:
+            for pfn in own:  # roll back: nothing was exported by this call
+                self._dirty(pfn, tenant)
+            self.warm.extend(reversed(fresh))
+            raise NoMemory(f"could not supply {n} pages: {e}") from e
+        out = own + fresh
         for pfn in out:
             self.owner[pfn] = tenant
         return out
 
     def give_back(self, pfns: list[int], tenant: int) -> None:
-        """Pages ``tenant`` no longer maps; they are zeroed before anyone else gets them."""
+        """Pages ``tenant`` no longer maps: only ``tenant`` may get them back; they are
+        retired before anyone else is served."""
         for pfn in pfns:
             del self.owner[pfn]
-            self.dirty.append((pfn, tenant))
+            self._dirty(pfn, tenant)
 
-    def _scrub(self, pfn: int) -> None:
-        """Make ``pfn`` safe for another tenant: a fresh memfd on host, zeroes elsewhere."""
-        if self.fresh_on_scrub:
-            page = self.backend.create_page()
-            old, self.pages[pfn] = self.pages[pfn], page
-            self.backend.release(old)
-        else:
-            self.backend.zero(self.pages[pfn])
+    def _dirty(self, pfn: int, tenant: int) -> None:
+        self.dirty[pfn] = tenant
+        self._dirty_of.setdefault(tenant, {})[pfn] = None
+
+    def _undirty(self, pfn: int) -> int:
+        tenant = self.dirty.pop(pfn)
+        mine = self._dirty_of[tenant]
+        del mine[pfn]
+        if not mine:
+            del self._dirty_of[tenant]
+        return tenant
+
+    def _own_dirty(self, tenant: int) -> Iterator[int]:
+        return iter(list(self._dirty_of.get(tenant, ())))
+
+    # ---- retirement -------------------------------------------------------------------
+    def _retire(self, pfn: int) -> None:
+        """Drop a released page for good; while another process still references its
+        memory it stays charged (``retained``) to the tenant that released it."""
+        tenant = self._undirty(pfn)
+        page = self.pages.pop(pfn)
+        try:
+            probe = self.backend.retire(page)
+        except (VmmError, OSError) as e:  # pragma: no cover - defensive
+            log.error("retiring page %d failed: %s", pfn, e)
+            return
+        if probe is not None:
+            self.retained.append(Retained(probe, tenant, time.monotonic()))
+            log.info("page %d released by tenant %d is still referenced: charged as retained",
+                     pfn, tenant)
+
+    def recheck_retained(self) -> int:
+        """Forget retained pages nobody references any more (call it on the liveness
+        timer, not per grant: one cheap probe per retained page). Returns how many went."""
+        keep: list[Retained] = []
+        for r in self.retained:
+            try:
+                still = self.backend.referenced(r.probe)
+            except (VmmError, OSError):  # pragma: no cover - defensive
+                still = None
+            if still:
+                keep.append(r)
+            else:
+                self.backend.release(r.probe)
+        gone = len(self.retained) - len(keep)
+        self.retained = keep
+        return gone
 
     # ---- leases and adoption -----------------------------------------------------------
     def lease(self, n: int) -> None:
-        """Count ``n`` more pages as leased, destroying warm/dirty pages to make room."""
+        """Count ``n`` more pages as leased, retiring dirty and destroying warm pages to
+        make room."""
         if n > self.available:
             raise NoMemory(f"{n} pages asked for a lease, {self.available} available")
         while self.free < n and self.dirty:
-            self._destroy(self.dirty.popleft()[0])
+            self._retire(next(iter(self.dirty)))
         while self.free < n and self.warm:
             self._destroy(self.warm.pop(0))
+        if self.free < n:  # retired pages were still referenced
+            raise NoMemory(f"{n} pages asked for a lease, {self.free} free "
+                           f"({len(self.retained)} retained pages still referenced)")
         self.leased += n
 
     def unlease(self, n: int) -> None:
@@ -144,19 +219,26 @@ class Pool:
         """The identity of a page descriptor (host: its memfd inode), to refuse duplicates."""
         if self.backend.name != "host":
             return None
+        import os
+
         st = os.fstat(fd)
         return (st.st_dev, st.st_ino)
 
-    def _create(self) -> int:
-        if len(self.pages) + self.leased >= self.budget_pages:
-            raise NoMemory("budget exhausted")
+    def _new_page(self) -> Page:
+        """A fresh page, zeroed (a fresh memfd reads zeros; device memory may not)."""
         page = self.backend.create_page()
-        if self.backend.name != "host":  # a fresh memfd reads zeros; device memory may not
+        if self.backend.name != "host":
             try:
                 self.backend.zero(page)
             except VmmError:
                 self.backend.release(page)
                 raise
+        return page
+
+    def _create(self) -> int:
+        if self.free <= 0:
+            raise NoMemory("budget exhausted")
+        page = self._new_page()
         pfn = self._next_pfn
         self._next_pfn += 1
         self.pages[pfn] = page
@@ -164,11 +246,17 @@ class Pool:
         return pfn
 
     # ---- idle work --------------------------------------------------------------------
+    @property
+    def over_budget(self) -> int:
+        return max(0, len(self.pages) + self.leased + len(self.retained) - self.budget_pages)
+
     def has_work(self) -> bool:
         return bool(self.dirty) or self._warm_target() != len(self.warm)
 
     def _warm_target(self) -> int:
         n = len(self.warm)
+        if self.over_budget:
+            return max(0, n - self.over_budget)
         if n < self.warm_min:
             return min(self.warm_min, n + self.free)
         if n > self.warm_max:
@@ -176,26 +264,18 @@ class Pool:
         return n
 
     def maintain(self, budget_s: float = 0.002) -> None:
-        """Idle work for at most about ``budget_s``: zero dirty pages, then move the warm
-        pool back between ``warm_min`` and ``warm_max`` (create or destroy pages)."""
+        """Idle work for at most about ``budget_s``: retire released pages, each replaced
+        by a fresh warm page while the warm pool is under ``warm_max`` and the budget
+        has room; then trim the warm pool to the budget and ``warm_max``, and refill it
+        to ``warm_min`` with fresh pages."""
         deadline = time.monotonic() + budget_s
         while self.dirty and time.monotonic() < deadline:
-            pfn, _ = self.dirty.popleft()
-            try:
-                self._scrub(pfn)
-            except (VmmError, OSError) as e:
-                log.error("zeroing page %d failed (%s); destroying it", pfn, e)
-                self._destroy(pfn)
-                continue
-            self.warm.append(pfn)
-        while len(self.warm) > self.warm_max and time.monotonic() < deadline:
+            self._retire(next(iter(self.dirty)))
+            if len(self.warm) < self.warm_max and self.free > 0 and not self._renew():
+                break
+        while len(self.warm) > self._warm_target() and time.monotonic() < deadline:
             self._destroy(self.warm.pop(0))  # coldest first
-        while (
-            not self.dirty
-            and len(self.warm) < self.warm_min
-            and self.free > 0
-            and time.monotonic() < deadline
-        ):
+        while len(self.warm) < self._warm_target() and time.monotonic() < deadline:
             try:
                 pfn = self._create()
             except (VmmError, OSError, NoMemory) as e:
@@ -204,7 +284,22 @@ class Pool:
                 break
             self.warm.insert(0, pfn)  # created pages are cold (not faulted in)
 
+    def _renew(self) -> bool:
+        """A fresh warm page in place of a retired one; False when none could be made."""
+        try:
+            page = self._new_page()
+        except (VmmError, OSError) as e:
+            log.warning("could not create a fresh page: %s", e)
+            return False
+        pfn = self._next_pfn
+        self._next_pfn += 1
+        self.pages[pfn] = page
+        self.renewed += 1
+        self.warm.insert(0, pfn)
+        return True
+
     def _destroy(self, pfn: int) -> None:
+        """Release a page no tenant has ever been given (warm) or at shutdown."""
         page = self.pages.pop(pfn)
         try:
             self.backend.release(page)
@@ -215,19 +310,24 @@ class Pool:
         """Release every page (daemon shutdown). Tenants' mappings keep their memory."""
         for pfn in list(self.pages):
             self._destroy(pfn)
+        for r in self.retained:
+            self.backend.release(r.probe)
+        self.retained.clear()
         self.warm.clear()
         self.dirty.clear()
+        self._dirty_of.clear()
         self.owner.clear()
         self.leased = 0
 
     # ---- integrity --------------------------------------------------------------------
     def check(self) -> list[str]:
         problems: list[str] = []
-        warm, dirty, owned = set(self.warm), {p for p, _ in self.dirty}, set(self.owner)
+        warm, dirty, owned = set(self.warm), set(self.dirty), set(self.owner)
         if len(warm) != len(self.warm):
             problems.append("a pfn is in the warm pool twice")
-        if len(dirty) != len(self.dirty):
-            problems.append("a pfn is in the dirty list twice")
+        by_owner = {pfn for pfns in self._dirty_of.values() for pfn in pfns}
+        if by_owner != dirty:
+            problems.append("the dirty list and its per-tenant index disagree")
         for a, b, what in ((warm, dirty, "warm and dirty"), (warm, owned, "warm and granted"),
                            (dirty, owned, "dirty and granted")):
             both = a & b
@@ -241,11 +341,24 @@ class Pool:
                 problems.append(f"pfns {sorted(lost)[:8]} are held but nowhere (leaked)")
             if ghosts:
                 problems.append(f"pfns {sorted(ghosts)[:8]} are listed but not held")
-        if len(self.pages) + self.leased > self.budget_pages:
-            problems.append(f"{len(self.pages)} pages held + {self.leased} leased exceed the "
-                            f"budget of {self.budget_pages}")
+        held = len(self.pages) + self.leased + len(self.retained)
+        if held > self.budget_pages:
+            problems.append(f"{len(self.pages)} pages held + {self.leased} leased + "
+                            f"{len(self.retained)} retained exceed the budget of "
+                            f"{self.budget_pages}")
+        if not 0 <= self.warm_min <= self.warm_max <= self.budget_pages:
+            problems.append(f"warm pool bounds {self.warm_min}..{self.warm_max} are not "
+                            f"within the budget of {self.budget_pages}")
         for pfn, page in self.pages.items():
             if page.released:
                 problems.append(f"pfn {pfn} holds a released page")
                 break
         return problems
+
+
+def _ignore_lease_breaks() -> None:
+    """The host backend probes retired pages with a momentary file lease; should anyone
+    open such a file during the probe, the kernel signals SIGIO, whose default action
+    would end the daemon."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGIO, signal.SIG_IGN)

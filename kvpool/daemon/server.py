@@ -323,6 +323,8 @@ class Server:
         if now >= self._next_liveness:
             self._next_liveness = now + self.cfg.liveness_s
             self._check_liveness(now)
+            if self.pool.recheck_retained():  # released pages a tenant kept, now gone
+                self._need_tick = True  # waiting grants may fit now
         if now >= self._next_watchdog:
             interval = self.notifier.watchdog_interval
             self._next_watchdog = now + (interval or 3600.0)

@@ -179,6 +179,19 @@ class Backend(abc.ABC):
     def release(self, page: Page) -> None:
         """Drop this process's reference to ``page``; mappings keep their memory."""
 
+    def retire(self, page: Page) -> Page | None:
+        """Release ``page`` for good, as its last owner: returns a *probe* (a Page to
+        :meth:`release` later) while other processes still reference its memory, so the
+        caller can keep charging for it (:meth:`referenced`); None when nothing else
+        does, or when this backend cannot tell (then the page is simply released)."""
+        self.release(page)
+        return None
+
+    def referenced(self, probe: Page) -> bool | None:
+        """Whether any other process still holds the memory behind ``probe`` (a
+        descriptor or a mapping); None when this backend cannot tell."""
+        return None
+
     # ---- mappings -----------------------------------------------------------------
     @abc.abstractmethod
     def map_pages(

@@ -10,6 +10,14 @@
   and no other mmap can land in the hole;
 * zero punches a hole in the memfd (the memory really goes back to the kernel, and the
   next touch reads zeros); release closes this process's fd.
+* a page's handle is its own *open file description* (the memfd reopened through
+  ``/proc/self/fd``), so the kernel counts it in the inode's writer count; whoever
+  receives it (``export``, SCM_RIGHTS) shares that description. ``retire`` and
+  ``referenced`` use that count: a write lease (``F_SETLEASE``) is granted only when
+  the caller's description is the inode's only open one, and a mapping holds its
+  description, so one momentary lease on a private probe answers "does any process
+  still hold a descriptor or a mapping of this page?" exactly, with no access to other
+  processes' ``/proc`` (``st_nlink``/``st_blocks`` say nothing about references).
 
 Memory is back when the last fd and the last mapping (in any process) are gone.
 """
@@ -68,6 +76,11 @@ def _errno_error(op: str, what: str) -> VmmError:
     if err == errno.ENOMEM:
         return OutOfMemory(op, text)
     return InvalidArgument(op, text)
+
+
+def _reopen(fd: int) -> int:
+    """A new open file description of the memfd behind ``fd`` (read-write)."""
+    return os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
 
 
 def read_max_map_count() -> int:
@@ -144,7 +157,12 @@ class HostBackend(Backend):
         except OSError as e:
             os.close(fd)
             raise OutOfMemory("create_page", f"sizing memfd to {self.page_size}: {e}") from e
-        return Page(handle=fd, size=self.page_size)
+        try:
+            counted = _reopen(fd)  # memfd_create's own description is not counted
+        except OSError:
+            return Page(handle=fd, size=self.page_size)  # no /proc: referenced() -> None
+        os.close(fd)
+        return Page(handle=counted, size=self.page_size)
 
     def export(self, page: Page) -> int:
         self._check_live("export", page)
@@ -183,6 +201,33 @@ class HostBackend(Backend):
         self._check_live("release", page)
         page.released = True
         os.close(page.handle)
+
+    def retire(self, page: Page) -> Page | None:
+        self._check_live("retire", page)
+        try:
+            probe = Page(handle=_reopen(page.handle), size=page.size)
+        except OSError:
+            self.release(page)
+            return None
+        self.release(page)
+        if self.referenced(probe):
+            return probe
+        self.release(probe)
+        return None
+
+    def referenced(self, probe: Page) -> bool | None:
+        """True while a descriptor or mapping of the page exists besides ``probe`` (in
+        any process); None when the kernel refuses the probe (leases disabled, or a
+        memfd this user does not own)."""
+        self._check_live("referenced", probe)
+        try:
+            fcntl.fcntl(probe.handle, fcntl.F_SETLEASE, fcntl.F_WRLCK)
+        except OSError as e:
+            if e.errno in (errno.EAGAIN, errno.EBUSY):
+                return True
+            return None
+        fcntl.fcntl(probe.handle, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+        return False
 
     def resident_bytes(self, page: Page) -> int:
         """Bytes of ``page`` backed by memory now (shmem blocks in use)."""
