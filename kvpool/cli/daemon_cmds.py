@@ -157,6 +157,8 @@ def ps(run_dir, as_json):
             state.append(f"asked {format_size(t.asked)}")
         if t.waiting:
             state.append(f"waiting {format_size(t.waiting)}")
+        if t.retained:  # released pages it still holds a descriptor or mapping of
+            state.append(f"retained {format_size(t.retained)}")
         table.add_row(str(t.id), t.name or "(unregistered)", str(t.pid), t.kind,
                       format_size(t.mapped), format_size(t.in_use), format_size(t.reserve),
                       format_size(t.lease), format_size(t.share), format_size(t.min),

@@ -66,6 +66,8 @@ def test_released_pages_a_tenant_keeps_stay_inside_the_budget(start_daemon, keep
         wait_for(lambda: d.stats().pool.dirty == 0, what="released pages retired")
         row = tenant_row(d, "keeper")
         assert row.retained == BUDGET * PAGE and row.mapped == 0
+        line = next(x for x in d.cli("ps").stdout.splitlines() if "keeper" in x)
+        assert "retained" in line  # the operator sees it too
         pool = d.stats().pool
         assert pool.retained == BUDGET * PAGE
         assert pool.granted + pool.warm + pool.dirty + pool.leased + pool.retained <= pool.budget
