@@ -6,7 +6,15 @@
 
 :meth:`Connection.call` sends one request and waits for the reply with the same id;
 replies of other ids (a request that timed out earlier) are dropped, unsolicited
-messages are queued for :meth:`Connection.poll`. One lock serialises calls, so any
+messages are queued for :meth:`Connection.poll`.
+
+Before anything is sent, the daemon is authenticated (``UntrustedDaemon`` otherwise):
+the run directory must be owned by a trusted uid and writable by nobody else (so only
+that uid can have created ``control.sock``), and the process behind ``pages.sock``
+must run as a trusted uid (``SO_PEERCRED``): root, this process's uid, the ``kvpool``
+system user, or ``$KVPOOL_DAEMON_UID`` (see :func:`kvpool.paths.trusted_daemon_uids`).
+The listener behind ``control.sock`` is checked the same way with one plain connect,
+which also tells a dead daemon (refused, missing) at once. One lock serialises calls, so any
 thread may call; the daemon serialises requests anyway. For a grant, the daemon sends
 the descriptors before the reply (see :mod:`kvpool.protocol`), so once ``Granted``
 arrives the descriptors are read from the fd channel without waiting.
@@ -16,8 +24,10 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import select
 import socket
+import stat
 import threading
 import time
 from pathlib import Path
@@ -31,35 +41,21 @@ from kvpool.client_lib.errors import DaemonUnavailable, KvpoolError, from_reply
 SLICE_S = 0.1  # while waiting for a reply, look for the daemon's death this often
 
 
+class UntrustedDaemon(DaemonUnavailable):
+    """Something other than a trusted daemon serves the run directory (``UNAUTHORIZED``)."""
+
+
 class Connection:
     def __init__(self, run_dir: Path, timeout_s: float = 10.0, fd_channel: bool = True):
         self.run_dir = run_dir
         self.timeout_ms = int(timeout_s * 1000)
         self.hello: p.FdHello | None = None
         self.token = ""
+        trusted = self._check_run_dir(run_dir)
+        self._check_control_peer(run_dir, trusted, timeout_s)
         self.fdsock: socket.socket | None = None
         if fd_channel:
-            try:
-                self.fdsock = fdchannel.connect(str(paths.pages_path(run_dir)))
-            except OSError as e:
-                raise DaemonUnavailable(
-                    p.INTERNAL, f"no kvpool daemon at {run_dir} ({e.strerror or e}); "
-                    f"start one with `kvpool daemon --run-dir {run_dir}`"
-                ) from None
-            self.fdsock.settimeout(timeout_s)
-            data = self.fdsock.recv(fdchannel.MAX_DATA)
-            if not data:
-                raise DaemonUnavailable(p.INTERNAL, "the daemon closed the fd channel")
-            self.hello = p.decode_hello(data)
-            if self.hello.version != p.VERSION:
-                raise KvpoolError(p.VERSION_MISMATCH, f"daemon speaks protocol "
-                                  f"{self.hello.version}, this client {p.VERSION}")
-            self.token = self.hello.token
-        if not paths.control_path(run_dir).exists():
-            if self.fdsock is not None:
-                self.fdsock.close()
-            raise DaemonUnavailable(p.INTERNAL, f"no kvpool daemon at {run_dir} (no "
-                                    f"{paths.CONTROL_SOCKET})")
+            self.fdsock = self._open_fd_channel(run_dir, trusted, timeout_s)
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -69,6 +65,92 @@ class Connection:
         self._unsolicited: list[p.Reply] = []
         self.closed = False
         self.daemon_gone = False
+
+    # ---- authenticating the daemon ------------------------------------------------------
+    @staticmethod
+    def _check_run_dir(run_dir: Path) -> set[int]:
+        """The trusted uids, after checking the run directory and its control socket."""
+        try:
+            trusted = paths.trusted_daemon_uids()
+        except ValueError as e:
+            raise UntrustedDaemon(p.UNAUTHORIZED, str(e)) from None
+        try:
+            paths.check_daemon_dir(run_dir, trusted)
+            control = os.lstat(paths.control_path(run_dir))
+        except FileNotFoundError:
+            raise DaemonUnavailable(p.INTERNAL, f"no kvpool daemon at {run_dir}") from None
+        except paths.UnsafePath as e:
+            raise UntrustedDaemon(p.UNAUTHORIZED, f"not trusting the daemon at {run_dir}: "
+                                  f"{e} (set KVPOOL_DAEMON_UID to trust its owner)") from None
+        except OSError as e:
+            raise DaemonUnavailable(p.INTERNAL, f"no kvpool daemon at {run_dir} "
+                                    f"({e.strerror or e})") from None
+        if not stat.S_ISSOCK(control.st_mode) or control.st_uid not in trusted:
+            raise UntrustedDaemon(p.UNAUTHORIZED, f"not trusting the daemon at {run_dir}: "
+                                  f"{paths.CONTROL_SOCKET} is not a socket of a trusted uid")
+        return trusted
+
+    @staticmethod
+    def _check_control_peer(run_dir: Path, trusted: set[int], timeout_s: float) -> None:
+        """Connect ``control.sock`` once as a plain stream socket: refused or missing means
+        no daemon (said at once, not after a request timeout); otherwise the listening
+        process's uid (``SO_PEERCRED``) must be trusted. ZeroMQ drops the probe silently."""
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            probe.settimeout(timeout_s)
+            probe.connect(str(paths.control_path(run_dir)))
+            _, uid, _ = fdchannel.peer_credentials(probe)
+        except (FileNotFoundError, ConnectionRefusedError):
+            raise DaemonUnavailable(p.INTERNAL, f"no kvpool daemon at {run_dir} (nothing "
+                                    f"listens on {paths.CONTROL_SOCKET})") from None
+        except OSError as e:
+            raise DaemonUnavailable(p.INTERNAL, f"no kvpool daemon at {run_dir} "
+                                    f"({e.strerror or e})") from None
+        finally:
+            probe.close()
+        if uid not in trusted:
+            raise UntrustedDaemon(
+                p.UNAUTHORIZED, f"not trusting the daemon at {run_dir}: the process serving "
+                f"{paths.CONTROL_SOCKET} runs as uid {uid}, not "
+                f"{', '.join(map(str, sorted(trusted)))} (set KVPOOL_DAEMON_UID to trust it)")
+
+    def _open_fd_channel(self, run_dir: Path, trusted: set[int],
+                         timeout_s: float) -> socket.socket:
+        """Connect ``pages.sock``, check the peer's uid, read the daemon's hello."""
+        try:
+            sock = fdchannel.connect(str(paths.pages_path(run_dir)))
+        except OSError as e:
+            raise DaemonUnavailable(
+                p.INTERNAL, f"no kvpool daemon at {run_dir} ({e.strerror or e}); "
+                f"start one with `kvpool daemon --run-dir {run_dir}`") from None
+        try:
+            _, uid, _ = fdchannel.peer_credentials(sock)
+            if uid not in trusted:
+                raise UntrustedDaemon(
+                    p.UNAUTHORIZED, f"not trusting the daemon at {run_dir}: the process "
+                    f"serving {paths.PAGES_SOCKET} runs as uid {uid}, not "
+                    f"{', '.join(map(str, sorted(trusted)))} (set KVPOOL_DAEMON_UID to "
+                    f"trust it)")
+            sock.settimeout(timeout_s)
+            data = sock.recv(fdchannel.MAX_DATA)
+            if not data:
+                raise DaemonUnavailable(p.INTERNAL, "the daemon closed the fd channel")
+            self.hello = p.decode_hello(data)
+            if self.hello.version != p.VERSION:
+                raise KvpoolError(p.VERSION_MISMATCH, f"daemon speaks protocol "
+                                  f"{self.hello.version}, this client {p.VERSION}")
+            if self.hello.error:  # refused (a session cap): the daemon says why
+                raise KvpoolError(p.OVER_LIMIT, f"the daemon refused the session: "
+                                                f"{self.hello.error}")
+        except socket.timeout:
+            sock.close()
+            raise DaemonUnavailable(p.BUSY, f"the daemon at {run_dir} did not answer in "
+                                    f"{timeout_s:g} s") from None
+        except BaseException:
+            sock.close()
+            raise
+        self.token = self.hello.token
+        return sock
 
     # ---- requests -----------------------------------------------------------------
     def call(self, req: p.Request, timeout_ms: int | None = None,
@@ -120,17 +202,17 @@ class Connection:
         """Notice a dead daemon: its end of the fd channel reads EOF."""
         if self.fdsock is None or self.daemon_gone:
             return
-        readable, _, _ = select.select([self.fdsock], [], [], 0)
-        if readable:
-            try:
-                with contextlib.suppress(BlockingIOError):
-                    self.fdsock.setblocking(False)
-                    if self.fdsock.recv(1, socket.MSG_PEEK) == b"":
-                        self.daemon_gone = True
-            except OSError:
+        poller = select.poll()  # not select.select: descriptors past 1024 are ordinary here
+        poller.register(self.fdsock.fileno(), select.POLLIN)
+        if not poller.poll(0):
+            return  # nothing queued: the daemon is there
+        try:
+            if self.fdsock.recv(1, socket.MSG_PEEK) == b"":
                 self.daemon_gone = True
-            finally:
-                self.fdsock.settimeout(self.timeout_ms / 1000)
+        except (BlockingIOError, InterruptedError, socket.timeout):
+            pass
+        except OSError:
+            self.daemon_gone = True
 
     def _recv_fds(self, id: int, total: int) -> list[int]:
         assert self.fdsock is not None

@@ -210,16 +210,8 @@ def test_connection_demultiplexes_unsolicited_and_stale_replies(tmp_path):
     router = ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
     router.bind(paths.control_endpoint(tmp_path))
-    import threading
-
-    # the client authenticates the daemon on pages.sock first (uid, hello)
-    listener = fdchannel.listen(str(paths.pages_path(tmp_path)))
-    hello = threading.Thread(target=lambda: listener.accept()[0].send(
-        p.encode(p.FdHello(p.VERSION, "tok", "host", 0, 4096))))
-    hello.start()
     conn = Connection(tmp_path, timeout_s=5, fd_channel=False)
-    hello.join()
-    listener.close()
+    import threading
 
     def serve():
         ident, frame = router.recv_multipart()

@@ -76,6 +76,7 @@ def test_run_dir_resolution(monkeypatch, tmp_path):
     assert paths.run_dir() == tmp_path / "env"
     monkeypatch.delenv("KVPOOL_RUN_DIR")
     monkeypatch.setattr(paths, "SYSTEM_RUN_DIR", str(tmp_path / "missing"))
+    monkeypatch.setattr(paths.os, "geteuid", lambda: 1000)  # root never falls back
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     assert paths.run_dir() == tmp_path / "kvpool"
     monkeypatch.delenv("XDG_RUNTIME_DIR")
