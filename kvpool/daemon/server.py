@@ -34,7 +34,7 @@ import zmq
 from kvpool import fdchannel, paths
 from kvpool import protocol as p
 from kvpool.daemon import fdqueue
-from kvpool.daemon.arbiter import Arbiter, Outcome
+from kvpool.daemon.arbiter import Arbiter, Fail, Outcome
 from kvpool.daemon.auth import is_admin, peer_groups
 from kvpool.daemon.config import Config
 from kvpool.daemon.notify import Notifier
@@ -90,7 +90,6 @@ class Server:
         self._out: dict[int, fdqueue.Outbound] = {}  # tenant id -> fd messages still to send
         self._parked: dict[int, fdqueue.Parked] = {}  # tenant id -> Adopt awaiting its fds
         self._discard: list | None = None  # [identity, frames read] of a refused message
-        self._drain_buf = bytearray(64)
 
     # ---- setup / teardown -----------------------------------------------------------
     def start(self) -> None:
@@ -384,11 +383,10 @@ class Server:
 
     def _drain(self) -> bool:
         """Discard up to :data:`DRAIN_SLICE` frames of a refused message; True once done."""
-        buf = self._drain_buf
         for _ in range(DRAIN_SLICE):
-            self.router.recv_into(buf, flags=zmq.NOBLOCK)
+            frame = self.router.recv(zmq.NOBLOCK, copy=False)  # (freed at once)
             self._discard[1] += 1
-            if not self.router.getsockopt(zmq.RCVMORE):
+            if not frame.more:
                 log.warning("discarded a control message of %d frames", self._discard[1])
                 self._discard = None
                 return True
@@ -469,6 +467,9 @@ class Server:
                 self._drop(t, f"{q.fds} descriptors queued on its fd channel")
                 return
             self._flush(t)
+            return
+        if out.send:  # the session ended while the grant waited: nothing to pair it with
+            self._reply(envelope, p.error(req_id, p.BUSY, "the session was dropped"))
             return
         self._reply(envelope, out.reply)
         if out.end_session and t is not None:
@@ -610,12 +611,24 @@ class Server:
             log.warning("fd-channel session failed: %s", e)
             self._close_session(conn, pidfd)
             return
+        except Fail as e:  # a session cap: the peer reads why in its hello, then EOF
+            log.warning("session of pid %d uid %d refused: %s", pid, uid, e)
+            with contextlib.suppress(OSError):
+                conn.send(p.encode(p.FdHello(p.VERSION, "", self.backend.name,
+                                             self.backend.device, self.pool.page_size,
+                                             error=str(e))))
+            self._close_session(conn, pidfd)
+            return
+        except Exception as e:  # a bug must not stop the daemon (nor leak the socket)
+            log.exception("fd-channel session failed: %s", e)
+            self._close_session(conn, pidfd)
+            return
         try:
             t.admin = is_admin(uid, peer_groups(pid, gid), self.admin_gid)
             conn.send(p.encode(p.FdHello(p.VERSION, t.token, self.backend.name,
                                          self.backend.device, self.pool.page_size)))
-        except OSError as e:
-            log.warning("fd-channel handshake failed: %s", e)
+        except Exception as e:  # (OSError, or a bug)
+            log.warning("fd-channel handshake failed: %s: %s", type(e).__name__, e)
             self.arbiter.drop(t, "handshake failed")
             self._close_session(conn, pidfd)
             return
