@@ -506,3 +506,71 @@ def test_threads_share_the_primary_context(backend):
         th.join()
     assert not errors, errors
     backend.free_range(rng)
+
+
+KEEPER = """
+b = CudaBackend()
+import torch
+from kvpool.client_lib.tensors import tensor_view
+msg, fds = hear()
+pages = [b.import_(fd) for fd in fds]
+for fd in fds:
+    os.close(fd)
+rng = b.reserve(len(pages) * 2 * MiB)
+b.map_pages(rng, 0, pages)
+for p in pages:
+    b.release(p)               # the mapping keeps them: a tenant that "released" them
+t = tensor_view(b, rng, torch.uint8)
+t.fill_(0x5A)
+torch.cuda.synchronize()
+say("written")
+hear()                         # the pages went to another tenant meanwhile
+seen = sorted(set(t.cpu().tolist()))
+t.fill_(0x66)                  # and writes through its kept mapping
+torch.cuda.synchronize()
+say({"seen": seen})
+hear()
+del t
+b.unmap(rng, 0, len(pages))
+b.free_range(rng)
+b.close()
+"""
+
+
+def test_a_page_changing_tenant_is_a_fresh_allocation(backend, torch_cuda):
+    """The daemon's pool on a real device: a tenant that keeps a mapping of pages it
+    released sees nothing of the next tenant's data, and its writes reach no one."""
+    from kvpool.daemon.pool import Pool
+
+    torch = torch_cuda
+    pool = Pool(backend, budget_pages=4, warm_min=0, warm_max=4)
+    first = pool.take(2, tenant=1)
+    child = Child(KEEPER)
+    fds = [backend.export(pool.pages[x]) for x in first]
+    child.send("pages", fds)
+    for fd in fds:
+        os.close(fd)
+    assert child.recv() == "written"
+    pool.give_back(first, tenant=1)
+    while pool.has_work():
+        pool.maintain(1.0)
+    assert pool.renewed == 2 and not set(first) & set(pool.pages)
+    second = pool.take(2, tenant=2)
+    rng = backend.reserve(4 * MiB)
+    backend.map_pages(rng, 0, [pool.pages[x] for x in second])
+    t = view(backend, rng)
+    assert int(t.count_nonzero()) == 0, "a fresh page is zeroed"
+    t.fill_(0x42)
+    torch.cuda.synchronize()
+    child.send("look")
+    assert child.recv()["seen"] == [0x5A], "the kept mapping shows the next tenant's data"
+    assert sorted(set(t.cpu().tolist())) == [0x42], "the kept mapping wrote into a new page"
+    child.send("done")
+    rc, out, err = child.finish()
+    assert rc == 0, err
+    del t
+    backend.unmap(rng, 0, 2)
+    backend.free_range(rng)
+    pool.give_back(second, tenant=2)
+    assert pool.check() == []
+    pool.close()

@@ -23,6 +23,8 @@ How the protocol maps onto the driver:
   page is already "populated";
 * ``zero`` maps the page into a private one-page scratch reservation, runs
   ``cuMemsetD8Async`` on a backend-owned stream and synchronizes that stream.
+* ``retire`` is ``cuMemRelease``: a page that changes tenant is a new allocation (the
+  daemon's pool creates it), never one exported to the previous tenant.
 
 Every driver error becomes one of the typed errors of :mod:`kvpool.vmm.base`
 (``OUT_OF_MEMORY`` -> :class:`OutOfMemory`, ``INVALID_VALUE``/``INVALID_HANDLE`` ->
@@ -464,6 +466,15 @@ class CudaBackend(Backend):
         self._make_current("release")
         self._d("release", "cuMemRelease", page.handle, show=f"cuMemRelease({page.handle:#x})")
         page.released = True
+
+    def retire(self, page: Page) -> Page | None:
+        """``cuMemRelease``: the daemon's reference goes; the allocation is never handed
+        to anyone again (the pool replaces it with a fresh ``cuMemCreate``). A process
+        that kept an imported handle or a mapping keeps the physical memory alive, and
+        the driver offers no way to see that from here: it shows up only in the device's
+        free memory (``mem_info``), so there is no probe (None)."""
+        self.release(page)
+        return None
 
     # ---- mappings -----------------------------------------------------------------
     def map_pages(
