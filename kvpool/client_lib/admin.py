@@ -1,10 +1,10 @@
 """A monitor/admin connection (used by the CLI).
 
-Read-only ops (``ps``, ``stats``, ``map``, ``check``) need no session. Admin ops
-(``set_limit``, ``shutdown``) are decided from the caller's identity as the kernel reports
-it (``SO_PEERCRED``) on the fd channel, so the first admin op opens an fd-channel session
-and registers it as kind ``admin`` (not listed by ``ps``); the daemon checks that the
-peer is root, the daemon's user or in its admin group.
+Read-only ops (``ps``, ``stats``, ``map``, ``check``) need a registered session, so a
+monitor opens an fd-channel session and registers it as kind ``monitor`` (holds no
+memory, not listed by ``ps``). Admin ops (``set_limit``, ``shutdown``) are decided from
+the caller's identity as the kernel reports it (``SO_PEERCRED``) on that channel: the
+daemon checks that the peer is root, the daemon's user or in its admin group.
 """
 
 from __future__ import annotations
@@ -18,26 +18,27 @@ from kvpool.client_lib.connection import Connection
 
 
 class Monitor:
+    """One fd-channel session registered as kind ``monitor`` (it holds no memory and is
+    not listed by ``ps``): the daemon answers ``ps``/``stats``/``map``/``check`` only to
+    registered sessions, and decides admin ops from this session's peer credentials."""
+
     def __init__(self, run_dir: str | os.PathLike | None = None, timeout_s: float = 5.0):
         self.run_dir = paths.run_dir(run_dir)
         self.timeout_s = timeout_s
-        self.conn = Connection(Path(self.run_dir), timeout_s=timeout_s, fd_channel=False)
-        self._admin: Connection | None = None
+        self.conn = Connection(Path(self.run_dir), timeout_s=timeout_s)
+        try:
+            device = self.conn.hello.device if self.conn.hello is not None else 0
+            self.conn.call(p.Register(name="monitor", kind="monitor", device=device))
+        except BaseException:
+            self.conn.close()
+            raise
 
     def call(self, req: p.Request) -> p.Reply:
         return self.conn.call(req)[0]
 
     def admin_call(self, req: p.Request) -> p.Reply:
-        """Send an admin op over an fd-channel session (opened on first use)."""
-        if self._admin is None:
-            conn = Connection(Path(self.run_dir), timeout_s=self.timeout_s)
-            try:
-                conn.call(p.Register(name="admin", kind="admin"))
-            except BaseException:
-                conn.close()
-                raise
-            self._admin = conn
-        return self._admin.call(req)[0]
+        """Send an admin op (the daemon checks this session's peer is an admin)."""
+        return self.conn.call(req)[0]
 
     def ps(self) -> p.PsReply:
         return self.call(p.Ps())  # type: ignore[return-value]
@@ -68,13 +69,10 @@ class Monitor:
         return self.call(p.Check()).problems  # type: ignore[attr-defined]
 
     def close(self) -> None:
-        if self._admin is not None:
-            try:
-                self._admin.call(p.Bye())
-            except Exception:
-                pass
-            self._admin.close()
-            self._admin = None
+        try:
+            self.conn.call(p.Bye())
+        except Exception:
+            pass
         self.conn.close()
 
     def __enter__(self) -> "Monitor":

@@ -155,7 +155,8 @@ class Arbiter:
         t.lease_pages = 0
         t.ask = None
         self.reclaimer.forget(t)
-        self.recover_pids.discard(t.pid)
+        if t.arbitrated:  # a returning tenant's session ended: stop waiting for its pid
+            self.recover_pids.discard(t.pid)  # (a monitor of that pid says nothing)
         self.tenants.remove(t)
         log.info("tenant %d (%s, pid %d) dropped: %s; %d pages returned",
                  t.id, t.name or "-", t.pid, why, pages)
@@ -230,7 +231,7 @@ class Arbiter:
             raise Fail(p.VERSION_MISMATCH, f"client speaks protocol {r.version}, daemon {p.VERSION}")
         if t.registered:
             raise Fail(p.BAD_REQUEST, "session already registered")
-        if r.device != self.pool.backend.device:
+        if r.device != self.pool.backend.device and r.kind not in NO_MEMORY_KINDS:
             raise Fail(p.NOT_FOUND, f"device {r.device} is not served (this daemon serves "
                                     f"device {self.pool.backend.device})")
         if r.kind not in NO_MEMORY_KINDS:
@@ -344,7 +345,7 @@ class Arbiter:
                if w.tenant is t and isinstance(w.req, p.Grant) and w.req.group == g.id):
             raise Fail(p.BAD_REQUEST, f"a unit of group {g.id} is already being granted")
         self._admit(t, n, r.speculative)
-        if n > self.pool.available - self.reclaimer.waiting_pages:
+        if not self._fits(t, n, r.speculative):
             return self._defer(t, r, n)
         return self._grant_now(t, g, r)
 
@@ -358,6 +359,20 @@ class Arbiter:
             why += f" ({kept} released pages it still references count)" if kept else ""
             raise Fail(p.OVER_LIMIT, f"{t.name}: {t.held} + {n} pages would exceed its limit "
                                      f"of {t.cap_pages} pages{why}")
+
+    def _fits(self, t: Tenant, n: int, speculative: bool) -> bool:
+        """Whether ``n`` pages for ``t`` are served now rather than queued. They are when
+        free memory covers them beyond what waiters are owed; and also when free memory
+        covers them and ``t`` stays within its fair share: a request that fits is never
+        queued behind one that does not (the waiter's pages then come from reclaim,
+        which asks for what is missing at the next step). Speculative grants never take
+        pages a waiter could use."""
+        avail = self.pool.available
+        if n <= avail - self.reclaimer.waiting_pages:
+            return True
+        if speculative or n > avail or not self.reclaimer.waiters or t.ask is not None:
+            return False
+        return self.reclaimer.may_grow(t, n)  # its fair share (for a lease too)
 
     def _defer(self, t: Tenant, r: p.Request, n: int) -> Outcome:
         """Not enough free memory: wait for reclaim, when ``t`` is entitled to it."""
@@ -396,7 +411,7 @@ class Arbiter:
         if any(w.tenant is t for w in self.reclaimer.waiters):
             raise Fail(p.BUSY, "a request of this tenant is already waiting")
         self._admit(t, n, False)
-        if n > self.pool.available - self.reclaimer.waiting_pages:
+        if not self._fits(t, n, False):
             return self._defer(t, r, n)
         return self._lease_now(t, r, n)
 

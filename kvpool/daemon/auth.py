@@ -15,8 +15,9 @@ Rules:
 * ``register`` of a name configured with ``uids``/``group`` needs a peer with one of
   those uids or in that group (:func:`may_claim`); a memory-holding session cannot take
   a name another live one holds (the arbiter checks);
-* monitor ops (``ps``, ``stats``, ``map``, ``check``, ``ping``) are open to anyone who can
-  connect (read-only);
+* ``ping`` is open to anyone who can connect; the other read-only ops (``ps``,
+  ``stats``, ``map``, ``check``) need a registered session of any kind (a monitor
+  registers as kind ``monitor``): their replies are bounded, but not free to build;
 * admin ops (``set_limit``, ``shutdown``) need the token of a session whose peer is an
   *admin identity*: root, the daemon's own uid, or a member of ``admin_group``;
 * every other op needs the token of a registered tenant, sent from the ZeroMQ identity
@@ -86,9 +87,18 @@ def authorize(op: str, token: str, identity: bytes, tenants: Tenants) -> Tenant 
         if tenant is None:
             raise Denied("unknown session token (connect the fd channel first)")
         return tenant
-    if op in READ_ONLY_OPS:
+    if op == "ping":
         if token and tenant is None:
             raise Denied("unknown session token")
+        return tenant
+    if op in READ_ONLY_OPS:  # bounded but not free: only for registered sessions
+        if tenant is None:
+            raise Denied(f"{op} needs a registered session (connect the fd channel and "
+                         f"register, e.g. as kind 'monitor')")
+        if not tenant.registered:
+            raise Denied("session is not registered yet")
+        if tenant.identity != identity:
+            raise Denied("session token used from another connection")
         return tenant
     if op in p.ADMIN_OPS:
         if tenant is None:

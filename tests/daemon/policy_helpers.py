@@ -80,6 +80,14 @@ def restart(d: DaemonProc, expect_pid: int, next_group: int = 0, timeout: float 
     with open(d.log, "a") as f:
         d.proc = subprocess.Popen(list(d.proc.args), stdout=f, stderr=subprocess.STDOUT, cwd=REPO)
     wait_ready(d)
+    while True:  # the old daemon's socket files are still there: wait for the new one
+        try:
+            stats(d)
+            return
+        except KvpoolError:
+            assert d.proc.poll() is None, d.logs()
+            assert time.monotonic() < deadline + timeout, "the restarted daemon never answered"
+            time.sleep(0.05)
 
 
 def stats(d: DaemonProc) -> p.StatsReply:
