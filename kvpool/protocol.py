@@ -58,6 +58,7 @@ MAX_ID = (1 << 63) - 1
 MAX_GROUP_ID = (1 << 31) - 1  # group ids the daemon hands out (and accepts in an Adopt)
 MAP_REPLY_BYTES = 1 << 20  # a map reply stays about this small; the rest is paged
 MAP_BASES = 8  # region bases shown per group in a map reply
+MAP_GROUPS = 1024  # groups in one map reply, at most
 
 # ---- error codes (stable: clients and scripts match on them) ---------------------
 BAD_REQUEST = "BAD_REQUEST"  # undecodable, invalid, or inconsistent with the state
@@ -212,6 +213,7 @@ class MapReq(Request, tag="map"):
     tenant: Optional[Annotated[str, Meta(max_length=MAX_NAME)]] = None
     pfns: bool = False
     after: Id = 0
+    limit: Annotated[int, Meta(ge=1, le=MAP_GROUPS)] = MAP_GROUPS  # groups per reply, at most
 
 
 class SetLimit(Request, tag="set_limit"):

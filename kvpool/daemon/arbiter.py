@@ -633,7 +633,7 @@ class Arbiter:
             cost = 128 + 10 * (len(runs) + min(len(g.bases), p.MAP_BASES))
             if r.pfns:
                 cost += 10 * g.pages + 10 * len(g.units)
-            if groups and size + cost > p.MAP_REPLY_BYTES:
+            if groups and (size + cost > p.MAP_REPLY_BYTES or len(groups) >= r.limit):
                 return p.MapReply(id=r.id, pool=self.pool_info(), groups=groups,
                                   next=groups[-1].id, truncated=len(ids) - n)
             size += cost
