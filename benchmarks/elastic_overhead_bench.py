@@ -138,9 +138,11 @@ def main() -> None:
             if args.model == "tiny":
                 model = make_tiny_model(tmp / "tiny", seed=0)
             else:
-                from gpu_models import make_model
+                from gpu_models import make_model, model_dir
 
-                model = make_model(tmp / args.model, args.model)
+                dtype = "bfloat16" if args.dtype == "auto" else args.dtype
+                model = make_model(model_dir(args.model, dtype, tmp / args.model), args.model,
+                                   dtype)
             results = []
             for layout in args.layouts.split(","):
                 engines = make_engines(model, cluster.run_dir, args, layout)

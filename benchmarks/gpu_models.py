@@ -13,6 +13,7 @@ Presets: ``tiny`` (the CPU benchmarks' model), ``llama-1b`` (16 layers, hidden 2
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -23,6 +24,13 @@ PRESETS = {
     "llama-1b": dict(layers=16, hidden=2048, heads=16, kv_heads=8, intermediate=5632,
                      vocab=32000),
 }
+
+
+def model_dir(preset: str, dtype: str, default: str | Path) -> Path:
+    """Where a preset's checkpoint lives: under $KVPOOL_BENCH_MODELS when set (shared by
+    the benchmarks of one gpu_check.sh run, written once), else ``default``."""
+    cache = os.environ.get("KVPOOL_BENCH_MODELS")
+    return Path(cache) / f"{preset}-{dtype}" if cache else Path(default)
 
 
 def make_model(path: str | Path, preset: str = "llama-1b", dtype: str = "bfloat16",
