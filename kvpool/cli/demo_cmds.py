@@ -19,9 +19,11 @@ import click
 @click.option("--mode", "modes", multiple=True, type=click.Choice(["static", "elastic"]),
               help="run only this mode (repeatable; default both)")
 @click.option("--no-live", is_flag=True, help="no live view (for logs and CI)")
+@click.option("--backend", type=click.Choice(["host", "cuda"]), default="host",
+              show_default=True, help="memory backend; cuda runs every server on the GPU")
 def demo(out_dir: str, budget: str, page_size: str, duration: float | None,
          peak_rate: float | None, base_rate: float | None, seed: int, modes: tuple[str, ...],
-         no_live: bool) -> None:
+         no_live: bool, backend: str) -> None:
     """Serve three small models on one (host) device twice — static partitions, then
     elastic sharing through a kvpool daemon — under a bursty workload, and compare."""
     from kvpool.demo.cluster import ClusterError
@@ -30,7 +32,7 @@ def demo(out_dir: str, budget: str, page_size: str, duration: float | None,
 
     try:
         cfg = DemoConfig(out_dir=Path(out_dir), budget=parse_size(budget),
-                         page_size=parse_size(page_size), live=not no_live)
+                         page_size=parse_size(page_size), live=not no_live, backend=backend)
     except ValueError as e:
         raise click.BadParameter(str(e)) from None
     w = cfg.workload

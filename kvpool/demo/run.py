@@ -58,6 +58,7 @@ class DemoConfig:
         peak_rate=8.0, prompt_range=(32, 384), output_range=(128, 256)))
     modes: tuple[str, ...] = MODES
     live: bool = True
+    backend: str = "host"  # the daemon's; "cuda" also puts every server on the GPU
 
     def model_dir(self, name: str) -> Path:
         return self.out_dir / "models" / name
@@ -86,11 +87,12 @@ def run_mode(cfg: DemoConfig, mode: str, console: Console) -> tuple[Replay, dict
     with Cluster(cfg.out_dir / "logs" / mode) as cluster:
         elastic = mode == "elastic"
         if elastic:
-            cluster.daemon(cfg.budget, cfg.page_size)
+            cluster.daemon(cfg.budget, cfg.page_size, backend=cfg.backend)
         size = cfg.budget if elastic else cfg.budget // len(cfg.models)
         env = {"KVPOOL_IDLE_TIMEOUT": str(cfg.idle_timeout_s)}
         servers = {m: cluster.serve(m, cfg.model_dir(m), size, elastic, env=env,
-                                    extra=("--max-num-seqs", str(cfg.max_num_seqs),
+                                    extra=("--device", "cuda" if cfg.backend == "cuda"
+                                           else "cpu", "--max-num-seqs", str(cfg.max_num_seqs),
                                            "--block-size", str(cfg.block_size)))
                    for m in cfg.models}
         cluster.wait_healthy()
