@@ -66,6 +66,7 @@ class Arbiter:
         self.reclaimer = Reclaimer(self, cfg.reclaim_timeout_s)
         self.groups: dict[int, Group] = {}  # every live group, by id (all tenants)
         self.recover_pids: set[int] = set()  # tenants of a previous daemon, not back yet
+        self.recover_names: dict[str, int] = {}  # their names -> pids (kept for them)
         self.recover_until = 0.0
         self._envelope: list[bytes] = []
         self.started = time.monotonic()
@@ -261,6 +262,10 @@ class Arbiter:
             why = may_claim(name, self.cfg.tenants[name], t.uid, t.peer_gids or {t.gid})
             if why:
                 raise Fail(p.UNAUTHORIZED, why)
+        owner = self.recover_names.get(name)
+        if self.recovering and owner in self.recover_pids and owner != t.pid:
+            raise Fail(p.UNAUTHORIZED, f"tenant name {name!r} is kept for pid {owner}, a "
+                                       f"tenant of the previous daemon, until it returns")
         holders = [x for x in self.tenants.named(name) if x is not t]
         if holders:
             h = holders[0]

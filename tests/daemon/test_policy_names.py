@@ -94,3 +94,39 @@ def test_a_configured_name_is_claimed_only_by_its_uids_or_group(start_daemon, tm
         assert t.min == 8 * PAGE and t.weight == 5
     finally:
         vip.close()
+
+
+def test_a_returning_tenants_name_is_kept_for_it_during_recovery(start_daemon, tmp_path):
+    from .policy_helpers import restart
+
+    cfg = tmp_path / "kvpool.toml"
+    cfg.write_text("recover_timeout_s = 120\n")
+    d = start_daemon(budget=str(16 * PAGE), extra=("--config", str(cfg)))
+    before = session(d, "llama")
+    restart(d, os.getpid())
+    before.close()
+    # another process grabs the name while the daemon waits for the real llama: refused
+    out = subprocess.run([sys.executable, "-c", CLAIM, str(d.run_dir), "llama"],
+                         capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert out.stdout.strip() == p.UNAUTHORIZED, out
+    back = session(d, "llama")  # the returning pid gets it
+    back.close()
+
+
+def test_set_limit_says_how_many_tenants_of_that_name_are_connected(start_daemon):
+    d = start_daemon(budget=str(16 * PAGE))
+    t = session(d, "engine1")
+    try:
+        with d.monitor() as m:
+            assert m.set_limit("nosuch", 4 * PAGE).tenants == 0  # stored for later
+            assert m.set_limit("monitor", 4 * PAGE).tenants == 0  # a monitor is no tenant
+            got = m.set_limit("engine1", 4 * PAGE)
+            assert got.tenants == 1 and got.applied
+    finally:
+        t.close()
+    late = session(d, "nosuch")  # the stored limit applies when one registers
+    try:
+        (info,) = [x for x in stats(d).tenants if x.name == "nosuch"]
+        assert info.max == 4 * PAGE
+    finally:
+        late.close()
