@@ -7,8 +7,9 @@ row is reported as a ratio to its baseline.
   released page (recycled as is); fresh from the warm pool (what an idle daemon has
   ready); fresh created on the grant path (warm pool empty: retire + create).
 * ``tenant``: the tenant's part, import + map with populate (first touch) of one page —
-  baseline: a page that is resident already (recycled); a fresh page (the kernel or the
-  driver zero-fills it at first touch, or ``zero`` did at creation).
+  baseline: a page that is resident already (recycled); the same page zeroed in place
+  (the old way a page changed tenant); a fresh page (the kernel zero-fills it at first
+  touch on host; on CUDA ``zero`` did at creation).
 * ``idle``: what idle maintenance spends per released page — retire (with the
   still-referenced probe on host) + create a fresh warm page; baseline: the old scrub
   (``zero``, punch a hole / memset, and reuse).
@@ -81,7 +82,7 @@ def tenant_side(b, rounds: int) -> dict[str, list[int]]:
     b.unmap(rng, 0)
     b.release(first)
     os.close(fd)
-    s: dict[str, list[int]] = {"recycled": [], "fresh": []}
+    s: dict[str, list[int]] = {"recycled": [], "zeroed_reused": [], "fresh": []}
 
     def cycle(page) -> int:
         fd = b.export(page)
@@ -96,6 +97,8 @@ def tenant_side(b, rounds: int) -> dict[str, list[int]]:
 
     for _ in range(rounds):
         s["recycled"].append(cycle(resident))
+        b.zero(resident)  # the old way a page changed tenant: zeroed in place
+        s["zeroed_reused"].append(cycle(resident))
         page = b.create_page()
         if b.name != "host":
             b.zero(page)  # the pool zeroes device pages at creation, off the grant path
