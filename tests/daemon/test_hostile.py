@@ -1,22 +1,32 @@
-"""Ten thousand hostile control messages: each gets an error reply, a live tenant keeps
-being served, and afterwards no page has leaked and the daemon's invariants hold."""
+"""Ten thousand hostile control messages over all 17 request types, while two hostile
+fd-channel peers misbehave (one never reads its descriptors, one announces Adopt
+descriptors it never sends): each message gets an error reply, a live tenant keeps being
+served, and afterwards the daemon is alive, no page has leaked, its invariants hold, and
+its descriptor count and memory are back near where they started."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvpool import paths
+from kvpool import fdchannel, paths
 from kvpool import protocol as p
 
 from .helpers import PAGE, read_event
+from .rawpeer import RawPeer, daemon_usage
 
 N_MESSAGES = 10_000
-TENANT_OPS = ["grant", "release", "report", "create_group", "destroy_group", "bye"]
-ALL_OPS = ["register", *TENANT_OPS, "ping", "ps", "stats", "map", "set_limit", "check"]
+BUDGET_PAGES = 1024
+SINK_PAGES = 400  # more fd messages than a socket buffer holds
+TENANT_OPS = ["grant", "release", "report", "create_group", "destroy_group", "bye",
+              "lease", "reclaimed", "adopt"]
+ALL_OPS = ["register", *TENANT_OPS, "ping", "ps", "stats", "map", "set_limit", "check",
+           "shutdown"]
+assert sorted(ALL_OPS) == sorted(t.__struct_config__.tag for t in p.REQUESTS)  # all covered
 
 # A field spec per op: name -> kind ("int", "list", "str", "bool", "oint", "olist", "ostr")
 FIELDS = {
@@ -28,6 +38,9 @@ FIELDS = {
     "report": {"group": "int", "in_use": "oint", "reserve": "olist"},
     "map": {"tenant": "ostr", "pfns": "bool"},
     "set_limit": {"tenant": "str", "max": "int"},
+    "lease": {"bytes": "huge"},
+    "reclaimed": {"seq": "int", "freed": "oint"},
+    "adopt": {"groups": "groups", "lease": "huge", "nfds": "zero"},
 }
 for op in ALL_OPS:
     FIELDS.setdefault(op, {})
@@ -50,11 +63,21 @@ WRONG = {
     "ostr": st.one_of(ints, st.lists(st.text(max_size=3), max_size=2), st.binary(max_size=4),
                       st.text(min_size=p.MAX_NAME + 1, max_size=p.MAX_NAME + 10)),
     "bool": st.one_of(ints, st.text(max_size=3), st.none()),
+    "huge": st.one_of(st.text(max_size=8), st.floats(), st.integers(-(2**63), -1),
+                      st.integers(p.MAX_BYTES + 1, 2**64 - 1)),
+    "zero": st.one_of(st.text(max_size=8), st.integers(-(2**63), -1),
+                      st.integers((1 << 20) + 1, 2**64 - 1)),
+    "groups": st.one_of(ints, st.text(max_size=8), st.lists(ints, min_size=1, max_size=3),
+                        st.lists(st.fixed_dictionaries({"id": st.integers(-5, 0),
+                                                        "n_regions": st.integers(1, 2),
+                                                        "capacity": st.just(PAGE)}),
+                                 min_size=1, max_size=2)),
 }
 GOOD = {
     "int": st.integers(0, 100), "oint": st.integers(0, 100), "list": st.lists(st.integers(0, 7), max_size=3),
     "olist": st.lists(st.integers(0, 7), max_size=3), "str": st.just("x"), "ostr": st.just("x"),
-    "bool": st.booleans(),
+    "bool": st.booleans(), "huge": st.integers(2**40, p.MAX_BYTES),  # (past the budget)
+    "zero": st.just(0), "groups": st.just([]),
 }
 
 
@@ -135,7 +158,8 @@ def hostile(env: Env):
                   "release": {"group": env.attacker_group, "units": [0]},
                   "report": {"group": env.attacker_group},
                   "create_group": {"n_regions": 1, "capacity": PAGE},
-                  "destroy_group": {"group": env.attacker_group}, "bye": {}}[op]
+                  "destroy_group": {"group": env.attacker_group}, "bye": {},
+                  "lease": {"bytes": PAGE}, "reclaimed": {"seq": 1}, "adopt": {}}[op]
         return ("anon", [p.encode({"op": op, **with_header(fields, rid, token)})], rid)
 
     @st.composite
@@ -201,11 +225,13 @@ def hostile(env: Env):
 
 
 def test_ten_thousand_hostile_messages(start_daemon, tmp_path):
-    d = start_daemon(budget=str(256 * PAGE))
+    d = start_daemon(budget=str(BUDGET_PAGES * PAGE), extra=("--warm-max", "0"))  # (fds: pages)
     stop = tmp_path / "stop"
     victim = d.worker("churn", "--name", "victim", "--seconds", "600", "--until-file", str(stop),
                       "--max-blocks", "48", "--low", "0", "--high", "1", "--pace-ms", "0.5")
     read_event(victim, "ready")
+    fds0, rss0 = daemon_usage(d.pid)
+    sink, adopter = fd_channel_attackers(d)
     ctx = zmq.Context.instance()
     env = Env()
     with d.connect("attacker") as attacker:
@@ -243,6 +269,10 @@ def test_ten_thousand_hostile_messages(start_daemon, tmp_path):
                        "units": list(range(2, 2 + p.MAX_UNITS))})],
             [b"\x81" + b"x" * (p.MAX_FRAME + 10)],
             [p.encode({"op": "ps", "id": 3, "token": "", "pad": "y" * (p.MAX_FRAME + 1)})],
+            [p.encode({"op": "adopt", "id": 4, "token": env.attacker_token, "nfds": 3})],
+            [p.encode({"op": "lease", "id": 5, "token": env.attacker_token, "bytes": p.MAX_BYTES})],
+            [p.encode({"op": "shutdown", "id": 6, "token": ""})],  # no admin session
+            [p.encode({"op": "ping", "id": 7})] * 100_000,  # refused unbuffered
         ):
             with attacker.conn._lock:
                 reply = send(env, frames, True)
@@ -258,6 +288,7 @@ def test_ten_thousand_hostile_messages(start_daemon, tmp_path):
             (v,) = [t for t in m.ps().tenants if t.name == "victim"]
             assert v.registered
         env.anon.close()
+    check_fd_channel_attackers(d, sink, adopter)
     stop.touch()
     done = read_event(victim, "done")
     assert victim.wait(20) == 0
@@ -266,4 +297,49 @@ def test_ten_thousand_hostile_messages(start_daemon, tmp_path):
     s = d.stats()
     assert s.pool.granted == 0 and not s.tenants, s
     assert s.errors >= N_MESSAGES
+    deadline = time.monotonic() + 30  # (pages the sink never took are retained until
+    while daemon_usage(d.pid)[0] > fds0 + 2 and time.monotonic() < deadline:  # its socket
+        time.sleep(0.1)  # is gone, then freed on the daemon's liveness timer)
+    fds, rss = daemon_usage(d.pid)
+    assert fds <= fds0 + 2, (fds0, fds)  # every session's and page's descriptor closed
+    assert rss < rss0 + (48 << 20), (rss0, rss)
     print(f"{env.sent} hostile messages in {elapsed:.1f} s; victim: {done}")
+
+
+def fd_channel_attackers(d) -> tuple[RawPeer, RawPeer]:
+    """A peer pipelining 400 one-page grants and never reading a descriptor (its socket
+    fills after a few hundred), and one whose Adopt announces 4 descriptors and sends 1."""
+    sink = RawPeer(d.run_dir)
+    sink.register("sink")
+    gid = sink.group(SINK_PAGES, PAGE)
+    for u in range(SINK_PAGES):
+        sink.send(p.Grant(group=gid, units=[u]))
+    adopter = RawPeer(d.run_dir)
+    adopter.register("adopter")
+    rid = adopter.adopt_id = adopter.send(p.Adopt(nfds=4))
+    fd = os.memfd_create("not-a-page")
+    try:
+        fdchannel.send_fds(adopter.fd, p.encode(p.FdHeader(rid, 4, 0)), [fd])
+    finally:
+        os.close(fd)
+    return sink, adopter
+
+
+def check_fd_channel_attackers(d, sink: RawPeer, adopter: RawPeer) -> None:
+    """The Adopt was refused; the sink was dropped (its socket stayed full)."""
+    while True:
+        reply = adopter.recv(30)
+        if reply.id == adopter.adopt_id:
+            assert isinstance(reply, p.Error), reply
+            assert reply.code in (p.BAD_REQUEST, p.UNAUTHORIZED), reply
+            break
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        with d.monitor() as m:
+            if not [t for t in m.ps().tenants if t.name == "sink"]:
+                break
+        time.sleep(0.1)
+    else:
+        raise AssertionError("the peer that never reads its fd channel was not dropped")
+    sink.close()
+    adopter.close()
