@@ -83,7 +83,10 @@ def start_daemon(budget: str = "4MiB", page_size: int = 65536, run_dir: Path | N
 
 
 def restart_daemon(d: Daemon) -> Daemon:
-    d.stop()
+    """Crash the daemon (SIGKILL: its restart state stays) and start a new one in its place;
+    the tenants reconnect and adopt what they map."""
+    d.proc.kill()
+    d.proc.wait()
     return start_daemon(d.args[d.args.index("--budget") + 1],
                         int(d.args[d.args.index("--page-size") + 1]), d.run_dir)
 
