@@ -76,6 +76,21 @@ run_dir_option = click.option(
 json_option = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 
 
+# configuration keys set by `kvpool daemon` flags (named so in error messages)
+DAEMON_FLAGS = {"backend": "--backend", "device": "--device", "budget": "--budget",
+                "page_size": "--page-size", "warm_min": "--warm-min", "warm_max": "--warm-max",
+                "run_dir": "--run-dir", "log_level": "--log-level",
+                "socket_group": "--socket-group", "admin_group": "--admin-group",
+                "reclaim_timeout_s": "--reclaim-timeout"}
+
+
+def _config_exit(e) -> None:
+    """Invalid configuration: one line per problem on stderr, exit status 2."""
+    for line in e.problems:
+        click.echo(f"Error: configuration: {line}", err=True)
+    sys.exit(2)
+
+
 @click.command()
 @click.option("--backend", type=click.Choice(["auto", "host", "cuda"]), default=None,
               help="Memory backend (default auto: cuda if usable, else host).")
@@ -104,16 +119,17 @@ def daemon(backend, device, budget, page_size, warm_min, warm_max, run_dir, sock
     """Run the kvpool daemon in the foreground (systemd: Type=notify)."""
     import logging
 
-    from kvpool.daemon.config import Config
+    from kvpool.daemon.config import Config, ConfigError
     from kvpool.daemon.server import Server, StartupError
 
     try:
-        cfg = Config.load(config_path, backend=backend, device=device, budget=budget,
-                          page_size=page_size, warm_min=warm_min, warm_max=warm_max,
-                          run_dir=run_dir, log_level=log_level, socket_group=socket_group,
-                          admin_group=admin_group, reclaim_timeout_s=reclaim_timeout_s)
-    except (ValueError, TypeError, OSError) as e:
-        raise click.ClickException(f"configuration: {e}") from None
+        cfg = Config.load(config_path, labels=DAEMON_FLAGS, backend=backend, device=device,
+                          budget=budget, page_size=page_size, warm_min=warm_min,
+                          warm_max=warm_max, run_dir=run_dir, log_level=log_level,
+                          socket_group=socket_group, admin_group=admin_group,
+                          reclaim_timeout_s=reclaim_timeout_s)
+    except ConfigError as e:
+        _config_exit(e)
     logging.basicConfig(
         level=cfg.log_level.upper(), stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s" if not as_json else
@@ -122,6 +138,8 @@ def daemon(backend, device, budget, page_size, warm_min, warm_max, run_dir, sock
 
     try:
         server = Server(cfg)
+    except ConfigError as e:  # what needs the device: the budget, tenants' min
+        _config_exit(e)
     except (ValueError, OSError, VmmError) as e:
         raise click.ClickException(str(e)) from None
     try:

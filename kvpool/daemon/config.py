@@ -1,4 +1,5 @@
-"""The daemon's configuration: one dataclass, filled from defaults, a TOML file and flags.
+"""The daemon's configuration: one dataclass, filled from defaults, a TOML file and flags,
+validated once at start against a typed schema.
 
 TOML layout (see ``systemd/kvpool.toml``)::
 
@@ -19,92 +20,179 @@ TOML layout (see ``systemd/kvpool.toml``)::
     min = "4GiB"
     max = "20GiB"
     weight = 2.0
+    uids = [1001]             # who may claim the name (and/or group = "llm"); empty: anyone
+
+Validation (:meth:`Config.load`): each value is converted with ``msgspec`` against the
+field's annotated type (``Meta`` bounds: timers finite and positive, counts at least 1,
+``device`` >= 0, ``weight`` in (0, 10000]) and sizes are parsed; every problem becomes
+one line of :class:`ConfigError`. What needs the device's memory (the budget against
+the device, tenants' ``min`` against the budget) is :meth:`Config.check_budget`, called
+where the backend is opened. A loaded :class:`Config` never makes the daemon raise later.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import grp
 import os
 import sys
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from kvpool.sizes import parse_size
+import msgspec
+from msgspec import Meta
+
+from kvpool.sizes import format_size, parse_size
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
 
+# ---- the schema's types ---------------------------------------------------------------
+Seconds = Annotated[float, Meta(gt=0, le=86400)]  # rejects nan and inf too
+Count = Annotated[int, Meta(ge=1, le=1 << 40)]
+Size = int | str  # checked by parse_size (see SIZE_RULES)
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+MAX_BYTES = 1 << 62
+
+
+class ConfigError(ValueError):
+    """Invalid configuration: ``problems`` holds one line per bad value."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("\n".join(problems))
+
 
 @dataclass
 class TenantPolicy:
-    """Arbitration knobs of a tenant (same meaning as cgroup-v2 memory.min/max/weight)."""
+    """Arbitration knobs of a tenant (same meaning as cgroup-v2 memory.min/max/weight),
+    and who may claim its name (``uids``, ``group``; both empty: anyone)."""
 
-    min: int | str = 0
-    max: int | str | None = None  # None: the daemon's default_max
-    weight: float = 1.0
-    uids: list[int] = field(default_factory=list)  # who may claim this name; empty: anyone
-    group: str | None = None  # members of this group may claim this name too
+    min: Size = 0
+    max: Size | None = None  # None: the daemon's default_max
+    weight: Annotated[float, Meta(gt=0, le=10000)] = 1.0
+    uids: list[Annotated[int, Meta(ge=0, le=(1 << 32) - 2)]] = field(default_factory=list)
+    group: str | None = None
 
 
 @dataclass
 class Config:
-    """Everything the daemon needs. Sizes may be strings until :meth:`resolve`."""
+    """Everything the daemon needs. Sizes may be strings until resolved against the
+    device (``budget``) or the budget (tenants' ``min``/``max``, ``default_max``)."""
 
-    backend: str = "auto"
-    device: int = 0
-    budget: int | str = "80%"
-    page_size: int | str | None = None  # None: the backend's default
+    backend: Literal["auto", "host", "cuda"] = "auto"
+    device: Annotated[int, Meta(ge=0, le=4096)] = 0
+    budget: Size = "80%"
+    page_size: Size | None = None  # None: the backend's default
     run_dir: str | None = None
-    socket_mode: int = 0o660
+    socket_mode: Annotated[int, Meta(ge=0, le=0o777)] = 0o660  # TOML 0o660, or "0660"
     socket_group: str | None = None
     admin_group: str | None = None  # besides root and the daemon's own uid
-    warm_min: int | str = 0
-    warm_max: int | str = "256MiB"
-    default_max: int | str = "100%"
+    warm_min: Size = 0
+    warm_max: Size = "256MiB"
+    default_max: Size = "100%"
     tenants: dict[str, TenantPolicy] = field(default_factory=dict)
     # timers (seconds)
-    tick_s: float = 0.02  # idle work granularity (warm pool refill/trim, zeroing)
-    liveness_s: float = 0.25  # how often to check tenant pids (pidfds cover most cases)
-    register_timeout_s: float = 10.0  # fd-channel sessions that never register are dropped
-    send_timeout_s: float = 2.0  # a tenant whose fd socket stays full this long is dropped
-    reclaim_timeout_s: float = 2.0  # deadline of reclaim asks and of requests waiting on them
-    recover_timeout_s: float = 5.0  # after a restart: how long grants wait for old tenants
-    log_level: str = "INFO"
+    tick_s: Seconds = 0.02  # idle work granularity (warm pool refill/trim, zeroing)
+    liveness_s: Seconds = 0.25  # how often to check tenant pids (pidfds cover most cases)
+    register_timeout_s: Seconds = 10.0  # fd-channel sessions that never register are dropped
+    send_timeout_s: Seconds = 2.0  # a tenant whose fd socket stays full this long is dropped
+    reclaim_timeout_s: Seconds = 2.0  # deadline of reclaim asks and of requests waiting on them
+    recover_timeout_s: Annotated[float, Meta(ge=0, le=86400)] = 5.0  # after a restart
+    log_level: str = "INFO"  # one of LOG_LEVELS, any case
     # caps (a session or tenant past one gets a clear refusal)
-    max_sessions_per_uid: int = 64
-    max_sessions: int = 1024
-    max_groups_per_tenant: int = 64
-    max_virtual_pages_per_tenant: int = 1 << 20
+    max_sessions_per_uid: Count = 64
+    max_sessions: Count = 1024
+    max_groups_per_tenant: Count = 64
+    max_virtual_pages_per_tenant: Count = 1 << 20
 
     @classmethod
-    def load(cls, path: str | os.PathLike | None = None, **overrides: Any) -> "Config":
-        """Defaults, then the TOML file at ``path``, then non-None ``overrides``."""
+    def load(cls, path: str | os.PathLike | None = None,
+             labels: dict[str, str] | None = None, **overrides: Any) -> "Config":
+        """Defaults, then the TOML file at ``path``, then non-None ``overrides`` (flags);
+        validated. ``labels`` names each override in messages (``{"budget": "--budget"}``).
+        Raises :class:`ConfigError` listing every bad value."""
         values: dict[str, Any] = {}
+        where: dict[str, str] = {}
         if path:
-            with open(path, "rb") as f:
-                values = tomllib.load(f)
-        values.update({k: v for k, v in overrides.items() if v is not None})
+            try:
+                with open(path, "rb") as f:
+                    values = tomllib.load(f)
+            except tomllib.TOMLDecodeError as e:
+                raise ConfigError([f"{path}: not valid TOML: {e}"]) from None
+            except OSError as e:
+                raise ConfigError([f"{path}: {e.strerror or e}"]) from None
+            where = {k: f"{path}: {k}" for k in values}
+        for key, value in overrides.items():
+            if value is not None:
+                values[key] = value
+                where[key] = (labels or {}).get(key, key)
+        return cls.from_dict(values, where)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any], where: dict[str, str] | None = None) -> "Config":
+        """Validate ``values`` (keys of this class) and build the Config."""
+        where = where or {}
+        problems: list[str] = []
         names = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(values) - names
+        unknown = sorted(set(values) - names)
         if unknown:
-            raise ValueError(f"unknown configuration keys: {', '.join(sorted(unknown))}")
-        tenants = values.pop("tenants", {}) or {}
-        if not isinstance(tenants, dict):
-            raise ValueError("[tenants] must be a table of tables")
-        cfg = cls(**values)
-        cfg.tenants = {}
-        for name, policy in tenants.items():
-            if isinstance(policy, TenantPolicy):
-                cfg.tenants[name] = policy
+            problems.append(f"unknown configuration keys: {', '.join(unknown)}")
+        hints = typing.get_type_hints(cls, include_extras=True)
+        out: dict[str, Any] = {}
+        for key in names & set(values):
+            label = where.get(key, key)
+            if key == "tenants":
+                out[key] = _tenants(values[key], problems)
                 continue
-            extra = set(policy) - {"min", "max", "weight", "uids", "group"}
-            if extra:
-                raise ValueError(f"[tenants.{name}]: unknown keys {', '.join(sorted(extra))}")
-            cfg.tenants[name] = TenantPolicy(**policy)
-        return cfg
+            value = _normalise(key, values[key])
+            try:
+                out[key] = msgspec.convert(value, hints[key], strict=True)
+            except msgspec.ValidationError as e:
+                problems.append(f"{label} = {_show(values[key])}: {_reason(e)}")
+                continue
+            problem = _check_value(key, out[key])
+            if problem:
+                problems.append(f"{label} = {_show(values[key])}: {problem}")
+        for key in ("socket_group", "admin_group"):
+            if isinstance(out.get(key), str) and not _group_exists(out[key]):
+                problems.append(f"{where.get(key, key)} = {out[key]!r}: no such group")
+        if problems:
+            raise ConfigError(problems)
+        return cls(**out)
+
+    def check_budget(self, total: int, page_size: int) -> int:
+        """The budget in bytes (whole pages) given the device's ``total`` memory; raises
+        :class:`ConfigError` when the budget exceeds the device or is under one page, or
+        the configured tenants' ``min`` add up to more than the budget."""
+        problems: list[str] = []
+        budget = parse_size(self.budget, total)
+        if budget > total:
+            problems.append(f"budget = {_show(self.budget)}: more than the device's "
+                            f"{format_size(total)}")
+        elif budget < page_size:
+            problems.append(f"budget = {_show(self.budget)}: less than one page "
+                            f"({format_size(page_size)})")
+        if problems:
+            raise ConfigError(problems)
+        budget = budget // page_size * page_size
+        mins = {n: parse_size(t.min, budget) for n, t in self.tenants.items()}
+        for name, policy in self.tenants.items():
+            if policy.max is not None and mins[name] > parse_size(policy.max, budget):
+                problems.append(f"tenants.{name}: min {format_size(mins[name])} is above "
+                                f"its max {format_size(parse_size(policy.max, budget))}")
+        if sum(mins.values()) > budget:
+            problems.append(f"tenants: the guaranteed min add up to "
+                            f"{format_size(sum(mins.values()))}, more than the budget "
+                            f"{format_size(budget)} (" + ", ".join(
+                                f"{n} {format_size(m)}" for n, m in mins.items() if m) + ")")
+        if problems:
+            raise ConfigError(problems)
+        return budget
 
     def resolve_pages(self, value: int | str, page_size: int, total: int) -> int:
         """A size (or ``Np`` page count) as a number of pages, rounded down."""
@@ -120,3 +208,118 @@ class Config:
         from kvpool.paths import run_dir
 
         return run_dir(self.run_dir)
+
+
+# ---- value checks -------------------------------------------------------------------------
+# which sizes may be a percentage, a page count ("16p"), must be > 0
+SIZE_RULES = {
+    "budget": dict(percent=True, pages=False, positive=True),
+    "page_size": dict(percent=False, pages=False, positive=True),
+    "warm_min": dict(percent=True, pages=True, positive=False),
+    "warm_max": dict(percent=True, pages=True, positive=False),
+    "default_max": dict(percent=True, pages=False, positive=True),
+    "min": dict(percent=True, pages=False, positive=False),
+    "max": dict(percent=True, pages=False, positive=True),
+}
+
+
+def _normalise(key: str, value: Any) -> Any:
+    if key == "socket_mode" and isinstance(value, str):
+        text = value.strip().lower().removeprefix("0o")
+        if text and all(c in "01234567" for c in text):
+            return int(text, 8)
+    if key == "log_level" and isinstance(value, str):
+        return value.upper()
+    return value
+
+
+def _check_value(key: str, value: Any) -> str | None:
+    """What is wrong with an already well-typed value, or None."""
+    if key == "page_size" and value is not None:
+        return check_size(value, **SIZE_RULES[key]) or _page_size_problem(parse_size(value))
+    if key in SIZE_RULES and value is not None:
+        return check_size(value, **SIZE_RULES[key])
+    if key == "log_level" and value not in LOG_LEVELS:
+        return f"expected one of {', '.join(LOG_LEVELS)}"
+    if key in ("run_dir", "socket_group", "admin_group") and value is not None and not value:
+        return "must not be empty"
+    return None
+
+
+def check_size(value: int | str, *, percent: bool, pages: bool, positive: bool) -> str | None:
+    """Why ``value`` is not a valid size of this kind, or None (a percentage's total is
+    known only later)."""
+    text = value.strip() if isinstance(value, str) else None
+    if pages and text and text.endswith("p") and text[:-1].isdigit():
+        return None
+    if text is not None and text.endswith("%") and not percent:
+        return "a percentage is not allowed here"
+    try:
+        n = parse_size(value, 1 << 40 if percent else None)  # a share of 1 TiB, for the check
+    except ValueError as e:
+        return str(e)
+    if n > MAX_BYTES:
+        return "too large"
+    if positive and n == 0:
+        return "must be more than 0"
+    return None
+
+
+def _page_size_problem(n: int) -> str | None:
+    if n < 4096 or n & (n - 1):
+        return "expected a power of two of at least 4 KiB"
+    return None
+
+
+def _tenants(raw: Any, problems: list[str]) -> dict[str, TenantPolicy]:
+    if not isinstance(raw, dict):
+        problems.append("[tenants] must be a table of tables ([tenants.NAME])")
+        return {}
+    hints = typing.get_type_hints(TenantPolicy, include_extras=True)
+    names = {f.name for f in dataclasses.fields(TenantPolicy)}
+    out: dict[str, TenantPolicy] = {}
+    for name, policy in raw.items():
+        if isinstance(policy, TenantPolicy):
+            policy = dataclasses.asdict(policy)
+        if not isinstance(policy, dict):
+            problems.append(f"tenants.{name}: expected a table, got {_show(policy)}")
+            continue
+        unknown = sorted(set(policy) - names)
+        if unknown:
+            problems.append(f"tenants.{name}: unknown keys {', '.join(unknown)}")
+        bad = bool(unknown)
+        values: dict[str, Any] = {}
+        for key in names & set(policy):
+            label = f"tenants.{name}.{key}"
+            try:
+                values[key] = msgspec.convert(policy[key], hints[key], strict=True)
+            except msgspec.ValidationError as e:
+                problems.append(f"{label} = {_show(policy[key])}: {_reason(e)}")
+                bad = True
+                continue
+            problem = _check_value(key, values[key])
+            if key == "group" and isinstance(values[key], str) and not _group_exists(values[key]):
+                problem = "no such group"
+            if problem:
+                problems.append(f"{label} = {_show(policy[key])}: {problem}")
+                bad = True
+        if not bad:
+            out[name] = TenantPolicy(**values)
+    return out
+
+
+def _group_exists(name: str) -> bool:
+    try:
+        grp.getgrnam(name)
+        return True
+    except KeyError:
+        return False
+
+
+def _reason(e: msgspec.ValidationError) -> str:
+    text = str(e).replace("`", "")
+    return text[:1].lower() + text[1:]
+
+
+def _show(value: Any) -> str:
+    return repr(value) if not isinstance(value, float) else f"{value:g}"

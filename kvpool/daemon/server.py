@@ -67,9 +67,11 @@ class Server:
         self.backend = open_backend(cfg.backend, cfg.device, page_size)
         ps = self.backend.page_size
         _, total = self.backend.mem_info()
-        budget_pages = parse_size(cfg.budget, total) // ps
-        if budget_pages <= 0:
-            raise ValueError(f"budget {cfg.budget!r} is smaller than one page ({format_size(ps)})")
+        try:  # budget vs the device, tenants' min vs the budget (ConfigError)
+            budget_pages = cfg.check_budget(total, ps) // ps
+        except ValueError:
+            self.backend.close()
+            raise
         budget = budget_pages * ps
         self.pool = Pool(
             self.backend, budget_pages,

@@ -1,0 +1,132 @@
+"""Issue 9 defect 10: every configuration value is validated once, at start.
+
+Each bad value, given as a flag or in the TOML file, makes ``kvpool daemon`` exit with
+status 2 and one ``Error: configuration:`` line per problem, never a traceback, and
+before any socket exists.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from kvpool.daemon.config import Config, ConfigError
+
+from .helpers import PAGE, REPO, DaemonProc, wait_ready
+
+
+def start(run_dir: Path, *flags: str, toml: str | None = None,
+          budget: str = "8MiB") -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "kvpool.cli.main", "daemon", "--backend", "host",
+           "--run-dir", str(run_dir), "--budget", budget, "--page-size", str(PAGE), *flags]
+    if toml is not None:
+        path = run_dir.with_suffix(".toml")
+        path.write_text(toml)
+        cmd += ["--config", str(path)]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=REPO)
+
+
+@pytest.fixture
+def run_dir():
+    d = Path(tempfile.mkdtemp(prefix="kvp-cfg-"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+    d.with_suffix(".toml").unlink(missing_ok=True)
+
+
+def refused(proc: subprocess.Popen, run_dir: Path) -> list[str]:
+    try:
+        out, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=20)
+        raise AssertionError(f"the daemon started (and served) instead of refusing:\n{err}")
+    assert proc.returncode == 2, f"rc {proc.returncode}:\n{err}"
+    assert "Traceback" not in err, err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert lines and all(ln.startswith("Error: configuration: ") for ln in lines), err
+    assert not (run_dir / "pages.sock").exists() and not (run_dir / "control.sock").exists()
+    return lines
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (("--reclaim-timeout", "nan"), "--reclaim-timeout = nan"),
+    (("--reclaim-timeout", "-1"), "--reclaim-timeout = -1"),
+    (("--budget", "1000TiB"), "more than the device's"),
+    (("--page-size", "0"), "--page-size = 0: must be more than 0"),
+    (("--page-size", "3000"), "power of two"),
+    (("--device", "-1"), "--device = -1"),
+])
+def test_bad_flags_are_refused(run_dir, flags, needle):
+    budget = flags[1] if flags[0] == "--budget" else "8MiB"
+    proc = start(run_dir, *[f for f in flags if flags[0] != "--budget"], budget=budget)
+    (line,) = refused(proc, run_dir)
+    assert needle in line
+
+
+@pytest.mark.parametrize("toml, needle", [
+    ("send_timeout_s = -1\n", "send_timeout_s = -1"),
+    ("log_level = 5\n", "log_level = 5: expected str"),
+    ('log_level = "chatty"\n', "expected one of DEBUG"),
+    ('socket_mode = "rw-rw----"\n', "socket_mode"),
+    ("socket_mode = 0o1777\n", "socket_mode = 1023"),
+    ('liveness_s = "fast"\n', "liveness_s = 'fast': expected float"),
+    ('device = "x"\n', "device = 'x': expected int"),
+    ("max_sessions = 0\n", "max_sessions = 0"),
+    ('[tenants.x]\nmin = "abc"\n', "tenants.x.min = 'abc': cannot parse size"),
+    ("[tenants.x]\nweight = -3\n", "tenants.x.weight = -3"),
+    ('[tenants.x]\nuids = ["root"]\n', "tenants.x.uids"),
+    ('[tenants.x]\ncolour = "red"\n', "unknown keys colour"),
+    ('[tenants.a]\nmin = "90%"\n[tenants.b]\nmin = "90%"\n', "add up to"),
+    ('[tenants.a]\nmin = "60%"\nmax = "50%"\n', "above its max"),
+    ("budgett = 5\n", "unknown configuration keys: budgett"),
+    ("budget = [\n", "not valid TOML"),
+])
+def test_bad_config_values_are_refused(run_dir, toml, needle):
+    lines = refused(start(run_dir, toml=toml), run_dir)
+    assert any(needle in ln for ln in lines), lines
+
+
+def test_every_problem_gets_its_own_line(run_dir):
+    toml = 'send_timeout_s = -1\ndevice = "x"\n[tenants.x]\nmin = "abc"\nweight = 0\n'
+    lines = refused(start(run_dir, "--reclaim-timeout", "nan", toml=toml), run_dir)
+    assert len(lines) == 5, lines
+
+
+def test_good_values_start_the_daemon(run_dir):
+    """Positive control: octal strings for socket_mode, any-case log levels, page counts."""
+    toml = ('socket_mode = "0640"\nlog_level = "debug"\nwarm_max = "4p"\n'
+            '[tenants.a]\nmin = "25%"\nweight = 2\nuids = [0]\n')
+    proc = start(run_dir, toml=toml)
+    d = DaemonProc(run_dir=run_dir, proc=proc, log=run_dir / "none.log", page_size=PAGE)
+    try:
+        wait_ready(d)
+        assert stat.S_IMODE(os.lstat(run_dir / "control.sock").st_mode) == 0o640
+        with d.connect("a") as t:
+            assert t.info.limit > 0
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=20)
+    assert proc.returncode == 0
+
+
+def test_config_schema_units():
+    with pytest.raises(ConfigError) as e:
+        Config.from_dict({"tick_s": math.inf, "recover_timeout_s": math.nan,
+                          "warm_min": "16q", "default_max": "0%"})
+    assert len(e.value.problems) == 4, e.value.problems
+    cfg = Config.from_dict({"recover_timeout_s": 0, "budget": "50%", "socket_mode": "660"})
+    assert cfg.recover_timeout_s == 0.0 and cfg.socket_mode == 0o660
+    assert cfg.check_budget(total=64 * PAGE, page_size=PAGE) == 32 * PAGE
+    with pytest.raises(ConfigError, match="less than one page"):
+        Config.from_dict({"budget": PAGE - 1}).check_budget(total=64 * PAGE, page_size=PAGE)
