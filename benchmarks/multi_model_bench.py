@@ -3,6 +3,7 @@ the burst peak rate: where elastic sharing wins, and that it costs nothing witho
 contention. Same processes, workload and engine code as ``kvpool demo``.
 
     python benchmarks/multi_model_bench.py --peaks 1,4,8,12 --duration 40
+    python benchmarks/multi_model_bench.py --engine vllm --peaks 8 --duration 40
 
 Writes benchmarks/results/multi_model_bench.json and multi_model_bench.png (p99 / mean
 TTFT against the peak rate, and memory over time at the demo's peak).
@@ -38,8 +39,10 @@ def _ratio(a: float | None, b: float | None) -> float | None:
               help="peak rates (req/s of the bursting model) to sweep")
 @click.option("--base-rate", default=0.3, show_default=True)
 @click.option("--duration", default=40.0, show_default=True, help="seconds per run")
-@click.option("--budget", default="2MiB", show_default=True)
-@click.option("--page-size", default="64KiB", show_default=True)
+@click.option("--budget", default="48MiB", show_default=True)
+@click.option("--page-size", default="2MiB", show_default=True)
+@click.option("--engine", type=click.Choice(["bundled", "vllm"]), default="bundled",
+              show_default=True, help="kvpool's bundled engine or vLLM servers")
 @click.option("--models", default="alpha,beta,gamma", show_default=True)
 @click.option("--seed", default=0, show_default=True)
 @click.option("--chart-peak", default=8.0, show_default=True,
@@ -47,11 +50,11 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 @click.option("--out-dir", default="/tmp/kvpool-multi-model-bench", show_default=True,
               help="models and logs")
 def main(peaks: str, base_rate: float, duration: float, budget: str, page_size: str,
-         models: str, seed: int, chart_peak: float, out_dir: str) -> None:
+         engine: str, models: str, seed: int, chart_peak: float, out_dir: str) -> None:
     console = Console(width=None if sys.stdout.isatty() else 150)
     names = tuple(models.split(","))
     cfg = DemoConfig(out_dir=Path(out_dir), models=names, budget=parse_size(budget),
-                     page_size=parse_size(page_size), live=False)
+                     page_size=parse_size(page_size), live=False, engine=engine)
     w = cfg.workload
     w.models, w.duration_s, w.phase_s = list(names), duration, duration / (2 * len(names))
     w.base_rate, w.seed = base_rate, seed
@@ -65,6 +68,8 @@ def main(peaks: str, base_rate: float, duration: float, budget: str, page_size: 
             check_outcomes(mode, rep)
             pre = {m: s.get("preemptions", 0) for m, s in final.items()}
             point[mode] = report.summarize(rep, pre)["all"]
+            point[mode]["idle_pages"] = {m: s.get("idle_bytes", 0) / cfg.page_size
+                                         for m, s in final.items()}
             if peak == chart_peak:
                 kept[mode] = rep
         s, e = point["static"], point["elastic"]
@@ -89,12 +94,14 @@ def main(peaks: str, base_rate: float, duration: float, budget: str, page_size: 
                       f"{r['mean_ratio_static_over_elastic'] or 0:.2f}",
                       f"{s['preemptions']}/{e['preemptions']}")
     console.print(table)
-    chart = _chart(rows, RESULTS / "multi_model_bench.png")
+    name = "multi_model_bench" if engine == "bundled" else f"multi_model_bench_{engine}"
+    chart = _chart(rows, RESULTS / f"{name}.png")
     if kept:
-        report.chart(RESULTS / "multi_model_bench_memory.png", kept, cfg.budget,
+        report.chart(RESULTS / f"{name}_memory.png", kept, cfg.budget,
                      f"KV memory per model, peak {chart_peak:g} req/s")
-    path = write_result("multi_model_bench", {
-        "models": list(names), "budget": cfg.budget, "page_size": cfg.page_size,
+    path = write_result(name, {
+        "engine": engine, "models": list(names), "budget": cfg.budget,
+        "page_size": cfg.page_size,
         "base_rate": base_rate, "duration_s": duration, "seed": seed,
         "workload": {"prompt_range": w.prompt_range, "output_range": w.output_range,
                      "trace": w.trace, "prompt_scale": w.prompt_scale,

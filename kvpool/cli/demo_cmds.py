@@ -10,8 +10,8 @@ import click
 @click.command()
 @click.option("--out", "out_dir", default="demo-out", show_default=True,
               type=click.Path(file_okay=False), help="models, logs, chart and results.json")
-@click.option("--budget", default="2MiB", show_default=True, help="KV memory for all models")
-@click.option("--page-size", default="64KiB", show_default=True)
+@click.option("--budget", default="48MiB", show_default=True, help="KV memory for all models")
+@click.option("--page-size", default="2MiB", show_default=True)
 @click.option("--duration", default=None, type=float, help="seconds of workload per mode")
 @click.option("--peak-rate", default=None, type=float, help="req/s of the bursting model")
 @click.option("--base-rate", default=None, type=float, help="req/s of the other models")
@@ -21,18 +21,26 @@ import click
 @click.option("--no-live", is_flag=True, help="no live view (for logs and CI)")
 @click.option("--backend", type=click.Choice(["host", "cuda"]), default="host",
               show_default=True, help="memory backend; cuda runs every server on the GPU")
+@click.option("--engine", type=click.Choice(["bundled", "vllm"]), default="bundled",
+              show_default=True, help="serve with kvpool's bundled engine or with vLLM")
 def demo(out_dir: str, budget: str, page_size: str, duration: float | None,
          peak_rate: float | None, base_rate: float | None, seed: int, modes: tuple[str, ...],
-         no_live: bool, backend: str) -> None:
+         no_live: bool, backend: str, engine: str) -> None:
     """Serve three small models on one (host) device twice — static partitions, then
     elastic sharing through a kvpool daemon — under a bursty workload, and compare."""
     from kvpool.demo.cluster import ClusterError
     from kvpool.demo.run import DemoConfig, run_demo
     from kvpool.sizes import parse_size
 
+    if engine == "vllm":
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            raise click.ClickException("--engine vllm needs vLLM: pip install 'kvpool[vllm]'")
     try:
         cfg = DemoConfig(out_dir=Path(out_dir), budget=parse_size(budget),
-                         page_size=parse_size(page_size), live=not no_live, backend=backend)
+                         page_size=parse_size(page_size), live=not no_live, backend=backend,
+                         engine=engine)
     except ValueError as e:
         raise click.BadParameter(str(e)) from None
     w = cfg.workload

@@ -56,11 +56,12 @@ class Cluster:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Proc:
+    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None,
+               module: str = "kvpool.cli.main") -> Proc:
         log = self.workdir / f"{name}.log"
         with open(log, "wb") as f:
             popen = subprocess.Popen(
-                [sys.executable, "-m", "kvpool.cli.main", *args], stdout=f,
+                [sys.executable, "-m", module, *args], stdout=f,
                 stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
                 start_new_session=True)
         proc = Proc(name, popen, log)
@@ -93,6 +94,29 @@ class Cluster:
             args.append("--elastic")
             env |= {"KVPOOL_RUN_DIR": str(self.run_dir), "KVPOOL_TENANT": name}
         proc = self._spawn(f"serve-{name}", args, env)
+        proc.url = f"http://127.0.0.1:{port}"
+        return proc
+
+    def serve_vllm(self, name: str, model_dir: Path, kv_cache_size: int, elastic: bool,
+                   extra: tuple[str, ...] = (), env: dict[str, str] | None = None) -> Proc:
+        """A vLLM OpenAI server (``vllm serve``; the module form, which the CPU wheel needs).
+        Static: ``--kv-cache-memory-bytes``; elastic: ``KVPOOL_ENABLE=1`` on this daemon.
+        Both run vLLM's uniprocess executor, so the two modes differ only in KV memory."""
+        port = free_port()
+        args = ["--model", str(model_dir), "--served-model-name", name, "--host", "127.0.0.1",
+                "--port", str(port), "--enforce-eager", "--disable-log-stats",
+                "--uvicorn-log-level", "warning", *extra]
+        env = {k: v for k, v in (env or {}).items()}
+        env |= {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1",
+                "TOKENIZERS_PARALLELISM": "false"}
+        if elastic:
+            if self.run_dir is None:
+                raise ClusterError("start the daemon before elastic servers")
+            env |= {"KVPOOL_ENABLE": "1", "KVPOOL_RUN_DIR": str(self.run_dir),
+                    "KVPOOL_TENANT": name}
+        else:
+            args += ["--kv-cache-memory-bytes", str(kv_cache_size)]
+        proc = self._spawn(f"vllm-{name}", args, env, module="vllm.entrypoints.openai.api_server")
         proc.url = f"http://127.0.0.1:{port}"
         return proc
 

@@ -43,11 +43,16 @@ class DemoConfig:
 
     out_dir: Path = Path("demo-out")
     models: tuple[str, ...] = ("alpha", "beta", "gamma")
-    budget: int = 2 << 20  # KV bytes for all models together
-    page_size: int = 64 << 10
-    block_size: int = 16
+    # 2 MiB pages, as on a GPU, and models whose KV (4 KiB per token) binds at that
+    # granularity: one allocation unit is several pages (one per KV region), so an idle
+    # model pins whole units; the report shows each model's idle footprint in pages.
+    budget: int = 48 << 20  # KV bytes for all models together
+    page_size: int = 2 << 20
+    block_size: int = 16  # the bundled engine's (vLLM's CPU build uses its own, 128)
     layers: int = 2
-    hidden: int = 128
+    hidden: int = 256
+    heads: int = 4
+    kv_heads: int = 4
     vocab: int = 512
     max_num_seqs: int = 32
     idle_timeout_s: float = 1.0  # elastic engines give an idle reserve back after this
@@ -59,6 +64,7 @@ class DemoConfig:
     modes: tuple[str, ...] = MODES
     live: bool = True
     backend: str = "host"  # the daemon's; "cuda" also puts every server on the GPU
+    engine: str = "bundled"  # or "vllm": vLLM OpenAI servers (KVPOOL_ENABLE=1 when elastic)
 
     def model_dir(self, name: str) -> Path:
         return self.out_dir / "models" / name
@@ -71,12 +77,36 @@ def ensure_models(cfg: DemoConfig) -> None:
     for i, name in enumerate(cfg.models):
         d = cfg.model_dir(name)
         if not (d / "config.json").exists():
-            make_tiny_model(d, layers=cfg.layers, hidden=cfg.hidden, heads=4, kv_heads=2,
-                            vocab=cfg.vocab, seed=i)
+            make_tiny_model(d, layers=cfg.layers, hidden=cfg.hidden, heads=cfg.heads,
+                            kv_heads=cfg.kv_heads, vocab=cfg.vocab, seed=i)
 
 
-def _stats(url: str) -> dict:
+def _stats(url: str, engine: str = "bundled") -> dict:
+    if engine == "vllm":  # vLLM has no /v1/stats: its Prometheus counters
+        return {"preemptions": _vllm_counter(url, "vllm:num_preemptions_total")}
     return httpx.get(f"{url}/v1/stats", timeout=5).json()
+
+
+def _vllm_counter(url: str, name: str) -> int:
+    total = 0.0
+    for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
+        if line.startswith(name):
+            total += float(line.rsplit(" ", 1)[1])
+    return int(total)
+
+
+def _start_servers(cfg: DemoConfig, cluster: Cluster, elastic: bool, size: int) -> dict:
+    env = {"KVPOOL_IDLE_TIMEOUT": str(cfg.idle_timeout_s)}
+    if cfg.engine == "vllm":
+        extra = ("--dtype", "float32", "--max-num-seqs", str(cfg.max_num_seqs),
+                 "--max-model-len", "1024")
+        return {m: cluster.serve_vllm(m, cfg.model_dir(m), size, elastic, extra, env)
+                for m in cfg.models}
+    return {m: cluster.serve(m, cfg.model_dir(m), size, elastic, env=env,
+                             extra=("--device", "cuda" if cfg.backend == "cuda" else "cpu",
+                                    "--max-num-seqs", str(cfg.max_num_seqs),
+                                    "--block-size", str(cfg.block_size)))
+            for m in cfg.models}
 
 
 def run_mode(cfg: DemoConfig, mode: str, console: Console) -> tuple[Replay, dict]:
@@ -89,13 +119,8 @@ def run_mode(cfg: DemoConfig, mode: str, console: Console) -> tuple[Replay, dict
         if elastic:
             cluster.daemon(cfg.budget, cfg.page_size, backend=cfg.backend)
         size = cfg.budget if elastic else cfg.budget // len(cfg.models)
-        env = {"KVPOOL_IDLE_TIMEOUT": str(cfg.idle_timeout_s)}
-        servers = {m: cluster.serve(m, cfg.model_dir(m), size, elastic, env=env,
-                                    extra=("--device", "cuda" if cfg.backend == "cuda"
-                                           else "cpu", "--max-num-seqs", str(cfg.max_num_seqs),
-                                           "--block-size", str(cfg.block_size)))
-                   for m in cfg.models}
-        cluster.wait_healthy()
+        servers = _start_servers(cfg, cluster, elastic, size)
+        cluster.wait_healthy(600.0 if cfg.engine == "vllm" else 120.0)
         urls = {m: p.url for m, p in servers.items()}
 
         monitor = Monitor(cluster.run_dir) if elastic else None
@@ -104,6 +129,8 @@ def run_mode(cfg: DemoConfig, mode: str, console: Console) -> tuple[Replay, dict
             if monitor is not None:  # one consistent snapshot from the daemon
                 held = {t.name: t.mapped for t in monitor.ps().tenants}
                 return {m: held.get(m, 0) for m in urls}
+            if cfg.engine == "vllm":  # a static vLLM holds its preallocation throughout
+                return {m: size for m in urls}
             row = {}
             for m, url in urls.items():
                 try:
@@ -132,14 +159,25 @@ def run_mode(cfg: DemoConfig, mode: str, console: Console) -> tuple[Replay, dict
         with live or contextlib.nullcontext():
             rep = replay(arrivals, urls, cfg.vocab, sample_memory=sample_and_show,
                          on_done=on_done)
+        idle = idle_footprint(cfg, monitor, sample)
         if monitor is not None:
             problems = monitor.check()
             monitor.close()
             if problems:
                 raise ClusterError(f"the daemon's invariant check failed: {problems}")
         cluster.check_alive()  # a server that died mid-run fails the run
-        final = {m: _stats(url) for m, url in urls.items()}
+        final = {m: _stats(url, cfg.engine) for m, url in urls.items()}
+        for m in final:
+            final[m]["idle_bytes"] = idle.get(m, 0)
     return rep, final
+
+
+def idle_footprint(cfg: DemoConfig, monitor, sample) -> dict:
+    """Memory each model holds once the workload is over and its idle timeout passed:
+    elastic servers keep only the unit of their null block, static ones their slice."""
+    if monitor is not None:
+        time.sleep(cfg.idle_timeout_s + 2.0)
+    return sample()
 
 
 class _Progress:
@@ -179,7 +217,8 @@ def run_demo(cfg: DemoConfig, console: Console | None = None) -> dict:
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
     ensure_models(cfg)
     arrivals = generate(cfg.workload)
-    console.print(f"[bold]kvpool demo[/]: {len(cfg.models)} models, KV budget "
+    console.print(f"[bold]kvpool demo[/] ({cfg.engine} engine): {len(cfg.models)} models, "
+                  f"{format_size(cfg.page_size)} pages, KV budget "
                   f"{format_size(cfg.budget)}, {len(arrivals)} requests over "
                   f"{cfg.workload.duration_s:.0f} s (models take turns peaking at "
                   f"{cfg.workload.peak_rate:g} req/s, base {cfg.workload.base_rate:g} req/s)")
@@ -191,8 +230,16 @@ def run_demo(cfg: DemoConfig, console: Console | None = None) -> dict:
         check_outcomes(mode, rep)
         preempt = {m: s.get("preemptions", 0) for m, s in final.items()}
         replays[mode], summaries[mode] = rep, report.summarize(rep, preempt)
+        for m, s in final.items():
+            summaries[mode].setdefault(m, {})["idle_pages"] = s["idle_bytes"] / cfg.page_size
+        summaries[mode]["all"]["idle_pages"] = sum(s["idle_bytes"] for s in final.values()
+                                                   ) / cfg.page_size
         console.print(f"{mode}: {len(rep.outcomes)} requests in {time.perf_counter() - t0:.0f} s")
     console.print(report.table("TTFT / TPOT per model (ms), KV memory", summaries))
+    for mode, summ in summaries.items():
+        console.print(f"idle footprint, {mode} ({format_size(cfg.page_size)} pages): " +
+                      ", ".join(f"{m} {summ.get(m, {}).get('idle_pages', 0):g}"
+                                for m in cfg.models))
     result = {"config": _config_json(cfg), "summary": summaries,
               "runs": {m: r.to_json() for m, r in replays.items()}}
     if {"static", "elastic"} <= set(summaries):
