@@ -28,6 +28,7 @@ import ctypes
 import ctypes.util
 import errno
 import fcntl
+import logging
 import mmap
 import os
 import stat
@@ -52,6 +53,7 @@ MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault pages in writable, no later wri
 FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 1, 2
 MAP_FAILED = ctypes.c_void_p(-1).value
 DEFAULT_PAGE_SIZE = 2 << 20
+log = logging.getLogger("kvpool.vmm.host")
 # Seals every page carries: its size is fixed for good, and no one can add or drop seals.
 REQUIRED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 # Mappings the rest of the process (Python, torch, libraries) may add after we looked.
@@ -114,6 +116,7 @@ class HostBackend(Backend):
         self._mapped_slots = 0  # slots this backend has mapped, over all ranges
         self._ranges = 0
         self._madvise_populate = True  # False once the kernel refused MADV_POPULATE_WRITE
+        self._probe_warned = False  # referenced() logged that it cannot probe
 
     def granularity(self) -> int:
         return mmap.PAGESIZE
@@ -225,6 +228,11 @@ class HostBackend(Backend):
         except OSError as e:
             if e.errno in (errno.EAGAIN, errno.EBUSY):
                 return True
+            if not self._probe_warned:
+                self._probe_warned = True
+                log.warning("cannot tell whether released pages are still held elsewhere "
+                            "(F_SETLEASE: %s; fs.leases-enable=0?): they are not accounted",
+                            os.strerror(e.errno))
             return None
         fcntl.fcntl(probe.handle, fcntl.F_SETLEASE, fcntl.F_UNLCK)
         return False
