@@ -499,7 +499,7 @@ class Arbiter:
         if virtual > self._cap("max_virtual_pages_per_tenant", 1 << 20):
             raise Fail(p.BAD_REQUEST, f"adopt: {virtual} virtual pages exceed the per-tenant cap")
         lease = -(-r.lease // self.page_size)
-        held = self.pool.granted + self.pool.leased
+        held = self.pool.granted + self.pool.leased + self.pool.retained_pages()
         if total + lease + held > self.pool.budget_pages:
             raise Fail(p.BAD_REQUEST, f"adopt: {total} pages and a lease of {lease} pages do "
                                       f"not fit the budget ({self.pool.budget_pages} pages, "
@@ -669,6 +669,27 @@ class Arbiter:
         return p.CheckReply(id=r.id, problems=self.check_integrity())
 
     # ---- invariants -----------------------------------------------------------------
+    def _check_groups(self) -> list[str]:
+        """The group index is exactly the tenants' groups; ids stay in range; no tenant
+        is past its caps on groups and virtual pages."""
+        problems = []
+        owned = {g.id: g for t in self.tenants for g in t.groups.values()}
+        if owned.keys() != self.groups.keys() or any(self.groups[i] is not g
+                                                     for i, g in owned.items()):
+            extra = sorted(set(self.groups) ^ set(owned))[:8]
+            problems.append(f"the group index and the tenants' groups differ (ids {extra})")
+        bad = sorted(i for i in self.groups if not 1 <= i <= p.MAX_GROUP_ID)[:8]
+        if bad:
+            problems.append(f"group ids {bad} are outside 1..{p.MAX_GROUP_ID}")
+        most = self._cap("max_groups_per_tenant", 64)
+        vmost = self._cap("max_virtual_pages_per_tenant", 1 << 20)
+        for t in self.tenants:
+            virtual = sum(g.virtual_pages for g in t.groups.values())
+            if len(t.groups) > most or virtual > vmost:
+                problems.append(f"tenant {t.id} holds {len(t.groups)} groups spanning "
+                                f"{virtual} virtual pages, past its caps ({most}, {vmost})")
+        return problems
+
     def check_integrity(self) -> list[str]:
         """Every page is owned exactly once (warm pool, dirty list, or one region slot of
         its owner), per-tenant and pool totals agree, and the budget holds."""
@@ -703,6 +724,7 @@ class Arbiter:
             if pages != t.granted:
                 problems.append(f"tenant {t.id} counts {t.granted} pages, its tables hold {pages}")
             total += pages
+        problems += self._check_groups()
         if sum(t.lease_pages for t in self.tenants) != self.pool.leased:
             problems.append(f"tenants lease {sum(t.lease_pages for t in self.tenants)} pages, "
                             f"the pool counts {self.pool.leased}")
