@@ -30,6 +30,7 @@ exceed it until tenants shrink); ``warm_min <= warm_max <= budget_pages``.
 
 from __future__ import annotations
 
+import collections
 import logging
 import signal
 import threading
@@ -65,7 +66,8 @@ class Pool:
         self.warm_max = min(max(warm_max, self.warm_min), budget_pages)
         self.pages: dict[int, Page] = {}
         self.warm: list[int] = []  # stack: hot pages first
-        self.dirty: dict[int, int] = {}  # pfn -> last owner, oldest release first
+        # pfn -> last owner, oldest release first (ordered: O(1) to take the oldest)
+        self.dirty: collections.OrderedDict[int, int] = collections.OrderedDict()
         self._dirty_of: dict[int, dict[int, None]] = {}  # last owner -> its dirty pfns
         self.owner: dict[int, int] = {}  # pfn -> tenant id
         self.retained: list[Retained] = []
