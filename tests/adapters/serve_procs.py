@@ -57,12 +57,15 @@ class Servers:
         self.all: list[Server] = []
 
     def start(self, name: str, *, run_dir: Path | None = None, elastic: bool = True,
-              idle_timeout: float = 1.0, extra: tuple[str, ...] = ()) -> Server:
+              idle_timeout: float = 1.0, extra: tuple[str, ...] = (),
+              env: dict[str, str] | None = None) -> Server:
         port = free_port()
         log = self.log_dir / f"serve-{name}-{port}.log"
+        extra_env = env or {}
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}
         if elastic:
             env.update(KVPOOL_RUN_DIR=str(run_dir), KVPOOL_IDLE_TIMEOUT=str(idle_timeout))
+        env.update(extra_env)  # e.g. KVPOOL_WEIGHT, KVPOOL_MIN
         cmd = [sys.executable, "-m", "kvpool.cli.main", "serve", str(self.model), "--port",
                str(port), "--served-model-name", name, "--kv-cache-size", "4MiB",
                "--max-model-len", "512", "--log-level", "warning",
