@@ -16,8 +16,11 @@ is counted (``ignored``) and marked unresponsive: capped at its ``min`` until it
 reclaim, so memory it releases above ``min`` does not come back.
 
 Invariants: at most one outstanding ask per tenant; waiters are served strictly in
-arrival order (freed pages go to the oldest waiter, never to a newcomer); a waiter is
-answered exactly once (granted, or ``NO_MEMORY``/``OVER_LIMIT`` at its deadline).
+arrival order among themselves (freed pages go to the oldest waiter); a newcomer takes
+free memory past the waiters only when it fits now and keeps the newcomer within its
+fair share (``Arbiter._fits``: no head-of-line blocking — the waiter's missing pages
+are then asked for at the next step); a waiter is answered exactly once (granted, or
+``NO_MEMORY``/``OVER_LIMIT`` at its deadline).
 Pure bookkeeping over the arbiter's state: no sockets, no clocks of its own (``now`` is
 passed in), so it is testable alone.
 """
