@@ -4,6 +4,10 @@ Message boundaries are kept by the socket type, so one message carries a small h
 (``data``) plus up to :data:`MAX_FDS` descriptors. Received descriptors belong to the
 receiver, which must close each one once used (an open page fd pins memory):
 :func:`closing` makes that hard to forget.
+
+On a non-blocking socket (the daemon's side is always one) :func:`send_fds` either
+queues the whole message or raises ``BlockingIOError`` (a SEQPACKET record is sent
+atomically), and :func:`recv_fds` raises ``BlockingIOError`` when nothing is waiting.
 """
 
 from __future__ import annotations

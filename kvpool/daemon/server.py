@@ -1,22 +1,39 @@
-"""The daemon's event loop: one thread, one ``zmq.Poller`` over
+"""The daemon's event loop: one thread, one ``zmq.Poller`` (poll(2), no descriptor-number
+limit) over
 
 * the ROUTER control socket (``ipc://$RUN_DIR/control.sock``),
 * the fd-channel listener (``$RUN_DIR/pages.sock``) and each tenant's connection,
 * each tenant's pidfd (readable when the process exits),
 * a self-pipe woken by SIGTERM/SIGINT,
 
-plus timers (liveness, watchdog, status, reclaim deadlines) and idle work (scrubbing
-released pages, keeping the warm pool between its bounds). Requests that wait for
-reclaim are answered from :meth:`Arbiter.tick`, called after every message and at the
-arbiter's next deadline: the loop never blocks on a tenant.
+plus timers (liveness, watchdog, status, reclaim deadlines, full fd sockets, parked
+Adopts) and idle work (scrubbing released pages, keeping the warm pool between its
+bounds). Request logic lives in :mod:`kvpool.daemon.arbiter`; this file only moves
+bytes and descriptors.
+
+The loop never blocks on one peer:
+
+* every fd-channel socket is non-blocking; a grant's descriptors go through the
+  tenant's bounded queue (:class:`fdqueue.Outbound`), sent as the socket takes them
+  (``POLLOUT``), and its reply leaves only after them (the ordering rule). While the
+  queue is not empty the session's requests get ``BUSY``; a tenant whose socket stays
+  full for ``send_timeout_s`` (or whose queue overflows) is dropped, its memory returned;
+* inbound descriptors are stashed as they arrive (at most the budget's page count per
+  tenant); an ``Adopt`` waits parked until its announced descriptors are all in, or is
+  refused after :data:`fdqueue.ADOPT_WAIT_S`;
+* control messages are read frame by frame: past :data:`MAX_FRAMES` one is refused and
+  its rest discarded a slice per turn, never buffered;
+* requests that wait for reclaim are answered from :meth:`Arbiter.tick`.
+
+Nothing a client sends can raise out of the loop: bad frames get ``BAD_REQUEST``,
+handler bugs ``INTERNAL``, and an unexpected exception while serving one peer's socket
+drops that tenant, never the daemon.
 
 Restart: the daemon keeps ``state.json`` in the run directory (pids and names of its
 tenants, the next group id). A new daemon that finds live pids there grants nothing until
-those tenants have re-registered and adopted what they map (or ``recover_timeout_s``). Request logic lives in :mod:`kvpool.daemon.arbiter`;
-this file only moves bytes and descriptors. Nothing a client sends can raise out of
-the loop: bad frames get ``BAD_REQUEST``, handler bugs ``INTERNAL``.
+those tenants have re-registered and adopted what they map (or ``recover_timeout_s``).
+The file is removed only on a clean, requested stop, never on a crash path.
 """
-
 from __future__ import annotations
 
 import contextlib
@@ -177,6 +194,8 @@ class Server:
         if pids:
             a.recovering = True
             a.recover_pids = pids
+            a.recover_names = {str(t.get("name", "")): int(t["pid"]) for t in state["tenants"]
+                               if int(t.get("pid", 0)) in pids}
             a.recover_until = time.monotonic() + self.cfg.recover_timeout_s
             log.info("recovering: waiting up to %gs for %d tenants of the previous daemon",
                      self.cfg.recover_timeout_s, len(pids))
