@@ -239,7 +239,7 @@ def map_cmd(tenant, pfns, width, run_dir, as_json):
 @click.option("--min", "min_", default=None, help="Guaranteed memory, never reclaimed.")
 @click.option("--weight", type=click.FloatRange(min=0, min_open=True, max=10000), default=None,
               help="Share of contended memory (default 1).")
-@click.option("--wait", "wait_s", type=float, default=0.0,
+@click.option("--wait", "wait_s", type=click.FloatRange(0, 3600), default=0.0,
               help="Wait up to this many seconds for the memory above the limit to be freed.")
 @run_dir_option
 @json_option
@@ -248,6 +248,7 @@ def limit(tenant, size, max_, min_, weight, wait_s, run_dir, as_json):
 
     Lowering the limit below what the tenant holds starts reclaim at once (idle or not);
     the command reports the change as applied or pending with the bytes still to free.
+    For a TENANT not connected, the command says so: the knobs wait for one to register.
     Needs an admin identity (root, the daemon's user, or the configured admin group)."""
     import time
 
@@ -285,16 +286,26 @@ def limit(tenant, size, max_, min_, weight, wait_s, run_dir, as_json):
     if as_json:
         click.echo(json.dumps({"tenant": tenant, **out,
                                **({"weight": weight} if weight is not None else {}),
-                               "applied": reply.applied, "pending": reply.pending}))
+                               "connected": reply.tenants, "applied": reply.applied,
+                               "pending": reply.pending}))
         return
+    if not reply.tenants:
+        click.echo(f"no tenant named {tenant} is connected: "
+                   f"{'; '.join(_knob_changes(tenant, out, weight))}, to apply when one "
+                   f"registers")
+        return
+    click.echo("; ".join(_knob_changes(tenant, out, weight)))
+    if not reply.applied:
+        click.echo(f"pending: {format_size(reply.pending)} still to free")
+
+
+def _knob_changes(tenant: str, out: dict, weight) -> list[str]:
     parts = [f"limit of {tenant} set to {format_size(out['max'])}"] if "max" in out else []
     if "min" in out:
         parts.append(f"min of {tenant} set to {format_size(out['min'])}")
     if weight is not None:
         parts.append(f"weight of {tenant} set to {weight:g}")
-    click.echo("; ".join(parts))
-    if not reply.applied:
-        click.echo(f"pending: {format_size(reply.pending)} still to free")
+    return parts
 
 
 @click.command()

@@ -157,9 +157,11 @@ def test_cli_errors_without_daemon_and_bad_limit(daemon, tmp_path):
     assert out.returncode == 1 and "no kvpool daemon" in out.stderr
     out = daemon.cli("limit", "x", "lots", check=False)
     assert out.returncode == 2 and "cannot parse size" in out.stderr
-    assert daemon.cli("limit", "x", "25%").stdout.strip() == "limit of x set to 2 MiB"
+    assert daemon.cli("limit", "x", "25%").stdout.strip() == (
+        "no tenant named x is connected: limit of x set to 2 MiB, to apply when one registers")
     assert daemon.cli_json("limit", "x", "1MiB") == {"tenant": "x", "max": 1 << 20,
-                                                      "applied": True, "pending": 0}
+                                                      "connected": 0, "applied": True,
+                                                      "pending": 0}
 
 
 def test_ps_and_check_human_output(daemon):

@@ -1,0 +1,44 @@
+"""Issue 9 defect 12: the CLI says what happened, plainly and at once."""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import pytest
+
+from .helpers import PAGE
+
+
+def test_limit_of_a_tenant_not_connected_says_so(daemon):
+    out = daemon.cli("limit", "nosuch", "1MiB")
+    assert out.stdout.strip() == ("no tenant named nosuch is connected: limit of nosuch set "
+                                  "to 1 MiB, to apply when one registers")
+    assert json.loads(daemon.cli("limit", "nosuch", "--weight", "2", "--json").stdout)[
+        "connected"] == 0
+    with daemon.connect("nosuch") as t:  # ... and it does apply when one registers
+        assert t.limit == 1 << 20
+        out = daemon.cli("limit", "nosuch", str(8 * PAGE))
+        assert out.stdout.strip() == f"limit of nosuch set to {8 * PAGE >> 10} KiB"
+        assert json.loads(daemon.cli("limit", "nosuch", "1MiB", "--json").stdout)[
+            "connected"] == 1
+
+
+@pytest.mark.parametrize("args", [("ps",), ("check",), ("map",), ("stop",),
+                                  ("limit", "x", "1MiB")])
+def test_commands_against_a_dead_daemon_say_no_daemon(start_daemon, args):
+    d = start_daemon()
+    d.proc.send_signal(signal.SIGKILL)  # its sockets stay behind
+    d.proc.wait()
+    assert (d.run_dir / "control.sock").exists() and (d.run_dir / "pages.sock").exists()
+    out = d.cli(*args, check=False)
+    assert out.returncode == 1, out
+    assert f"no kvpool daemon at {d.run_dir}" in out.stderr, out.stderr
+    assert "BUSY" not in out.stderr and "Traceback" not in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_a_missing_run_dir_says_no_daemon(daemon, tmp_path):
+    daemon.run_dir = tmp_path / "none"
+    out = daemon.cli("ps", check=False)
+    assert out.returncode == 1 and f"no kvpool daemon at {tmp_path / 'none'}" in out.stderr
