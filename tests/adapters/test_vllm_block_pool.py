@@ -1,0 +1,74 @@
+"""The elastic vLLM block pool in-process: vLLM's real BlockPool code, a real daemon."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id  # noqa: E402
+
+from kvpool.client_lib import ElasticBlockAllocator  # noqa: E402
+from kvpool.engine_adapters.vllm import bridge as bridge_mod  # noqa: E402
+from kvpool.engine_adapters.vllm.block_pool import ElasticBlockPool  # noqa: E402
+from kvpool.engine_adapters.vllm.settings import AdapterError, Settings  # noqa: E402
+
+PAGE = 64 << 10
+BLOCK = 32 << 10  # two blocks per page: one chunk = one page of each of 2 regions
+
+
+@pytest.fixture
+def pool(start_daemon, monkeypatch):
+    d = start_daemon(budget="1MiB", page_size=PAGE)
+    b = bridge_mod.Bridge(Settings(run_dir=str(d.run_dir), idle_timeout_s=0))
+    monkeypatch.setattr(bridge_mod, "_bridge", b)
+    b.connect("unit")
+    group = b.tenant.region_group(2, 16 * BLOCK)
+    b.allocator = ElasticBlockAllocator(group, BLOCK, low=0, high=0, idle_timeout_s=60)
+    assert b.allocator.alloc(1) == [0]
+    p = ElasticBlockPool(b.allocator.num_blocks, enable_caching=True, hash_block_size=16)
+    yield p
+    b.close()
+
+
+def test_a_scheduler_without_the_kv_cache_is_refused(monkeypatch):
+    monkeypatch.setattr(bridge_mod, "_bridge", None)
+    with pytest.raises(AdapterError, match="without the KV"):
+        ElasticBlockPool(8, enable_caching=True, hash_block_size=16)
+
+
+def test_only_mapped_blocks_count_and_growth_is_asked_for(pool):
+    a = pool.allocator
+    assert pool.get_num_free_blocks() == a.free_blocks  # the null block's chunk only
+    assert pool.get_num_free_blocks() < a.num_blocks - 1
+    assert pool.grow(6)
+    assert pool.get_num_free_blocks() >= 6
+    blocks = pool.get_new_blocks(6)
+    assert sorted(b.block_id for b in blocks) == sorted(set(b.block_id for b in blocks))
+    assert 0 not in [b.block_id for b in blocks] and all(b.ref_cnt == 1 for b in blocks)
+    pool.check_integrity()
+    pool.free_blocks(blocks)  # no hash: straight back to kvpool
+    assert pool.free_block_queue.num_free_blocks == 0
+    pool.check_integrity()
+    with pytest.raises(ValueError):
+        pool.get_new_blocks(pool.get_num_free_blocks() + 1)
+
+
+def test_cached_blocks_stay_evictable_and_shrink_empties_whole_chunks(pool):
+    assert pool.grow(8)
+    blocks = pool.get_new_blocks(8)
+    for i, blk in enumerate(blocks):
+        h = make_block_hash_with_group_id(bytes([i]) * 8, 0)
+        blk.set_block_hash(h)
+        pool.cached_block_hash_to_block.insert(h, blk)
+    pool.free_blocks(blocks)
+    assert pool.free_block_queue.num_free_blocks == 8  # cached: kept, still mapped
+    pool.check_integrity()
+    held = pool.held_chunks()
+    emptied = pool.evict_whole_chunks(2)
+    assert emptied == 2 and pool.held_chunks() == held - 2
+    left = 8 - pool.shrink_evictions
+    assert 0 < left < 8 and pool.free_block_queue.num_free_blocks == left
+    assert pool.evict_cached(None) == left
+    pool.check_integrity()
+    assert pool.held_chunks() == 1  # the null block's
