@@ -130,3 +130,12 @@ def test_config_schema_units():
     assert cfg.check_budget(total=64 * PAGE, page_size=PAGE) == 32 * PAGE
     with pytest.raises(ConfigError, match="less than one page"):
         Config.from_dict({"budget": PAGE - 1}).check_budget(total=64 * PAGE, page_size=PAGE)
+
+
+def test_the_shipped_config_file_validates(monkeypatch):
+    import kvpool.daemon.config as config
+
+    monkeypatch.setattr(config, "_group_exists", lambda name: True)  # the kvpool groups
+    cfg = Config.load(REPO / "systemd" / "kvpool.toml")
+    assert cfg.socket_group == "kvpool" and cfg.tenants["llama-8b"].weight == 2.0
+    cfg.check_budget(total=80 << 30, page_size=2 << 20)
