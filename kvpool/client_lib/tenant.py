@@ -34,7 +34,7 @@ from typing import Callable
 
 from kvpool import paths
 from kvpool import protocol as p
-from kvpool.client_lib.connection import Connection
+from kvpool.client_lib.connection import Connection, UntrustedDaemon
 from kvpool.client_lib.errors import KvpoolError
 from kvpool.client_lib.regions import RegionGroup
 from kvpool.vmm import open_backend
@@ -223,10 +223,15 @@ class Tenant:
         """The daemon is gone: reconnect with backoff, register again, adopt our pages."""
         delay = 0.05
         log.warning("kvpool daemon gone; serving from mapped pages and reconnecting")
+        warned = False
         while not self._stop.is_set() and not self.closed:
             try:
                 conn = Connection(Path(self.run_dir), timeout_s=self.timeout_s)
-            except KvpoolError:
+            except KvpoolError as e:
+                if isinstance(e, UntrustedDaemon) and not warned:
+                    log.error("%s; not reconnecting to it (retrying until a trusted daemon "
+                              "serves %s)", e.message, self.run_dir)
+                    warned = True
                 self._stop.wait(delay)
                 delay = min(delay * 2, 1.0)
                 continue
