@@ -67,6 +67,7 @@ class Arbiter:
         self.groups: dict[int, Group] = {}  # every live group, by id (all tenants)
         self.recover_pids: set[int] = set()  # tenants of a previous daemon, not back yet
         self.recover_names: dict[str, int] = {}  # their names -> pids (kept for them)
+        self.recover_uids: dict[int, int] = {}  # their pids -> uids (a reused pid is not them)
         self.recover_until = 0.0
         self._envelope: list[bytes] = []
         self.started = time.monotonic()
@@ -263,7 +264,8 @@ class Arbiter:
             if why:
                 raise Fail(p.UNAUTHORIZED, why)
         owner = self.recover_names.get(name)
-        if self.recovering and owner in self.recover_pids and owner != t.pid:
+        if self.recovering and owner in self.recover_pids and (
+                owner != t.pid or self.recover_uids.get(owner, t.uid) != t.uid):
             raise Fail(p.UNAUTHORIZED, f"tenant name {name!r} is kept for pid {owner}, a "
                                        f"tenant of the previous daemon, until it returns")
         holders = [x for x in self.tenants.named(name) if x is not t]
@@ -463,9 +465,9 @@ class Arbiter:
         if not self.recovering:
             raise Fail(p.UNAUTHORIZED, "adopt is accepted only while the daemon recovers "
                                        "after a restart")
-        if t.pid not in self.recover_pids:
-            raise Fail(p.UNAUTHORIZED, f"pid {t.pid} was not a tenant of the previous daemon "
-                                       f"(or has adopted already)")
+        if t.pid not in self.recover_pids or self.recover_uids.get(t.pid, t.uid) != t.uid:
+            raise Fail(p.UNAUTHORIZED, f"pid {t.pid} (uid {t.uid}) was not a tenant of the "
+                                       f"previous daemon (or has adopted already)")
         if t.groups or t.lease_pages:
             raise Fail(p.BAD_REQUEST, "adopt must come right after register")
 

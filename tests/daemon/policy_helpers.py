@@ -67,7 +67,8 @@ def saved_state(d: DaemonProc) -> tuple[set[int], int]:
     return {int(t["pid"]) for t in state.get("tenants", [])}, int(state.get("next_group", 0))
 
 
-def restart(d: DaemonProc, expect_pid: int, next_group: int = 0, timeout: float = 20.0) -> None:
+def restart(d: DaemonProc, expect_pid: int, next_group: int = 0, timeout: float = 20.0,
+            between=None) -> None:
     """kill -9 the daemon once its restart state names ``expect_pid`` (and group ids up
     to ``next_group``), start it again with the same command line: the new one is
     recovering, waiting for that pid."""
@@ -77,6 +78,8 @@ def restart(d: DaemonProc, expect_pid: int, next_group: int = 0, timeout: float 
         time.sleep(0.02)
     d.proc.send_signal(signal.SIGKILL)
     d.proc.wait()
+    if between is not None:  # e.g. edit the restart state the next daemon will read
+        between()
     with open(d.log, "a") as f:
         d.proc = subprocess.Popen(list(d.proc.args), stdout=f, stderr=subprocess.STDOUT, cwd=REPO)
     wait_ready(d)

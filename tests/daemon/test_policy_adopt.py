@@ -161,3 +161,31 @@ def test_a_second_adopt_of_the_same_pid_is_refused(start_daemon, tmp_path):
     finally:
         _closed(fds)
         first.close()
+
+
+def test_adopt_from_a_reused_pid_of_another_uid_is_refused(start_daemon, tmp_path):
+    """The previous daemon recorded (pid, uid): the same pid under another uid is a
+    stranger that got a dead tenant's pid, not the tenant."""
+    import json
+
+    cfg = tmp_path / "kvpool.toml"
+    cfg.write_text("recover_timeout_s = 120\n")
+    d = start_daemon(budget=str(BUDGET * PAGE), extra=("--config", str(cfg)))
+    before = session(d, "returning")
+    state = d.run_dir / "state.json"
+
+    def other_uid():
+        saved = json.loads(state.read_text())
+        assert [t["uid"] for t in saved["tenants"]] == [os.getuid()]
+        for t in saved["tenants"]:
+            t["uid"] = os.getuid() + 4242
+        state.write_text(json.dumps(saved))
+
+    restart(d, os.getpid(), between=other_uid)
+    before.close()
+    conn = session(d, "returning2")
+    try:
+        assert code(lambda: adopt(conn, [], [], lease=PAGE)) == p.UNAUTHORIZED
+        assert stats(d).pool.leased == 0
+    finally:
+        conn.close()
