@@ -51,8 +51,10 @@ def touch(backend, addrs: list[int]) -> None:
     except ImportError:
         from cuda import cuda as cu
     for a in addrs:
-        cu.cuMemsetD8Async(a, 1, 1, 0)
-    cu.cuCtxSynchronize()
+        (err,) = cu.cuMemsetD8Async(a, 1, 1, 0)
+        assert int(err) == 0, f"cuMemsetD8Async({a:#x}) failed: {err}"
+    (err,) = cu.cuCtxSynchronize()
+    assert int(err) == 0, f"cuCtxSynchronize failed: {err}"
 
 
 # ---------------------------------------------------------------------------- floor server

@@ -31,7 +31,10 @@
 # Knobs: GPU_CHECK_BUDGET (seconds, default 465); GPU_CHECK_STEPS="daemon demo" runs only
 # those (plus setup); GPU_CHECK_SMOKE=1 runs the GPU steps' scripts on the host backend with
 # tiny sizes instead of skipping them (checks their plumbing on a CPU machine; results go
-# under the log dir only); GPU_CHECK_FORCE_INSTALL=1 installs .whl/ even when not needed.
+# under the log dir only); GPU_CHECK_FORCE_INSTALL=1 installs .whl/ even when not needed;
+# GPU_CHECK_TIMEOUTS="demo=200 daemon=30" sets steps' limits (seconds, still cut to what is
+# left of the budget); GPU_CHECK_FORCE_CPU=1 acts as if
+# there were no GPU; GPU_CHECK_PY forces the interpreter.
 # Exit status: 0 when no step failed or timed out, else 1.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -58,9 +61,16 @@ export KVPOOL_GPU_CHECK_TAG=$TAG   # inherited by everything a step starts (see 
 # step name, seconds wanted, seconds reserved for it while earlier steps run
 STEPS=(diagnostics pytest-gpu pytest-stub vmm-bench alloc-bench daemon engine-bench demo)
 declare -A WANT=([diagnostics]=45 [pytest-gpu]=110 [pytest-stub]=30 [vmm-bench]=60
-                 [alloc-bench]=60 [daemon]=60 [engine-bench]=130 [demo]=150)
+                 [alloc-bench]=60 [daemon]=60 [engine-bench]=130 [demo]=240)
 declare -A MIN=([diagnostics]=10 [pytest-gpu]=30 [pytest-stub]=0 [vmm-bench]=15
                 [alloc-bench]=20 [daemon]=20 [engine-bench]=45 [demo]=60)
+for kv in ${GPU_CHECK_TIMEOUTS:-}; do
+    if [[ $kv =~ ^([a-z-]+)=([0-9]+)$ ]] && [ -n "${WANT[${BASH_REMATCH[1]}]:-}" ]; then
+        WANT[${BASH_REMATCH[1]}]=${BASH_REMATCH[2]}
+    else
+        echo "gpu_check.sh: bad GPU_CHECK_TIMEOUTS entry '$kv' (want STEP=SECONDS)" >&2; exit 2
+    fi
+done
 RESULT_NAMES=() RESULT_STATUS=() RESULT_SECS=() RESULT_NOTE=()
 FAILED=0
 PY=""
@@ -73,7 +83,7 @@ record() {  # record NAME STATUS SECONDS NOTE
     case $2 in ok | SKIPPED) ;; *) FAILED=1 ;; esac
 }
 
-selected() { [ -z "$SELECTED" ] || [[ " $SELECTED " == *" $1 "* ]]; }
+selected() { [ -z "$SELECTED" ] || [ "$1" = diagnostics ] || [[ " $SELECTED " == *" $1 "* ]]; }
 
 # seconds the later steps keep in reserve while step $1 runs
 reserve_after() {
@@ -204,11 +214,12 @@ setup() {
         say "python lacks modules kvpool needs: $("$PY" -c "$NEEDED" 2>&1 | tail -1)"
         return 1
     fi
-    if nvidia-smi -L >>"$MAIN_LOG" 2>&1 && "$PY" -c \
-            'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>>"$MAIN_LOG"
-    then HAS_GPU=1; fi
+    nvidia-smi -L >>"$MAIN_LOG" 2>&1 || say "nvidia-smi finds no GPU (or is missing)"
+    # torch decides: a GPU it cannot use would only make every GPU step fail
+    if "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' \
+        2>>"$MAIN_LOG"; then HAS_GPU=1; fi
     [ "${GPU_CHECK_FORCE_CPU:-0}" = 1 ] && HAS_GPU=0
-    say "GPU: $([ "$HAS_GPU" = 1 ] && nvidia-smi -L | head -1 || echo none)"
+    say "GPU: $([ "$HAS_GPU" = 1 ] && { nvidia-smi -L 2>/dev/null | head -1 || echo yes; } || echo none)"
 }
 t0=$(date +%s)
 if setup; then record setup ok $(( $(date +%s) - t0 ))
