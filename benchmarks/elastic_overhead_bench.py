@@ -28,6 +28,7 @@ or --out).
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import random
 import shutil
@@ -151,6 +152,7 @@ def main() -> None:
                     results.append({"layout": engines["static"].kv_spec.layout, **r})
                 engines["elastic"].config.extra["kvpool"].close()
                 del engines
+                gc.collect()  # the next layout's engines load the weights again
                 if args.device == "cuda":
                     torch.cuda.empty_cache()
     finally:
