@@ -45,6 +45,7 @@ from common import summarize, write_result  # noqa: E402
 from kvpool.sizes import format_size, parse_size  # noqa: E402
 
 BATCH = 64  # units per grant request in the holders
+CHUNK = 256  # pages per fill step (the baseline grants as many next to each step)
 
 
 def emit(**kw) -> None:
@@ -55,9 +56,9 @@ def emit(**kw) -> None:
 # ---------------------------------------------------------------- holder subprocesses
 def holder(run_dir: str, prefix: str, tenants: int, groups: int, capacity: int) -> None:
     """``tenants`` sessions with ``groups`` groups in total (round robin), one region of
-    ``capacity`` units each. Commands on stdin: ``fill N`` (grant until N pages are held,
-    spread evenly over the groups; prints the time it took), ``close`` (Bye each session,
-    prints the time), EOF (exit)."""
+    ``capacity`` units each. Commands on stdin: ``fill N`` (grant or release until N
+    pages are held, spread evenly over the groups; prints the time it took), ``close``
+    (Bye each session, prints the time), EOF (exit)."""
     from kvpool.client_lib import Tenant
 
     ts = [Tenant(f"{prefix}{i}", run_dir=run_dir, keeper=False) for i in range(tenants)]
@@ -75,6 +76,10 @@ def holder(run_dir: str, prefix: str, tenants: int, groups: int, capacity: int) 
                     n = min(BATCH, per[k] - held[k])
                     g.grant(range(held[k], held[k] + n))
                     held[k] += n
+                while held[k] > per[k]:
+                    n = min(BATCH, held[k] - per[k])
+                    g.release(range(held[k] - n, held[k]))
+                    held[k] -= n
             emit(event="filled", held=sum(held), s=time.perf_counter() - t0)
         elif cmd == "close":
             for t in ts:
@@ -227,7 +232,7 @@ def run(args) -> dict:
             Cluster(Path(tmp) / "base") as base_c, Cluster(Path(tmp) / "scaled") as big_c:
         extra = ("--log-level", "WARNING",
                  *(("--warm-max", args.warm_max) if args.warm_max is not None else ()))
-        base_d = base_c.daemon((sizes[0] + 64) * page, page, extra=extra)
+        base_d = base_c.daemon((sizes[0] + CHUNK + 64) * page, page, extra=extra)
         big_d = big_c.daemon((top + args.dead_pages + 64) * page, page, extra=extra)
         base_h = Holder(str(base_c.run_dir), "b", args.tenants, args.groups, per_group)
         big_h = Holder(str(big_c.run_dir), "s", args.tenants, args.groups, per_group)
@@ -237,7 +242,16 @@ def run(args) -> dict:
         try:
             prev = 0
             for n in sizes:
-                filled = big_h.fill(n)
+                # grow in chunks, each next to the baseline granting (then releasing) a chunk
+                fill_s = fill_base_s = 0.0
+                cur = prev
+                while cur < n:
+                    step = min(CHUNK, n - cur)
+                    fill_s += big_h.fill(cur + step)["s"] / step
+                    fill_base_s += base_h.fill(sizes[0] + step)["s"] / step
+                    base_h.fill(sizes[0])
+                    cur += step
+                chunks = -(-(n - prev) // CHUNK)
                 gr_a, gr_b = interleaved(base, big, Target.grant_release, args.reps)
                 ps_a, ps_b = interleaved(base, big, Target.ps, args.ps_reps)
                 map_a, map_b = interleaved(base, big, Target.map, args.map_reps)
@@ -248,7 +262,9 @@ def run(args) -> dict:
                     "pages": n,
                     "tenants": len(big.monitor.ps().tenants),
                     "groups": map_b[-1][3],
-                    "fill_per_page_us": filled["s"] / max(1, n - prev) * 1e6,
+                    "fill_per_page_us": fill_s / chunks * 1e6,
+                    "fill_per_page_base_us": fill_base_s / chunks * 1e6,
+                    "fill_ratio": fill_s / fill_base_s,
                     "grant": summarize([g for g, _ in gr_b]),
                     "release": summarize([r for _, r in gr_b]),
                     "grant_base": summarize([g for g, _ in gr_a]),
@@ -266,7 +282,7 @@ def run(args) -> dict:
                     "map_reply_pages": map_b[-1][2],
                     "daemon_rss_bytes": res["rss_bytes"],
                     "daemon_fds": res["fds"],
-                    "warm_bytes": big.monitor.ps().pool.warm,
+                    "warm_pages": big.monitor.ps().pool.warm // page,
                     "dead_pages": args.dead_pages,
                     "dead_kill_s": dead["kill"],
                     "dead_close_s": dead["close"],
@@ -290,9 +306,9 @@ def run(args) -> dict:
             "daemons_alive_at_end": alive}
 
 
-HEAD = (f"{'pages':>6} {'tenants':>7} {'groups':>6} {'fill/page':>9} {'grant':>8} {'x':>5} "
+HEAD = (f"{'pages':>6} {'tenants':>7} {'groups':>6} {'fill/page':>9} {'x':>5} {'grant':>8} {'x':>5} "
         f"{'release':>8} {'x':>5} {'ps':>8} {'x':>5} {'ps B':>7} {'map':>8} {'x':>5} "
-        f"{'map B':>8} {'RSS':>8} {'fds':>6} {'kill dead':>9} {'close dead':>10}")
+        f"{'map B':>8} {'RSS':>8} {'fds':>6} {'warm':>5} {'kill dead':>9} {'close dead':>10}")
 
 
 def print_row(r: dict) -> None:
@@ -304,11 +320,12 @@ def print_row(r: dict) -> None:
         return f"{x['median_us']:.0f}us" if x["median_us"] < 10_000 else f"{x['median_us'] / 1e3:.0f}ms"
 
     print(f"{r['pages']:>6} {r['tenants']:>7} {r['groups']:>6} {r['fill_per_page_us']:>7.0f}us "
+          f"{r['fill_ratio']:>5.2f} "
           f"{us(r['grant']):>8} {r['grant_ratio']:>5.2f} {us(r['release']):>8} "
           f"{r['release_ratio']:>5.2f} {us(r['ps']):>8} {r['ps_ratio']:>5.2f} "
           f"{r['ps_reply_bytes']:>7} {us(r['map']):>8} {r['map_ratio']:>5.2f} "
           f"{r['map_reply_bytes']:>8} {format_size(r['daemon_rss_bytes']):>8} "
-          f"{r['daemon_fds']:>6} {r['dead_kill_s'] * 1e3:>7.0f}ms {r['dead_close_s'] * 1e3:>8.0f}ms",
+          f"{r['daemon_fds']:>6} {r['warm_pages']:>5} {r['dead_kill_s'] * 1e3:>7.0f}ms {r['dead_close_s'] * 1e3:>8.0f}ms",
           flush=True)
 
 
