@@ -77,9 +77,13 @@ def main() -> None:
     daemon = start_daemon(a.budget, a.page_size)
     servers = VllmServers(model, work)
     try:
+        # Both on vLLM's uniprocess executor (what KVPOOL_ENABLE=1 runs on CPU), so the
+        # two differ only in where the KV memory comes from.
+        uni = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
         static = servers.start("static", None, ("--kv-cache-memory-bytes",
-                                                str(parse_size(a.budget))))
-        elastic = servers.start("elastic", daemon.run_dir)
+                                                str(parse_size(a.budget))),
+                               VLLM_CPU_KVCACHE_SPACE="", **uni)
+        elastic = servers.start("elastic", daemon.run_dir, **uni)
         servers.wait_healthy()
         for s in (static, elastic):  # warm-up
             one_rep(s.base, s.name, 2, 16)

@@ -93,8 +93,11 @@ class ElasticBlockPool(BlockPool):
                 for block in evicted:
                     self._maybe_evict_cached_block(block)
                 ret += evicted
+        caching = self.enable_caching
         for block in ret:
             assert block.ref_cnt == 0
+            if caching:  # as vLLM does for every block it hands out
+                self._maybe_evict_cached_block(block)
             block.ref_cnt = 1
             if self.metrics_collector:
                 self.metrics_collector.on_block_allocated(block)
@@ -109,7 +112,9 @@ class ElasticBlockPool(BlockPool):
                     continue
                 block.ref_cnt -= 1
                 if block.ref_cnt == 0 and not block.is_null:
-                    if block.block_hash is None or not self.enable_caching:
+                    if not self.enable_caching or (
+                            block.block_hash is None
+                            and block.block_id not in self.cached_block_hashes_by_block):
                         plain.append(block.block_id)
                     else:
                         cached.append(block)
@@ -291,6 +296,9 @@ class ElasticBlockPool(BlockPool):
                 f"{len(queued)} + {len(self._stash)}")
             for i in queued | set(self._stash):
                 assert a._held[i], f"free block {i} not held"
+            for blk in self.blocks[1:]:
+                if not a._held[blk.block_id]:
+                    assert blk.block_hash is None, f"block {blk.block_id} free but hashed"
 
 
 def allocate_slots(original):

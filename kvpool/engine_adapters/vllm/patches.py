@@ -18,8 +18,8 @@ Engine-core process:
                                         ask kvpool for a shortfall, never raise;
   ``Scheduler.__init__``                binds the pool to the scheduler (shrink callback,
                                         idle release);
-  ``EngineCoreProc._process_engine_step/_handle_client_request``  one lock per step, so
-                                        a shrink runs between steps.
+  ``EngineCore.step/add_request/abort_requests`` and ``EngineCoreProc._process_engine_step/
+  _handle_client_request``              one lock per step, so a shrink runs between steps.
 """
 
 from __future__ import annotations
@@ -139,16 +139,20 @@ def _patch_engine_core(mod) -> None:
 
     mod.get_kv_cache_configs = get_kv_cache_configs
 
-    proc = mod.EngineCoreProc
-    for name in ("_process_engine_step", "_handle_client_request"):
-        method = getattr(proc, name)
+    # The engine core's loop (a server) and its in-process form (offline LLM without
+    # multiprocessing) both reach the scheduler only through these.
+    for cls, names in ((mod.EngineCore, ("step", "step_with_batch_queue", "add_request",
+                                         "abort_requests")),
+                       (mod.EngineCoreProc, ("_process_engine_step", "_handle_client_request"))):
+        for name in names:
+            method = getattr(cls, name)
 
-        def locked(self, *args, _m=method, **kwargs):
-            with bridge().step_lock:
-                return _m(self, *args, **kwargs)
+            def locked(self, *args, _m=method, **kwargs):
+                with bridge().step_lock:
+                    return _m(self, *args, **kwargs)
 
-        functools.update_wrapper(locked, method)
-        setattr(proc, name, locked)
+            functools.update_wrapper(locked, method)
+            setattr(cls, name, locked)
 
 
 # ---- engine-core process: the KV cache ------------------------------------------------------
