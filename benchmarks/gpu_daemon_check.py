@@ -103,11 +103,15 @@ def start_victim(run_dir: Path, npages: int, timeout_s: float) -> tuple[subproce
     proc = subprocess.Popen(
         [sys.executable, __file__, "--victim", str(run_dir), "--pages", str(npages)],
         stdout=subprocess.PIPE, text=True, cwd=REPO)
-    line = proc.stdout.readline() if proc.stdout else ""
-    if not line:
-        raise RuntimeError(f"the victim tenant exited (rc={proc.wait(timeout_s)}) before "
-                           "it held its pages")
-    return proc, json.loads(line)
+    for line in proc.stdout or ():  # the first JSON line with "ready" (skip any chatter)
+        try:
+            msg = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(msg, dict) and msg.get("ready"):
+            return proc, msg
+    raise RuntimeError(f"the victim tenant exited (rc={proc.wait(timeout_s)}) before it "
+                       "held its pages")
 
 
 # ---------------------------------------------------------------------------- parent side
