@@ -50,7 +50,7 @@ import zmq
 
 from kvpool import fdchannel, paths
 from kvpool import protocol as p
-from kvpool.daemon import fdqueue
+from kvpool.daemon import fdqueue, observe
 from kvpool.daemon.arbiter import Arbiter, Fail, Outcome
 from kvpool.daemon.auth import is_admin, peer_groups
 from kvpool.daemon.config import Config
@@ -66,6 +66,8 @@ MAX_ZMQ_MESSAGE = 2 * p.MAX_FRAME  # larger frames make libzmq drop the peer (me
 MAX_FRAMES = 4  # frames of one control message: identity, [empty delimiter], body (+1 spare)
 DRAIN_SLICE = 4096  # frames of a refused message discarded per loop turn
 BURST = 64  # messages handled per socket per loop turn before looking at other sockets
+ACCEPT_BURST = 8  # fd-channel connections accepted per loop turn
+INTERLEAVE = 8  # fd-channel events handled between two looks at the control socket
 
 
 class StartupError(RuntimeError):
@@ -109,6 +111,8 @@ class Server:
         self._out: dict[int, fdqueue.Outbound] = {}  # tenant id -> fd messages still to send
         self._parked: dict[int, fdqueue.Parked] = {}  # tenant id -> Adopt awaiting its fds
         self._discard: list | None = None  # [identity, frames read] of a refused message
+        self._refusal_logged = -1e9  # when a refused session was last logged
+        self._refusals_quiet = 0  # refused sessions not logged since
 
     # ---- setup / teardown -----------------------------------------------------------
     def start(self) -> None:
@@ -164,6 +168,7 @@ class Server:
         self._watch(self.listener.fileno(), self._accept)
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._watch(self._wake_r, self._on_signal_pipe)
+        self.observer = observe.attach(self)  # counters, event log, /metrics if configured
         signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
@@ -196,6 +201,8 @@ class Server:
             a.recover_pids = pids
             a.recover_names = {str(t.get("name", "")): int(t["pid"]) for t in state["tenants"]
                                if int(t.get("pid", 0)) in pids}
+            a.recover_uids = {int(t["pid"]): int(t["uid"]) for t in state["tenants"]
+                              if int(t.get("pid", 0)) in pids and "uid" in t}
             a.recover_until = time.monotonic() + self.cfg.recover_timeout_s
             log.info("recovering: waiting up to %gs for %d tenants of the previous daemon",
                      self.cfg.recover_timeout_s, len(pids))
@@ -203,7 +210,7 @@ class Server:
     def _save_state(self) -> None:
         a = self.arbiter
         state = {"next_group": a._next_group, "tenants": [
-            {"pid": t.pid, "name": t.name} for t in a.tenants if t.arbitrated]}
+            {"pid": t.pid, "uid": t.uid, "name": t.name} for t in a.tenants if t.arbitrated]}
         try:
             paths.write_private(self._state_path, json.dumps(state).encode())
         except OSError as e:
@@ -214,6 +221,7 @@ class Server:
         """Close everything. ``state.json`` (the restart state) is removed only after a
         clean, requested stop; after a crash the next daemon still waits for tenants."""
         self.notifier.stopping()
+        self.observer.close()
         if not clean:
             self._save_state()
         for t in list(self.arbiter.tenants):
@@ -284,17 +292,21 @@ class Server:
     def turn(self) -> None:
         """One loop iteration: wait for input (or not, when idle work is pending).
 
-        A handler that raises drops the tenant whose socket it served (never the daemon)."""
+        A handler that raises drops the tenant whose socket it served (never the daemon).
+        Control messages are looked at again every :data:`INTERLEAVE` fd-channel events,
+        so a flood of connections or hang-ups does not hold up the tenants' requests."""
         busy = self.pool.has_work() or self._discard is not None
         timeout_ms = 0 if busy else max(0.0, self._next_timer() - time.monotonic()) * 1000
         events = self.poller.poll(timeout_ms)
-        for item, ev in events:
+        for i, (item, ev) in enumerate(events):
             if item is self.router:
                 self._guard(None, self._control)
-            else:
-                handler = self._handlers.get(item)
-                if handler is not None:
-                    self._guard(item, handler, item, ev)
+                continue
+            handler = self._handlers.get(item)
+            if handler is not None:
+                self._guard(item, handler, item, ev)
+            if i % INTERLEAVE == INTERLEAVE - 1 and self.router.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                self._guard(None, self._control)
         if self._need_tick:
             self._need_tick = False
             self._tick()
@@ -607,7 +619,7 @@ class Server:
 
     # ---- fd channel: sessions and inbound ----------------------------------------------
     def _accept(self, fd: int, ev: int = 0) -> None:
-        for _ in range(BURST):
+        for _ in range(ACCEPT_BURST):
             try:
                 conn, _ = self.listener.accept()
             except (BlockingIOError, InterruptedError):
@@ -633,7 +645,7 @@ class Server:
             self._close_session(conn, pidfd)
             return
         except Fail as e:  # a session cap: the peer reads why in its hello, then EOF
-            log.warning("session of pid %d uid %d refused: %s", pid, uid, e)
+            self._log_refusal(pid, uid, e)
             with contextlib.suppress(OSError):
                 conn.send(p.encode(p.FdHello(p.VERSION, "", self.backend.name,
                                              self.backend.device, self.pool.page_size,
@@ -645,7 +657,8 @@ class Server:
             self._close_session(conn, pidfd)
             return
         try:
-            t.admin = is_admin(uid, peer_groups(pid, gid), self.admin_gid)
+            t.admin = is_admin(uid, getattr(t, "peer_gids", None) or peer_groups(pid, gid),
+                               self.admin_gid)
             conn.send(p.encode(p.FdHello(p.VERSION, t.token, self.backend.name,
                                          self.backend.device, self.pool.page_size)))
         except Exception as e:  # (OSError, or a bug)
@@ -657,6 +670,18 @@ class Server:
         if pidfd is not None:
             self._watch(pidfd, self._pid_exited)
         log.debug("session %d opened for pid %d uid %d", t.id, pid, uid)
+
+    def _log_refusal(self, pid: int, uid: int, e: Exception) -> None:
+        """Log a refused session, at most once a second (a flood must not become a
+        flood of log lines): the count of the ones not logged comes with the next."""
+        now = time.monotonic()
+        if now - self._refusal_logged < 1.0:
+            self._refusals_quiet += 1
+            return
+        more = f" ({self._refusals_quiet} more refused since the last line)" \
+            if self._refusals_quiet else ""
+        log.warning("session of pid %d uid %d refused: %s%s", pid, uid, e, more)
+        self._refusal_logged, self._refusals_quiet = now, 0
 
     @staticmethod
     def _close_session(conn: socket.socket, pidfd: int | None) -> None:

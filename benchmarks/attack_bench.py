@@ -1,0 +1,203 @@
+"""Honest grant latency while one peer attacks the daemon's event loop (host backend).
+
+An honest tenant grants and releases one page in a loop and times each grant; an
+attacker process runs one attack at a time next to it. Phases are interleaved (each
+attack, then the baseline with an idle attacker process, repeated ``--reps`` times) and
+each attack's p50/p99 is reported as a ratio to the baseline measured in the same run.
+
+Attacks (each loops until stopped):
+  adopt_unregistered  Adopts announcing descriptors, from sessions that never registered
+  adopt_missing       8 registered sessions whose Adopts announce 5 fds and send none
+  nonreader           a session pipelining 300 grants and never reading its fd channel
+                      (dropped once its socket stays full; it reconnects and goes again)
+  frames              control messages of 100,000 frames each
+  conn_flood          200 fd-channel connections opened and closed at a time
+
+    .venv/bin/python benchmarks/attack_bench.py [--reps 3] [--seconds 3]
+
+Writes benchmarks/results/attack_bench.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from common import summarize, write_result  # noqa: E402
+
+from kvpool import fdchannel, paths  # noqa: E402
+from kvpool import protocol as p  # noqa: E402
+
+PAGE = 64 << 10
+BUDGET_PAGES = 4096
+ATTACKS = ["adopt_unregistered", "adopt_missing", "nonreader", "frames", "conn_flood"]
+
+
+# ---- the attacker process ---------------------------------------------------------------
+class Peer:
+    def __init__(self, run_dir: Path, name: str | None = None):
+        import zmq
+
+        self.fd = fdchannel.connect(str(paths.pages_path(run_dir)))
+        self.fd.settimeout(10)
+        self.token = p.decode_hello(self.fd.recv(fdchannel.MAX_DATA)).token
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(paths.control_endpoint(run_dir))
+        self.ids = itertools.count(1)
+        if name:
+            self.call(p.Register(name=name))
+
+    def send(self, req: p.Request) -> int:
+        req.id, req.token = next(self.ids), self.token
+        self.sock.send(p.encode(req))
+        return req.id
+
+    def call(self, req: p.Request, timeout_s: float = 10) -> p.Reply | None:
+        rid = self.send(req)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.sock.poll(100):
+                reply = p.decode_reply(self.sock.recv())
+                if reply.id == rid:
+                    return reply
+        return None
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        self.fd.close()
+
+
+def attack(kind: str, run_dir: Path) -> None:
+    """Run one attack until SIGTERM."""
+    import zmq
+
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *a: stop.append(1))
+    n = itertools.count()
+    while not stop:
+        if kind == "idle":
+            time.sleep(0.05)
+        elif kind == "adopt_unregistered":
+            peers = [Peer(run_dir) for _ in range(8)]
+            for peer in peers:
+                peer.call(p.Adopt(nfds=7), timeout_s=5)
+            for peer in peers:
+                peer.close()
+        elif kind == "adopt_missing":
+            peers = [Peer(run_dir, f"adopter{next(n)}") for _ in range(8)]
+            for peer in peers:
+                peer.send(p.Adopt(nfds=5))
+            for peer in peers:
+                peer.sock.poll(5000)
+                peer.close()
+        elif kind == "nonreader":
+            peer = Peer(run_dir, f"sink{next(n)}")
+            gid = peer.call(p.CreateGroup(n_regions=1, capacity=300 * PAGE)).group
+            for u in range(300):
+                peer.send(p.Grant(group=gid, units=[u]))
+            deadline = time.monotonic() + 3  # past send_timeout_s: the daemon drops it
+            while not stop and time.monotonic() < deadline:
+                time.sleep(0.05)
+            peer.close()
+        elif kind == "frames":
+            sock = zmq.Context.instance().socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(paths.control_endpoint(run_dir))
+            sock.send_multipart([b"x"] * 100_000)
+            sock.poll(30_000)
+            sock.close(linger=0)
+        elif kind == "conn_flood":
+            conns = [fdchannel.connect(str(paths.pages_path(run_dir))) for _ in range(200)]
+            for c in conns:
+                c.close()
+
+
+# ---- the honest tenant ------------------------------------------------------------------
+def measure(g, seconds: float) -> list[int]:
+    samples = []
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        t0 = time.perf_counter_ns()
+        g.grant([0])
+        samples.append(time.perf_counter_ns() - t0)
+        g.release([0])
+        time.sleep(0.001)
+    return samples
+
+
+def run(args) -> dict:
+    from kvpool.client_lib import connect
+    from kvpool.demo.cluster import Cluster
+
+    attacks = [a for a in args.attacks.split(",") if a]
+    samples: dict[str, list[int]] = {k: [] for k in ["baseline", *attacks]}
+    with tempfile.TemporaryDirectory(prefix="kvpbench-") as tmp, Cluster(Path(tmp)) as cluster:
+        cluster.daemon(BUDGET_PAGES * PAGE, PAGE, extra=("--log-level", "WARNING"))
+        run_dir = cluster.run_dir
+        with connect(name="honest", run_dir=run_dir, timeout_s=60) as t:
+            g = t.region_group(1, 4 * PAGE)
+            measure(g, 0.5)  # warm up
+            for _ in range(args.reps):
+                for kind in [*attacks, "idle"]:
+                    proc = subprocess.Popen([sys.executable, __file__, "--attacker", kind,
+                                             "--run-dir", str(run_dir)])
+                    time.sleep(0.5)  # the attack is under way
+                    samples["baseline" if kind == "idle" else kind] += measure(g, args.seconds)
+                    proc.send_signal(signal.SIGTERM)
+                    try:
+                        proc.wait(30)
+                    except subprocess.TimeoutExpired:
+                        proc.kill()
+                        proc.wait()
+            cluster.check_alive()
+    base = summarize(samples["baseline"])
+    base["max_us"] = max(samples["baseline"]) / 1e3
+    out = {"baseline": base}
+    for kind in attacks:
+        s = summarize(samples[kind])
+        s["max_us"] = max(samples[kind]) / 1e3
+        s["p50_ratio"] = s["median_us"] / base["median_us"]
+        s["p99_ratio"] = s["p99_us"] / base["p99_us"]
+        out[kind] = s
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--seconds", type=float, default=3.0, help="per phase")
+    ap.add_argument("--attacker", choices=["idle", *ATTACKS], help=argparse.SUPPRESS)
+    ap.add_argument("--run-dir", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--attacks", default=",".join(ATTACKS), help="comma-separated subset")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if args.attacker:
+        attack(args.attacker, args.run_dir)
+        return
+    results = run(args)
+    print(f"{'phase':<20} {'n':>6} {'p50 us':>9} {'p99 us':>10} {'max us':>10} {'p50 x':>7} "
+          f"{'p99 x':>7}")
+    for kind, s in results.items():
+        print(f"{kind:<20} {s['n']:>6} {s['median_us']:>9.0f} {s['p99_us']:>10.0f} "
+              f"{s['max_us']:>10.0f} "
+              f"{s.get('p50_ratio', 1.0):>7.2f} {s.get('p99_ratio', 1.0):>7.2f}")
+    path = write_result("attack_bench", {
+        "page_size": PAGE, "budget_pages": BUDGET_PAGES, "reps": args.reps,
+        "seconds_per_phase": args.seconds, "results": results}, args.out)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
