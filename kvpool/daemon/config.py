@@ -104,6 +104,8 @@ class Config:
     reclaim_timeout_s: Seconds = 2.0  # deadline of reclaim asks and of requests waiting on them
     recover_timeout_s: Annotated[float, Meta(ge=0, le=86400)] = 5.0  # after a restart
     log_level: str = "INFO"  # one of LOG_LEVELS, any case
+    metrics_address: str | None = None  # HOST:PORT of the Prometheus exporter (None: off)
+    metrics_allow_remote: bool = False  # a non-loopback metrics_address is refused unless set
     # caps (a session or tenant past one gets a clear refusal)
     max_sessions_per_uid: Count = 64
     max_sessions: Count = 1024
@@ -172,10 +174,10 @@ class Config:
         problems: list[str] = []
         budget = parse_size(self.budget, total)
         if budget > total:
-            problems.append(f"budget = {_show(self.budget)}: more than the device's "
+            problems.append(f"budget = {_show_size(self.budget)}: more than the device's "
                             f"{format_size(total)}")
         elif budget < page_size:
-            problems.append(f"budget = {_show(self.budget)}: less than one page "
+            problems.append(f"budget = {_show_size(self.budget)}: less than one page "
                             f"({format_size(page_size)})")
         if problems:
             raise ConfigError(problems)
@@ -323,3 +325,7 @@ def _reason(e: msgspec.ValidationError) -> str:
 
 def _show(value: Any) -> str:
     return repr(value) if not isinstance(value, float) else f"{value:g}"
+
+
+def _show_size(value: int | str) -> str:
+    return format_size(value) if isinstance(value, int) else repr(value)
