@@ -1,0 +1,85 @@
+"""``kvpool events``: the daemon's decisions (grant, wait, deny, ask, answer, reclaim
+round, lease, limit change, tenant death) from its ring buffer, and with ``--follow``
+as they happen (a long poll: the daemon answers as soon as there is something new).
+A gap (events the ring no longer held) is printed as such, never hidden."""
+
+from __future__ import annotations
+
+import datetime
+import json
+
+import click
+
+from kvpool.cli.daemon_cmds import _monitor, json_option, run_dir_option
+from kvpool.sizes import format_size
+
+POLL_MS = 10_000  # a follow request the daemon leaves unanswered this long is sent again
+
+
+def fetch(mon, since: int, tenant: str | None, follow: bool):
+    """One Events call; None when a follow poll timed out with nothing new."""
+    from kvpool import protocol as p
+    from kvpool.client_lib.errors import DaemonUnavailable
+
+    req = p.Events(since=since, tenant=tenant, follow=follow)
+    try:
+        return mon.conn.call(req, timeout_ms=POLL_MS if follow else None)[0]
+    except DaemonUnavailable as e:
+        if follow and e.code == p.BUSY and not mon.conn.daemon_gone:
+            return None
+        raise
+
+
+def describe(ev) -> str:
+    """One event as a line of text."""
+    d = dict(ev.detail)
+    when = datetime.datetime.fromtimestamp(ev.time).strftime("%H:%M:%S.%f")[:-3]
+    who = ev.tenant or "-"
+    size = format_size(ev.bytes) if ev.bytes else ""
+    if ev.kind == "reclaim":
+        asks = ", ".join(f"{k} {format_size(v)}" for k, v in sorted(d.get("asked", {}).items()))
+        got = ", ".join(f"{k} {format_size(v)}" for k, v in sorted(d.get("answered", {}).items()))
+        text = (f"round of {d.get('duration_s', 0) * 1000:.1f} ms granted {size}: asked "
+                f"[{asks or 'nobody'}], answered [{got or 'nothing'}], "
+                f"{format_size(d.get('free_at_start', 0))} free at start")
+        return f"{when} {ev.seq:>7} reclaim  {text}"
+    extra = " ".join(f"{k}={v}" for k, v in d.items() if k != "tenants")
+    return f"{when} {ev.seq:>7} {ev.kind:<8} {who:<16} {size:>10} {extra}".rstrip()
+
+
+@click.command()
+@click.option("--follow", "-f", is_flag=True, help="Keep printing new events (Ctrl-C ends).")
+@click.option("--tenant", default=None, help="Only events naming this tenant (name or id).")
+@click.option("--since", type=click.IntRange(min=0), default=0,
+              help="Only events after this sequence number.")
+@run_dir_option
+@json_option
+def events(follow, tenant, since, run_dir, as_json):
+    """Show the daemon's recent decisions; with --follow, as they happen."""
+    from kvpool import protocol as p
+    from kvpool.client_lib.errors import KvpoolError
+
+    mon = _monitor(run_dir)
+    try:
+        while True:
+            reply = fetch(mon, since, tenant, follow)
+            if reply is None:
+                continue
+            if reply.lost:
+                click.echo(json.dumps({"kind": "gap", "lost": reply.lost}) if as_json else
+                           f"... {reply.lost} events lost (the daemon's ring buffer moved on)")
+            for ev in reply.events:
+                click.echo(json.dumps(p.to_builtins(ev)) if as_json else describe(ev))
+            since = reply.next
+            if not follow and len(reply.events) < p.EVENTS_LIMIT:
+                return
+    except KeyboardInterrupt:
+        return
+    except KvpoolError as e:
+        raise click.ClickException(f"{e.code}: {e.message}") from None
+    finally:
+        mon.close()
+
+
+def register(cli: click.Group) -> None:
+    cli.add_command(events)

@@ -1,0 +1,102 @@
+"""The daemon's decisions as a stream: a bounded ring buffer plus long-poll followers.
+
+Every event gets the next ``seq`` (1, 2, ...). :meth:`EventLog.after` answers an
+``Events{since}`` request from the ring; events older than the ring holds are counted
+as ``lost`` (the reader sees the gap, nothing is buffered for it). A follower (an
+``Events{follow}`` request with nothing new yet) is parked, at most one per session (a
+newer request replaces it), and answered as soon as events arrive: the log asks the
+loop to wake (``wake``) once per batch, and :meth:`EventLog.flush` replies from the
+loop thread. Memory is bounded by the ring and by one parked request per session; a
+slow follower costs nothing but the gap it will see.
+
+Only the event loop's thread touches an :class:`EventLog`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+from kvpool import protocol as p
+
+RING = 4096  # events kept
+
+
+@dataclass
+class Follower:
+    tenant_id: int
+    envelope: list[bytes]
+    req: p.Events
+
+
+class EventLog:
+    def __init__(self, size: int = RING, wake: Callable[[], None] | None = None):
+        self.ring: deque[p.EventInfo] = deque(maxlen=size)
+        self.seq = 0
+        self.followers: dict[int, Follower] = {}  # session (tenant id) -> parked request
+        self._wake = wake
+        self._woken = False
+
+    def record(self, kind: str, tenant=None, nbytes: int = 0, **detail) -> p.EventInfo:
+        """Append one event (``tenant``: a Tenant record, or None)."""
+        self.seq += 1
+        ev = p.EventInfo(seq=self.seq, time=time.time(), kind=kind,
+                         tenant=tenant.name if tenant is not None else "",
+                         tenant_id=tenant.id if tenant is not None else 0,
+                         bytes=nbytes, detail=detail)
+        self.ring.append(ev)
+        if self.followers and not self._woken and self._wake is not None:
+            self._woken = True
+            self._wake()
+        return ev
+
+    def after(self, since: int, tenant: str | None = None,
+              limit: int = p.EVENTS_LIMIT) -> p.EventsReply:
+        """Events with ``seq > since`` (only those naming ``tenant``, by name or id, when
+        given), oldest first, at most ``limit``; ``next`` is where to go on from. A
+        ``since`` past the last seq (a previous daemon's) starts from the beginning."""
+        if since > self.seq:
+            since = 0
+        oldest = self.ring[0].seq if self.ring else self.seq + 1
+        lost = max(0, oldest - since - 1)
+        out: list[p.EventInfo] = []
+        last = self.seq
+        for i in range(max(0, since + 1 - oldest), len(self.ring)):
+            ev = self.ring[i]
+            if tenant is None or ev.tenant == tenant or str(ev.tenant_id) == tenant \
+                    or tenant in ev.detail.get("tenants", ()):
+                out.append(ev)
+                if len(out) >= limit:
+                    last = ev.seq
+                    break
+        return p.EventsReply(events=out, next=last, lost=lost)
+
+    def request(self, tenant_id: int, envelope: list[bytes], r: p.Events) -> p.EventsReply | None:
+        """Answer ``r`` now, or park it (``follow`` with nothing new): None then."""
+        reply = self.after(r.since, r.tenant, r.limit)
+        if reply.events or reply.lost or not r.follow:
+            self.followers.pop(tenant_id, None)
+            reply.id = r.id
+            return reply
+        self.followers[tenant_id] = Follower(tenant_id, list(envelope), r)
+        return None
+
+    def forget(self, tenant_id: int) -> None:
+        self.followers.pop(tenant_id, None)
+
+    def flush(self, send: Callable[[list[bytes], p.Reply], None]) -> int:
+        """Answer every parked follower that has something new; returns how many."""
+        self._woken = False
+        done = 0
+        for tid, f in list(self.followers.items()):
+            reply = self.after(f.req.since, f.req.tenant, f.req.limit)
+            if reply.events or reply.lost:
+                del self.followers[tid]
+                reply.id = f.req.id
+                send(f.envelope, reply)
+                done += 1
+            else:
+                f.req.since = reply.next  # skip what this follower's filter left out
+        return done

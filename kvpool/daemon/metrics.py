@@ -1,0 +1,257 @@
+"""The daemon's Prometheus exporter (``--metrics-address HOST:PORT``, off by default).
+
+``prometheus_client`` serves ``/metrics`` from its own thread; the single-threaded event
+loop never waits for a scraper. At each scrape the collector asks the loop for a
+:class:`~kvpool.daemon.observe.Snapshot` (built between two requests, the same view
+``kvpool ps`` gets) and turns it into metric families: nothing is computed on the grant
+path but a few integer increments (see :mod:`kvpool.daemon.observe`). If the loop does
+not answer within two seconds the previous snapshot is served, and
+``kvpool_snapshot_age_seconds`` says how old it is.
+
+Tenant names are visible in the metrics, so the exporter listens on loopback only unless
+``metrics_allow_remote`` is set.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import time
+
+from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server
+from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
+                                    HistogramMetricFamily)
+
+HIST_HELP = {
+    "grant_service": ("kvpool_grant_service_seconds",
+                      "Time the daemon spent serving a grant that fitted at once."),
+    "grant_wait": ("kvpool_grant_wait_seconds",
+                   "Time a grant or lease waited for reclaim before it was served."),
+    "reclaim_round": ("kvpool_reclaim_round_seconds",
+                      "Duration of a reclaim round (first waiting request to none waiting)."),
+    "tenant_drop": ("kvpool_tenant_memory_return_seconds",
+                    "Time to return a departed tenant's memory to the pool."),
+}
+POOL_GAUGES = (("budget", "Bytes the daemon may hand out."),
+               ("granted", "Bytes in tenants' page tables."),
+               ("warm", "Bytes of zeroed pages ready to grant."),
+               ("dirty", "Bytes released and not yet zeroed."),
+               ("leased", "Bytes leased to tenants (outside kvpool's mappings)."),
+               ("free", "Budget not granted, warm, dirty (nor leased)."),
+               ("waiting", "Bytes asked by requests waiting for reclaim."),
+               ("retained", "Bytes released but still referenced by their tenant."))
+TENANT_GAUGES = (("mapped", "Bytes granted to the tenant."),
+                 ("in_use", "Bytes the tenant reports in use."),
+                 ("reserve", "Bytes mapped but idle (the tenant's reserve)."),
+                 ("lease", "Bytes leased."),
+                 ("share", "Weighted fair share now."),
+                 ("min", "Guaranteed memory (never reclaimed)."),
+                 ("max", "Hard limit."),
+                 ("asked", "Bytes the daemon is waiting for the tenant to give back."),
+                 ("waiting", "Bytes of the tenant's requests waiting for reclaim."))
+LOOPBACK_NAMES = ("localhost",)
+
+
+class AddressError(ValueError):
+    """A metrics address the daemon refuses (bad syntax, or not loopback)."""
+
+
+def parse_address(text: str, allow_remote: bool = False) -> tuple[str, int]:
+    """``HOST:PORT`` (``[::1]:PORT`` for IPv6) -> ``(host, port)``. Refuses a host
+    that is not a loopback address unless ``allow_remote``."""
+    host, sep, port = str(text).rpartition(":")
+    if not sep or not host:
+        raise AddressError(f"metrics address {text!r}: expected HOST:PORT, e.g. 127.0.0.1:9400")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    try:
+        port_n = int(port)
+    except ValueError:
+        raise AddressError(f"metrics address {text!r}: port {port!r} is not a number") from None
+    if not 0 <= port_n <= 65535:
+        raise AddressError(f"metrics address {text!r}: port {port_n} is out of range")
+    if host in LOOPBACK_NAMES:
+        return "127.0.0.1", port_n
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        raise AddressError(f"metrics address {text!r}: {host!r} is not an IP address") from None
+    if not ip.is_loopback and not allow_remote:
+        raise AddressError(f"metrics address {text!r} is not loopback: tenant names would be "
+                           f"visible off this host (set metrics_allow_remote = true, or "
+                           f"--metrics-allow-remote, to allow it)")
+    return host, port_n
+
+
+class DaemonCollector:
+    """Metric families from a loop-built snapshot (see the module docstring)."""
+
+    def __init__(self, observer):
+        self.observer = observer
+
+    def collect(self):
+        snap = self.observer.snapshot_from_loop()
+        if snap is None:
+            return
+        yield from self._pool(snap)
+        yield from self._tenants(snap)
+        yield from self._counters(snap)
+        yield from self._histograms(snap)
+        age = GaugeMetricFamily("kvpool_snapshot_age_seconds",
+                                "Age of the daemon state these metrics show.")
+        age.add_metric([], max(0.0, time.time() - snap.taken))
+        yield age
+
+    @staticmethod
+    def _pool(snap):
+        pool, dev = snap.pool, [str(snap.pool.device)]
+        for key, text in POOL_GAUGES:
+            g = GaugeMetricFamily(f"kvpool_pool_{key}_bytes", text, labels=["device"])
+            g.add_metric(dev, getattr(pool, key))
+            yield g
+        g = GaugeMetricFamily("kvpool_pool_page_size_bytes", "Page size.", labels=["device"])
+        g.add_metric(dev, pool.page_size)
+        yield g
+        g = GaugeMetricFamily("kvpool_waiting_requests", "Grants and leases waiting for "
+                              "reclaim.", labels=["device"])
+        g.add_metric(dev, snap.waiters)
+        yield g
+        g = GaugeMetricFamily("kvpool_recovering", "1 while the daemon rebuilds its "
+                              "accounting after a restart.", labels=["device"])
+        g.add_metric(dev, int(pool.recovering))
+        yield g
+        g = GaugeMetricFamily("kvpool_tenants", "Tenants listed by ps.", labels=["device"])
+        g.add_metric(dev, len(snap.tenants))
+        yield g
+        c = CounterMetricFamily("kvpool_pages_created", "Pages created since start.",
+                                labels=["device"])
+        c.add_metric(dev, pool.created)
+        yield c
+
+    @staticmethod
+    def _tenants(snap):
+        labels = ["tenant", "tenant_id", "kind", "device"]
+        dev = str(snap.pool.device)
+        rows = [([t.name, str(t.id), t.kind, dev], t) for t in snap.tenants]
+        for key, text in TENANT_GAUGES:
+            g = GaugeMetricFamily(f"kvpool_tenant_{key}_bytes", text, labels=labels)
+            for lv, t in rows:
+                g.add_metric(lv, getattr(t, key))
+            yield g
+        g = GaugeMetricFamily("kvpool_tenant_weight", "Share of contended memory.",
+                              labels=labels)
+        for lv, t in rows:
+            g.add_metric(lv, t.weight)
+        yield g
+        g = GaugeMetricFamily("kvpool_tenant_state", "1 for the tenant's state: ok, asked "
+                              "(a reclaim outstanding), waiting, unresponsive.",
+                              labels=[*labels, "state"])
+        for lv, t in rows:
+            g.add_metric([*lv, tenant_state(t)], 1)
+        yield g
+        c = CounterMetricFamily("kvpool_tenant_reclaims_ignored", "Reclaim asks the tenant "
+                                "let expire.", labels=labels)
+        for lv, t in rows:
+            c.add_metric(lv, t.ignored)
+        yield c
+
+    @staticmethod
+    def _counters(snap):
+        n = snap.counters
+        dev = [str(snap.pool.device)]
+
+        def simple(name, text, key):
+            c = CounterMetricFamily(name, text, labels=["device"])
+            c.add_metric(dev, n.get(key, 0))
+            return c
+
+        yield simple("kvpool_grants", "Grants served.", "grants")
+        yield simple("kvpool_granted_pages", "Pages granted.", "grant_pages")
+        yield simple("kvpool_releases", "Release and destroy-group requests served.", "releases")
+        yield simple("kvpool_released_pages", "Pages given back by tenants.", "release_pages")
+        yield simple("kvpool_leases", "Leases granted (or grown).", "leases")
+        yield simple("kvpool_waits", "Grants and leases that had to wait for reclaim.", "waits")
+        yield simple("kvpool_limit_changes", "Knob changes (kvpool limit).", "limit_changes")
+        yield simple("kvpool_reclaim_rounds", "Reclaim rounds completed.", "rounds")
+        c = CounterMetricFamily("kvpool_reclaim_rounds_by_stage", "Reclaim rounds that took "
+                                "memory from a stage: warm_pool, reserves, shrink.",
+                                labels=["device", "stage"])
+        for stage in ("warm_pool", "reserves", "shrink"):
+            c.add_metric([*dev, stage], n.get(("rounds_by_stage", stage), 0))
+        yield c
+        c = CounterMetricFamily("kvpool_reclaim_asks", "Reclaim asks sent, by mode.",
+                                labels=["device", "mode"])
+        for mode in ("reserve", "shrink"):
+            c.add_metric([*dev, mode], n.get(("asks", mode), 0))
+        yield c
+        c = CounterMetricFamily("kvpool_reclaimed_bytes", "Bytes given back by asked "
+                                "tenants, by tenant and mode.",
+                                labels=["device", "tenant", "mode"])
+        for key, v in sorted((k, v) for k, v in n.items() if k[0] == "reclaimed_bytes"):
+            c.add_metric([*dev, key[1], key[2]], v)
+        yield c
+        c = CounterMetricFamily("kvpool_answers", "Error answers, by code (NO_MEMORY, "
+                                "OVER_LIMIT, ...).", labels=["device", "code"])
+        for code in sorted(_codes()):
+            c.add_metric([*dev, code], n.get(("answers", code), 0))
+        yield c
+        c = CounterMetricFamily("kvpool_tenant_departures", "Tenants gone: bye (clean) or "
+                                "death (exit, EOF, dropped).", labels=["device", "how"])
+        for how in ("bye", "death"):
+            c.add_metric([*dev, how], n.get(("drops", how), 0))
+        yield c
+        for name, text, value in (
+                ("kvpool_requests", "Control requests received.", snap.requests),
+                ("kvpool_errors", "Error answers of any kind.", snap.errors),
+                ("kvpool_hostile_refused", "Messages refused as malformed or unauthorized.",
+                 snap.refused),
+                ("kvpool_events", "Decision events recorded.", snap.events)):
+            c = CounterMetricFamily(name, text, labels=["device"])
+            c.add_metric(dev, value)
+            yield c
+
+    @staticmethod
+    def _histograms(snap):
+        for key, (name, text) in HIST_HELP.items():
+            h = snap.hists[key]
+            buckets, acc = [], 0
+            for bound, count in zip([*map(_le, h.bounds), "+Inf"], h.counts):
+                acc += count
+                buckets.append((bound, acc))
+            fam = HistogramMetricFamily(name, text, labels=["device"])
+            fam.add_metric([str(snap.pool.device)], buckets, sum_value=h.sum)
+            yield fam
+
+
+def _le(bound: float) -> str:
+    return repr(float(bound))
+
+
+def _codes():
+    from kvpool import protocol as p
+
+    return p.CODES
+
+
+def tenant_state(t) -> str:
+    if t.unresponsive:
+        return "unresponsive"
+    if t.waiting:
+        return "waiting"
+    if t.asked:
+        return "asked"
+    return "ok"
+
+
+class Exporter:
+    """``/metrics`` on ``host:port`` from a thread of prometheus_client's own."""
+
+    def __init__(self, observer, host: str, port: int):
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(DaemonCollector(observer))
+        ProcessCollector(namespace="kvpool_daemon", registry=self.registry)
+        self.httpd, self.thread = start_http_server(port, host, registry=self.registry)
+        self.port = self.httpd.server_address[1]
+        self.host = host
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
