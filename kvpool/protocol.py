@@ -234,12 +234,26 @@ class Check(Request, tag="check"):
     """Run the daemon's invariant check (read-only: a monitor op)."""
 
 
+EVENTS_LIMIT = 1000  # events in one EventsReply, at most
+
+
+class Events(Request, tag="events"):
+    """The daemon's recent decisions with ``seq`` above ``since``, oldest first (monitor
+    op; see :mod:`kvpool.daemon.events`). With ``follow`` and nothing new yet, the reply
+    waits until there is (one such request per session; a newer one replaces it)."""
+
+    since: Id = 0
+    follow: bool = False
+    tenant: Optional[Annotated[str, Meta(max_length=MAX_NAME)]] = None
+    limit: Annotated[int, Meta(ge=1, le=EVENTS_LIMIT)] = EVENTS_LIMIT
+
+
 REQUESTS = (
     Register, CreateGroup, DestroyGroup, Grant, Release, Report, Bye, Ping,
-    Ps, Stats, MapReq, SetLimit, Check, Lease, Reclaimed, Adopt, Shutdown,
+    Ps, Stats, MapReq, SetLimit, Check, Lease, Reclaimed, Adopt, Shutdown, Events,
 )
 AnyRequest = Union[REQUESTS]  # type: ignore[valid-type]
-MONITOR_OPS = frozenset({"ps", "stats", "map", "ping", "check"})
+MONITOR_OPS = frozenset({"ps", "stats", "map", "ping", "check", "events"})
 ADMIN_OPS = frozenset({"set_limit", "shutdown"})
 
 
@@ -434,9 +448,31 @@ class Adopted(Reply, tag="adopted"):
     pages: int
 
 
+class EventInfo(Struct, kw_only=True):
+    """One decision of the daemon. ``kind``: grant, wait, deny, lease, ask, reclaim (a
+    whole round: ``detail`` has its asks and answers by tenant), limit, death, bye."""
+
+    seq: int
+    time: float  # unix seconds
+    kind: str
+    tenant: str = ""
+    tenant_id: int = 0
+    bytes: int = 0
+    detail: dict[str, Any] = {}
+
+
+class EventsReply(Reply, tag="events"):
+    """``next``: pass it as ``since`` to go on; ``lost``: events after ``since`` that
+    the daemon's ring buffer no longer holds (a gap)."""
+
+    events: list[EventInfo] = []
+    next: int = 0
+    lost: int = 0
+
+
 REPLIES = (
     Error, Registered, GroupCreated, Granted, Done, PsReply, StatsReply, MapReply,
-    CheckReply, Reclaim, LimitSet, Leased, Adopted,
+    CheckReply, Reclaim, LimitSet, Leased, Adopted, EventsReply,
 )
 AnyReply = Union[REPLIES]  # type: ignore[valid-type]
 

@@ -81,7 +81,8 @@ DAEMON_FLAGS = {"backend": "--backend", "device": "--device", "budget": "--budge
                 "page_size": "--page-size", "warm_min": "--warm-min", "warm_max": "--warm-max",
                 "run_dir": "--run-dir", "log_level": "--log-level",
                 "socket_group": "--socket-group", "admin_group": "--admin-group",
-                "reclaim_timeout_s": "--reclaim-timeout"}
+                "reclaim_timeout_s": "--reclaim-timeout", "metrics_address": "--metrics-address",
+                "metrics_allow_remote": "--metrics-allow-remote"}
 
 
 def _config_exit(e) -> None:
@@ -113,9 +114,14 @@ def _config_exit(e) -> None:
               default=None, help="TOML configuration file (flags override it).")
 @click.option("--log-level", default=None,
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
+@click.option("--metrics-address", default=None, metavar="HOST:PORT",
+              help="Serve Prometheus metrics here (loopback only; off by default).")
+@click.option("--metrics-allow-remote", is_flag=True, default=None,
+              help="Allow a --metrics-address that is not loopback (tenant names show).")
 @json_option
 def daemon(backend, device, budget, page_size, warm_min, warm_max, run_dir, socket_group,
-           admin_group, reclaim_timeout_s, config_path, log_level, as_json):
+           admin_group, reclaim_timeout_s, config_path, log_level, as_json,
+           metrics_address=None, metrics_allow_remote=None):
     """Run the kvpool daemon in the foreground (systemd: Type=notify)."""
     import logging
 
@@ -127,7 +133,8 @@ def daemon(backend, device, budget, page_size, warm_min, warm_max, run_dir, sock
                           budget=budget, page_size=page_size, warm_min=warm_min,
                           warm_max=warm_max, run_dir=run_dir, log_level=log_level,
                           socket_group=socket_group, admin_group=admin_group,
-                          reclaim_timeout_s=reclaim_timeout_s)
+                          reclaim_timeout_s=reclaim_timeout_s, metrics_address=metrics_address,
+                          metrics_allow_remote=metrics_allow_remote)
     except ConfigError as e:
         _config_exit(e)
     logging.basicConfig(

@@ -1,4 +1,4 @@
-"""Ten thousand hostile control messages over all 17 request types, while two hostile
+"""Ten thousand hostile control messages over all 18 request types, while two hostile
 fd-channel peers misbehave (one never reads its descriptors, one announces Adopt
 descriptors it never sends): each message gets an error reply, a live tenant keeps being
 served, and afterwards the daemon is alive, no page has leaked, its invariants hold, and
@@ -24,7 +24,7 @@ BUDGET_PAGES = 1024
 SINK_PAGES = 400  # more fd messages than a socket buffer holds
 TENANT_OPS = ["grant", "release", "report", "create_group", "destroy_group", "bye",
               "lease", "reclaimed", "adopt"]
-ALL_OPS = ["register", *TENANT_OPS, "ping", "ps", "stats", "map", "set_limit", "check",
+ALL_OPS = ["register", *TENANT_OPS, "ping", "ps", "stats", "map", "set_limit", "check", "events",
            "shutdown"]
 assert sorted(ALL_OPS) == sorted(t.__struct_config__.tag for t in p.REQUESTS)  # all covered
 
@@ -37,6 +37,7 @@ FIELDS = {
     "release": {"group": "int", "units": "list", "in_use": "oint", "reserve": "olist"},
     "report": {"group": "int", "in_use": "oint", "reserve": "olist"},
     "map": {"tenant": "ostr", "pfns": "bool"},
+    "events": {"since": "int", "follow": "bool", "tenant": "ostr"},
     "set_limit": {"tenant": "str", "max": "int"},
     "lease": {"bytes": "huge"},
     "reclaimed": {"seq": "int", "freed": "oint"},
