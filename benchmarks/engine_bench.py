@@ -12,6 +12,16 @@
     python benchmarks/engine_bench.py --quick          # smoke run
 
 Writes benchmarks/results/engine_bench.json (or --out).
+
+(c) ``--peer vllm``: kvpool's engine against vLLM CPU on W1-W4 (see engine_peer.py) with
+    the model of issue 11 (6 layers, hidden 512, 8/4 heads, vocab 32,000, random fp32
+    weights, generated here), the same limits for both (128 sequences, 2,048 batched
+    tokens, 1 GiB KV, prefix caching, block 16, equal torch threads), >= 3 interleaved
+    repetitions, HF ``generate`` as the floor, and a torch.profiler table of W2 steps:
+
+    python benchmarks/engine_bench.py --peer vllm      # ~10 min on 2 cores
+
+    Writes benchmarks/results/engine_vs_vllm.json and engine_w2_profile.txt.
 """
 
 from __future__ import annotations
@@ -164,7 +174,15 @@ def main() -> None:
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     ap.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke run")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--peer", choices=["vllm"], default=None,
+                    help="compare with vLLM CPU on W1-W4 instead (issue 11 model)")
+    ap.add_argument("--reps", type=int, default=3, help="--peer: interleaved repetitions")
+    ap.add_argument("--workloads", default="W1,W2,W3,W4", help="--peer: which ones")
+    ap.add_argument("--threads", type=int, default=2, help="--peer: torch threads, both")
+    ap.add_argument("--hf-batch", type=int, default=32, help="--peer: HF static batch")
     args = ap.parse_args()
+    if args.peer:
+        return peer_main(args)
     if args.quick:
         args.batch_sizes, args.contexts, args.decode_steps = "1,4", "64", 4
         args.prefill, args.prefill_reps, args.requests = "128:64", 1, 8
@@ -239,6 +257,71 @@ def main() -> None:
                                         "prefill": prefill, "mixed": mixed,
                                         "runtime_s": time.perf_counter() - t0}, args.out)
     console.print(f"wrote {out} in {time.perf_counter() - t0:.0f}s")
+
+
+def peer_main(args: argparse.Namespace) -> None:
+    """``--peer vllm``: the issue-11 comparison; see engine_peer.py."""
+    import engine_peer as ep
+
+    console = Console(width=160)
+    t0 = time.perf_counter()
+    names = args.workloads.split(",")
+    lim = {"threads": args.threads, "block_size": 16, "kv_bytes": 1 << 30,
+           "max_num_seqs": 128, "max_num_batched_tokens": 2048, "max_model_len": 4096}
+    model = {"arch": "llama", "layers": 6, "hidden": 512, "intermediate": 1024, "heads": 8,
+             "kv_heads": 4, "vocab": 32000, "dtype": "float32", "seed": args.seed}
+
+    def log(msg: str) -> None:
+        console.print(f"[{time.perf_counter() - t0:6.0f}s] {msg}")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(make_tiny_model(Path(tmp) / "issue11-llama", layers=6, hidden=512,
+                                   heads=8, kv_heads=4, vocab=32000,
+                                   max_position_embeddings=4096, seed=args.seed))
+        res = ep.compare(path, 32000, lim, args.reps, names, log)
+        work = ep.workloads(32000)
+        if not args.no_hf:
+            for w in names:
+                hf = ep.hf_floor(path, work[w], args.hf_batch, args.threads)
+                e = res["workloads"][w]
+                e["hf_generate"] = {k: v for k, v in hf.items() if k != "outputs"}
+                e["greedy_agreement_kvpool_hf"] = ep.agreement(e["_kvpool_outputs"],
+                                                               hf["outputs"])
+                log(f"HF {w}: {hf['tokens_per_s']:.0f} tok/s, kvpool agrees "
+                    f"{e['greedy_agreement_kvpool_hf']:.4f}")
+        table, prof = ep.profile_step(path, lim, 32000)
+    for e in res["workloads"].values():
+        del e["_kvpool_outputs"]
+    t = Table(title=f"kvpool vs vLLM CPU, {args.reps} interleaved reps (median; min)")
+    for col in ("workload", "kvpool tok/s", "vLLM tok/s", "kvpool / vLLM", "HF tok/s",
+                "TPOT kvpool / vLLM", "faults kvpool / vLLM", "agree vLLM / HF"):
+        t.add_column(col, justify="right")
+    for w, e in res["workloads"].items():
+        k, v = e["kvpool"], e["vllm"]
+        tpot = (f"{k['tpot_ms']['median']:.2f} / {v['tpot_ms']['median']:.2f} ms"
+                if "tpot_ms" in k else "")
+        hf = e.get("hf_generate", {}).get("tokens_per_s")
+        t.add_row(w, f"{k['tokens_per_s']['median']:,.0f} ({k['tokens_per_s']['min']:,.0f})",
+                  f"{v['tokens_per_s']['median']:,.0f} ({v['tokens_per_s']['min']:,.0f})",
+                  f"{e['ratio_kvpool_over_vllm_tokens_per_s']:.2f}",
+                  "" if hf is None else f"{hf:,.0f}", tpot,
+                  f"{k['page_faults']['median']:,.0f} / {v['page_faults']['median']:,.0f}",
+                  f"{e['greedy_agreement_kvpool_vllm']:.3f} / "
+                  f"{e.get('greedy_agreement_kvpool_hf', float('nan')):.3f}")
+    console.print(t)
+    prof_path = Path(__file__).resolve().parent / "results" / "engine_w2_profile.txt"
+    prof_path.write_text(f"kvpool engine, W2 (issue 11 model), {prof}\n{table}\n")
+    import vllm
+
+    info = machine()
+    info["vllm"] = vllm.__version__
+    info["torch_threads"] = res["threads"]
+    out = write_result("engine_vs_vllm", {
+        "model": model, "limits": lim, "reps": args.reps, "machine": info,
+        "workloads_spec": ep.__doc__.split("Workloads")[1].strip(), **res,
+        "w2_profile": {**prof, "table_file": str(prof_path.name)},
+        "runtime_s": time.perf_counter() - t0}, args.out)
+    console.print(f"wrote {out} and {prof_path} in {time.perf_counter() - t0:.0f}s")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#ifdef __AVX__
+#include <immintrin.h>
+#endif
 
 typedef float vf __attribute__((vector_size(32)));
 typedef float vfu __attribute__((vector_size(32), aligned(4)));
@@ -28,6 +31,23 @@ static inline float hsum(vf v) {
   float s = 0.f;
   for (int i = 0; i < 8; ++i) s += v[i];
   return s;
+}
+
+// x[j] -> lane j = sum of x[j]'s lanes.
+static inline vf reduce8(const vf* x) {
+#ifdef __AVX__
+  const __m256 t0 = _mm256_hadd_ps((__m256)x[0], (__m256)x[1]);
+  const __m256 t1 = _mm256_hadd_ps((__m256)x[2], (__m256)x[3]);
+  const __m256 t2 = _mm256_hadd_ps((__m256)x[4], (__m256)x[5]);
+  const __m256 t3 = _mm256_hadd_ps((__m256)x[6], (__m256)x[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return (vf)_mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                           _mm256_permute2f128_ps(u0, u1, 0x31));
+#else
+  vf r;
+  for (int j = 0; j < 8; ++j) r[j] = hsum(x[j]);
+  return r;
+#endif
 }
 
 // Cephes-style expf on 8 lanes (relative error ~1e-7 over the clamped range).
@@ -106,44 +126,44 @@ void attend_tile(const Args& a, int s, int kvh, int t0, int nt) {
       kp[j] = a.k_cache + off;
       vp[j] = a.v_cache + off;
     }
-    for (int j = 0; j < n; ++j) {  // scores
-      vf kv[NV];
-      for (int c = 0; c < NV; ++c) kv[c] = vload(kp[j] + 8 * c);
-      for (int r = 0; r < R; ++r) {
-        vf x = vload(qb[r]) * kv[0];
-        for (int c = 1; c < NV; ++c) x += vload(qb[r] + 8 * c) * kv[c];
-        sc[r][j] = hsum(x);
+    for (int j = n; j < KC; ++j) kp[j] = vp[j] = kp[0];  // padding keys, masked below
+    int nvr[MAXR];
+    for (int r = 0; r < R; ++r) {  // scores: q row in registers, 8 keys per reduction
+      nvr[r] = std::min(n, qpos[r] - j0 + 1);
+      if (nvr[r] <= 0) continue;
+      vf qv[NV];
+      for (int c = 0; c < NV; ++c) qv[c] = vload(qb[r] + 8 * c);
+      for (int jb = 0; jb < nvr[r]; jb += 8) {
+        vf x[8];
+        for (int jj = 0; jj < 8; ++jj) {
+          const float* kr = kp[jb + jj];
+          vf acc8 = qv[0] * vload(kr);
+          for (int c = 1; c < NV; ++c) acc8 += qv[c] * vload(kr + 8 * c);
+          x[jj] = acc8;
+        }
+        vstore(sc[r] + jb, reduce8(x));
       }
     }
     for (int r = 0; r < R; ++r) {  // online softmax
-      const int nv = std::min(n, qpos[r] - j0 + 1);
-      if (nv <= 0) {
-        for (int j = 0; j < KC; ++j) sc[r][j] = 0.f;
-        continue;
-      }
+      const int nv = nvr[r];
+      if (nv <= 0) continue;
       float mx = m[r];
       for (int j = 0; j < nv; ++j) mx = std::max(mx, sc[r][j]);
       const float alpha = std::exp(m[r] - mx);  // 0 on the first chunk (m = -inf)
       m[r] = mx;
       for (int j = nv; j < KC; ++j) sc[r][j] = -INFINITY;
+      for (int c = 0; c < KC; c += 8) vstore(sc[r] + c, vexp(vload(sc[r] + c) - splat(mx)));
       float sum = 0.f;
-      for (int c = 0; c < KC; c += 8) {
-        vf p = vexp(vload(sc[r] + c) - splat(mx));
-        vstore(sc[r] + c, p);
-      }
-      for (int j = nv; j < KC; ++j) sc[r][j] = 0.f;
       for (int j = 0; j < nv; ++j) sum += sc[r][j];
       l[r] = l[r] * alpha + sum;
-      if (alpha != 1.f)
-        for (int c = 0; c < NV; ++c) vstore(acc[r] + 8 * c, vload(acc[r] + 8 * c) * splat(alpha));
-    }
-    for (int j = 0; j < n; ++j) {  // P @ V
-      vf vv[NV];
-      for (int c = 0; c < NV; ++c) vv[c] = vload(vp[j] + 8 * c);
-      for (int r = 0; r < R; ++r) {
+      vf a[NV];  // P @ V with the row's accumulator in registers
+      for (int c = 0; c < NV; ++c) a[c] = vload(acc[r] + 8 * c) * splat(alpha);
+      for (int j = 0; j < nv; ++j) {
         const vf p = splat(sc[r][j]);
-        for (int c = 0; c < NV; ++c) vstore(acc[r] + 8 * c, vload(acc[r] + 8 * c) + p * vv[c]);
+        const float* vr = vp[j];
+        for (int c = 0; c < NV; ++c) a[c] += p * vload(vr + 8 * c);
       }
+      for (int c = 0; c < NV; ++c) vstore(acc[r] + 8 * c, a[c]);
     }
   }
   for (int r = 0; r < R; ++r) {
