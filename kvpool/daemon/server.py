@@ -581,8 +581,8 @@ class Server:
                 continue
             try:
                 sent = self._send_message(t, item)
-            except OSError as e:
-                self._drop(t, f"fd channel send failed: {e}")
+            except Exception as e:  # the socket failed, or exporting a page did (a bug)
+                self._drop(t, f"fd channel send failed: {type(e).__name__}: {e}")
                 return
             if not sent:
                 if q.stuck_since is None:
