@@ -18,8 +18,8 @@ The loop never blocks on one peer:
   (``POLLOUT``), and its reply leaves only after them (the ordering rule). While the
   queue is not empty the session's requests get ``BUSY``; a tenant whose socket stays
   full for ``send_timeout_s`` (or whose queue overflows) is dropped, its memory returned;
-* inbound descriptors are stashed as they arrive (at most the budget's page count per
-  tenant); an ``Adopt`` waits parked until its announced descriptors are all in, or is
+* inbound descriptors are stashed as they arrive (at most the budget's page count, all
+  tenants together); an ``Adopt`` waits parked until its announced descriptors are all in, or is
   refused after :data:`fdqueue.ADOPT_WAIT_S`;
 * control messages are read frame by frame: past :data:`MAX_FRAMES` one is refused and
   its rest discarded a slice per turn, never buffered;
@@ -703,7 +703,7 @@ class Server:
     def _read(self, t: Tenant) -> None:
         """Up to :data:`BURST` messages from ``t``'s fd channel, without blocking:
         descriptors headed by a request id are stashed for an Adopt (at most the budget's
-        page count), anything else is closed at once."""
+        page count, all tenants together), anything else is closed at once."""
         for _ in range(BURST):
             try:
                 data, fds = fdchannel.recv_fds(t.conn, maxfds=fdchannel.MAX_FDS)
@@ -721,9 +721,10 @@ class Server:
             if rid is None or not t.registered:
                 fdchannel.close_all(fds)  # tenants send nothing else here: never keep their fds
                 continue
-            if fdqueue.stash_size(t.stash) + len(fds) > self.pool.budget_pages:
+            stashed = sum(fdqueue.stash_size(x.stash) for x in self.arbiter.tenants)
+            if stashed + len(fds) > self.pool.budget_pages:  # (per tenant and in all)
                 fdchannel.close_all(fds)
-                self._drop(t, "sent more descriptors than the budget has pages")
+                self._drop(t, "sent descriptors ahead of Adopts past the budget's page count")
                 return
             t.stash.append((rid, fds))  # descriptors sent ahead of an Adopt
         if t.id in self._parked:

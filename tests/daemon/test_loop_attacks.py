@@ -272,3 +272,23 @@ def test_shutdown_logs_the_requesters_uid(start_daemon):
     log = d.logs()
     assert f"shutdown requested by uid {os.getuid()}" in log, log
     assert not (d.run_dir / "state.json").exists()  # a clean, requested stop only
+
+
+def test_descriptors_sent_ahead_are_capped_at_the_budget(start_daemon):
+    """A session sending more descriptors ahead of an Adopt than the budget has pages is
+    dropped, and every descriptor it sent is closed."""
+    d = start_daemon(budget=str(16 * PAGE))
+    fds0, _ = daemon_usage(d.pid)
+    peer = RawPeer(d.run_dir)
+    peer.register("hoarder")
+    assert tenants_named(d, "hoarder")
+    memfds = [os.memfd_create("junk") for _ in range(10)]
+    try:
+        for first in (0, 10):  # 20 descriptors for a budget of 16 pages
+            fdchannel.send_fds(peer.fd, p.encode(p.FdHeader(99, 20, first)), memfds)
+    finally:
+        fdchannel.close_all(memfds)
+    wait_for(lambda: not tenants_named(d, "hoarder"), what="the hoarder dropped")
+    peer.close()
+    settle(d, fds0, slack=2)
+    assert d.proc.poll() is None and d.check() == []
