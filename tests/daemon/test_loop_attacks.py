@@ -292,3 +292,26 @@ def test_descriptors_sent_ahead_are_capped_at_the_budget(start_daemon):
     peer.close()
     settle(d, fds0, slack=2)
     assert d.proc.poll() is None and d.check() == []
+
+
+def test_adopt_descriptors_arriving_after_the_adopt_complete_it(start_daemon):
+    """The fd channel and the control socket are not ordered: descriptors that arrive
+    after their Adopt complete the parked request, which the arbiter then answers (it is
+    not refused for missing descriptors), and the daemon keeps none of them."""
+    d = start_daemon(budget=str(16 * PAGE))
+    fds0, _ = daemon_usage(d.pid)
+    peer = RawPeer(d.run_dir)
+    peer.register("late")
+    rid = peer.send(p.Adopt(nfds=2))
+    time.sleep(0.2)  # the Adopt is parked by now
+    memfds = [os.memfd_create("late") for _ in range(2)]
+    try:
+        fdchannel.send_fds(peer.fd, p.encode(p.FdHeader(rid, 2, 0)), memfds)
+    finally:
+        fdchannel.close_all(memfds)
+    reply = peer.recv(30)
+    assert reply.id == rid
+    assert not (isinstance(reply, p.Error) and "arrived in" in reply.message), reply
+    peer.close()
+    settle(d, fds0, slack=2)
+    assert d.proc.poll() is None and d.check() == []
