@@ -6,11 +6,19 @@
 
 The three models share one random checkpoint (``benchmarks/gpu_models.py``; the demo's
 model folders are links to it, so it is written and read from disk once). The budget is
-``--budget-tokens`` tokens of KV for all models together (default 2048, what the
-tiny demo's 2 MiB holds), so a static third holds a few of the workload's long requests
-and a burst needs more: KV memory, not compute, binds. Runs ``kvpool demo`` (the CLI,
-both modes), then writes benchmarks/results/demo_<backend>.json: the demo's summary and
-p99 and mean TTFT static ÷ elastic.
+``--budget-tokens`` tokens of KV for all models together, so a static third holds a few
+of the workload's long requests (prompt + answer up to 640 tokens) and a burst needs
+more: KV memory, not compute, binds.
+
+* cuda (default 8192 tokens, 2 MiB pages): the engines' per-layer layout maps a unit of
+  one page in each of the 2 x 16 K/V buffers, 64 MiB = 1024 tokens of the 1.1B model; 8
+  units = 512 MiB: a static third holds ~6 requests, a burst borrows up to 6 units (~13
+  requests; each idle model keeps at least one unit);
+* host (default 2048 tokens, 64 KiB pages): the CPU demo's own 2 MiB budget.
+
+Runs ``kvpool demo`` (the CLI, both modes), then writes
+benchmarks/results/demo_<backend>.json: the demo's summary and TTFT p99 / mean / p50
+static ÷ elastic.
 """
 
 from __future__ import annotations
@@ -57,15 +65,18 @@ def main() -> None:
     ap.add_argument("--backend", choices=["host", "cuda"], default="cuda")
     ap.add_argument("--model", default="llama-1b", help="a benchmarks/gpu_models.py preset")
     ap.add_argument("--dtype", default=None, help="default bfloat16 on cuda, float32 on host")
-    ap.add_argument("--budget-tokens", type=int, default=2048)
+    ap.add_argument("--budget-tokens", type=int, default=None,
+                    help="KV tokens for all models (default 8192 on cuda, 2048 on host)")
     ap.add_argument("--duration", type=float, default=20.0, help="seconds of workload per mode")
     ap.add_argument("--workdir", default=None, help="models, logs (default: a temp dir)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dtype = args.dtype or ("bfloat16" if args.backend == "cuda" else "float32")
     per_token = kv_bytes_per_token(args.model, 2 if dtype in ("bfloat16", "float16") else 4)
-    page = 2 << 20
-    budget = -(-args.budget_tokens * per_token // page) * page
+    cuda = args.backend == "cuda"
+    page = 2 << 20 if cuda else 64 << 10
+    tokens = args.budget_tokens or (8192 if cuda else 2048)
+    budget = -(-tokens * per_token // page) * page
     work = Path(args.workdir or tempfile.mkdtemp(prefix="kvp-gpudemo-"))
     prepare(work, args.model, dtype)
     cmd = [sys.executable, "-m", "kvpool.cli.main", "demo", "--backend", args.backend,
@@ -78,7 +89,8 @@ def main() -> None:
         sys.exit(f"error: kvpool demo failed (rc={rc}); logs under {work / 'logs'}")
     result = json.loads(results.read_text())
     payload = {"backend": args.backend, "model": args.model, "dtype": dtype,
-               "kv_bytes_per_token": per_token, "budget": budget,
+               "kv_bytes_per_token": per_token, "budget": budget, "budget_tokens": tokens,
+               "page_size": page,
                "duration_s": args.duration, **ratios(result), "summary": result["summary"],
                "config": result["config"]}
     path = write_result(f"demo_{args.backend}", payload, args.out)
