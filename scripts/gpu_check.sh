@@ -5,6 +5,10 @@
 #   OUT=/some/dir bash scripts/gpu_check.sh   # logs, JSON and the summary under $OUT
 #   bash scripts/gpu_check.sh                 # ... under a temp dir (printed at the end)
 #
+# On the lent GPU machine (offline; the repo copy has no .venv): carry `.whl` with the
+# working tree and run `bash scripts/gpu_check.sh` with a call limit of about 560 s; the
+# logs, summary and results/*_cuda.json come back under $OUT.
+#
 # Steps, in order. Each runs under `timeout` with a limit cut from what is left of the
 # budget minus the minimum the later steps need, so a failure or hang in one still leaves
 # the others' results; processes a step started (daemons, servers) are killed after it.
