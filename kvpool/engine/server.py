@@ -1,8 +1,9 @@
 """OpenAI-compatible HTTP server over an AsyncEngine (FastAPI).
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both stream with SSE when
-``stream`` is true), GET /v1/models, GET /health, GET /metrics and GET /v1/stats (JSON
-engine statistics). Every response's ``usage`` carries ``ttft_s`` and ``tpot_s`` (seconds)
+``stream`` is true), GET /v1/models, GET /health, GET /metrics (Prometheus text with
+vLLM's metric names, see :mod:`kvpool.engine.metrics`) and GET /v1/stats (JSON engine
+statistics). Every response's ``usage`` carries ``ttft_s`` and ``tpot_s`` (seconds)
 and ``num_preemptions`` besides the token counts. Errors use OpenAI's
 ``{"error": {"message", "type", "code"}}`` shape with a 4xx status.
 
@@ -22,11 +23,13 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 from kvpool.engine.async_engine import AsyncEngine
 from kvpool.engine.errors import RequestError
+from kvpool.engine.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from kvpool.engine.metrics import EngineMetrics
 from kvpool.engine.request import RequestOutput
 from kvpool.engine.sampling import SamplingParams
 
@@ -108,7 +111,12 @@ def create_app(aengine: AsyncEngine) -> FastAPI:
             "id": name, "object": "model", "created": int(time.time()), "owned_by": "kvpool",
             "max_model_len": engine.max_model_len}]}
 
+    prometheus = EngineMetrics(aengine)
+
     @app.get("/metrics")
+    def metrics() -> Response:  # Prometheus text, vLLM's names (a thread: it takes the lock)
+        return Response(prometheus.render(), media_type=METRICS_CONTENT_TYPE)
+
     @app.get("/v1/stats")
     async def stats() -> dict[str, Any]:
         return aengine.stats()

@@ -133,14 +133,14 @@ def test_malformed_requests_get_4xx_and_server_keeps_serving(server, client):
 
 
 def test_disconnect_aborts_and_stats(server, client):
-    before = httpx.get(f"{server}/metrics").json()["finish_reasons"]
+    before = httpx.get(f"{server}/v1/stats").json()["finish_reasons"]
     stream = client.completions.create(model=NAME, prompt="Once", max_tokens=100,
                                        stream=True, extra_body={"ignore_eos": True})
     next(iter(stream))
     stream.close()
     deadline = time.time() + 20
     while True:
-        s = httpx.get(f"{server}/metrics").json()
+        s = httpx.get(f"{server}/v1/stats").json()
         if s["running"] == 0 and s["waiting"] == 0:
             break
         assert time.time() < deadline, s
