@@ -73,12 +73,15 @@ class KVCacheManager:
         total = req.num_computed_tokens + hit * self.block_size + num_new_tokens
         return max(0, -(-total // self.block_size) - len(req.block_ids) - hit)
 
-    def cache_blocks(self, req: Request) -> None:
-        """Register the request's full, computed blocks in the prefix cache."""
+    def cache_blocks(self, req: Request, num_tokens: int | None = None) -> None:
+        """Register the request's full blocks among its first ``num_tokens`` tokens (default:
+        the computed ones) in the prefix cache. The scheduler passes the tokens this step
+        will have computed, so a later request of the same step can hit them (see
+        :mod:`kvpool.engine.scheduler` for why that is safe)."""
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        full = req.num_computed_tokens // bs
+        full = (req.num_computed_tokens if num_tokens is None else num_tokens) // bs
         first = req.num_cached_blocks
         if full <= first:
             return

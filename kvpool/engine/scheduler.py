@@ -10,6 +10,13 @@ Each step:
    the pool keeps a free block per running request (so admission does not just trigger
    the next preemption).
 No request is ever dropped: preempted requests keep their tokens and resume later.
+
+Blocks enter the prefix cache as soon as they are scheduled to be filled (as in vLLM), so
+requests sharing a prompt prefix admitted in the same step compute it once. This is safe
+because (a) every attention layer stores the whole batch's K/V before any query attends,
+so a hit on a block filled in the same step reads this step's values; (b) hits only happen
+in the admission loop, which runs only if nothing was preempted this step, so a block
+whose filling was scheduled is never freed before the step runs.
 """
 
 from __future__ import annotations
@@ -67,6 +74,7 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 break
             out.scheduled.append((req, n))
+            self.kv.cache_blocks(req, req.num_computed_tokens + n)
             budget -= n
             i += 1
         if out.preempted:
@@ -88,6 +96,7 @@ class Scheduler:
                 req.metrics.first_scheduled_time = time.perf_counter()
             self.running.append(req)
             out.scheduled.append((req, n))
+            self.kv.cache_blocks(req, req.num_computed_tokens + n)
             budget -= n
         return out
 

@@ -76,3 +76,22 @@ def test_equal_hash_with_other_tokens_is_a_miss(hf_dirs, monkeypatch):
     cold = LLM(str(hf_dirs["llama"]), num_kv_blocks=64, block_size=16,
                enable_prefix_caching=False).generate([second], GREEDY)[0]
     _assert_same(out, cold)
+
+
+def test_same_step_hit_reads_this_steps_kv(hf_dirs):
+    """Two prompts sharing a prefix admitted in one step: the second hits the blocks the
+    first fills in that very step (computed once), and both equal cold solo runs — with
+    either attention backend."""
+    first, second = _pair()
+    for backend in ("native", "torch"):
+        llm = LLM(str(hf_dirs["llama"]), num_kv_blocks=64, block_size=16,
+                  attention_backend=backend)
+        a, b = llm.generate([first, second], GREEDY)
+        assert (a.num_prefix_hit_tokens, b.num_prefix_hit_tokens) == (0, 32)
+        assert llm.engine.stats()["steps"] == GREEDY.max_tokens  # both prefilled in step 1
+        for got, p in ((a, first), (b, second)):
+            cold = LLM(str(hf_dirs["llama"]), num_kv_blocks=64, block_size=16,
+                       enable_prefix_caching=False).generate([p], GREEDY)[0]
+            assert got.output_token_ids == cold.output_token_ids
+            torch.testing.assert_close(torch.stack(got.logits), torch.stack(cold.logits),
+                                       atol=5e-5, rtol=0)  # hit vs cold: other summation order
