@@ -205,8 +205,15 @@ def main() -> None:
     ap.add_argument("--floor-pages", type=int, default=64, help=argparse.SUPPRESS)
     ap.add_argument("--backend", choices=["host", "cuda"], default="host",
                     help="the daemon's and the floor's memory backend")
+    ap.add_argument("--metrics", action="store_true",
+                    help="grant latency with vs without the Prometheus exporter (alloc_metrics.py)")
     args = ap.parse_args()
     page_size = parse_size(args.page_size)
+    if args.metrics:
+        from alloc_metrics import run
+
+        run(page_size, args.backend, 100 if args.quick else 400, args.out)
+        return
     if args.floor_server:
         floor_server(args.floor_server, page_size, args.floor_pages, args.backend)
         return
