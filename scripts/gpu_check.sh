@@ -220,10 +220,13 @@ setup() {
         say "python lacks modules kvpool needs: $("$PY" -c "$NEEDED" 2>&1 | tail -1)"
         rc=1  # go on: the steps that need less (the vmm tests) still tell something
     fi
-    nvidia-smi -L >>"$MAIN_LOG" 2>&1 || say "nvidia-smi finds no GPU (or is missing)"
-    # torch decides: a GPU it cannot use would only make every GPU step fail
-    if "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' \
-        2>>"$MAIN_LOG"; then HAS_GPU=1; fi
+    local smi=0
+    if nvidia-smi -L >>"$MAIN_LOG" 2>&1; then smi=1; else say "nvidia-smi finds no GPU"; fi
+    # torch decides (a GPU it cannot use would only make every GPU step fail); with neither
+    # nvidia-smi nor an NVIDIA device node there is nothing to ask it about
+    if { [ "$smi" = 1 ] || ls /dev/nvidia[0-9]* >/dev/null 2>&1; } && "$PY" -c \
+        'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>>"$MAIN_LOG"
+    then HAS_GPU=1; fi
     [ "${GPU_CHECK_FORCE_CPU:-0}" = 1 ] && HAS_GPU=0
     say "GPU: $([ "$HAS_GPU" = 1 ] && { nvidia-smi -L 2>/dev/null | head -1 || echo yes; } || echo none)"
     return "$rc"
