@@ -30,9 +30,12 @@ def fetch(mon, since: int, tenant: str | None, follow: bool):
         raise
 
 
-def describe(ev) -> str:
-    """One event as a line of text."""
+def describe(ev, brief: bool = False) -> str:
+    """One event as a line of text (``brief``: without messages and timings)."""
     d = dict(ev.detail)
+    if brief:
+        for key in ("message", "service_s", "group", "units", "seq", "urgent"):
+            d.pop(key, None)
     when = datetime.datetime.fromtimestamp(ev.time).strftime("%H:%M:%S.%f")[:-3]
     who = ev.tenant or "-"
     size = format_size(ev.bytes) if ev.bytes else ""

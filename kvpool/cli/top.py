@@ -116,7 +116,7 @@ def frame(view: View, ps, width: int = 80):
     line2 = f"     warm {format_size(pool.warm)}  dirty {format_size(pool.dirty)}"
     if pool.waiting:
         line2 += f"  waiting {format_size(pool.waiting)}"
-    events = [Text(describe(ev)[: width - 1], no_wrap=True, overflow="crop")
+    events = [Text(describe(ev, brief=True)[: width - 1], no_wrap=True, overflow="crop")
               for ev in view.recent] or [Text("(no events yet)")]
     head = Text(f"kvpool top — {len(ps.tenants)} tenants — {time.strftime('%H:%M:%S')}"
                 f"   (q quits)", style="bold")

@@ -123,7 +123,7 @@ class Observer:
             before = t.granted if t is not None else 0
             t0 = time.perf_counter()
             out = handle(identity, req, envelope)
-            self._guard(self._handled, req, out, time.perf_counter() - t0, before)
+            self._guard(self._handled, req, out, time.perf_counter() - t0, before, t)
             return out
 
         def on_tick(now=None):
@@ -159,14 +159,15 @@ class Observer:
         except Exception:  # observing must never change what the daemon does
             log.exception("recording %s failed", fn.__name__)
 
-    def _handled(self, req, out, dt: float, before: int) -> None:
-        t, reply = out.tenant, out.reply
+    def _handled(self, req, out, dt: float, before: int, sender) -> None:
+        t, reply = out.tenant or sender, out.reply
         if out.deferred:
             if isinstance(req, (p.Grant, p.Lease)):
                 self._wait_began(t, req)
             return
         if isinstance(reply, p.Error):
-            self._error(t, req.__struct_config__.tag, reply, None)
+            spec = bool(getattr(req, "speculative", False))
+            self._error(t, "speculative" if spec else req.__struct_config__.tag, reply, None)
         elif isinstance(reply, p.Granted):
             self.counts["grants"] += 1
             self.counts["grant_pages"] += reply.nfds
