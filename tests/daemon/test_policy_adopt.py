@@ -189,3 +189,34 @@ def test_adopt_from_a_reused_pid_of_another_uid_is_refused(start_daemon, tmp_pat
         assert stats(d).pool.leased == 0
     finally:
         conn.close()
+
+
+def test_tenants_come_back_after_a_clean_stop(start_daemon):
+    """``kvpool stop`` leaves tenants their mapped pages, so the next daemon recovers them
+    as after a crash: Adopt being recovery-only must not strand them."""
+    import time
+
+    from .helpers import read_event, wait_ready
+
+    d = start_daemon(budget=str(64 * PAGE))
+    holder = d.worker("hold", "--name", "h0", "--units", "6")
+    pages = read_event(holder, "ready")["pages"]
+    before = {t.name: t.mapped for t in stats(d).tenants}
+    assert before == {"h0": pages * PAGE}, before
+    d.cli("stop")
+    assert d.proc.wait(30) == 0
+    with open(d.log, "a") as f:
+        d.proc = subprocess.Popen(list(d.proc.args), stdout=f, stderr=subprocess.STDOUT,
+                                  cwd=REPO)
+    wait_ready(d)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            after = {t.name: t.mapped for t in stats(d).tenants}
+        except Exception:  # noqa: BLE001 - the new daemon may not answer yet
+            after = {}
+        if after == before:
+            break
+        assert time.monotonic() < deadline, (after, d.logs()[-2000:])
+        time.sleep(0.1)
+    assert holder.poll() is None and d.check() == []
