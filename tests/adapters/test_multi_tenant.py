@@ -151,7 +151,6 @@ def test_sigkill_of_one_engine_frees_its_memory_and_the_other_keeps_serving(
         while mapped().get("a", 0) < BUDGET // 4:  # A is under load and holds memory
             assert time.monotonic() < deadline, mapped()
             time.sleep(0.02)
-        held = mon.ps().pool.granted
         t0 = time.monotonic()
         a.kill(signal.SIGKILL)
         # outcomes with generous deadlines; the latency is benchmarks/recovery_bench.py's
@@ -161,7 +160,8 @@ def test_sigkill_of_one_engine_frees_its_memory_and_the_other_keeps_serving(
             time.sleep(0.01)
         after = d.cli_json("ps")  # what an operator sees
         assert [t["name"] for t in after["tenants"]] == ["b"]
-        assert after["pool"]["granted"] < held
+        # A's pages are off the books (B may already have grown into them)
+        assert after["pool"]["granted"] == sum(t["mapped"] for t in after["tenants"]), after
         while sum(s > t0 for s, _, _, _ in list(b_done)) < 4:  # B keeps serving after it
             assert time.monotonic() < deadline + 60, "B served few requests after the kill"
             time.sleep(0.05)
