@@ -27,13 +27,12 @@ from kvpool.daemon.config import Config
 from kvpool.daemon.pool import NoMemory, Pool
 from kvpool.daemon.reclaim import Reclaimer, Waiter
 from kvpool.daemon.regions import Group
-from kvpool.daemon.tenants import Tenant, Tenants
+from kvpool.daemon.tenants import NO_MEMORY_KINDS, Tenant, Tenants
 from kvpool.sizes import parse_size
 
 log = logging.getLogger("kvpool.daemon")
 
 MAX_PAGES_PER_GRANT = 1 << 16
-NO_MEMORY_KINDS = ("monitor", "admin")  # session kinds that may hold no memory
 
 
 class Fail(Exception):

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 from kvpool.daemon.regions import Group
 
+NO_MEMORY_KINDS = ("monitor", "admin")  # session kinds that hold no memory (daemon-enforced)
+
 
 @dataclass(eq=False)
 class Tenant:
@@ -59,7 +61,7 @@ class Tenant:
     @property
     def arbitrated(self) -> bool:
         """Takes part in arbitration (registered, not a monitor/admin session)."""
-        return self.registered and self.kind not in ("monitor", "admin")
+        return self.registered and self.kind not in NO_MEMORY_KINDS
 
     @property
     def in_use_pages(self) -> int:
