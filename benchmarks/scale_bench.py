@@ -300,7 +300,18 @@ def run(args) -> dict:
             for h in (base_h, big_h):
                 h.kill()
         alive = base_d.popen.poll() is None and big_d.popen.poll() is None
-    return {"backend": "host", "page_size": page, "tenants": args.tenants,
+    first, last = rows[0], rows[-1]
+    growth = {  # the largest size over the smallest: 1.0 is flat
+        "pages": [first["pages"], last["pages"]],
+        "fill_per_page": last["fill_per_page_us"] / first["fill_per_page_us"],
+        "grant_median": last["grant"]["median_us"] / first["grant"]["median_us"],
+        "release_median": last["release"]["median_us"] / first["release"]["median_us"],
+        "ps_median": last["ps"]["median_us"] / first["ps"]["median_us"],
+        "map_median": last["map"]["median_us"] / first["map"]["median_us"],
+        "dead_kill": last["dead_kill_s"] / first["dead_kill_s"],
+        "rss": last["daemon_rss_bytes"] / first["daemon_rss_bytes"],
+    }
+    return {"backend": "host", "page_size": page, "tenants": args.tenants, "growth": growth,
             "groups": args.groups, "reps": args.reps, "warm_max": args.warm_max, "baseline_pages": sizes[0],
             "baseline_daemon": base_res, "rows": rows, "check_problems": problems,
             "daemons_alive_at_end": alive}
@@ -338,7 +349,7 @@ def main() -> None:
     ap.add_argument("--groups", type=int, default=256)
     ap.add_argument("--reps", type=int, default=300, help="grant/release pairs per size")
     ap.add_argument("--ps-reps", type=int, default=40)
-    ap.add_argument("--map-reps", type=int, default=10)
+    ap.add_argument("--map-reps", type=int, default=20)
     ap.add_argument("--dead-pages", type=int, default=2000)
     ap.add_argument("--warm-max", default=None, help="the daemons' warm pool cap (default: "
                     "the daemon's own)")
@@ -355,6 +366,8 @@ def main() -> None:
           f"pages) measured interleaved", flush=True)
     result = run(args)
     path = write_result("scale_bench", result, args.out)
+    print("growth, largest / smallest size: " + ", ".join(
+        f"{k} {v:.2f}" for k, v in result["growth"].items() if k != "pages"))
     print(f"check: {result['check_problems'] or 'ok'}; daemons alive: "
           f"{result['daemons_alive_at_end']}; wrote {path}")
 
