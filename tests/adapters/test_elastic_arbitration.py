@@ -78,6 +78,7 @@ def wait_until(pred, timeout: float, what: str):
         time.sleep(0.05)
 
 
+@pytest.mark.timeout(900)
 def test_engine_weights_1_1_2_converge_to_25_25_50(start_daemon, servers):
     d = start_daemon(budget=str(BUDGET), extra=("--warm-max", "0"))
     ws = {"a": 1, "b": 1, "c": 2}
@@ -105,6 +106,7 @@ def test_engine_weights_1_1_2_converge_to_25_25_50(start_daemon, servers):
     assert d.check() == []
 
 
+@pytest.mark.timeout(900)
 def test_an_idle_engines_min_is_never_reclaimed(start_daemon, servers):
     d = start_daemon(budget=str(BUDGET), extra=("--warm-max", "0"))
     mn = 24 * PAGE  # 1.5 MiB

@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from .helpers import PAGE, REPO, read_event
 
 ROUNDS = 100
@@ -29,6 +31,7 @@ def wait_gone(m, name: str, deadline: float):
         time.sleep(0.005)
 
 
+@pytest.mark.timeout(900)
 def test_kill9_storm_under_load(start_daemon, tmp_path):
     d = start_daemon(budget=str((VICTIM_PAGES + CHURN_PAGES) * PAGE))
     d.cli("limit", "churner", str(CHURN_PAGES * PAGE))  # pending until it registers
