@@ -89,3 +89,20 @@ def test_a_bad_kvpool_daemon_uid_is_one_clear_error(daemon, monkeypatch):
     monkeypatch.setenv("KVPOOL_DAEMON_UID", "no-such-user-here")
     with pytest.raises(UntrustedDaemon, match="no user named"):
         Monitor(daemon.run_dir)
+
+
+def test_trusted_uids_come_from_root_self_and_kvpool_daemon_uid():
+    got = paths.trusted_daemon_uids({"KVPOOL_DAEMON_UID": "nobody, 1234"})
+    assert {0, os.getuid(), NOBODY, 1234} <= got
+    assert NOBODY not in paths.trusted_daemon_uids({}) or _kvpool_user_is(NOBODY)
+    with pytest.raises(ValueError, match="no user named"):
+        paths.trusted_daemon_uids({"KVPOOL_DAEMON_UID": "no-such-user-here"})
+
+
+def _kvpool_user_is(uid: int) -> bool:
+    import pwd
+
+    try:
+        return pwd.getpwnam(paths.SYSTEM_USER).pw_uid == uid
+    except KeyError:
+        return False
