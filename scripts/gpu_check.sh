@@ -27,9 +27,9 @@
 #                 per_layer and block_major, batch 1/8/32, elastic/static and tokens/s
 #   demo          benchmarks/gpu_demo.py --backend cuda: shortened `kvpool demo`, three
 #                 such models, KV binding: TTFT p99/mean static / elastic
-# Then a summary table (pass / FAIL / TIMEOUT / SKIPPED per step) in summary.txt and
-# summary.json, and every benchmarks/results/*_cuda.json written by the run copied into
-# results/ under the log dir.
+# Then a summary table (pass / FAIL / TIMEOUT / SKIPPED per step) and the headline figures
+# (scripts/gpu_figures.py) in summary.txt, summary.json, and every
+# benchmarks/results/*_cuda.json written by the run copied into results/ under the log dir.
 #
 # Without a GPU every GPU step is SKIPPED and the exit status is 0 (tests/test_gpu_check.py).
 # Knobs: GPU_CHECK_BUDGET (seconds, default 465); GPU_CHECK_STEPS="daemon demo" runs only
@@ -165,6 +165,7 @@ summary() {
         echo "gpu: $([ "$HAS_GPU" = 1 ] && echo yes || echo no)   smoke: $SMOKE   python: ${PY:-none}"
         echo "total: $(( $(date +%s) - START ))s of ${BUDGET}s   logs: $LOGDIR"
         echo "results: $(cd "$LOGDIR/results" && ls 2>/dev/null | tr '\n' ' ')"
+        [ -n "$PY" ] && timeout 30 "$PY" "$REPO/scripts/gpu_figures.py" "$LOGDIR/results" 2>&1
         [ "$FAILED" -eq 0 ] && echo "RESULT: PASS" || echo "RESULT: FAIL"
     } | tee "$LOGDIR/summary.txt" | tee -a "$MAIN_LOG"
     for i in "${!RESULT_NAMES[@]}"; do
