@@ -182,7 +182,10 @@ class AdoptGroup(Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults
 
 class Adopt(Request, tag="adopt"):
     """After a daemon restart: everything this tenant still holds. ``nfds`` descriptors
-    (unit-major per group, groups in order) were sent on the fd channel first."""
+    (unit-major per group, groups in order) were sent on the fd channel first. Accepted
+    only while the daemon recovers, once, from a pid (and uid) the previous daemon
+    recorded, and only if it all adds up (ids, units, budget, limit): otherwise
+    ``UNAUTHORIZED``/``BAD_REQUEST`` with no effect. An empty Adopt is always accepted."""
 
     groups: Annotated[list[AdoptGroup], Meta(max_length=MAX_GROUPS)] = []
     lease: Bytes = 0
