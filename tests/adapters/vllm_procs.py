@@ -141,7 +141,7 @@ def server_cmd(model: Path, name: str, port: int, extra: tuple = ()) -> list[str
             *VLLM_ARGS, *extra]
 
 
-def base_env(run_dir: Path | None, cpu: int | None = None, **extra: str) -> dict:
+def base_env(run_dir: Path | None, cpu: int | None = None, **extra: str | None) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVPOOL_", "VLLM_"))}
     env.update(VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     if run_dir is not None:
@@ -149,7 +149,11 @@ def base_env(run_dir: Path | None, cpu: int | None = None, **extra: str) -> dict
         env.pop("VLLM_CPU_KVCACHE_SPACE")
     if cpu is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpu)
-    env.update(extra)
+    for k, v in extra.items():  # None removes a variable
+        if v is None:
+            env.pop(k, None)
+        else:
+            env[k] = v
     return env
 
 
@@ -159,7 +163,7 @@ class VllmServers:
         self.all: list[VllmServer] = []
 
     def start(self, name: str, run_dir: Path | None, extra: tuple = (), cpu: int | None = None,
-              **env: str) -> VllmServer:
+              **env: str | None) -> VllmServer:
         port = free_port()
         log = self.log_dir / f"vllm-{name}-{port}.log"
         e = base_env(run_dir, cpu, **env)

@@ -122,8 +122,11 @@ class Bridge:
         s = self.settings
         label = self.tenant.name
         self.group = self.tenant.region_group(len(bases), region_bytes, label=label)
+        # populate: pages are faulted in when mapped (on the refill thread or the grant),
+        # not at the first KV write inside a model step; the refill thread wakes on demand
+        # (alloc/free set its event), so its idle tick can be slow: fewer GIL handoffs.
         self.allocator = ElasticBlockAllocator(
-            self.group, block_stride, low=s.low, high=s.high,
+            self.group, block_stride, low=s.low, high=s.high, populate=True, tick_s=0.05,
             idle_timeout_s=s.idle_timeout_s, max_blocks=num_blocks)
         if self.allocator.num_blocks != num_blocks:
             raise AdapterError(f"kvpool: allocator holds {self.allocator.num_blocks} blocks, "
