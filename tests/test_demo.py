@@ -50,6 +50,9 @@ def test_demo_runs_to_completion(tmp_path):
         assert s["requests"] > 0 and s["finished"] == s["requests"] and s["errors"] == 0
     assert (out / "memory.png").stat().st_size > 1000
     assert "p99 TTFT" in proc.stdout
+    tail = result["summary"]["elastic"]["all"]["p99_tail"]  # from the daemon's event stream
+    assert tail["events"] > 0 and tail["requests"] >= 1 and "p99 TTFT tail" in proc.stdout
+    assert abs(tail["reclaim_wait_s"] + tail["compute_queue_s"] - tail["ttft_s"]) < 1e-6
     assert (out / "logs" / "elastic" / "daemon.log").exists()  # it did start a daemon
     left = marked(mark)
     for _, p in left:  # do not leak them into other tests

@@ -40,6 +40,8 @@ class Replay:
     outcomes: list[Outcome]
     memory: list[dict]  # {"t": seconds, model: bytes, ...}
     wall_s: float
+    start_wall: float = 0.0  # time.time() when the replay started (arrivals are offsets)
+    events: list[dict] = field(default_factory=list)  # the daemon's events (elastic runs)
 
     def to_json(self) -> dict:
         return {
@@ -121,7 +123,7 @@ async def replay_async(
     memory: list[dict] = []
     limits = httpx.Limits(max_connections=1024, max_keepalive_connections=64)
     async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
-        start = time.perf_counter()
+        start, start_wall = time.perf_counter(), time.time()
         stop = asyncio.Event()
         sampler = (
             asyncio.create_task(_sample(sample_memory, sample_every, start, stop, memory))
@@ -139,7 +141,7 @@ async def replay_async(
         stop.set()
         if sampler:
             await sampler
-    return Replay(list(outcomes), memory, time.perf_counter() - start)
+    return Replay(list(outcomes), memory, time.perf_counter() - start, start_wall)
 
 
 def replay(arrivals: list[Arrival], urls: dict[str, str], vocab: int, **kw) -> Replay:

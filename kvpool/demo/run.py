@@ -28,7 +28,7 @@ from rich.live import Live
 from rich.table import Table
 
 from kvpool.client_lib import Monitor
-from kvpool.demo import report
+from kvpool.demo import report, tail
 from kvpool.demo.cluster import Cluster, ClusterError
 from kvpool.demo.driver import Outcome, Replay, replay
 from kvpool.demo.workload import WorkloadShape, generate
@@ -124,9 +124,11 @@ def run_mode(cfg: DemoConfig, mode: str, console: Console) -> tuple[Replay, dict
         urls = {m: p.url for m, p in servers.items()}
 
         monitor = Monitor(cluster.run_dir) if elastic else None
+        tap = tail.EventTap(monitor) if monitor is not None else None
 
         def sample() -> dict:
             if monitor is not None:  # one consistent snapshot from the daemon
+                tap.poll()  # the daemon's decisions, for the p99 tail breakdown
                 held = {t.name: t.mapped for t in monitor.ps().tenants}
                 return {m: held.get(m, 0) for m in urls}
             if cfg.engine == "vllm":  # a static vLLM holds its preallocation throughout
@@ -159,6 +161,9 @@ def run_mode(cfg: DemoConfig, mode: str, console: Console) -> tuple[Replay, dict
         with live or contextlib.nullcontext():
             rep = replay(arrivals, urls, cfg.vocab, sample_memory=sample_and_show,
                          on_done=on_done)
+        if tap is not None:
+            tap.poll()
+            rep.events = tap.events
         idle = idle_footprint(cfg, monitor, sample)
         if monitor is not None:
             problems = monitor.check()
@@ -235,6 +240,13 @@ def run_demo(cfg: DemoConfig, console: Console | None = None) -> dict:
         summaries[mode]["all"]["idle_pages"] = sum(s["idle_bytes"] for s in final.values()
                                                    ) / cfg.page_size
         console.print(f"{mode}: {len(rep.outcomes)} requests in {time.perf_counter() - t0:.0f} s")
+        b = tail.breakdown(rep.outcomes, rep.events, rep.start_wall) if rep.events else {}
+        if b:  # elastic: where the p99 TTFT tail went (kvpool.demo.tail)
+            summaries[mode]["all"]["p99_tail"] = b
+            console.print(f"p99 TTFT tail, {mode} ({b['requests']} requests, mean "
+                          f"{b['ttft_s'] * 1e3:.0f} ms): waiting for reclaim "
+                          f"{b['reclaim_wait_s'] * 1e3:.0f} ms, compute queue "
+                          f"{b['compute_queue_s'] * 1e3:.0f} ms")
     console.print(report.table("TTFT / TPOT per model (ms), KV memory", summaries))
     for mode, summ in summaries.items():
         console.print(f"idle footprint, {mode} ({format_size(cfg.page_size)} pages): " +
