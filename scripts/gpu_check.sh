@@ -185,9 +185,13 @@ trap 'say "interrupted"; exit 1' INT TERM
 
 # ---- setup ------------------------------------------------------------------------
 # (.venv is a developer's checkout; the GPU machine gets none: it runs its python3)
+nvidia_present() { nvidia-smi -L >/dev/null 2>&1 || ls /dev/nvidia[0-9]* >/dev/null 2>&1; }
 pick_python() {
     if [ -n "${GPU_CHECK_PY:-}" ]; then echo "$GPU_CHECK_PY"; return; fi
-    if [ -x "$REPO/.venv/bin/python" ]; then echo "$REPO/.venv/bin/python"; return; fi
+    local venv=$REPO/.venv/bin/python
+    if [ -x "$venv" ] && { ! nvidia_present || "$venv" -c \
+        'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; }
+    then echo "$venv"; return; fi  # on a GPU machine, only a .venv whose torch has CUDA
     command -v python3
 }
 NEEDED='import zmq, msgspec, fastapi, uvicorn, starlette, pydantic, click, rich, psutil, torch'
@@ -228,6 +232,10 @@ setup() {
     if { [ "$smi" = 1 ] || ls /dev/nvidia[0-9]* >/dev/null 2>&1; } && "$PY" -c \
         'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>>"$MAIN_LOG"
     then HAS_GPU=1; fi
+    if [ "$smi" = 1 ] && [ "$HAS_GPU" = 0 ]; then
+        say "nvidia-smi lists a GPU but torch ($PY) cannot use it"
+        rc=1
+    fi
     [ "${GPU_CHECK_FORCE_CPU:-0}" = 1 ] && HAS_GPU=0
     say "GPU: $([ "$HAS_GPU" = 1 ] && { nvidia-smi -L 2>/dev/null | head -1 || echo yes; } || echo none)"
     return "$rc"

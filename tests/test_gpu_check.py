@@ -5,6 +5,8 @@
   vmm bench, the allocation bench and the daemon tenants) where one step hangs: that step is killed at its limit, what it left running is reaped, the later
   steps still run and pass, their JSON lands under ``$OUT/results`` (never in
   benchmarks/results/), and the run fails;
+* on a machine that looks like a GPU machine but cannot run the CUDA backend, the GPU
+  tests skip and that fails the run (``scripts/gpu_junit.py`` reads the JUnit XML);
 * ``scripts/gpu_junit.py``: on a GPU machine a skipped GPU test fails the run.
 """
 
@@ -112,6 +114,33 @@ def test_smoke_run_survives_a_hanging_step(tmp_path):
         assert doc["backend"] == "host" and doc["command"].startswith("benchmarks/")
     assert json.loads((out / "results" / "gpu_daemon_check_host.json").read_text())["ok"]
     assert stamps() == before, "a smoke run wrote into benchmarks/results/"
+
+
+def test_gpu_machine_whose_gpu_tests_skip_fails(tmp_path):
+    """A machine that looks like it has a GPU (nvidia-smi lists one, torch says CUDA is
+    available) but where the CUDA backend cannot run: the GPU tests skip, so the run fails."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    smi = bindir / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 'GPU 0: Fake GPU (UUID: GPU-0)'\n")
+    smi.chmod(0o755)
+    py = tmp_path / "python"
+    py.write_text(f"""#!/usr/bin/env bash
+case "$*" in *torch.cuda.is_available*) exit 0 ;; esac
+exec {sys.executable} "$@"
+""")
+    py.chmod(0o755)
+    out = tmp_path / "out"
+    full = {**os.environ, "OUT": str(out), "PATH": f"{bindir}:{os.environ['PATH']}",
+            "GPU_CHECK_PY": str(py), "GPU_CHECK_STEPS": "pytest-gpu"}
+    full.pop("GPU_CHECK_FORCE_CPU", None)
+    r = subprocess.run(["bash", str(SCRIPT)], cwd=REPO, env=full, capture_output=True,
+                       text=True, timeout=240)
+    assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-2000:]
+    doc = json.loads((out / "summary.json").read_text())
+    assert doc["gpu"] is True and doc["passed"] is False
+    step = steps(out)["pytest-gpu"]
+    assert step["status"] == "FAIL" and "skipped on a machine with a GPU" in step["note"], step
 
 
 def write_junit(path: Path, cases: list[str]) -> Path:
