@@ -194,7 +194,7 @@ pick_python() {
     then echo "$venv"; return; fi  # on a GPU machine, only a .venv whose torch has CUDA
     command -v python3
 }
-NEEDED='import zmq, msgspec, fastapi, uvicorn, starlette, pydantic, click, rich, psutil, torch'
+NEEDED='import zmq, msgspec, fastapi, uvicorn, starlette, pydantic, click, rich, psutil, httpx, prometheus_client, safetensors, tokenizers, numpy, torch'
 
 install_wheels() {  # the carried wheels, offline, into a temp dir on PYTHONPATH
     local site=${GPU_CHECK_SITE:-$WORK/site} whl
