@@ -97,3 +97,30 @@ def test_engine_metrics_follow_the_requests(served):
     assert value(after, "vllm:num_requests_running", model_name=NAME) == stats["running"] == 0
     assert value(after, "vllm:prompt_tokens_total", model_name=NAME) == stats["prompt_tokens"]
     assert value(after, "kvpool_engine_kv_held_bytes", model_name=NAME) == stats["kv_held_bytes"]
+
+
+def test_an_elastic_engine_exports_its_grants_next_to_the_daemon(start_daemon, tmp_path):
+    from adapters.serve_procs import Servers, complete, prompt
+
+    from kvpool.engine.tiny import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "tiny", layers=2, hidden=128, heads=4, kv_heads=2,
+                            vocab=512, seed=0)
+    dport = free_port()
+    d = start_daemon(budget="8MiB", extra=("--metrics-address", f"127.0.0.1:{dport}"))
+    servers = Servers(model, tmp_path)
+    try:
+        s = servers.start("m1", run_dir=d.run_dir, idle_timeout=30.0)
+        servers.wait_healthy(120)
+        r = complete(s.base, prompt(1, 64), 64)
+        assert r.status_code == 200, r.text
+        engine = scrape(s.port)
+        daemon = scrape(dport)
+        grants = value(engine, "kvpool_engine_elastic_grants_total", model_name="m1")
+        assert grants >= 1
+        assert value(daemon, "kvpool_grants_total") >= grants  # the daemon served them all
+        assert samples(engine, "kvpool_engine_elastic_waits_total")
+        assert value(daemon, "kvpool_tenant_mapped_bytes", tenant="m1") > 0
+        assert value(engine, "kvpool_engine_kv_held_bytes", model_name="m1") > 0
+    finally:
+        servers.close()
