@@ -23,9 +23,16 @@ BATCHES = (1, 8)
 SCRAPE_S = 0.1
 
 
-def scraper(port: int, stop: threading.Event, count: list[int]) -> None:
+def scraper(port: int, stop: threading.Event, count: list[int], took: list[int],
+            build: list[float]) -> None:
+    """Scrape every SCRAPE_S; record each scrape's latency and the loop's build time."""
     while not stop.is_set():
-        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+        t0 = time.perf_counter_ns()
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+        took.append(time.perf_counter_ns() - t0)
+        for line in text.decode().splitlines():
+            if line.startswith("kvpool_snapshot_build_seconds "):
+                build.append(float(line.split()[1]) * 1e9)
         count[0] += 1
         stop.wait(SCRAPE_S)
 
@@ -42,10 +49,10 @@ def run(page_size: int, backend: str, reps: int, out: str | None) -> None:
         base_c.daemon(64 * page_size, page_size, extra=("--log-level", "WARNING"), backend=backend)
         metr_c.daemon(64 * page_size, page_size, backend=backend, extra=(
             "--log-level", "WARNING", "--metrics-address", f"127.0.0.1:{port}"))
-        stop, scrapes = threading.Event(), [0]
+        stop, scrapes, took, build = threading.Event(), [0], [], []
         with connect(name="bench", run_dir=base_c.run_dir) as tb, \
                 connect(name="bench", run_dir=metr_c.run_dir) as tm:
-            thread = threading.Thread(target=scraper, args=(port, stop, scrapes), daemon=True)
+            thread = threading.Thread(target=scraper, args=(port, stop, scrapes, took, build), daemon=True)
             thread.start()
             groups = {"baseline": tb.region_group(1, 16 * page_size),
                       "exporter": tm.region_group(1, 16 * page_size)}
@@ -82,7 +89,12 @@ def run(page_size: int, backend: str, reps: int, out: str | None) -> None:
                       f"{r['baseline']['p99_us']:.0f} µs", f"{r['exporter']['p99_us']:.0f} µs",
                       f"{r['ratio_p99']:.2f}x")
     Console(width=120).print(table)
+    scrape, built = summarize(took), summarize([int(x) for x in build])
+    print(f"scrape latency: median {scrape['median_us']:.0f} µs, p99 {scrape['p99_us']:.0f} µs; "
+          f"the loop's snapshot: median {built['median_us']:.0f} µs, p99 "
+          f"{built['p99_us']:.0f} µs")
     path = write_result("alloc_bench_metrics", {
         "backend": backend, "page_size": page_size, "reps": reps, "scrape_interval_s": SCRAPE_S,
-        "scrapes": scrapes[0], "grant": rows}, out)
+        "scrapes": scrapes[0], "grant": rows, "scrape_latency": scrape,
+        "snapshot_build_in_loop": built}, out)
     print(f"wrote {path}")

@@ -99,6 +99,10 @@ class DaemonCollector:
                                 "Age of the daemon state these metrics show.")
         age.add_metric([], max(0.0, time.time() - snap.taken))
         yield age
+        build = GaugeMetricFamily("kvpool_snapshot_build_seconds", "Time the event loop "
+                                  "spent building that state (between two requests).")
+        build.add_metric([], snap.build_s)
+        yield build
 
     @staticmethod
     def _pool(snap):

@@ -88,6 +88,7 @@ class Snapshot:
     waiters: int
     uptime_s: float
     events: int
+    build_s: float = 0.0  # time the loop spent building it
 
 
 class Observer:
@@ -318,13 +319,16 @@ class Observer:
     def snapshot(self) -> Snapshot:
         """The state now (loop thread only)."""
         a = self.a
+        t0 = time.perf_counter()
         refused = self._refused + max(0, a.errors - self._errors_seen)
-        return Snapshot(
+        snap = Snapshot(
             taken=time.time(), pool=a.pool_info(), tenants=a.listed(),
             counters=dict(self.counts), hists={k: h.copy() for k, h in self.hists.items()},
             requests=a.requests, errors=a.errors, refused=refused,
             waiters=len(a.reclaimer.waiters), uptime_s=time.monotonic() - a.started,
             events=self.events.seq)
+        snap.build_s = time.perf_counter() - t0
+        return snap
 
     def snapshot_from_loop(self, timeout_s: float = 2.0) -> Snapshot | None:
         """From any other thread: a snapshot built by the loop at its next turn (or the
