@@ -74,3 +74,28 @@ def test_follow_delivers_the_round_as_it_happens(start_daemon):
     follow.terminate()
     follow.wait(10)
     job.close()
+
+
+def test_a_limit_change_and_a_death_are_events(start_daemon):
+    d, _ = scenario.start(start_daemon, metrics=False)
+    held = {t["name"]: t["mapped"] for t in d.cli_json("ps")["tenants"]}
+    d.cli("limit", "beta", "1MiB", "--weight", "2")
+    victim = d.workers[0]  # alpha
+    victim.kill()
+    victim.wait()
+    deadline = time.monotonic() + 30
+    while True:
+        evs = lines(d.cli("events", "--json").stdout)
+        deaths = [e for e in evs if e["kind"] == "death"]
+        if deaths:
+            break
+        assert time.monotonic() < deadline, evs
+        time.sleep(0.05)
+    (death,) = deaths
+    assert death["tenant"] == "alpha" and death["bytes"] == held["alpha"]
+    assert death["detail"]["reason"]
+    (limit,) = [e for e in evs if e["kind"] == "limit"]
+    assert limit["detail"]["max"] == 1 << 20 and limit["detail"]["weight"] == 2
+    assert limit["detail"]["tenants"] == ["beta"]
+    beta = lines(d.cli("events", "--json", "--tenant", "beta").stdout)
+    assert limit in beta and death not in beta
