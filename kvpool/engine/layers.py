@@ -50,8 +50,26 @@ class RotaryEmbedding:
             inv = _llama3_inv_freq(inv, scaling)
         self.inv_freq = inv.to(device)
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """Returns cos, sin of shape [T, 1, head_dim] for broadcasting over heads."""
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype,
+                max_position: int | None = None) -> tuple[torch.Tensor, ...]:
+        """Returns cos, sin of shape [T, 1, head_dim] for broadcasting over heads.
+
+        With ``max_position`` (>= every position) the rows come from a table computed once
+        for positions ``[0, n)`` (grown by doubling, up to ``TABLE_MAX``); the table rows
+        are bit-identical to computing them per step."""
+        if max_position is not None and max_position < self.TABLE_MAX:
+            if self._table is None or self._table[0].shape[0] <= max_position \
+                    or self._table[0].dtype != dtype:
+                n = max(256, 1 << max_position.bit_length())
+                self._table = self._compute(torch.arange(n, device=self.inv_freq.device), dtype)
+            cos, sin = self._table
+            return cos[positions], sin[positions]
+        return self._compute(positions, dtype)
+
+    TABLE_MAX = 1 << 16
+    _table: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _compute(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]

@@ -62,7 +62,7 @@ class ModelRunner:
                 samplers.append(req)
         dev = self.device
         positions = torch.tensor(pos, dtype=torch.long, device=dev)
-        cos, sin = self.rope.cos_sin(positions, self.dtype)
+        cos, sin = self.rope.cos_sin(positions, self.dtype, max(pos))
         fb = ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
             positions=positions,
