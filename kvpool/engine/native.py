@@ -7,7 +7,9 @@ depend on torch's C++ ABI. The shared object goes to ``$KVPOOL_NATIVE_DIR`` (def
 so a changed kernel or a different CPU rebuilds; concurrent builders race harmlessly
 (build to a temporary name, then an atomic rename).
 
-``python -m kvpool.engine.native`` builds it ahead of time (``make venv`` does).
+The engine builds it on first use (``make test`` on a fresh machine does so while
+collecting the engine tests); ``python -c "from kvpool.engine import native;
+print(native.build())"`` builds it ahead of time.
 """
 
 from __future__ import annotations
@@ -103,5 +105,3 @@ def error() -> str | None:
     return _error
 
 
-if __name__ == "__main__":
-    print(build())
