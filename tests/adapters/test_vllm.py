@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from adapters.vllm_procs import (  # noqa: E402
+from .vllm_procs import (  # noqa: E402
     PROMPTS,
     REPO,
     VllmServers,

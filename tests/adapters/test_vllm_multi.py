@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from adapters.vllm_procs import (  # noqa: E402
+from .vllm_procs import (  # noqa: E402
     PROMPTS,
     VllmServers,
     complete,
