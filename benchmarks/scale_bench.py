@@ -1,4 +1,4 @@
-"""Scale benchmark (host backend): one daemon holding 256 .. 4,096+ pages across 32 tenants
+"""Scale benchmark (host backend): one daemon holding 256 .. 8,192 pages across 32 tenants
 and 256 region groups, next to a baseline daemon that holds 256 pages the whole time.
 
 At each size N (the scaled daemon holds N pages; ``--page-size`` 64 KiB by default, so
@@ -343,7 +343,7 @@ def print_row(r: dict) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--page-size", default="64KiB")
-    ap.add_argument("--sizes", default="256,512,1024,2048,4096,6144",
+    ap.add_argument("--sizes", default="256,512,1024,2048,4096,8192",
                     help="pages the scaled daemon holds, one row each (first = baseline)")
     ap.add_argument("--tenants", type=int, default=32)
     ap.add_argument("--groups", type=int, default=256)
