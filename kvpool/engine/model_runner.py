@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from kvpool.engine import native
 from kvpool.engine.attention import (AttentionBackend, DecodeGroup, ForwardBatch,
                                      PrefillGroup, VarlenBatch, select_backend)
 from kvpool.engine.kv_cache import KVCache
@@ -32,6 +33,8 @@ class ModelRunner:
         self.backend = select_backend(attention_backend, device, dtype, c.num_heads,
                                       c.num_kv_heads, c.head_dim)
         self._attn_out = torch.empty(0)
+        if device.type == "cpu":
+            native.tune_malloc()
         if self.backend == "native":
             self._attn_out = torch.empty(max_num_tokens, c.num_heads, c.head_dim, dtype=dtype)
 

@@ -105,3 +105,25 @@ def error() -> str | None:
     return _error
 
 
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_MMAP_MAX = 32 << 20  # glibc's upper limit for M_MMAP_THRESHOLD on 64-bit
+
+
+def tune_malloc(trim_threshold: int = 1 << 30) -> bool:
+    """Keep freed step temporaries (MLP activations, logits: up to ~16 MB at 2,048 tokens)
+    in glibc's heap instead of unmapping them, so the next step does not fault in fresh
+    zeroed pages: fixed mmap threshold at its 32 MiB maximum, heap trimmed only above
+    ``trim_threshold``. Process-wide (the engine owns the process's hot loop); a no-op
+    returning False outside glibc."""
+    import platform
+
+    if platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        libc = ctypes.CDLL(None)
+        ok = libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_MAX) == 1
+        return ok and libc.mallopt(_M_TRIM_THRESHOLD, trim_threshold) == 1
+    except (OSError, AttributeError):
+        return False
+
+
