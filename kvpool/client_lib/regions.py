@@ -181,8 +181,8 @@ class RegionGroup:
         entry = p.AdoptGroup(
             id=self.id, n_regions=self.n_regions, capacity=self.capacity, bases=self.bases,
             label=self.label, units=units,
-            in_use=a._in_use_bytes() if a is not None else None,
-            reserve=[u for u in a._reserve_units() if u in self.mapped] if a is not None else None)
+            in_use=a.in_use_bytes() if a is not None else None,
+            reserve=[u for u in a.reserve_units() if u in self.mapped] if a is not None else None)
         return entry, fds, owned
 
     # ---- views ----------------------------------------------------------------------------
