@@ -32,7 +32,8 @@ drops that tenant, never the daemon.
 Restart: the daemon keeps ``state.json`` in the run directory (pids and names of its
 tenants, the next group id). A new daemon that finds live pids there grants nothing until
 those tenants have re-registered and adopted what they map (or ``recover_timeout_s``).
-The file is removed only on a clean, requested stop, never on a crash path.
+The file is removed only on a clean, requested stop that leaves no tenant behind, never
+on a crash path (a stopped daemon's tenants keep their pages and re-adopt them).
 """
 from __future__ import annotations
 
@@ -219,14 +220,18 @@ class Server:
 
     def shutdown(self, clean: bool = True) -> None:
         """Close everything. ``state.json`` (the restart state) is removed only after a
-        clean, requested stop; after a crash the next daemon still waits for tenants."""
+        clean, requested stop with no tenant left; otherwise the next daemon waits for
+        the tenants to re-adopt what they still map."""
         self.notifier.stopping()
         self.observer.close()
-        if not clean:
+        # tenants keep their mapped pages across a stop too: while any is left, the next
+        # daemon must recover them (Adopt is accepted only then), clean stop or not
+        keep = not clean or any(t.arbitrated for t in self.arbiter.tenants)
+        if keep:
             self._save_state()
         for t in list(self.arbiter.tenants):
             self._drop(t, "daemon shutting down")
-        if clean:
+        if not keep:
             with contextlib.suppress(OSError):
                 self._state_path.unlink()
         self.poller.unregister(self.router)
