@@ -49,7 +49,7 @@ def check_config(config) -> None:
              "KVPOOL_ENABLE)")
     where = run_dir(s.run_dir)
     try:
-        mon = Monitor(s.run_dir, timeout_s=3.0)
+        mon = Monitor(s.run_dir, timeout_s=15.0)  # generous: a loaded host answers late
         try:
             pool = mon.stats().pool
         finally:
