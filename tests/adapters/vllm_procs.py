@@ -94,6 +94,7 @@ def restart_daemon(d: Daemon) -> Daemon:
 def remove_daemon(d: Daemon) -> None:
     d.stop()
     shutil.rmtree(d.run_dir, ignore_errors=True)
+    d.log.unlink(missing_ok=True)
 
 
 def free_port() -> int:
