@@ -193,6 +193,15 @@ def med(xs: list[int]) -> float:
     return statistics.median(xs)
 
 
+def settle(monitor, limit_s: float = 120.0) -> float:
+    """Wait until the daemon's idle maintenance is done (no dirty pages left to retire
+    or replace), so one row's dead tenants do not load the next row's measurements."""
+    t0 = time.perf_counter()
+    while monitor.ps().pool.dirty and time.perf_counter() - t0 < limit_s:
+        time.sleep(0.01)
+    return time.perf_counter() - t0
+
+
 def dead_tenant(run_dir: str, monitor, pages: int, capacity: int, how: str) -> float:
     """Seconds from SIGKILL (or close) of a process holding ``pages`` pages until ``ps``
     no longer lists it and ``granted`` dropped by them."""
@@ -252,10 +261,13 @@ def run(args) -> dict:
                     base_h.fill(sizes[0])
                     cur += step
                 chunks = -(-(n - prev) // CHUNK)
+                settle(big.monitor)
+                settle(base.monitor)
                 gr_a, gr_b = interleaved(base, big, Target.grant_release, args.reps)
                 ps_a, ps_b = interleaved(base, big, Target.ps, args.ps_reps)
                 map_a, map_b = interleaved(base, big, Target.map, args.map_reps)
                 res = big.resources()
+                pool = big.monitor.ps().pool
                 dead = {how: dead_tenant(str(big_c.run_dir), big.monitor, args.dead_pages,
                                          dead_cap, how) for how in ("close", "kill")}
                 row = {
@@ -282,7 +294,9 @@ def run(args) -> dict:
                     "map_reply_pages": map_b[-1][2],
                     "daemon_rss_bytes": res["rss_bytes"],
                     "daemon_fds": res["fds"],
-                    "warm_pages": big.monitor.ps().pool.warm // page,
+                    "warm_pages": pool.warm // page,
+                    "dirty_pages": pool.dirty // page,
+                    "retained_pages": pool.retained // page,
                     "dead_pages": args.dead_pages,
                     "dead_kill_s": dead["kill"],
                     "dead_close_s": dead["close"],
