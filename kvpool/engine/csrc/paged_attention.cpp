@@ -115,33 +115,57 @@ void attend_tile(const Args& a, int s, int kvh, int t0, int nt) {
   }
   const int kend = first_pos + t0 + nt;  // keys [0, kend) are visible to some row
   const int32_t* bt = a.block_tables + (int64_t)s * a.bt_stride;
+  // key addresses: block index and offset advance incrementally (no division per key)
+  int blk = 0, boff = 0;
+  auto key_off = [&]() {
+    const int64_t off = (int64_t)bt[blk] * a.block_stride + (int64_t)boff * a.tok_stride +
+                        (int64_t)kvh * a.head_stride;
+    if (++boff == a.bs) { boff = 0; ++blk; }
+    return off;
+  };
+  int64_t offs[KC];
+  int nnext = std::min(KC, kend);
+  for (int j = 0; j < nnext; ++j) offs[j] = key_off();
   for (int j0 = 0; j0 < kend; j0 += KC) {
-    const int n = std::min(KC, kend - j0);
+    const int n = nnext;
     const float* kp[KC];
     const float* vp[KC];
     for (int j = 0; j < n; ++j) {
-      const int pos = j0 + j;
-      const int64_t off = (int64_t)bt[pos / a.bs] * a.block_stride +
-                          (int64_t)(pos % a.bs) * a.tok_stride + (int64_t)kvh * a.head_stride;
-      kp[j] = a.k_cache + off;
-      vp[j] = a.v_cache + off;
+      kp[j] = a.k_cache + offs[j];
+      vp[j] = a.v_cache + offs[j];
+    }
+    nnext = std::min(KC, kend - j0 - KC);  // next chunk: addresses now, prefetched early
+    for (int j = 0; j < nnext; ++j) {
+      offs[j] = key_off();
+      for (int c = 0; c < D; c += 16) {
+        __builtin_prefetch(a.k_cache + offs[j] + c);
+        __builtin_prefetch(a.v_cache + offs[j] + c);
+      }
     }
     for (int j = n; j < KC; ++j) kp[j] = vp[j] = kp[0];  // padding keys, masked below
     int nvr[MAXR];
-    for (int r = 0; r < R; ++r) {  // scores: q row in registers, 8 keys per reduction
-      nvr[r] = std::min(n, qpos[r] - j0 + 1);
-      if (nvr[r] <= 0) continue;
-      vf qv[NV];
-      for (int c = 0; c < NV; ++c) qv[c] = vload(qb[r] + 8 * c);
-      for (int jb = 0; jb < nvr[r]; jb += 8) {
+    for (int r = 0; r < R; ++r) nvr[r] = std::min(n, qpos[r] - j0 + 1);
+    for (int r = 0; r < R; r += 2) {  // scores: 2 rows x 4 keys per block of FMAs
+      const int r1 = r + 1 < R ? r + 1 : r;  // odd R: the last row pairs with itself
+      const int nv = std::max(nvr[r], nvr[r1]);
+      if (nv <= 0) continue;
+      const float* q0 = qb[r];
+      const float* q1 = qb[r1];
+      for (int jb = 0; jb < nv; jb += 4) {
+        const float *k0 = kp[jb], *k1 = kp[jb + 1], *k2 = kp[jb + 2], *k3 = kp[jb + 3];
         vf x[8];
-        for (int jj = 0; jj < 8; ++jj) {
-          const float* kr = kp[jb + jj];
-          vf acc8 = qv[0] * vload(kr);
-          for (int c = 1; c < NV; ++c) acc8 += qv[c] * vload(kr + 8 * c);
-          x[jj] = acc8;
+        for (int i = 0; i < 8; ++i) x[i] = splat(0.f);
+        for (int c = 0; c < D; c += 8) {
+          const vf a = vload(q0 + c), b = vload(q1 + c);
+          const vf u0 = vload(k0 + c), u1 = vload(k1 + c), u2 = vload(k2 + c),
+                   u3 = vload(k3 + c);
+          x[0] += a * u0; x[1] += a * u1; x[2] += a * u2; x[3] += a * u3;
+          x[4] += b * u0; x[5] += b * u1; x[6] += b * u2; x[7] += b * u3;
         }
-        vstore(sc[r] + jb, reduce8(x));
+        const vf res = reduce8(x);  // lanes 0-3: row r, keys jb..; lanes 4-7: row r1
+        for (int i = 0; i < 4; ++i) sc[r][jb + i] = res[i];
+        if (r1 != r)
+          for (int i = 0; i < 4; ++i) sc[r1][jb + i] = res[4 + i];
       }
     }
     for (int r = 0; r < R; ++r) {  // online softmax
