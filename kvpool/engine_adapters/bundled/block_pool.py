@@ -1,21 +1,14 @@
-"""Makes the bundled engine's KV cache elastic: the only bridge between it and kvpool.
+"""The bundled engine's block pool with elastic memory behind it.
 
-``enable(config)`` (what ``kvpool serve --elastic`` and ``KVPOOL_ENABLE=1`` call) checks
-that the engine is one this adapter knows, then installs two factories on its
-``EngineConfig``:
-
-* the KV storage becomes a kvpool *region group* (one region per KV buffer: one for the
-  block-major layout, ``2 * layers`` for per-layer), reserved virtually for the whole
-  configured KV size and backed by daemon pages only where blocks are in use;
-* the block pool becomes an :class:`ElasticBlockPool`: the engine's own prefix-cache
-  bookkeeping (it subclasses :class:`FixedBlockPool`), with free blocks coming from and
-  going back to the client library's :class:`ElasticBlockAllocator`.
+:class:`ElasticBlockPool` keeps the engine's own prefix-cache bookkeeping (it subclasses
+:class:`FixedBlockPool`); free blocks come from and go back to the client library's
+:class:`~kvpool.client_lib.ElasticBlockAllocator`.
 
 When the daemon asks this tenant to shrink, :meth:`ElasticBlockPool.shrink` evicts cached
 prefix blocks page-aware (chunks whose every held block is evictable first, so whole
-units empty), and when that is not enough preempts running requests, newest first (the
-daemon only asks for memory above the tenant's ``max(min, fair share)``); the library
-then releases the emptied units.
+units empty), and when that is not enough preempts running requests, newest first,
+through ``Engine.preempt_until_free`` (the daemon only asks for memory above the
+tenant's ``max(min, fair share)``); the library then releases the emptied units.
 
 Invariants: block ids equal allocator block ids, block 0 (the engine's null block) is
 allocated at start and never freed, and every block the engine references or caches is
@@ -24,103 +17,19 @@ held in the allocator (``check_integrity`` verifies both sides).
 
 from __future__ import annotations
 
-import inspect
 import logging
 import math
-import os
 import threading
 import time
 from collections import defaultdict
-from dataclasses import dataclass
-from typing import Any
 
-import torch
-
-from kvpool.engine.block_pool import NULL_BLOCK, BlockPool, FixedBlockPool
-from kvpool.engine.config import EngineConfig
+from kvpool.engine.block_pool import NULL_BLOCK, FixedBlockPool
 from kvpool.engine.errors import PoolExhausted
-from kvpool.engine.kv_cache import KVCache, KVCacheSpec
+from kvpool.engine_adapters.bundled.settings import AdapterError
 
 log = logging.getLogger("kvpool.adapter")
 
-# The engine surface this adapter was written against; anything else is refused.
-KNOWN_POOL_METHODS = frozenset({
-    "capacity", "get_new_blocks", "free_blocks", "touch", "get_cached_block",
-    "cache_full_blocks", "evict_cached_blocks", "get_num_free_blocks", "num_used_blocks",
-    "ref_count", "check_integrity",
-})
-KNOWN_LAYOUTS = ("block_major", "per_layer")
-ADAPTER_KEY = "kvpool"
-SHRINK_STEP_WAIT_S = 0.3
-
-
-class AdapterError(RuntimeError):
-    """The engine, its layout or the settings are not something this adapter supports."""
-
-
-@dataclass
-class Settings:
-    """How this engine joins kvpool; ``from_env`` reads ``KVPOOL_*`` variables."""
-
-    name: str | None = None  # tenant name; default: the served model name
-    run_dir: str | None = None
-    device: int = 0
-    min_bytes: int | None = None
-    weight: float | None = None
-    low: int = 1  # reserve watermarks, in chunks
-    high: int = 2
-    idle_timeout_s: float = 5.0
-    populate: bool = True
-
-    @classmethod
-    def from_env(cls) -> Settings:
-        from kvpool.sizes import parse_size
-
-        env = os.environ
-        s = cls(name=env.get("KVPOOL_TENANT"), run_dir=env.get("KVPOOL_RUN_DIR"))
-        if "KVPOOL_DEVICE" in env:
-            s.device = int(env["KVPOOL_DEVICE"])
-        if "KVPOOL_MIN" in env:
-            s.min_bytes = parse_size(env["KVPOOL_MIN"])
-        if "KVPOOL_WEIGHT" in env:
-            s.weight = float(env["KVPOOL_WEIGHT"])
-        if "KVPOOL_IDLE_TIMEOUT" in env:
-            s.idle_timeout_s = float(env["KVPOOL_IDLE_TIMEOUT"])
-        return s
-
-
-def check_engine(config: EngineConfig) -> None:
-    """Refuse, with a message naming the difference, an engine this adapter does not know."""
-    abstract = set(getattr(BlockPool, "__abstractmethods__", ()))
-    if abstract != KNOWN_POOL_METHODS:
-        raise AdapterError(
-            "kvpool.engine_adapters.bundled does not know this engine version: BlockPool "
-            f"methods differ (new: {sorted(abstract - KNOWN_POOL_METHODS)}, gone: "
-            f"{sorted(KNOWN_POOL_METHODS - abstract)})")
-    for owner, attr in ((FixedBlockPool, "_release"), (KVCache, "from_buffers"),
-                        (EngineConfig, "kv_cache_factory")):
-        if not hasattr(owner, attr) and attr not in {
-                f.name for f in getattr(owner, "__dataclass_fields__", {}).values()}:
-            raise AdapterError(f"engine lacks {owner.__name__}.{attr}: unknown engine version")
-    from kvpool.engine.engine import Engine
-
-    if not hasattr(Engine, "preempt_until_free"):
-        raise AdapterError("engine lacks Engine.preempt_until_free: unknown engine version")
-    if config.kv_layout not in (*KNOWN_LAYOUTS, "auto"):
-        raise AdapterError(f"unknown KV layout {config.kv_layout!r}; the adapter knows "
-                           f"{KNOWN_LAYOUTS}")
-    if config.block_pool_factory is not None or config.kv_cache_factory is not None:
-        raise AdapterError("the engine config already has a custom block pool or KV storage")
-
-
-def enable(config: EngineConfig, settings: Settings | None = None) -> None:
-    """Make the engine built from ``config`` allocate its KV cache through kvpool."""
-    check_engine(config)
-    bridge = _Bridge(config, settings or Settings.from_env())
-    config.block_pool_factory = bridge.make_pool
-    config.kv_cache_factory = bridge.make_kv_cache
-    config.extra[ADAPTER_KEY] = bridge
-    _patch_engine_init()
+SHRINK_STEP_WAIT_S = 0.3  # a shrink waits this long for the engine's step (x3 when urgent)
 
 
 class ElasticBlockPool(FixedBlockPool):
@@ -179,7 +88,12 @@ class ElasticBlockPool(FixedBlockPool):
         self._idle_thread.start()
 
     def stop(self) -> None:
+        """End the idle watcher (joined unless called from it)."""
         self._stopped.set()
+        t = self._idle_thread
+        if t is not None and t is not threading.current_thread():
+            t.join()
+            self._idle_thread = None
 
     def _idle_loop(self, timeout_s: float) -> None:
         tick = min(max(timeout_s / 4, 0.01), 0.5)
@@ -322,13 +236,20 @@ class ElasticBlockPool(FixedBlockPool):
                 # The daemon only asks for memory above max(min, fair share): what the
                 # cache could not cover comes from running requests, newest first.
                 target = before - want
-                running = self.engine.scheduler.running if self.engine else []
-                while running and self._held_chunks() > max(target, 1):
-                    self.engine.scheduler.preempt(running.pop())
-                    self.shrink_preemptions += 1
+                while self.engine is not None and self._held_chunks() > max(target, 1):
+                    if not self._preempt_newest():
+                        break
                     self.evict_cached_blocks(None)
         finally:
             self.step_lock.release()
+
+    def _preempt_newest(self) -> int:
+        """(both locks held) Preempt the newest running request, and more only while a
+        preemption frees no block (shared prefix blocks); 0 when nothing runs. Goes
+        through ``Engine.preempt_until_free``, the method ``check_engine`` verifies."""
+        n = self.engine.preempt_until_free(self.get_num_free_blocks() + 1)
+        self.shrink_preemptions += n
+        return n
 
     def _evict_whole_chunks(self, want: int) -> int:
         held = self.allocator.held_by_chunk()
@@ -364,7 +285,7 @@ class ElasticBlockPool(FixedBlockPool):
                 r = self._ref[b]
                 assert r >= 0, f"negative ref count on block {b}"
                 if r > 0 or b in self._evictable:
-                    assert alloc._held[b], f"block {b} in use or cached but not held"
+                    assert alloc.is_held(b), f"block {b} in use or cached but not held"
                     assert (b in self._evictable) == (r == 0), f"block {b} state mixed up"
                     used += 1
                 else:
@@ -374,90 +295,3 @@ class ElasticBlockPool(FixedBlockPool):
             for h, dups in self._by_hash.items():
                 for b in dups:
                     assert self._entry[b].block_hash == h, f"hash index wrong for block {b}"
-
-
-class _Bridge:
-    """Builds the tenant, region group, allocator and pool for one engine."""
-
-    def __init__(self, config: EngineConfig, settings: Settings) -> None:
-        self.config = config
-        self.settings = settings
-        self.pool: ElasticBlockPool | None = None
-        self.tenant = None
-        self.group = None
-
-    def make_pool(self, num_blocks: int) -> ElasticBlockPool:
-        self.pool = ElasticBlockPool(num_blocks)
-        return self.pool
-
-    def make_kv_cache(self, spec: KVCacheSpec, capacity: int, device: torch.device) -> KVCache:
-        from kvpool.client_lib import ElasticBlockAllocator, connect
-
-        if spec.layout not in KNOWN_LAYOUTS:
-            raise AdapterError(f"unknown KV layout {spec.layout!r}")
-        if self.pool is None:
-            raise AdapterError("the engine built its KV storage before its block pool")
-        s = self.settings
-        name = s.name or self.config.served_model_name or os.path.basename(
-            os.path.normpath(self.config.model))
-        self.tenant = connect(name=name, device=s.device, run_dir=s.run_dir, kind="engine",
-                              min=s.min_bytes, weight=s.weight)
-        try:
-            per_region = spec.buffer_block_bytes
-            chunk = math.lcm(self.tenant.page_size, per_region)
-            region_bytes = math.ceil(capacity * per_region / chunk) * chunk
-            self.group = self.tenant.region_group(spec.num_buffers, region_bytes, label=name)
-            allocator = ElasticBlockAllocator(
-                self.group, per_region, low=s.low, high=s.high,
-                idle_timeout_s=s.idle_timeout_s, populate=s.populate)
-            self.pool.bind(allocator)
-            self.tenant.set_shrink_callback(self.pool.shrink)
-            self.pool.start_idle_release(s.idle_timeout_s)
-            nblocks = allocator.num_blocks
-            buffers = [self.group.tensor(i, torch.uint8, nbytes=nblocks * per_region)
-                       for i in range(spec.num_buffers)]
-            if device.type != buffers[0].device.type:
-                raise AdapterError(f"the engine runs on {device} but kvpool's {self.tenant.backend.name} "
-                                   f"backend maps memory on {buffers[0].device}")
-            return KVCache.from_buffers(spec, buffers, nblocks)
-        except BaseException:
-            self.close()
-            raise
-
-    def close(self) -> None:
-        if self.pool is not None:
-            self.pool.stop()
-        if self.tenant is not None:
-            self.tenant.close()
-            self.tenant = None
-
-
-_patched = threading.Lock()
-
-
-def _patch_engine_init() -> None:
-    """Once per process: after an Engine is built with an elastic pool, bind them."""
-    from kvpool.engine.engine import Engine
-
-    with _patched:
-        if getattr(Engine.__init__, "_kvpool_patched", False):
-            return
-        original = Engine.__init__
-
-        def __init__(self, config: EngineConfig, *args: Any, **kwargs: Any) -> None:
-            original(self, config, *args, **kwargs)
-            if isinstance(self.pool, ElasticBlockPool):
-                self.pool.bind_engine(self)
-
-        __init__._kvpool_patched = True
-        __init__.__signature__ = inspect.signature(original)
-        Engine.__init__ = __init__
-
-
-def bridge_of(config: EngineConfig) -> _Bridge | None:
-    """The adapter state of an enabled config (tests and the server's stats use it)."""
-    return config.extra.get(ADAPTER_KEY)
-
-
-__all__ = ["AdapterError", "ElasticBlockPool", "Settings", "bridge_of", "check_engine",
-           "enable"]

@@ -1,0 +1,40 @@
+"""Makes the bundled engine's KV cache elastic: the only bridge between it and kvpool.
+
+``enable(config)`` (what ``kvpool serve --elastic`` and ``KVPOOL_ENABLE=1`` call) checks
+that the engine is one this adapter knows (:mod:`.checks`), then installs two factories on
+its ``EngineConfig``:
+
+* the KV storage becomes a kvpool *region group* (one region per KV buffer: one for the
+  block-major layout, ``2 * layers`` for per-layer), reserved virtually for the whole
+  configured KV size and backed by daemon pages only where blocks are in use;
+* the block pool becomes an :class:`ElasticBlockPool` (:mod:`.block_pool`): the engine's
+  own prefix-cache bookkeeping, with free blocks coming from and going back to the
+  client library's :class:`~kvpool.client_lib.ElasticBlockAllocator`.
+
+:mod:`.bridge` builds and owns the tenant, group, allocator and pool of one engine and
+gives the engine a ``close()`` that ends all of them; :mod:`.settings` holds the
+``KVPOOL_*`` settings.
+"""
+
+from __future__ import annotations
+
+from kvpool.engine.config import EngineConfig
+from kvpool.engine_adapters.bundled.block_pool import ElasticBlockPool
+from kvpool.engine_adapters.bundled.bridge import ADAPTER_KEY, Bridge, bridge_of, patch_engine_init
+from kvpool.engine_adapters.bundled.checks import KNOWN_LAYOUTS, KNOWN_POOL_METHODS, check_engine
+from kvpool.engine_adapters.bundled.settings import AdapterError, Settings
+
+
+def enable(config: EngineConfig, settings: Settings | None = None) -> None:
+    """Make the engine built from ``config`` allocate its KV cache through kvpool; the
+    engine gets a ``close()`` that gives the memory and the daemon session back."""
+    check_engine(config)
+    bridge = Bridge(config, settings or Settings.from_env())
+    config.block_pool_factory = bridge.make_pool
+    config.kv_cache_factory = bridge.make_kv_cache
+    config.extra[ADAPTER_KEY] = bridge
+    patch_engine_init()
+
+
+__all__ = ["ADAPTER_KEY", "AdapterError", "Bridge", "ElasticBlockPool", "KNOWN_LAYOUTS",
+           "KNOWN_POOL_METHODS", "Settings", "bridge_of", "check_engine", "enable"]

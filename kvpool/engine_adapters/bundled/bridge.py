@@ -1,0 +1,135 @@
+"""The bridge between one bundled engine and kvpool: it builds the tenant, region group,
+allocator and pool when the engine builds its KV storage, binds the pool to the engine,
+and tears all of it down again on ``engine.close()``.
+
+Lifetime: connected in :meth:`Bridge.make_kv_cache` (during ``Engine(config)``); closed by
+:meth:`Bridge.close` — the ``close`` method the bridge gives the engine, or a failed
+start. After close the daemon no longer lists the tenant, its pages are back in the pool
+and the adapter's threads (the idle-cache watcher, the allocator's refill thread, the
+tenant's thread) have ended; the engine must not step again.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import os
+import threading
+from typing import Any
+
+import torch
+
+from kvpool.engine.config import EngineConfig
+from kvpool.engine.kv_cache import KVCache, KVCacheSpec
+from kvpool.engine_adapters.bundled.block_pool import ElasticBlockPool
+from kvpool.engine_adapters.bundled.checks import KNOWN_LAYOUTS
+from kvpool.engine_adapters.bundled.settings import AdapterError, Settings
+
+ADAPTER_KEY = "kvpool"
+
+
+class Bridge:
+    """Builds the tenant, region group, allocator and pool for one engine."""
+
+    def __init__(self, config: EngineConfig, settings: Settings) -> None:
+        self.config = config
+        self.settings = settings
+        self.pool: ElasticBlockPool | None = None
+        self.tenant = None
+        self.group = None
+
+    def make_pool(self, num_blocks: int) -> ElasticBlockPool:
+        self.pool = ElasticBlockPool(num_blocks)
+        return self.pool
+
+    def make_kv_cache(self, spec: KVCacheSpec, capacity: int, device: torch.device) -> KVCache:
+        from kvpool.client_lib import ElasticBlockAllocator, connect
+
+        if spec.layout not in KNOWN_LAYOUTS:
+            raise AdapterError(f"unknown KV layout {spec.layout!r}")
+        if self.pool is None:
+            raise AdapterError("the engine built its KV storage before its block pool")
+        s = self.settings
+        name = s.name or self.config.served_model_name or os.path.basename(
+            os.path.normpath(self.config.model))
+        self.tenant = connect(name=name, device=s.device, run_dir=s.run_dir, kind="engine",
+                              min=s.min_bytes, weight=s.weight)
+        try:
+            per_region = spec.buffer_block_bytes
+            chunk = math.lcm(self.tenant.page_size, per_region)
+            region_bytes = math.ceil(capacity * per_region / chunk) * chunk
+            self.group = self.tenant.region_group(spec.num_buffers, region_bytes, label=name)
+            allocator = ElasticBlockAllocator(
+                self.group, per_region, low=s.low, high=s.high,
+                idle_timeout_s=s.idle_timeout_s, populate=s.populate)
+            self.pool.bind(allocator)
+            self.tenant.set_shrink_callback(self.pool.shrink)
+            self.pool.start_idle_release(s.idle_timeout_s)
+            nblocks = allocator.num_blocks
+            buffers = [self.group.tensor(i, torch.uint8, nbytes=nblocks * per_region)
+                       for i in range(spec.num_buffers)]
+            if device.type != buffers[0].device.type:
+                raise AdapterError(f"the engine runs on {device} but kvpool's "
+                                   f"{self.tenant.backend.name} backend maps memory on "
+                                   f"{buffers[0].device}")
+            return KVCache.from_buffers(spec, buffers, nblocks)
+        except BaseException:
+            self.close()
+            raise
+
+    def attach(self, engine: Any) -> None:
+        """Bind the pool to the built ``engine`` and make ``engine.close()`` close this
+        bridge (after the engine's own ``close``, if it has one)."""
+        if self.pool is None:
+            return
+        self.pool.bind_engine(engine)
+        own_close = getattr(engine, "close", None)
+
+        def close() -> None:
+            try:
+                if own_close is not None:
+                    own_close()
+            finally:
+                self.close()
+
+        engine.close = close
+
+    def close(self) -> None:
+        """Stop the idle watcher, then close the tenant (its thread, the allocator's
+        thread, the mappings, the daemon session). Idempotent."""
+        if self.pool is not None:
+            self.pool.stop()
+        if self.tenant is not None:
+            tenant, self.tenant = self.tenant, None
+            tenant.close()
+        self.group = None
+
+
+_patched = threading.Lock()
+
+
+def patch_engine_init() -> None:
+    """Once per process: after an Engine is built from an enabled config, attach it."""
+    from kvpool.engine.engine import Engine
+
+    with _patched:
+        if getattr(Engine.__init__, "_kvpool_patched", False):
+            return
+        original = Engine.__init__
+
+        def __init__(self, config: EngineConfig, *args: Any, **kwargs: Any) -> None:
+            original(self, config, *args, **kwargs)
+            bridge = bridge_of(config)
+            if bridge is not None and self.pool is bridge.pool:
+                bridge.attach(self)
+            elif isinstance(self.pool, ElasticBlockPool):
+                self.pool.bind_engine(self)
+
+        __init__._kvpool_patched = True  # type: ignore[attr-defined]
+        __init__.__signature__ = inspect.signature(original)  # type: ignore[attr-defined]
+        Engine.__init__ = __init__  # type: ignore[method-assign]
+
+
+def bridge_of(config: EngineConfig) -> Bridge | None:
+    """The adapter state of an enabled config (tests and the server's stats use it)."""
+    return config.extra.get(ADAPTER_KEY)

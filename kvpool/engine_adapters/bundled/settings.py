@@ -1,0 +1,42 @@
+"""How a bundled engine joins kvpool: :class:`Settings` (``KVPOOL_*`` variables) and the
+adapter's error."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+class AdapterError(RuntimeError):
+    """The engine, its layout or the settings are not something this adapter supports."""
+
+
+@dataclass
+class Settings:
+    """How this engine joins kvpool; ``from_env`` reads ``KVPOOL_*`` variables."""
+
+    name: str | None = None  # tenant name; default: the served model name
+    run_dir: str | None = None
+    device: int = 0
+    min_bytes: int | None = None
+    weight: float | None = None
+    low: int = 1  # reserve watermarks, in chunks
+    high: int = 2
+    idle_timeout_s: float = 5.0
+    populate: bool = True
+
+    @classmethod
+    def from_env(cls) -> Settings:
+        from kvpool.sizes import parse_size
+
+        env = os.environ
+        s = cls(name=env.get("KVPOOL_TENANT"), run_dir=env.get("KVPOOL_RUN_DIR"))
+        if "KVPOOL_DEVICE" in env:
+            s.device = int(env["KVPOOL_DEVICE"])
+        if "KVPOOL_MIN" in env:
+            s.min_bytes = parse_size(env["KVPOOL_MIN"])
+        if "KVPOOL_WEIGHT" in env:
+            s.weight = float(env["KVPOOL_WEIGHT"])
+        if "KVPOOL_IDLE_TIMEOUT" in env:
+            s.idle_timeout_s = float(env["KVPOOL_IDLE_TIMEOUT"])
+        return s
