@@ -27,16 +27,8 @@ class Settings:
 
     @classmethod
     def from_env(cls) -> Settings:
-        from kvpool.sizes import parse_size
+        from dataclasses import fields
 
-        env = os.environ
-        s = cls(name=env.get("KVPOOL_TENANT"), run_dir=env.get("KVPOOL_RUN_DIR"))
-        if "KVPOOL_DEVICE" in env:
-            s.device = int(env["KVPOOL_DEVICE"])
-        if "KVPOOL_MIN" in env:
-            s.min_bytes = parse_size(env["KVPOOL_MIN"])
-        if "KVPOOL_WEIGHT" in env:
-            s.weight = float(env["KVPOOL_WEIGHT"])
-        if "KVPOOL_IDLE_TIMEOUT" in env:
-            s.idle_timeout_s = float(env["KVPOOL_IDLE_TIMEOUT"])
-        return s
+        from kvpool.engine_adapters.env import tenant_fields
+
+        return cls(**tenant_fields(os.environ, {f.name for f in fields(cls)}))
