@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
-from typing import Any
+from dataclasses import dataclass, fields
+from typing import Any, TypeVar
 
 
 def _size(text: str) -> int:
@@ -31,3 +33,25 @@ def tenant_fields(env: Mapping[str, str], fields: set[str]) -> dict[str, Any]:
         if field in fields and var in env:
             out[field] = parse(env[var])
     return out
+
+
+S = TypeVar("S", bound="TenantSettings")
+
+
+@dataclass
+class TenantSettings:
+    """What every adapter's engine tells the daemon and its allocator; adapters subclass
+    it with their own fields. ``from_env`` fills the fields ``TENANT_VARS`` names."""
+
+    name: str | None = None  # tenant name; default: the served model name
+    run_dir: str | None = None
+    device: int = 0
+    min_bytes: int | None = None
+    weight: float | None = None
+    low: int = 1  # reserve watermarks, in chunks
+    high: int = 2
+    idle_timeout_s: float = 5.0
+
+    @classmethod
+    def from_env(cls: type[S]) -> S:
+        return cls(**tenant_fields(os.environ, {f.name for f in fields(cls)}))

@@ -3,8 +3,9 @@ adapter's error."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
+
+from kvpool.engine_adapters.env import TenantSettings
 
 
 class AdapterError(RuntimeError):
@@ -12,23 +13,7 @@ class AdapterError(RuntimeError):
 
 
 @dataclass
-class Settings:
+class Settings(TenantSettings):
     """How this engine joins kvpool; ``from_env`` reads ``KVPOOL_*`` variables."""
 
-    name: str | None = None  # tenant name; default: the served model name
-    run_dir: str | None = None
-    device: int = 0
-    min_bytes: int | None = None
-    weight: float | None = None
-    low: int = 1  # reserve watermarks, in chunks
-    high: int = 2
-    idle_timeout_s: float = 5.0
-    populate: bool = True
-
-    @classmethod
-    def from_env(cls) -> Settings:
-        from dataclasses import fields
-
-        from kvpool.engine_adapters.env import tenant_fields
-
-        return cls(**tenant_fields(os.environ, {f.name for f in fields(cls)}))
+    populate: bool = True  # fault granted pages in at map time (off the step path)
