@@ -13,7 +13,8 @@ the memory stays small on a shared machine while the page *count* is real):
 * daemon RSS and open fds (one memfd per page it owns on host: granted + warm);
 * dead tenant — a process holding ``--dead-pages`` pages (2,000) is killed with SIGKILL;
   the time until ``ps`` no longer lists it and those pages are off ``granted``, next to a
-  clean close (``Bye``) of the same pages measured at the same size.
+  clean close (``Bye``) of the same pages measured at the same size (medians of
+  ``--dead-reps``, alternating).
 
 The goal: a flat per-page cost and flat per-request latency from 256 to 4,096+ pages,
 no step at 1,024 fds. Usage:
@@ -268,8 +269,13 @@ def run(args) -> dict:
                 map_a, map_b = interleaved(base, big, Target.map, args.map_reps)
                 res = big.resources()
                 pool = big.monitor.ps().pool
-                dead = {how: dead_tenant(str(big_c.run_dir), big.monitor, args.dead_pages,
-                                         dead_cap, how) for how in ("close", "kill")}
+                runs = {"close": [], "kill": []}
+                for i in range(args.dead_reps):  # alternating which goes first
+                    for how in ("close", "kill") if i % 2 == 0 else ("kill", "close"):
+                        runs[how].append(dead_tenant(str(big_c.run_dir), big.monitor,
+                                                     args.dead_pages, dead_cap, how))
+                        settle(big.monitor)
+                dead = {how: statistics.median(xs) for how, xs in runs.items()}
                 row = {
                     "pages": n,
                     "tenants": len(big.monitor.ps().tenants),
@@ -298,7 +304,9 @@ def run(args) -> dict:
                     "dirty_pages": pool.dirty // page,
                     "retained_pages": pool.retained // page,
                     "dead_pages": args.dead_pages,
-                    "dead_kill_s": dead["kill"],
+                    "dead_kill_s": dead["kill"],  # medians of dead_reps
+                    "dead_kill_all_s": runs["kill"],
+                    "dead_close_all_s": runs["close"],
                     "dead_close_s": dead["close"],
                     "dead_kill_to_close": dead["kill"] / dead["close"],
                     "daemon_fds_with_dead": res["fds"] + args.dead_pages,
@@ -325,7 +333,11 @@ def run(args) -> dict:
         "dead_kill": last["dead_kill_s"] / first["dead_kill_s"],
         "rss": last["daemon_rss_bytes"] / first["daemon_rss_bytes"],
     }
+    growth_vs_baseline = {  # the same, each row first divided by its interleaved baseline
+        k: last[f"{k}_ratio"] / first[f"{k}_ratio"]
+        for k in ("fill", "grant", "release", "ps", "map")}
     return {"backend": "host", "page_size": page, "tenants": args.tenants, "growth": growth,
+            "growth_vs_baseline": growth_vs_baseline,
             "groups": args.groups, "reps": args.reps, "warm_max": args.warm_max, "baseline_pages": sizes[0],
             "baseline_daemon": base_res, "rows": rows, "check_problems": problems,
             "daemons_alive_at_end": alive}
@@ -365,6 +377,7 @@ def main() -> None:
     ap.add_argument("--ps-reps", type=int, default=40)
     ap.add_argument("--map-reps", type=int, default=20)
     ap.add_argument("--dead-pages", type=int, default=2000)
+    ap.add_argument("--dead-reps", type=int, default=3, help="SIGKILL and close runs per size")
     ap.add_argument("--warm-max", default=None, help="the daemons' warm pool cap (default: "
                     "the daemon's own)")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/)")
@@ -382,6 +395,8 @@ def main() -> None:
     path = write_result("scale_bench", result, args.out)
     print("growth, largest / smallest size: " + ", ".join(
         f"{k} {v:.2f}" for k, v in result["growth"].items() if k != "pages"))
+    print("growth of the ratio to the interleaved baseline: " + ", ".join(
+        f"{k} {v:.2f}" for k, v in result["growth_vs_baseline"].items()))
     print(f"check: {result['check_problems'] or 'ok'}; daemons alive: "
           f"{result['daemons_alive_at_end']}; wrote {path}")
 
