@@ -82,6 +82,9 @@ def create_app(aengine: AsyncEngine) -> FastAPI:
             aengine.start()
         yield
         aengine.stop()
+        close = getattr(engine, "close", None)  # an adapter's: ends its tenant and threads
+        if close is not None:
+            close()
 
     app = FastAPI(title="kvpool engine", lifespan=lifespan)
 
