@@ -144,8 +144,9 @@ def cbreak(fd: int):
 
 def quit_pressed(fd: int, timeout_s: float) -> bool:
     """Wait up to ``timeout_s`` for a key; True when it is ``q``."""
-    ready, _, _ = select.select([fd], [], [], timeout_s)
-    if not ready:
+    poller = select.poll()  # poll, not a 1024-bounded fd set
+    poller.register(fd, select.POLLIN)
+    if not poller.poll(timeout_s * 1000):
         return False
     data = os.read(fd, 32)
     return not data or b"q" in data.lower()

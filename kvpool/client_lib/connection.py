@@ -202,7 +202,7 @@ class Connection:
         """Notice a dead daemon: its end of the fd channel reads EOF."""
         if self.fdsock is None or self.daemon_gone:
             return
-        poller = select.poll()  # not select.select: descriptors past 1024 are ordinary here
+        poller = select.poll()  # poll: descriptors past 1024 are ordinary here
         poller.register(self.fdsock.fileno(), select.POLLIN)
         if not poller.poll(0):
             return  # nothing queued: the daemon is there
