@@ -36,7 +36,7 @@ def model_dir(preset: str, dtype: str, default: str | Path) -> Path:
 def make_model(path: str | Path, preset: str = "llama-1b", dtype: str = "bfloat16",
                seed: int = 0, device: str | None = None) -> Path:
     """Write a ``preset``-sized random Llama into ``path`` (kept if already there)."""
-    from kvpool.engine.tiny import make_tiny_model
+    from kvpool.engine.tiny import make_tiny_model, random_weights
 
     if preset not in PRESETS:
         raise ValueError(f"unknown model preset {preset!r}; choose from {', '.join(PRESETS)}")
@@ -54,46 +54,18 @@ def make_model(path: str | Path, preset: str = "llama-1b", dtype: str = "bfloat1
                num_key_value_heads=p["kv_heads"], head_dim=head_dim,
                initializer_range=0.02, dtype=dtype, torch_dtype=dtype)
     (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    weights = _weights(cfg, getattr(torch, dtype), seed,
-                       device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    weights = random_weights(cfg, seed, dtype=getattr(torch, dtype),
+                             device=device or ("cuda" if torch.cuda.is_available() else "cpu"))
     save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
     stamp.write_text(want)
     return path
-
-
-def _weights(c: dict, dtype: torch.dtype, seed: int, device: str) -> dict[str, torch.Tensor]:
-    g = torch.Generator(device=device).manual_seed(seed)
-    h, hd, inter = c["hidden_size"], c["head_dim"], c["intermediate_size"]
-    q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
-
-    def normal(*shape: int) -> torch.Tensor:
-        t = torch.randn(*shape, generator=g, device=device, dtype=dtype)
-        return t.mul_(c["initializer_range"]).cpu()
-
-    def ones(n: int) -> torch.Tensor:
-        return torch.ones(n, dtype=dtype)
-
-    w = {"model.embed_tokens.weight": normal(c["vocab_size"], h), "model.norm.weight": ones(h)}
-    for i in range(c["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        w |= {p + "self_attn.q_proj.weight": normal(q, h),
-              p + "self_attn.k_proj.weight": normal(kv, h),
-              p + "self_attn.v_proj.weight": normal(kv, h),
-              p + "self_attn.o_proj.weight": normal(h, q),
-              p + "mlp.gate_proj.weight": normal(inter, h),
-              p + "mlp.up_proj.weight": normal(inter, h),
-              p + "mlp.down_proj.weight": normal(h, inter),
-              p + "input_layernorm.weight": ones(h),
-              p + "post_attention_layernorm.weight": ones(h)}
-    if not c["tie_word_embeddings"]:
-        w["lm_head.weight"] = normal(c["vocab_size"], h)
-    return w
 
 
 def kv_bytes_per_token(preset: str, dtype_bytes: int = 2) -> int:
     """K and V of every layer for one token."""
     p = PRESETS[preset]
     return 2 * p["layers"] * p["kv_heads"] * (p["hidden"] // p["heads"]) * dtype_bytes
+
 
 
 if __name__ == "__main__":  # python benchmarks/gpu_models.py DIR [PRESET] [DTYPE]

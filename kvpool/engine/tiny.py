@@ -105,22 +105,28 @@ def make_tiny_model(path: str | Path, *, layers: int = 2, hidden: int = 128,
     (path / "tokenizer_config.json").write_text(json.dumps(
         {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS, "bos_token": EOS,
          "model_max_length": max_position_embeddings}, indent=2) + "\n")
-    save_file(_random_weights(config, seed, arch), str(path / "model.safetensors"),
+    save_file(random_weights(config, seed, arch), str(path / "model.safetensors"),
               metadata={"format": "pt"})
     return path
 
 
-def _random_weights(c: dict, seed: int, arch: str) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
+def random_weights(c: dict, seed: int, arch: str = "llama", dtype: torch.dtype = torch.float32,
+                   device: str = "cpu") -> dict[str, torch.Tensor]:
+    """Random weights for config ``c`` (drawn on ``device``, returned on the CPU); the
+    defaults give the tiny checkpoints' exact bytes."""
+    g = torch.Generator(device=device).manual_seed(seed)
     std = c["initializer_range"]
     h, hd, inter = c["hidden_size"], c["head_dim"], c["intermediate_size"]
     q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
 
     def normal(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=g) * std
+        return torch.randn(*shape, generator=g, device=device, dtype=dtype).mul_(std).cpu()
+
+    def ones(n: int) -> torch.Tensor:
+        return torch.ones(n, dtype=dtype)
 
     w = {"model.embed_tokens.weight": normal(c["vocab_size"], h),
-         "model.norm.weight": torch.ones(h)}
+         "model.norm.weight": ones(h)}
     for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}."
         w |= {p + "self_attn.q_proj.weight": normal(q, h),
@@ -130,14 +136,14 @@ def _random_weights(c: dict, seed: int, arch: str) -> dict[str, torch.Tensor]:
               p + "mlp.gate_proj.weight": normal(inter, h),
               p + "mlp.up_proj.weight": normal(inter, h),
               p + "mlp.down_proj.weight": normal(h, inter),
-              p + "input_layernorm.weight": torch.ones(h),
-              p + "post_attention_layernorm.weight": torch.ones(h)}
+              p + "input_layernorm.weight": ones(h),
+              p + "post_attention_layernorm.weight": ones(h)}
         if arch == "qwen2":
             w |= {p + "self_attn.q_proj.bias": normal(q), p + "self_attn.k_proj.bias": normal(kv),
                   p + "self_attn.v_proj.bias": normal(kv)}
         if arch == "qwen3":
-            w |= {p + "self_attn.q_norm.weight": torch.ones(hd),
-                  p + "self_attn.k_norm.weight": torch.ones(hd)}
+            w |= {p + "self_attn.q_norm.weight": ones(hd),
+                  p + "self_attn.k_norm.weight": ones(hd)}
     if not c["tie_word_embeddings"]:
         w["lm_head.weight"] = normal(c["vocab_size"], h)
     return {k: v.contiguous() for k, v in w.items()}
