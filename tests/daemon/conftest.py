@@ -17,15 +17,16 @@ from .helpers import PAGE, REPO, DaemonProc, wait_ready
 
 @pytest.fixture
 def start_daemon():
-    """``start_daemon(budget=..., page_size=..., extra=[...])`` -> :class:`DaemonProc`."""
+    """``start_daemon(budget=..., page_size=..., extra=[...])`` -> :class:`DaemonProc`;
+    ``launcher`` replaces ``python -m kvpool.cli.main`` (e.g. a fault-injecting wrapper)."""
     started: list[DaemonProc] = []
 
     def start(budget: str = "8MiB", page_size: int = PAGE, extra: tuple[str, ...] = (),
-              env: dict | None = None) -> DaemonProc:
+              env: dict | None = None, launcher: list[str] | None = None) -> DaemonProc:
         run_dir = Path(tempfile.mkdtemp(prefix="kvp-", dir="/tmp"))
         log = run_dir.with_suffix(".log")
-        cmd = [sys.executable, "-m", "kvpool.cli.main", "daemon", "--backend", "host",
-               "--run-dir", str(run_dir), "--budget", budget, "--page-size", str(page_size),
+        cmd = [*(launcher or [sys.executable, "-m", "kvpool.cli.main"]), "daemon",
+               "--backend", "host", "--run-dir", str(run_dir), "--budget", budget, "--page-size", str(page_size),
                *extra]
         with open(log, "w") as f:
             proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO,

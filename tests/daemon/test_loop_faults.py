@@ -4,11 +4,7 @@ does end the daemon leaves its restart state (``state.json``) for the next one."
 from __future__ import annotations
 
 import json
-import shutil
-import signal
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -16,44 +12,19 @@ import pytest
 
 from kvpool import protocol as p
 
-from .helpers import PAGE, REPO, DaemonProc, read_event, wait_ready
+from .helpers import PAGE, DaemonProc, read_event
 from .rawpeer import RawPeer
 
 FAULTY = Path(__file__).with_name("faulty_daemon.py")
 
 
 @pytest.fixture
-def faulty(tmp_path):
-    started: list[DaemonProc] = []
-
+def faulty(start_daemon, tmp_path):
+    """``faulty(fault)``: a real daemon whose ``fault`` fires once the trigger file exists."""
     def start(fault: str) -> DaemonProc:
-        run_dir = Path(tempfile.mkdtemp(prefix="kvp-", dir="/tmp"))
-        log = run_dir.with_suffix(".log")
-        cmd = [sys.executable, str(FAULTY), fault, str(tmp_path / "trigger"), "daemon",
-               "--backend", "host", "--run-dir", str(run_dir), "--budget", str(64 * PAGE),
-               "--page-size", str(PAGE)]
-        with open(log, "w") as f:
-            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO)
-        d = DaemonProc(run_dir=run_dir, proc=proc, log=log, page_size=PAGE)
-        started.append(d)
-        wait_ready(d)
-        return d
-
-    yield start
-    for d in started:
-        for w in d.workers:
-            if w.poll() is None:
-                w.kill()
-            w.wait()
-        if d.proc.poll() is None:
-            d.proc.send_signal(signal.SIGTERM)
-            try:
-                d.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                d.proc.kill()
-                d.proc.wait()
-        shutil.rmtree(d.run_dir, ignore_errors=True)
-        d.log.unlink(missing_ok=True)
+        return start_daemon(budget=str(64 * PAGE), launcher=[
+            sys.executable, str(FAULTY), fault, str(tmp_path / "trigger")])
+    return start
 
 
 def test_a_bug_in_one_tenants_handling_drops_only_that_tenant(faulty):
