@@ -1,0 +1,27 @@
+"""Messages of the fd channel (``$RUN_DIR/pages.sock``): the hello the daemon sends on
+accept, and the header of each descriptor message."""
+
+from __future__ import annotations
+
+from msgspec import Struct
+
+
+class FdHello(Struct, array_like=True):
+    """First message on a new fd-channel connection (no descriptors). A refused session
+    (too many sessions) gets an empty ``token`` and the reason in ``error``, then EOF."""
+
+    version: int
+    token: str
+    backend: str
+    device: int
+    page_size: int
+    error: str = ""
+
+
+class FdHeader(Struct, array_like=True):
+    """Heads each descriptor message of a grant: ``first`` is the index of this
+    message's first fd among the grant's ``total``."""
+
+    id: int
+    total: int
+    first: int

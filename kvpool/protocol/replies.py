@@ -1,0 +1,230 @@
+"""Every reply the daemon sends on the control socket, tagged by ``r``, and the
+read-only view structs (tenants, pool, page tables, events) some replies carry."""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+from msgspec import Struct
+
+from kvpool.protocol.bounds import INTERNAL
+
+
+# ====================================================================== replies
+class Reply(Struct, tag_field="r", kw_only=True, omit_defaults=True):
+    """Base of every reply. ``id`` echoes the request (0: unsolicited)."""
+
+    id: int = 0
+    ok: bool = True
+
+
+class Error(Reply, tag="error"):
+    ok: bool = False
+    code: str = INTERNAL
+    message: str = ""
+
+
+class Registered(Reply, tag="registered"):
+    tenant: int
+    name: str
+    backend: str
+    device: int
+    page_size: int
+    budget: int
+    limit: int
+
+
+class GroupCreated(Reply, tag="group"):
+    group: int
+    npages: int
+
+
+class Granted(Reply, tag="granted"):
+    group: int
+    units: list[int]
+    nfds: int
+
+
+class Done(Reply, tag="done"):
+    pass
+
+
+class TenantInfo(Struct, kw_only=True):
+    id: int
+    name: str
+    kind: str
+    pid: int
+    uid: int
+    registered: bool
+    groups: int
+    mapped: int  # bytes granted (pages x page size)
+    in_use: int  # bytes the client reports in use
+    reserve: int  # bytes mapped but idle (client's reserve)
+    min: int
+    max: int
+    weight: float
+    lease: int = 0  # bytes leased (held outside kvpool's mappings)
+    share: int = 0  # weighted fair share right now (bytes)
+    asked: int = 0  # bytes the daemon is waiting for this tenant to give back
+    ignored: int = 0  # reclaims this tenant let expire
+    unresponsive: bool = False  # capped at its min until it answers a reclaim
+    waiting: int = 0  # bytes of this tenant's requests waiting for reclaim
+    retained: int = 0  # bytes of pages it released but still references (charged to it)
+
+
+class PoolInfo(Struct, kw_only=True):
+    backend: str
+    device: int
+    page_size: int
+    budget: int  # bytes the daemon may hold in total
+    granted: int  # bytes in tenants' page tables
+    warm: int  # bytes of zeroed pages ready to grant
+    dirty: int  # bytes released but not yet zeroed
+    free: int  # budget - granted - warm - dirty
+    created: int  # pages created since start
+    warm_min: int
+    warm_max: int
+    leased: int = 0  # bytes of leases (counted against the budget)
+    waiting: int = 0  # bytes asked by requests waiting for reclaim
+    recovering: bool = False  # rebuilding its accounting after a restart (no grants)
+    retained: int = 0  # bytes released by tenants that still reference them (charged)
+    renewed: int = 0  # fresh pages created in place of released ones since start
+
+
+class Run(Struct, array_like=True):
+    """``length`` consecutive virtual pages from ``start``, all mapped: in use, or idle
+    reserve when ``reserve``. Unmapped pages are the gaps between runs."""
+
+    start: int
+    length: int
+    reserve: bool = False
+
+
+class GroupInfo(Struct, kw_only=True):
+    id: int
+    tenant: int
+    tenant_name: str
+    label: str
+    n_regions: int
+    npages: int
+    bases: list[int]  # the first MAP_BASES region bases (informational)
+    runs: list[Run] = []  # the page table, run-length encoded (size: O(mapped units))
+    pfns: Optional[dict[int, list[int]]] = None  # unit -> pfn per region (on request)
+
+    @property
+    def in_use_units(self) -> int:
+        return sum(r.length for r in self.runs if not r.reserve)
+
+    @property
+    def reserve_units(self) -> int:
+        return sum(r.length for r in self.runs if r.reserve)
+
+    def cells(self, start: int = 0, stop: int | None = None) -> str:
+        """The table for virtual pages ``start..stop`` as text, one char per page: ``#``
+        in use, ``+`` mapped reserve, ``.`` unmapped (decode only the slice you draw)."""
+        stop = self.npages if stop is None else min(stop, self.npages)
+        out = bytearray(b"." * max(0, stop - start))
+        for r in self.runs:
+            lo, hi = max(r.start, start), min(r.start + r.length, stop)
+            if lo < hi:
+                out[lo - start : hi - start] = (b"+" if r.reserve else b"#") * (hi - lo)
+        return out.decode()
+
+    @property
+    def table(self) -> str:
+        """The whole table as text (``cells()``); O(npages): prefer slices of ``cells``."""
+        return self.cells()
+
+
+class PsReply(Reply, tag="ps"):
+    tenants: list[TenantInfo]
+    pool: Optional[PoolInfo] = None
+
+
+class StatsReply(Reply, tag="stats"):
+    pool: PoolInfo
+    tenants: list[TenantInfo]
+    uptime_s: float
+    requests: int
+    errors: int
+
+
+class MapReply(Reply, tag="map"):
+    """One page of the map. ``next`` is set when groups were left out (the reply stays
+    under :data:`MAP_REPLY_BYTES`): ask again with ``after=next`` for the rest;
+    ``truncated`` counts the groups left out of this reply."""
+
+    pool: PoolInfo
+    groups: list[GroupInfo]
+    next: Optional[int] = None
+    truncated: int = 0
+
+
+class CheckReply(Reply, tag="check"):
+    problems: list[str]
+
+
+class Reclaim(Reply, tag="reclaim"):
+    """Unsolicited (``id`` 0): the daemon asks the tenant to give back ``bytes``.
+
+    ``mode`` is ``reserve`` (mapped-but-unused units only) or ``shrink`` (call the shrink
+    callback to empty whole units); ``urgent`` means memory above ``min`` must go now
+    (the engine may preempt). Answer with :class:`Reclaimed` ``seq`` within
+    ``deadline_ms``."""
+
+    bytes: int
+    reason: str = ""
+    seq: int = 0
+    mode: str = "reserve"
+    urgent: bool = False
+    deadline_ms: int = 0
+
+
+class LimitSet(Reply, tag="limit"):
+    """``tenants`` is how many connected memory-holding tenants of that name the change
+    applied to now; 0 means no such tenant is connected: the knobs are stored and apply
+    when one registers. ``applied`` when every one of them is within its new knobs;
+    otherwise ``pending`` bytes are being reclaimed."""
+
+    tenant: str
+    tenants: int = 0
+    applied: bool = True
+    pending: int = 0
+
+
+class Leased(Reply, tag="leased"):
+    bytes: int
+
+
+class Adopted(Reply, tag="adopted"):
+    groups: list[int]
+    pages: int
+
+
+class EventInfo(Struct, kw_only=True):
+    """One decision of the daemon. ``kind``: grant, wait, deny, lease, ask, reclaim (a
+    whole round: ``detail`` has its asks and answers by tenant), limit, death, bye."""
+
+    seq: int
+    time: float  # unix seconds
+    kind: str
+    tenant: str = ""
+    tenant_id: int = 0
+    bytes: int = 0
+    detail: dict[str, Any] = {}
+
+
+class EventsReply(Reply, tag="events"):
+    """``next``: pass it as ``since`` to go on; ``lost``: events after ``since`` that
+    the daemon's ring buffer no longer holds (a gap)."""
+
+    events: list[EventInfo] = []
+    next: int = 0
+    lost: int = 0
+
+
+REPLIES = (
+    Error, Registered, GroupCreated, Granted, Done, PsReply, StatsReply, MapReply,
+    CheckReply, Reclaim, LimitSet, Leased, Adopted, EventsReply,
+)
+AnyReply = Union[REPLIES]  # type: ignore[valid-type]

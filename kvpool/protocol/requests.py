@@ -1,0 +1,196 @@
+"""Every request a client sends on the control socket: one msgspec struct per ``op``.
+
+Adding a request type: define its struct here (``tag`` = its op name), add it to
+:data:`REQUESTS` (and to :data:`MONITOR_OPS`/:data:`ADMIN_OPS` when no tenant token is
+needed), define its reply in :mod:`kvpool.protocol.replies`, re-export both from
+:mod:`kvpool.protocol`, and register its handler in ``Arbiter.__init__``'s dispatch
+table (:mod:`kvpool.daemon.arbiter`); ``kvpool.daemon.auth.authorize`` decides who may
+send it.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional, Union
+
+from msgspec import Meta, Struct
+
+from kvpool.protocol.bounds import (
+    MAP_GROUPS, MAX_BYTES, MAX_GROUPS, MAX_ID, MAX_NAME, MAX_REGIONS, VERSION, Bytes, Id,
+    Kind, Name, Seq, Token, Units, Weight,
+)
+
+
+# ====================================================================== requests
+class Request(Struct, tag_field="op", kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
+    """Base of every request. ``token`` is the session token (empty for monitor ops)."""
+
+    id: Id = 0
+    token: Token = ""
+
+
+class Register(Request, tag="register"):
+    """Bind this ZeroMQ connection to the fd-channel session named by ``token``."""
+
+    name: Name
+    kind: Kind = "engine"
+    device: Annotated[int, Meta(ge=0, le=1024)] = 0
+    version: int = VERSION
+    # the tenant's own knobs; used only when the daemon's config has no entry for ``name``
+    min: Optional[Bytes] = None
+    max: Optional[Bytes] = None
+    weight: Optional[Weight] = None
+
+
+class CreateGroup(Request, tag="create_group"):
+    """Register ``n_regions`` equal regions of ``capacity`` bytes each (a multiple of the
+    page size) reserved by the client at ``bases`` (informational: shown by ``map``)."""
+
+    n_regions: Annotated[int, Meta(ge=1, le=MAX_REGIONS)]
+    capacity: Annotated[int, Meta(ge=1, le=MAX_BYTES)]
+    bases: Annotated[list[Annotated[int, Meta(ge=0, le=MAX_ID)]], Meta(max_length=MAX_REGIONS)] = []
+    label: Annotated[str, Meta(max_length=MAX_NAME)] = ""
+
+
+class DestroyGroup(Request, tag="destroy_group"):
+    """Forget a group; every unit still granted returns to the pool (unmap first)."""
+
+    group: Id
+
+
+class Grant(Request, tag="grant"):
+    """Back ``units`` (virtual page indices, unmapped in the group) with fresh pages.
+
+    ``in_use``/``reserve`` report the tenant's state *after* this request (bytes in use
+    in the group; units of the group held as mapped-but-unused reserve).
+    ``speculative`` grants (reserve refills) are served from free memory only: they never
+    wait and never make the daemon reclaim from other tenants."""
+
+    group: Id
+    units: Units
+    in_use: Optional[Bytes] = None
+    reserve: Optional[Units] = None
+    speculative: bool = False
+
+
+class Release(Request, tag="release"):
+    """Give back ``units`` of the group (the client has unmapped them everywhere)."""
+
+    group: Id
+    units: Units
+    in_use: Optional[Bytes] = None
+    reserve: Optional[Units] = None
+
+
+class Report(Request, tag="report"):
+    """Periodic state report for one group (same meaning as in :class:`Grant`)."""
+
+    group: Id
+    in_use: Optional[Bytes] = None
+    reserve: Optional[Units] = None
+
+
+class Lease(Request, tag="lease"):
+    """Set this tenant's lease to ``bytes`` (0 ends it): memory the tenant uses through its
+    own allocator, counted against the budget. Growing may wait for reclaim."""
+
+    bytes: Bytes
+
+
+class Reclaimed(Request, tag="reclaimed"):
+    """The tenant finished handling :class:`Reclaim` ``seq``; ``freed`` bytes released."""
+
+    seq: Seq
+    freed: Bytes = 0
+
+
+class AdoptGroup(Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
+    """One group a tenant still maps after a daemon restart (its old id is kept)."""
+
+    id: Annotated[int, Meta(ge=1, le=MAX_ID)]
+    n_regions: Annotated[int, Meta(ge=1, le=MAX_REGIONS)]
+    capacity: Annotated[int, Meta(ge=1, le=MAX_BYTES)]
+    bases: Annotated[list[Annotated[int, Meta(ge=0, le=MAX_ID)]], Meta(max_length=MAX_REGIONS)] = []
+    label: Annotated[str, Meta(max_length=MAX_NAME)] = ""
+    units: Units = []
+    in_use: Optional[Bytes] = None
+    reserve: Optional[Units] = None
+
+
+class Adopt(Request, tag="adopt"):
+    """After a daemon restart: everything this tenant still holds. ``nfds`` descriptors
+    (unit-major per group, groups in order) were sent on the fd channel first. Accepted
+    only while the daemon recovers, once, from a pid (and uid) the previous daemon
+    recorded, and only if it all adds up (ids, units, budget, limit): otherwise
+    ``UNAUTHORIZED``/``BAD_REQUEST`` with no effect. An empty Adopt is always accepted."""
+
+    groups: Annotated[list[AdoptGroup], Meta(max_length=MAX_GROUPS)] = []
+    lease: Bytes = 0
+    nfds: Annotated[int, Meta(ge=0, le=1 << 20)] = 0
+
+
+class Bye(Request, tag="bye"):
+    """End the session: everything the tenant holds returns to the pool."""
+
+
+class Ping(Request, tag="ping"):
+    pass
+
+
+class Ps(Request, tag="ps"):
+    """List tenants (monitor op: no token needed)."""
+
+
+class Stats(Request, tag="stats"):
+    """Pool and tenant totals (monitor op)."""
+
+
+class MapReq(Request, tag="map"):
+    """Page tables of every group (or only ``tenant``'s, by name or id) plus the pool,
+    groups in id order from the first one above ``after`` (paging: pass the reply's
+    ``next``). Needs a registered session (any kind)."""
+
+    tenant: Optional[Annotated[str, Meta(max_length=MAX_NAME)]] = None
+    pfns: bool = False
+    after: Id = 0
+    limit: Annotated[int, Meta(ge=1, le=MAP_GROUPS)] = MAP_GROUPS  # groups per reply, at most
+
+
+class SetLimit(Request, tag="set_limit"):
+    """Set the knobs of every tenant called ``tenant`` (admin op; the session must belong
+    to an admin identity). Unset fields are left as they are."""
+
+    tenant: Name
+    max: Optional[Bytes] = None
+    min: Optional[Bytes] = None
+    weight: Optional[Weight] = None
+
+
+class Shutdown(Request, tag="shutdown"):
+    """Stop the daemon (admin op). Tenants keep their mapped pages."""
+
+
+class Check(Request, tag="check"):
+    """Run the daemon's invariant check (read-only: a monitor op)."""
+
+
+EVENTS_LIMIT = 1000  # events in one EventsReply, at most
+
+
+class Events(Request, tag="events"):
+    """The daemon's recent decisions with ``seq`` above ``since``, oldest first (monitor
+    op; see :mod:`kvpool.daemon.events`). With ``follow`` and nothing new yet, the reply
+    waits until there is (one such request per session; a newer one replaces it)."""
+
+    since: Id = 0
+    follow: bool = False
+    tenant: Optional[Annotated[str, Meta(max_length=MAX_NAME)]] = None
+    limit: Annotated[int, Meta(ge=1, le=EVENTS_LIMIT)] = EVENTS_LIMIT
+
+
+REQUESTS = (
+    Register, CreateGroup, DestroyGroup, Grant, Release, Report, Bye, Ping,
+    Ps, Stats, MapReq, SetLimit, Check, Lease, Reclaimed, Adopt, Shutdown, Events,
+)
+AnyRequest = Union[REQUESTS]  # type: ignore[valid-type]
+MONITOR_OPS = frozenset({"ps", "stats", "map", "ping", "check", "events"})
+ADMIN_OPS = frozenset({"set_limit", "shutdown"})
