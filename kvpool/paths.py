@@ -47,7 +47,7 @@ def _usable(path: Path) -> bool:
     return os.access(path, os.W_OK | os.X_OK)
 
 
-def run_dir(explicit: str | os.PathLike | None = None) -> Path:
+def run_dir(explicit: str | os.PathLike[str] | None = None) -> Path:
     """The run directory to use (not created; see :func:`ensure_run_dir`)."""
     if explicit:
         return Path(explicit)
@@ -171,7 +171,7 @@ def read_private(path: Path) -> bytes:
 
 
 # ---- the client's side ------------------------------------------------------------------
-def trusted_daemon_uids(environ: dict | None = None) -> set[int]:
+def trusted_daemon_uids(environ: dict[str, str] | None = None) -> set[int]:
     """The uids a client accepts as its daemon: root, its own, the ``kvpool`` system
     user (if it exists), and those in ``$KVPOOL_DAEMON_UID`` (comma-separated uids or
     user names). Raises ValueError for a name that does not resolve."""

@@ -270,7 +270,7 @@ print("probe():", reason or "ok: the CUDA backend can run on device 0")
 if reason is None:
     from kvpool.vmm.cuda import CudaBackend
     b = CudaBackend()
-    print("granularity", b.granularity(), "page_size", b.page_size, "rdma", b.rdma_capable,
+    print("min_page_size", b.min_page_size(), "page_size", b.page_size, "rdma", b.rdma_capable,
           "uuid", b.device_uuid(), "mem_info", b.mem_info())
     b.close()
 EOF

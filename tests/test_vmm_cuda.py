@@ -125,8 +125,8 @@ class Child:
 
 
 def test_granularity_and_identity(backend, torch_cuda):
-    assert backend.granularity() == 2 * MiB, backend.granularity()
-    assert backend.page_size == backend.granularity()
+    assert backend.min_page_size() == 2 * MiB, backend.min_page_size()
+    assert backend.page_size == backend.min_page_size()
     uuid = backend.device_uuid()
     assert uuid.startswith("GPU-") and len(uuid) == 40
     props = torch_cuda.cuda.get_device_properties(0)

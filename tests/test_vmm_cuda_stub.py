@@ -91,7 +91,7 @@ def test_init_probe_and_page_size(stub_dir):
         """
         assert probe() is None, probe()
         b = CudaBackend()
-        assert b.name == "cuda" and b.granularity() == 2 * MiB and b.page_size == 2 * MiB
+        assert b.name == "cuda" and b.min_page_size() == 2 * MiB and b.page_size == 2 * MiB
         assert b.rdma_capable
         uuid = b.device_uuid()
         assert uuid.startswith("GPU-") and len(uuid) == 40, uuid
@@ -104,10 +104,38 @@ def test_init_probe_and_page_size(stub_dir):
         assert r.base % (4 * MiB) == 0  # reservations aligned to the page size
         b4.free_range(r); b4.close()
         msg = raises(InvalidArgument, CudaBackend, page_size=3 * MiB)
-        assert "granularity" in msg
+        assert "minimum page size 2097152" in msg, msg
         from kvpool.vmm import open_backend, cuda_available
         assert cuda_available()
         ob = open_backend("auto"); assert ob.name == "cuda"; ob.close()
+        print("ok")
+        """,
+    )
+    assert out.strip() == "ok"
+
+
+def test_size_contract_unit_is_page_size(stub_dir):
+    # The twin of tests/test_vmm_size_contract.py: with pages of twice the driver's
+    # granularity, a size or offset that is a multiple of the granularity only is refused.
+    out = run_stub(
+        stub_dir,
+        """
+        b = CudaBackend(page_size=4 * MiB)
+        assert b.min_page_size() == 2 * MiB
+        assert not hasattr(base.Backend, "granularity")
+        msg = raises(InvalidArgument, b.reserve, 2 * MiB)
+        assert "multiple of page size 4194304" in msg, msg
+        msg = raises(InvalidArgument, b.reserve, 6 * MiB)
+        assert "multiple of page size 4194304" in msg, msg
+        r = b.reserve(8 * MiB)
+        p = b.create_page()
+        assert p.size == 4 * MiB
+        msg = raises(InvalidArgument, b.map, r, 2 * MiB, p)
+        assert "multiple of page size 4194304" in msg, msg
+        b.map(r, 4 * MiB, p)
+        msg = raises(InvalidArgument, b.unmap, r, 6 * MiB)
+        assert "multiple of page size 4194304" in msg, msg
+        b.unmap(r, 4 * MiB); b.release(p); b.free_range(r); b.close()
         print("ok")
         """,
     )

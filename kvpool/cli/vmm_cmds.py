@@ -12,7 +12,7 @@ import click
 @click.option("--device", default=0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 def info(backend: str, device: int, as_json: bool) -> None:
-    """Show the memory backend, its granularity and the device's free/total memory."""
+    """Show the memory backend, its page sizes and the device's free/total memory."""
     from kvpool.sizes import format_size
     from kvpool.vmm import VmmError, open_backend
     from kvpool.vmm.cuda import probe
@@ -25,7 +25,7 @@ def info(backend: str, device: int, as_json: bool) -> None:
     doc = {
         "backend": b.name,
         "device": device,
-        "granularity": b.granularity(),
+        "min_page_size": b.min_page_size(),
         "page_size": b.page_size,
         "free": free,
         "total": total,
@@ -35,9 +35,9 @@ def info(backend: str, device: int, as_json: bool) -> None:
         click.echo(json.dumps(doc))
         return
     for key, value in doc.items():
-        if key in ("granularity", "page_size", "free", "total"):
+        if key in ("min_page_size", "page_size", "free", "total"):
             value = format_size(value)
-        click.echo(f"{key:12} {value}")
+        click.echo(f"{key:13} {value}")
 
 
 def register(cli: click.Group) -> None:

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TypeVar, overload
 
 from kvpool import paths
 from kvpool import protocol as p
 from kvpool.client_lib.connection import Connection
+
+R = TypeVar("R", bound=p.Reply)
 
 
 class Monitor:
@@ -22,55 +25,62 @@ class Monitor:
     not listed by ``ps``): the daemon answers ``ps``/``stats``/``map``/``check`` only to
     registered sessions, and decides admin ops from this session's peer credentials."""
 
-    def __init__(self, run_dir: str | os.PathLike | None = None, timeout_s: float = 5.0):
+    def __init__(self, run_dir: str | os.PathLike[str] | None = None, timeout_s: float = 5.0):
         self.run_dir = paths.run_dir(run_dir)
         self.timeout_s = timeout_s
         self.conn = Connection(Path(self.run_dir), timeout_s=timeout_s)
         try:
             device = self.conn.hello.device if self.conn.hello is not None else 0
-            self.conn.call(p.Register(name="monitor", kind="monitor", device=device))
+            self.conn.call(p.Register(name="monitor", kind="monitor", device=device),
+                           p.Registered)
         except BaseException:
             self.conn.close()
             raise
 
-    def call(self, req: p.Request) -> p.Reply:
-        return self.conn.call(req)[0]
+    @overload
+    def call(self, req: p.Request) -> p.Reply: ...
 
-    def admin_call(self, req: p.Request) -> p.Reply:
-        """Send an admin op (the daemon checks this session's peer is an admin)."""
-        return self.conn.call(req)[0]
+    @overload
+    def call(self, req: p.Request, expect: type[R]) -> R: ...
+
+    def call(self, req: p.Request, expect: type[p.Reply] = p.Reply) -> p.Reply:
+        """Send ``req``; the reply, checked to be an ``expect`` (any reply by default).
+        Admin ops go through here too: the daemon decides them from this session's
+        peer credentials."""
+        return self.conn.call(req, expect)[0]
 
     def ps(self) -> p.PsReply:
-        return self.call(p.Ps())  # type: ignore[return-value]
+        return self.call(p.Ps(), p.PsReply)
 
     def stats(self) -> p.StatsReply:
-        return self.call(p.Stats())  # type: ignore[return-value]
+        return self.call(p.Stats(), p.StatsReply)
 
     def map(self, tenant: str | None = None, pfns: bool = False) -> p.MapReply:
         """The whole map: the daemon sends it in bounded pages (``next``), joined here."""
-        reply = self.call(p.MapReq(tenant=tenant, pfns=pfns))
-        groups = list(reply.groups)  # type: ignore[attr-defined]
-        while reply.next is not None:  # type: ignore[attr-defined]
-            reply = self.call(p.MapReq(tenant=tenant, pfns=pfns, after=reply.next))  # type: ignore[attr-defined]
-            groups.extend(reply.groups)  # type: ignore[attr-defined]
-        return p.MapReply(id=reply.id, pool=reply.pool, groups=groups)  # type: ignore[attr-defined]
+        reply = self.call(p.MapReq(tenant=tenant, pfns=pfns), p.MapReply)
+        groups = list(reply.groups)
+        while reply.next is not None:
+            reply = self.call(p.MapReq(tenant=tenant, pfns=pfns, after=reply.next), p.MapReply)
+            groups.extend(reply.groups)
+        return p.MapReply(id=reply.id, pool=reply.pool, groups=groups)
 
     def set_limit(self, tenant: str, nbytes: int | None = None, *, min: int | None = None,
                   weight: float | None = None) -> p.LimitSet:
         """Change ``tenant``'s knobs (admin); the reply says whether the change is
         applied or how many bytes are still being reclaimed."""
-        return self.admin_call(p.SetLimit(tenant=tenant, max=nbytes, min=min,  # type: ignore[return-value]
-                                          weight=weight))
+        return self.call(p.SetLimit(tenant=tenant, max=nbytes, min=min, weight=weight),
+                         p.LimitSet)
 
     def shutdown(self) -> None:
-        self.admin_call(p.Shutdown())
+        """Stop the daemon (admin)."""
+        self.call(p.Shutdown(), p.Done)
 
     def check(self) -> list[str]:
-        return self.call(p.Check()).problems  # type: ignore[attr-defined]
+        return self.call(p.Check(), p.CheckReply).problems
 
     def close(self) -> None:
         try:
-            self.conn.call(p.Bye())
+            self.conn.call(p.Bye(), p.Done)
         except Exception:
             pass
         self.conn.close()
@@ -78,5 +88,5 @@ class Monitor:
     def __enter__(self) -> "Monitor":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()

@@ -164,9 +164,9 @@ class ElasticBlockAllocator:
                         self._refill.add_demand(k + self.high)
                     self._refill.wake()
                 return None
-            if got is not None:
+            if isinstance(got, list):  # else None: others took the free blocks; again
                 self._refill.wake()
-                return got  # type: ignore[return-value]
+                return got
 
     def _grow(self, chunks: list[int], into_reserve: bool, speculative: bool | None = None,
               take: int = 0) -> bool | list[int] | None:

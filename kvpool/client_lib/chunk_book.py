@@ -101,11 +101,14 @@ class ChunkBook:
             raise ValueError(f"free: block {ids[i]!r} is not a block id") from None
         per_chunk, used, partial = self.blocks_per_chunk, self._used, self._partial
         current = self._current
+        free_lists = self._free_lists
         for b in ids:
             c = b // per_chunk
             u = used[c] - 1
             used[c] = u
-            self._free_lists[c].append(b)  # type: ignore[union-attr]
+            fl = free_lists[c]
+            assert fl is not None, "a held block lies in a mapped chunk"
+            fl.append(b)
             if c == current:
                 continue
             if u + 1 < per_chunk:
@@ -143,9 +146,10 @@ class ChunkBook:
             k -= 1
         self._fullest = k
         c = partial[k].pop() if k > 0 else self._reserve.pop()
-        self._current = c
-        self._current_free = self._free_lists[c]  # type: ignore[assignment]
-        return self._current_free
+        fl = self._free_lists[c]
+        assert fl is not None, "partial and reserve chunks are mapped"
+        self._current, self._current_free = c, fl
+        return fl
 
     def _demote(self) -> None:
         """The current chunk goes back to its partial set (or the reserve)."""

@@ -31,14 +31,16 @@ import stat
 import threading
 import time
 from pathlib import Path
+from typing import TypeVar, overload
 
 import zmq
 
 from kvpool import fdchannel, paths
 from kvpool import protocol as p
-from kvpool.client_lib.errors import DaemonUnavailable, KvpoolError, from_reply
+from kvpool.client_lib.errors import DaemonUnavailable, KvpoolError, ProtocolError, from_reply
 
 SLICE_S = 0.1  # while waiting for a reply, look for the daemon's death this often
+R = TypeVar("R", bound=p.Reply)
 
 
 class UntrustedDaemon(DaemonUnavailable):
@@ -56,7 +58,7 @@ class Connection:
         self.fdsock: socket.socket | None = None
         if fd_channel:
             self.fdsock = self._open_fd_channel(run_dir, trusted, timeout_s)
-        self.ctx = zmq.Context.instance()
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(paths.control_endpoint(run_dir))
@@ -153,22 +155,29 @@ class Connection:
         return sock
 
     # ---- requests -----------------------------------------------------------------
-    def call(self, req: p.Request, timeout_ms: int | None = None,
+    @overload
+    def call(self, req: p.Request, *, timeout_ms: int | None = None,
+             fds_ahead: list[int] | None = None) -> tuple[p.Reply, list[int]]: ...
+
+    @overload
+    def call(self, req: p.Request, expect: type[R], *, timeout_ms: int | None = None,
+             fds_ahead: list[int] | None = None) -> tuple[R, list[int]]: ...
+
+    def call(self, req: p.Request, expect: type[p.Reply] = p.Reply, *,
+             timeout_ms: int | None = None,
              fds_ahead: list[int] | None = None) -> tuple[p.Reply, list[int]]:
-        """Send ``req``; returns ``(reply, fds)``. ``fds`` (only for grants) belong to the
-        caller. Raises :class:`KvpoolError` for error replies (after closing any fds).
-        ``fds_ahead`` (an Adopt's pages) go on the fd channel first, headed by the request
-        id; the caller keeps (and closes) its descriptors."""
+        """Send ``req``; returns ``(reply, fds)`` where ``reply`` is an ``expect``
+        (``p.Reply``: any reply). ``fds`` (only for grants) belong to the caller.
+
+        Raises :class:`KvpoolError` for error replies and :class:`ProtocolError` for a
+        reply of another type (after closing any fds). ``fds_ahead`` (an Adopt's pages)
+        go on the fd channel first, headed by the request id; the caller keeps (and
+        closes) its descriptors."""
         req.token = self.token
         with self._lock:
             req.id = next(self._ids)
             if fds_ahead:
-                if self.fdsock is None:
-                    raise KvpoolError(p.BAD_REQUEST, "no fd channel to send descriptors on")
-                for first in range(0, len(fds_ahead), fdchannel.MAX_FDS):
-                    chunk = fds_ahead[first : first + fdchannel.MAX_FDS]
-                    header = p.encode(p.FdHeader(req.id, len(fds_ahead), first))
-                    fdchannel.send_fds(self.fdsock, header, chunk)
+                self._send_fds_ahead(req.id, fds_ahead)
             self.sock.send(p.encode(req), copy=True)
             reply = self._wait(req.id, self.timeout_ms if timeout_ms is None else timeout_ms)
             fds: list[int] = []
@@ -178,7 +187,19 @@ class Connection:
                 self._drain_fds()
         if isinstance(reply, p.Error):
             raise from_reply(reply)
+        if not isinstance(reply, expect):
+            fdchannel.close_all(fds)
+            raise ProtocolError(p.INTERNAL, f"the daemon answered {type(req).__name__} with "
+                                f"{type(reply).__name__}, expected {expect.__name__}")
         return reply, fds
+
+    def _send_fds_ahead(self, id: int, fds: list[int]) -> None:
+        if self.fdsock is None:
+            raise KvpoolError(p.BAD_REQUEST, "no fd channel to send descriptors on")
+        for first in range(0, len(fds), fdchannel.MAX_FDS):
+            chunk = fds[first : first + fdchannel.MAX_FDS]
+            header = p.encode(p.FdHeader(id, len(fds), first))
+            fdchannel.send_fds(self.fdsock, header, chunk)
 
     def _wait(self, id: int, timeout_ms: int) -> p.Reply:
         deadline = time.monotonic() + timeout_ms / 1000
@@ -188,7 +209,7 @@ class Connection:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise DaemonUnavailable(p.BUSY, f"no reply from the daemon in {timeout_ms} ms")
-            if not self.sock.poll(min(left, SLICE_S) * 1000):
+            if not self.sock.poll(max(1, int(min(left, SLICE_S) * 1000))):
                 self._check_eof()
                 continue
             msg = p.decode_reply(self.sock.recv())
@@ -216,7 +237,7 @@ class Connection:
 
     def _recv_fds(self, id: int, total: int) -> list[int]:
         assert self.fdsock is not None
-        out: list[int | None] = [None] * total
+        out: list[int] = [-1] * total
         got = 0
         try:
             while got < total:
@@ -230,9 +251,9 @@ class Connection:
                 out[hdr.first : hdr.first + len(fds)] = fds
                 got += len(fds)
         except BaseException:
-            fdchannel.close_all([fd for fd in out if fd is not None])
+            fdchannel.close_all([fd for fd in out if fd >= 0])
             raise
-        return out  # type: ignore[return-value]
+        return out
 
     def _drain_fds(self) -> None:
         """Close descriptors already queued for a grant that ended in an error."""

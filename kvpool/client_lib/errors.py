@@ -20,6 +20,10 @@ class OverLimit(KvpoolError):
     """The grant would take this tenant past its limit (``OVER_LIMIT``)."""
 
 
+class ProtocolError(KvpoolError):
+    """The daemon answered with a reply of another type than the request gets."""
+
+
 class DaemonUnavailable(KvpoolError):
     """No daemon answers at the run directory, or it stopped answering."""
 

@@ -44,7 +44,7 @@ class Refiller:
         self._last_ops = -1
         self._last_active = time.monotonic()
         self._last_report = 0.0
-        self._reported: tuple | None = None
+        self._reported: tuple[tuple[int, ...], int] | None = None
         self._backoff_until = 0.0
         self._demand = 0  # chunks non-waiting allocs could not get
         self._demand_after = 0.0
@@ -144,7 +144,7 @@ class Refiller:
     def report(self) -> None:
         """Tell the daemon the current reserve and bytes in use."""
         state = self._state()
-        self._alloc.group.report(in_use=state[1], reserve=list(state[0]))
+        self._alloc.group.set_usage(in_use=state[1], reserve=list(state[0]))
         self._reported = state
         self._last_report = time.monotonic()
 

@@ -16,13 +16,16 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from kvpool import fdchannel
 from kvpool import protocol as p
-from kvpool.vmm import Range
+from kvpool.vmm import Page, Range
 
 if TYPE_CHECKING:
+    import torch
+
+    from kvpool.client_lib.allocator import ElasticBlockAllocator
     from kvpool.client_lib.tenant import Tenant
 
 log = logging.getLogger("kvpool.client")
@@ -54,7 +57,7 @@ class RegionGroup:
                 self.ranges.append(self.backend.reserve(self.capacity))
             reply, _ = tenant.call(p.CreateGroup(
                 n_regions=n_regions, capacity=self.capacity, label=label,
-                bases=[r.base for r in self.ranges]))
+                bases=[r.base for r in self.ranges]), p.GroupCreated)
         except BaseException:
             for r in self.ranges:
                 self.backend.free_range(r)
@@ -63,10 +66,11 @@ class RegionGroup:
         self.npages: int = reply.npages
         self.mapped: set[int] = set()
         self.keep_handles = self.backend.name == "host"
-        self.handles: dict[int, list] = {}  # unit -> Page per region (host backend)
+        self.handles: dict[int, list[Page]] = {}  # unit -> Page per region (host backend)
         self.label = label
-        self.allocator = None  # an ElasticBlockAllocator registers itself here
-        self._lock = threading.Lock()
+        #: an ElasticBlockAllocator registers itself here
+        self.allocator: ElasticBlockAllocator | None = None
+        self._lock = threading.Lock()  # guards mapped/handles (the tenant's adopt holds it)
         self.closed = False
 
     @property
@@ -91,24 +95,24 @@ class RegionGroup:
             return
         req = p.Grant(group=self.id, units=units, in_use=in_use,
                       reserve=None if reserve is None else list(reserve), speculative=speculative)
-        _, fds = self.tenant.call(req)
+        _, fds = self.tenant.call(req, p.Granted)
         with fdchannel.closing(fds):
             try:
                 kept = self._map(units, fds, populate)
             except BaseException:
                 log.exception("mapping granted units failed; giving them back")
-                self.tenant.call(p.Release(group=self.id, units=units))
+                self.tenant.call(p.Release(group=self.id, units=units), p.Done)
                 raise
         with self._lock:
             self.mapped.update(units)
             self.handles.update(kept)
 
-    def _map(self, units: list[int], fds: list[int], populate: bool) -> dict[int, list]:
+    def _map(self, units: list[int], fds: list[int], populate: bool) -> dict[int, list[Page]]:
         """Map the granted pages; returns the page handles kept per unit (host only)."""
         backend, ps, nr = self.backend, self.page_size, self.n_regions
         runs = unit_runs(units)
         done: list[tuple[Range, int, int]] = []
-        kept: dict[int, list] = {u: [] for u in units} if self.keep_handles else {}
+        kept: dict[int, list[Page]] = {u: [] for u in units} if self.keep_handles else {}
         try:
             for r, rng in enumerate(self.ranges):
                 for first, idx, n in runs:
@@ -129,7 +133,7 @@ class RegionGroup:
             raise
         return kept
 
-    def _drop_handles(self, handles: dict[int, list]) -> None:
+    def _drop_handles(self, handles: dict[int, list[Page]]) -> None:
         for pages in handles.values():
             for page in pages:
                 self.backend.release(page)
@@ -152,11 +156,14 @@ class RegionGroup:
                 self.backend.unmap(rng, first * ps, n)
         self._drop_handles(handles)
         self.tenant.call(p.Release(group=self.id, units=units, in_use=in_use,
-                                   reserve=None if reserve is None else list(reserve)))
+                                   reserve=None if reserve is None else list(reserve)), p.Done)
 
-    def report(self, *, in_use: int | None = None, reserve: Sequence[int] | None = None) -> None:
+    def set_usage(self, *, in_use: int | None = None,
+                  reserve: Sequence[int] | None = None) -> None:
+        """Tell the daemon this group's bytes in use and its reserve units (what it may
+        take back without eviction), shown by ``ps``/``map``; None leaves one as is."""
         self.tenant.call(p.Report(group=self.id, in_use=in_use,
-                                  reserve=None if reserve is None else list(reserve)))
+                                  reserve=None if reserve is None else list(reserve)), p.Done)
 
     # ---- daemon restart ----------------------------------------------------------------
     def adopt_state(self) -> tuple[p.AdoptGroup, list[int], list[int]]:
@@ -186,9 +193,11 @@ class RegionGroup:
         return entry, fds, owned
 
     # ---- views ----------------------------------------------------------------------------
-    def tensor(self, i: int, dtype=None, shape: Sequence[int] | None = None,
-               offset: int = 0, nbytes: int | None = None):
-        """A zero-copy torch tensor over region ``i`` (touch only mapped units!)."""
+    def tensor(self, i: int, dtype: torch.dtype | None = None,
+               shape: Sequence[int] | None = None, offset: int = 0,
+               nbytes: int | None = None) -> torch.Tensor:
+        """A zero-copy torch tensor over region ``i`` (touch only mapped units!). Needs
+        torch (imported here, on the first call, not with this module)."""
         import torch
 
         from kvpool.client_lib.tensors import tensor_view
@@ -196,6 +205,7 @@ class RegionGroup:
         return tensor_view(self.backend, self.ranges[i], dtype or torch.uint8, shape, offset, nbytes)
 
     def unit_address(self, region: int, unit: int) -> int:
+        """Virtual address of ``unit`` in region ``region``."""
         return self.ranges[region].base + unit * self.page_size
 
     # ---- teardown ---------------------------------------------------------------------------
@@ -217,7 +227,7 @@ class RegionGroup:
         self._drop_handles(handles)
         try:
             if not self.tenant.closed:
-                self.tenant.call(p.DestroyGroup(group=self.id))
+                self.tenant.call(p.DestroyGroup(group=self.id), p.Done)
         finally:
             for rng in self.ranges:
                 self.backend.free_range(rng)

@@ -30,7 +30,7 @@ import resource
 import threading
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, TypeVar, overload
 
 from kvpool import paths
 from kvpool import protocol as p
@@ -44,10 +44,11 @@ log = logging.getLogger("kvpool.client")
 POLL_S = 0.02  # the keeper's period: reclaims reach an idle tenant this fast
 SHRINK_ROUNDS = 4  # shrink callback calls per reclaim at most
 ShrinkCallback = Callable[[int, bool], None]
+R = TypeVar("R", bound=p.Reply)
 
 
 class Tenant:
-    def __init__(self, name: str, device: int = 0, run_dir: str | os.PathLike | None = None,
+    def __init__(self, name: str, device: int = 0, run_dir: str | os.PathLike[str] | None = None,
                  kind: str = "engine", timeout_s: float = 10.0, *, min: int | None = None,
                  max: int | None = None, weight: float | None = None, keeper: bool = True):
         self.run_dir = paths.run_dir(run_dir)
@@ -58,7 +59,7 @@ class Tenant:
         self.conn = Connection(Path(self.run_dir), timeout_s=timeout_s)
         self.closed = False
         try:
-            reply, _ = self.conn.call(self._fresh_register())
+            reply, _ = self.conn.call(self._fresh_register(), p.Registered)
             hello = self.conn.hello
             assert hello is not None
             self.backend = open_backend(hello.backend, device, hello.page_size)
@@ -96,8 +97,15 @@ class Tenant:
     def connected(self) -> bool:
         return not self.conn.daemon_gone and not self.closed
 
-    def call(self, req: p.Request) -> tuple[p.Reply, list[int]]:
-        return self.conn.call(req)
+    @overload
+    def call(self, req: p.Request) -> tuple[p.Reply, list[int]]: ...
+
+    @overload
+    def call(self, req: p.Request, expect: type[R]) -> tuple[R, list[int]]: ...
+
+    def call(self, req: p.Request, expect: type[p.Reply] = p.Reply) -> tuple[p.Reply, list[int]]:
+        """One request on this session's connection (see :meth:`Connection.call`)."""
+        return self.conn.call(req, expect)
 
     def region_group(self, n_regions: int, capacity_bytes: int, label: str = "") -> RegionGroup:
         """Reserve ``n_regions`` ranges of ``capacity_bytes`` (rounded up to pages) each
@@ -166,7 +174,7 @@ class Tenant:
                 break
         if m.seq:
             with contextlib.suppress(KvpoolError):
-                self.conn.call(p.Reclaimed(seq=m.seq, freed=min(freed, p.MAX_BYTES)))
+                self.conn.call(p.Reclaimed(seq=m.seq, freed=min(freed, p.MAX_BYTES)), p.Done)
         log.debug("reclaim %d (%s, %s): %d of %d bytes released", m.seq, m.mode, m.reason,
                   freed, m.bytes)
         return freed
@@ -188,13 +196,14 @@ class Tenant:
         uses through its own allocator. The daemon reclaims from other tenants to make
         room (and on CUDA checks the device's real free memory); raises ``NoMemory`` when
         it cannot within its deadline. Ends with ``Lease.close()`` or with the process."""
-        reply, _ = self.conn.call(p.Lease(bytes=nbytes), timeout_ms=int(self.timeout_s * 1000))
-        self.lease_bytes = reply.bytes  # type: ignore[attr-defined]
-        return Lease(self, reply.bytes)  # type: ignore[attr-defined]
+        reply, _ = self.conn.call(p.Lease(bytes=nbytes), p.Leased,
+                                  timeout_ms=int(self.timeout_s * 1000))
+        self.lease_bytes = reply.bytes
+        return Lease(self, reply.bytes)
 
     def set_lease(self, nbytes: int) -> int:
-        reply, _ = self.conn.call(p.Lease(bytes=nbytes))
-        self.lease_bytes = reply.bytes  # type: ignore[attr-defined]
+        reply, _ = self.conn.call(p.Lease(bytes=nbytes), p.Leased)
+        self.lease_bytes = reply.bytes
         return self.lease_bytes
 
     # ---- the keeper thread: messages, daemon liveness, reconnect ------------------------
@@ -245,21 +254,22 @@ class Tenant:
                 delay = min(delay * 2, 1.0)
 
     def _rejoin(self, conn: Connection) -> None:
-        reply, _ = conn.call(self._fresh_register())
+        reply, _ = conn.call(self._fresh_register(), p.Registered)
         groups = list(self.groups.values())
         locks = [g._lock for g in groups]
         for lock in locks:
             lock.acquire()
         owned: list[int] = []
         try:
-            entries, fds = [], []
+            entries: list[p.AdoptGroup] = []
+            fds: list[int] = []
             for g in groups:
                 entry, gfds, gowned = g.adopt_state()
                 entries.append(entry)
                 fds.extend(gfds)
                 owned.extend(gowned)
             conn.call(p.Adopt(groups=entries, lease=self.lease_bytes, nfds=len(fds)),
-                      fds_ahead=fds)
+                      p.Adopted, fds_ahead=fds)
             old, self.conn = self.conn, conn
         finally:
             for fd in owned:
@@ -269,14 +279,14 @@ class Tenant:
                 lock.release()
         old.close()
         self.info = reply
-        self.id = reply.tenant  # type: ignore[attr-defined]
+        self.id = reply.tenant
         self.reconnects += 1
         log.warning("reconnected to the kvpool daemon as tenant %d; adopted %d groups",
                     self.id, len(entries))
 
     # ---- misc ----------------------------------------------------------------------------
     def ping(self) -> None:
-        self.conn.call(p.Ping())
+        self.conn.call(p.Ping(), p.Done)
 
     def close(self) -> None:
         if self.closed:
@@ -291,7 +301,7 @@ class Tenant:
                 except Exception:
                     log.exception("closing group %d failed", g.id)
             try:
-                self.conn.call(p.Bye())
+                self.conn.call(p.Bye(), p.Done)
             except Exception as e:  # the daemon may be gone; EOF tells it anyway
                 log.debug("bye failed: %s", e)
         finally:
@@ -302,7 +312,7 @@ class Tenant:
     def __enter__(self) -> "Tenant":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
@@ -321,7 +331,7 @@ class Lease:
     def __enter__(self) -> "Lease":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
@@ -333,7 +343,7 @@ def _raise_fd_limit() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
-def connect(name: str, device: int = 0, run_dir: str | os.PathLike | None = None,
+def connect(name: str, device: int = 0, run_dir: str | os.PathLike[str] | None = None,
             kind: str = "engine", timeout_s: float = 10.0, *, min: int | None = None,
             max: int | None = None, weight: float | None = None) -> Tenant:
     """Register with the daemon serving ``run_dir`` (see :mod:`kvpool.paths`). ``min``,

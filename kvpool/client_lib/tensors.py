@@ -16,7 +16,7 @@ from __future__ import annotations
 import ctypes
 import itertools
 import threading
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -62,19 +62,22 @@ _pythonapi.PyCapsule_New.restype = ctypes.py_object
 _pythonapi.PyCapsule_New.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
 
 # Keeps each capsule's ctypes structs (and the range's unpin) alive until torch is done.
-_live: dict[int, tuple] = {}
+_live: dict[int, tuple[Backend, Range, _DLManagedTensor, Any]] = {}
 _live_lock = threading.Lock()
 _keys = itertools.count(1)
 
 
-@_DELETER
-def _on_delete(managed) -> None:
+def _unpin_capsule(managed: Any) -> None:
+    """torch is done with a capsule: forget its structs and unpin its range."""
     key = managed.contents.manager_ctx
     with _live_lock:
         entry = _live.pop(key, None)
     if entry is not None:
         backend, rng = entry[0], entry[1]
         backend.unpin(rng)
+
+
+_on_delete = _DELETER(_unpin_capsule)
 
 
 def live_views() -> int:

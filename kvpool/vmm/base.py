@@ -7,8 +7,12 @@ daemon decides who gets which page, the client library maps what it was granted.
 Invariants every backend keeps:
 
 * A :class:`Range` is virtual address space only; reserving one costs no memory.
-* A :class:`Page` is ``page_size`` bytes of physical memory. Sizes and offsets are
-  multiples of :meth:`Backend.granularity`.
+* A :class:`Page` is ``page_size`` bytes of physical memory, and ``page_size`` is the
+  one unit of every size and offset: ``reserve(nbytes)``, ``map_pages(rng, offset,
+  ...)`` and ``unmap(rng, offset, ...)`` refuse (:class:`InvalidArgument`) any that is
+  not a multiple of it, on every backend. :meth:`Backend.min_page_size` (the OS page on
+  host, the driver's allocation granularity on CUDA) only bounds ``page_size`` itself,
+  which must be a positive multiple of it.
 * ``map`` never replaces an existing mapping and ``unmap`` never leaves a hole another
   allocation could take: an unmapped slot stays reserved.
 * Physical memory returns to the system once every reference is gone: this process's
@@ -105,18 +109,21 @@ class Backend(abc.ABC):
 
     def __init__(self, device: int = 0, page_size: int | None = None):
         self.device = device
-        self.page_size = page_size or self.granularity()
-        if self.page_size <= 0 or self.page_size % self.granularity():
+        smallest = self.min_page_size()
+        self.page_size = page_size or smallest
+        if self.page_size <= 0 or self.page_size % smallest:
             raise InvalidArgument(
                 "init",
-                f"page_size {self.page_size} is not a positive multiple of the "
-                f"granularity {self.granularity()}",
+                f"page_size {self.page_size} is not a positive multiple of the minimum "
+                f"page size {smallest} (the {self.name} backend's granularity)",
             )
 
     # ---- capabilities -------------------------------------------------------------
     @abc.abstractmethod
-    def granularity(self) -> int:
-        """Smallest size and alignment for pages, mappings and offsets."""
+    def min_page_size(self) -> int:
+        """The smallest ``page_size`` this backend supports; ``page_size`` is a positive
+        multiple of it. Sizes and offsets of ranges and mappings are multiples of
+        ``page_size``, not of this."""
 
     @abc.abstractmethod
     def mem_info(self) -> tuple[int, int]:
@@ -208,7 +215,15 @@ class Backend(abc.ABC):
         """Unmap ``npages`` mapped slots from ``offset``; the slots stay reserved."""
 
     def map(self, rng: Range, offset: int, page: Page, populate: bool = False) -> None:
+        """Map one page at ``offset`` (see :meth:`map_pages`)."""
         self.map_pages(rng, offset, [page], populate)
+
+    def retain_handle(self, addr: int) -> Page:
+        """A new reference (a Page to :meth:`release`) to the page mapped at ``addr``, for
+        re-exporting pages a process holds only through mappings. Backends whose
+        callers keep page handles (host) do not offer it."""
+        raise Unsupported("retain_handle", f"the {self.name} backend keeps page handles; "
+                          "it cannot retain one from a mapping")
 
     def close(self) -> None:
         """Free backend-wide resources; ranges and pages must be given back first."""

@@ -1,9 +1,8 @@
 """CUDA backend: the driver VMM API (``cuMemCreate`` / ``cuMemMap`` / ...) via cuda-python.
 
-Works with cuda-bindings 12.x and 13.x (``cuda.bindings.driver``) and with cuda-python
-<= 12.6.0 (``cuda.cuda``). cuda-python is imported lazily, on the first use, so this
-module imports fine on machines without it or without a driver; nothing else in kvpool
-imports cuda-python.
+cuda-python is imported lazily (:mod:`kvpool.vmm.cuda_driver`), on the first use, so
+this module imports fine on machines without it or without a driver; nothing else in
+kvpool imports cuda-python.
 
 How the protocol maps onto the driver:
 
@@ -26,10 +25,9 @@ How the protocol maps onto the driver:
 * ``retire`` is ``cuMemRelease``: a page that changes tenant is a new allocation (the
   daemon's pool creates it), never one exported to the previous tenant.
 
-Every driver error becomes one of the typed errors of :mod:`kvpool.vmm.base`
-(``OUT_OF_MEMORY`` -> :class:`OutOfMemory`, ``INVALID_VALUE``/``INVALID_HANDLE`` ->
-:class:`InvalidArgument`, ``NOT_SUPPORTED`` -> :class:`Unsupported`, anything else ->
-:class:`DriverError` with the code), with a message naming the call and its values.
+Every driver error becomes a typed :class:`~kvpool.vmm.base.VmmError` naming the call
+and its values (:mod:`kvpool.vmm.cuda_driver`, which also loads the driver and checks
+the device).
 
 Threads: the primary context of the device is retained once and made current before
 every public operation that calls the driver (``cuCtxSetCurrent`` is a thread-local
@@ -40,193 +38,14 @@ serializes map/unmap on one range and a backend lock serializes ``zero``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from typing import Any, Sequence
 
-from kvpool.vmm.base import (
-    Backend,
-    DriverError,
-    InvalidArgument,
-    OutOfMemory,
-    Page,
-    Range,
-    Unsupported,
-    VmmError,
-    contiguous_runs,
-)
-
-# Numeric values are part of the CUDA ABI (cuda.h); kept here so error mapping and
-# capability checks do not depend on enum spellings across cuda-python versions.
-CUDA_SUCCESS = 0
-CUDA_ERROR_INVALID_VALUE = 1
-CUDA_ERROR_OUT_OF_MEMORY = 2
-CUDA_ERROR_NOT_INITIALIZED = 3
-CUDA_ERROR_NO_DEVICE = 100
-CUDA_ERROR_INVALID_DEVICE = 101
-CUDA_ERROR_INVALID_HANDLE = 400
-CUDA_ERROR_ILLEGAL_ADDRESS = 700
-CUDA_ERROR_NOT_SUPPORTED = 801
-
-ATTR_COMPUTE_MODE = 20
-ATTR_VMM_SUPPORTED = 102
-ATTR_POSIX_FD_SUPPORTED = 103
-ATTR_GPU_DIRECT_RDMA_WITH_VMM = 110
-COMPUTE_MODE_NAMES = {0: "DEFAULT", 2: "PROHIBITED", 3: "EXCLUSIVE_PROCESS"}
-
-_DRIVER: Any = None
-_DRIVER_LOCK = threading.Lock()
-
-
-def _load_driver() -> Any:
-    """The cuda-python driver module (12.x/13.x layout first, then the <= 12.6 one)."""
-    global _DRIVER
-    if _DRIVER is not None:
-        return _DRIVER
-    with _DRIVER_LOCK:
-        if _DRIVER is None:
-            try:
-                from cuda.bindings import driver  # cuda-bindings >= 12.6.2
-            except ImportError:
-                try:
-                    from cuda import cuda as driver  # type: ignore[no-redef]  # <= 12.6.0
-                except ImportError as e:
-                    raise Unsupported(
-                        "init", f"cuda-python is not installed or unusable ({e})"
-                    ) from e
-            _DRIVER = driver
-    return _DRIVER
-
-
-def _error_text(cu: Any, code: int) -> str:
-    """``NAME (code): description`` for a CUresult, never raising."""
-    name, desc = f"CUDA error {code}", ""
-    try:
-        err, s = cu.cuGetErrorName(cu.CUresult(code))
-        if int(err) == 0 and s:
-            name = s.decode() if isinstance(s, bytes) else str(s)
-        err, s = cu.cuGetErrorString(cu.CUresult(code))
-        if int(err) == 0 and s:
-            desc = s.decode() if isinstance(s, bytes) else str(s)
-    except Exception:  # unknown code, or the driver is gone: keep the number
-        pass
-    return f"{name} ({code})" + (f": {desc}" if desc else "")
-
-
-def _typed_error(cu: Any, op: str, call: str, code: int) -> VmmError:
-    msg = f"{call} failed with {_error_text(cu, code)}"
-    if code == CUDA_ERROR_OUT_OF_MEMORY:
-        return OutOfMemory(op, msg)
-    if code in (CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_INVALID_HANDLE):
-        return InvalidArgument(op, msg)
-    if code == CUDA_ERROR_NOT_SUPPORTED:
-        return Unsupported(op, msg)
-    return DriverError(op, msg, code)
-
-
-def _call(cu: Any, op: str, fn: str, *args: Any, show: str | None = None) -> Any:
-    """Call ``cu.<fn>(*args)`` and return its outputs (None, one value, or a tuple).
-
-    ``show`` is how the call appears in error messages (defaults to ``fn(args)``).
-    A missing driver or function (cuda-python raises a ``RuntimeError`` subclass at the
-    first call) becomes :class:`Unsupported`.
-    """
-    try:
-        res = getattr(cu, fn)(*args)
-    except RuntimeError as e:
-        raise Unsupported(op, f"{fn}: the CUDA driver is not usable ({e})") from e
-    code = int(res[0])
-    if code != CUDA_SUCCESS:
-        call = show or f"{fn}({', '.join(_fmt(a) for a in args)})"
-        raise _typed_error(cu, op, call, code)
-    if len(res) == 1:
-        return None
-    if len(res) == 2:
-        return res[1]
-    return tuple(res[1:])
-
-
-def _fmt(v: Any) -> str:
-    if isinstance(v, int) and not isinstance(v, bool) and v > 0xFFFF:
-        return hex(v)
-    if isinstance(v, (int, float, str, bool)) or v is None:
-        return repr(v)
-    return type(v).__name__
-
-
-def _open_device(device: int) -> tuple[Any, Any, dict[int, int]]:
-    """Load the driver, ``cuInit``, get ``device`` and check the capabilities we need.
-
-    Returns ``(driver module, CUdevice, {attribute: value})``; raises
-    :class:`Unsupported` with the reason otherwise.
-    """
-    cu = _load_driver()
-    if not isinstance(device, int) or isinstance(device, bool) or device < 0:
-        raise InvalidArgument("init", f"device must be a non-negative int, got {device!r}")
-    try:
-        _call(cu, "init", "cuInit", 0)
-    except VmmError as e:
-        if isinstance(e, Unsupported):
-            raise
-        raise Unsupported("init", f"no usable CUDA driver or device: {e}") from e
-    count = _call(cu, "init", "cuDeviceGetCount")
-    if count == 0:
-        raise Unsupported("init", "the CUDA driver reports no devices")
-    if device >= count:
-        raise Unsupported("init", f"device {device} does not exist ({count} device(s) present)")
-    dev = _call(cu, "init", "cuDeviceGet", device)
-    attrs: dict[int, int] = {}
-    for attr in (
-        ATTR_VMM_SUPPORTED,
-        ATTR_POSIX_FD_SUPPORTED,
-        ATTR_COMPUTE_MODE,
-        ATTR_GPU_DIRECT_RDMA_WITH_VMM,
-    ):
-        try:
-            attrs[attr] = int(
-                _call(cu, "init", "cuDeviceGetAttribute", cu.CUdevice_attribute(attr), dev)
-            )
-        except VmmError:
-            if attr == ATTR_GPU_DIRECT_RDMA_WITH_VMM:  # optional: older drivers
-                attrs[attr] = 0
-            else:
-                raise
-    if not attrs[ATTR_VMM_SUPPORTED]:
-        raise Unsupported(
-            "init",
-            f"device {device} does not support virtual memory management "
-            "(CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED is 0)",
-        )
-    if not attrs[ATTR_POSIX_FD_SUPPORTED]:
-        raise Unsupported(
-            "init",
-            f"device {device} cannot share memory through POSIX file descriptors "
-            "(CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED is 0)",
-        )
-    mode = attrs[ATTR_COMPUTE_MODE]
-    if mode != 0:
-        raise Unsupported(
-            "init",
-            f"device {device} is in compute mode {COMPUTE_MODE_NAMES.get(mode, mode)}; "
-            "several processes must share it, so it needs DEFAULT "
-            "(nvidia-smi -i <gpu> -c DEFAULT)",
-        )
-    return cu, dev, attrs
-
-
-def probe(device: int = 0) -> str | None:
-    """None when the CUDA backend can run on ``device``, else the reason why not.
-
-    Never raises: no cuda-python, no driver, no device, or a missing capability all
-    come back as a one-line reason.
-    """
-    try:
-        _open_device(device)
-    except VmmError as e:
-        return str(e)
-    except Exception as e:  # anything unexpected from the bindings
-        return f"init: {type(e).__name__}: {e}"
-    return None
+from kvpool.vmm import cuda_driver as drv
+from kvpool.vmm.base import Backend, InvalidArgument, Page, Range, VmmError, contiguous_runs
+from kvpool.vmm.cuda_driver import probe
 
 
 class CudaBackend(Backend):
@@ -235,46 +54,30 @@ class CudaBackend(Backend):
     name = "cuda"
 
     def __init__(self, device: int = 0, page_size: int | None = None):
-        cu, dev, attrs = _open_device(device)
+        cu, dev, attrs = drv.open_device(device)
         self._cu = cu
         self._dev = dev
         self._closed = False
-        self._ctx = _call(cu, "init", "cuDevicePrimaryCtxRetain", dev)
+        self._ctx = drv.call(cu, "init", "cuDevicePrimaryCtxRetain", dev)
         try:
             self._make_current("init")
-            prop = cu.CUmemAllocationProp()
-            prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-            prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-            prop.location.id = device
-            prop.requestedHandleTypes = self._posix_fd_type()
-            self.rdma_capable = bool(attrs[ATTR_GPU_DIRECT_RDMA_WITH_VMM])
-            if self.rdma_capable:
-                prop.allocFlags.gpuDirectRDMACapable = 1
-            self._prop = prop
-            self._granularity = int(
-                _call(
-                    cu, "init", "cuMemGetAllocationGranularity", prop,
-                    cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM,
-                )
-            )
+            self.rdma_capable = bool(attrs[drv.ATTR_GPU_DIRECT_RDMA_WITH_VMM])
+            self._prop = drv.allocation_prop(cu, device, self.rdma_capable)
+            self._min_page_size = drv.min_granularity(cu, self._prop)
             super().__init__(device, page_size)
-            desc = cu.CUmemAccessDesc()  # one object per device (never `[desc] * n`)
-            desc.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-            desc.location.id = device
-            desc.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-            self._access = [desc]
+            self._access = drv.access_descs(cu, device)
             # Alignment for reservations: the page size when it is a power of two (so a
-            # slot never straddles a larger-page boundary), else the granularity.
+            # slot never straddles a larger-page boundary), else the minimum page size.
             ps = self.page_size
-            self._align = ps if ps & (ps - 1) == 0 else self._granularity
+            self._align = ps if ps & (ps - 1) == 0 else self._min_page_size
             self._zero_lock = threading.Lock()
             self._stream = None
             self._scratch = None
-            self._stream = _call(
+            self._stream = drv.call(
                 cu, "init", "cuStreamCreate", int(cu.CUstream_flags.CU_STREAM_NON_BLOCKING)
             )
             self._scratch = int(
-                _call(cu, "init", "cuMemAddressReserve", self.page_size, self._align, 0, 0)
+                drv.call(cu, "init", "cuMemAddressReserve", self.page_size, self._align, 0, 0)
             )
         except BaseException:
             self._teardown()
@@ -282,15 +85,15 @@ class CudaBackend(Backend):
 
     # ---- helpers ------------------------------------------------------------------
     def _posix_fd_type(self) -> Any:
-        return self._cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        return drv.posix_fd_type(self._cu)
 
     def _make_current(self, op: str) -> None:
         if self._closed:
             raise InvalidArgument(op, "the CUDA backend is closed")
-        _call(self._cu, op, "cuCtxSetCurrent", self._ctx)
+        drv.call(self._cu, op, "cuCtxSetCurrent", self._ctx)
 
     def _d(self, op: str, fn: str, *args: Any, show: str | None = None) -> Any:
-        return _call(self._cu, op, fn, *args, show=show)
+        return drv.call(self._cu, op, fn, *args, show=show)
 
     def _synchronize(self, op: str) -> None:
         """Wait for all work in the context (torch's streams included) to finish."""
@@ -304,32 +107,21 @@ class CudaBackend(Backend):
             )
 
     def _teardown(self) -> None:
-        cu = self._cu
-        for fn, arg in (
-            ("cuStreamDestroy", getattr(self, "_stream", None)),
-            ("cuMemAddressFree", getattr(self, "_scratch", None)),
-        ):
-            if arg is None:
-                continue
-            try:
-                if fn == "cuMemAddressFree":
-                    _call(cu, "close", fn, arg, self.page_size)
-                else:
-                    _call(cu, "close", fn, arg)
-            except VmmError:
-                pass
-        self._stream = None
-        self._scratch = None
+        """Destroy what ``__init__`` made (any part of it), ignoring driver errors."""
+        undo = [("cuStreamDestroy", (getattr(self, "_stream", None),)),
+                ("cuMemAddressFree", (getattr(self, "_scratch", None), getattr(self, "page_size", 0)))]
         if getattr(self, "_ctx", None) is not None:
-            try:
-                _call(cu, "close", "cuDevicePrimaryCtxRelease", self._dev)
-            except VmmError:
-                pass
-            self._ctx = None
+            undo.append(("cuDevicePrimaryCtxRelease", (self._dev,)))
+        for fn, args in undo:
+            if args[0] is not None:
+                with contextlib.suppress(VmmError):
+                    drv.call(self._cu, "close", fn, *args)
+        self._stream = self._scratch = self._ctx = None
 
     # ---- capabilities -------------------------------------------------------------
-    def granularity(self) -> int:
-        return self._granularity
+    def min_page_size(self) -> int:
+        """The driver's minimum allocation granularity (``cuMemGetAllocationGranularity``)."""
+        return self._min_page_size
 
     def mem_info(self) -> tuple[int, int]:
         self._make_current("mem_info")
@@ -343,12 +135,7 @@ class CudaBackend(Backend):
         does not, so tenants and the daemon name devices by it.
         """
         self._make_current("device_uuid")
-        uuid = self._d("device_uuid", "cuDeviceGetUuid", self._dev)
-        raw = uuid.bytes
-        if not isinstance(raw, bytes):  # some versions give a str of 16 chars
-            raw = bytes(ord(c) & 0xFF for c in raw)
-        h = raw.hex()
-        return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
+        return drv.format_uuid(self._d("device_uuid", "cuDeviceGetUuid", self._dev).bytes)
 
     # ---- virtual ranges -----------------------------------------------------------
     def reserve(self, nbytes: int) -> Range:

@@ -118,7 +118,8 @@ class HostBackend(Backend):
         self._madvise_populate = True  # False once the kernel refused MADV_POPULATE_WRITE
         self._probe_warned = False  # referenced() logged that it cannot probe
 
-    def granularity(self) -> int:
+    def min_page_size(self) -> int:
+        """The OS page (``mmap.PAGESIZE``): ``mmap`` maps no less."""
         return mmap.PAGESIZE
 
     def mem_info(self) -> tuple[int, int]:
@@ -232,7 +233,7 @@ class HostBackend(Backend):
                 self._probe_warned = True
                 log.warning("cannot tell whether released pages are still held elsewhere "
                             "(F_SETLEASE: %s; fs.leases-enable=0?): they are not accounted",
-                            os.strerror(e.errno))
+                            os.strerror(e.errno or 0))
             return None
         fcntl.fcntl(probe.handle, fcntl.F_SETLEASE, fcntl.F_UNLCK)
         return False

@@ -149,7 +149,7 @@ def test_map_shows_exactly_the_daemon_state(daemon):
     with daemon.connect("mapper") as t:
         g = t.region_group(3, 8 * PAGE, label="kv")
         g.grant([0, 1, 2, 5])
-        g.report(reserve=[2, 5])
+        g.set_usage(reserve=[2, 5])
         h = t.region_group(1, 4 * PAGE)
         h.grant([3])
         out = daemon.cli_json("map")
