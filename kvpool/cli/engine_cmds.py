@@ -1,21 +1,29 @@
 """Engine commands: ``kvpool serve``, ``kvpool generate``, ``kvpool make-model``.
 
-torch and the engine are imported inside the commands so ``kvpool --help`` stays fast.
+torch and the engine are imported inside the commands, after checking the ``engine``
+extra is installed (:mod:`kvpool.cli.extras`), so ``kvpool --help`` stays fast and the
+core install (no torch) answers these commands with one clear line.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from typing import TYPE_CHECKING, Any, cast
 
 import click
 
+from kvpool.cli.extras import require
 
-def _enable_elastic(engine_config: object) -> None:
+if TYPE_CHECKING:
+    from kvpool.engine.config import EngineConfig
+
+
+def _enable_elastic(engine_config: EngineConfig) -> None:
     """``--elastic`` / KVPOOL_ENABLE=1: hand the config to the adapter, which installs its
     block pool and KV storage factories."""
     try:
-        from kvpool.engine_adapters import bundled  # type: ignore[attr-defined]
+        from kvpool.engine_adapters import bundled
     except ImportError:
         raise click.ClickException(
             "elastic mode needs kvpool.engine_adapters.bundled (not installed)") from None
@@ -54,6 +62,7 @@ def register(cli: click.Group) -> None:
               served_model_name: str | None, device: str, dtype: str,
               no_prefix_caching: bool, elastic: bool, log_level: str) -> None:
         """Serve MODEL_DIR with an OpenAI-compatible HTTP API."""
+        require("engine", "serve")
         from kvpool.engine.config import EngineConfig
         from kvpool.engine.errors import CheckpointError
         from kvpool.engine.server import serve as run_server
@@ -62,7 +71,7 @@ def register(cli: click.Group) -> None:
             config = EngineConfig(
                 model=model_dir, device=device, dtype=dtype, block_size=block_size,
                 kv_cache_size=kv_cache_size, num_kv_blocks=num_kv_blocks,
-                kv_layout=kv_layout,  # type: ignore[arg-type]
+                kv_layout=cast(Any, kv_layout),  # one of the click choices
                 max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                 max_model_len=max_model_len, served_model_name=served_model_name,
                 enable_prefix_caching=not no_prefix_caching)
@@ -84,6 +93,7 @@ def register(cli: click.Group) -> None:
     def generate(model_dir: str, prompts: tuple[str, ...], max_tokens: int,
                  temperature: float, seed: int | None) -> None:
         """Generate completions for PROMPTS offline and print them."""
+        require("engine", "generate")
         from kvpool.engine import LLM, SamplingParams
 
         llm = LLM(model_dir, num_kv_blocks=max(64, 4 * len(prompts) * (max_tokens // 16 + 8)))
@@ -108,13 +118,14 @@ def register(cli: click.Group) -> None:
                    intermediate: int | None, vocab: int, arch: str,
                    max_position_embeddings: int, seed: int) -> None:
         """Write a tiny random-weight Llama-family checkpoint (with tokenizer) to MODEL_DIR."""
+        require("engine", "make-model")
         from kvpool.engine.tiny import make_tiny_model
 
         if hidden % heads or heads % kv_heads:
             raise click.BadParameter("hidden must divide by heads, heads by kv-heads")
         path = make_tiny_model(model_dir, layers=layers, hidden=hidden, heads=heads,
                                kv_heads=kv_heads, intermediate=intermediate, vocab=vocab,
-                               arch=arch, seed=seed,  # type: ignore[arg-type]
+                               arch=cast(Any, arch), seed=seed,  # a click choice
                                max_position_embeddings=max_position_embeddings)
         click.echo(f"wrote {arch} model ({layers} layers, hidden {hidden}) to {path}",
                    file=sys.stdout)
