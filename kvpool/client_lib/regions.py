@@ -202,7 +202,8 @@ class RegionGroup:
 
         from kvpool.client_lib.tensors import tensor_view
 
-        return tensor_view(self.backend, self.ranges[i], dtype or torch.uint8, shape, offset, nbytes)
+        rng = self.ranges[i]
+        return tensor_view(self.backend, rng, dtype or torch.uint8, shape, offset, nbytes)
 
     def unit_address(self, region: int, unit: int) -> int:
         """Virtual address of ``unit`` in region ``region``."""

@@ -80,7 +80,6 @@ class Tenant:
         self.reconnects = 0
         self.reclaims = 0  # reclaim requests handled
         self._shrink: ShrinkCallback | None = None
-        self._swap = threading.Lock()  # held while the connection is replaced
         self._stop = threading.Event()
         self._keeper: threading.Thread | None = None
         if keeper:

@@ -92,12 +92,13 @@ class CudaBackend(Backend):
             raise InvalidArgument(op, "the CUDA backend is closed")
         drv.call(self._cu, op, "cuCtxSetCurrent", self._ctx)
 
-    def _d(self, op: str, fn: str, *args: Any, show: str | None = None) -> Any:
+    def _driver(self, op: str, fn: str, *args: Any, show: str | None = None) -> Any:
+        """``cu.<fn>(*args)`` with its errors typed (:func:`cuda_driver.call`)."""
         return drv.call(self._cu, op, fn, *args, show=show)
 
     def _synchronize(self, op: str) -> None:
         """Wait for all work in the context (torch's streams included) to finish."""
-        self._d(op, "cuCtxSynchronize")
+        self._driver(op, "cuCtxSynchronize")
 
     def _check_page(self, op: str, page: Page) -> None:
         self._check_live(op, page)
@@ -109,7 +110,8 @@ class CudaBackend(Backend):
     def _teardown(self) -> None:
         """Destroy what ``__init__`` made (any part of it), ignoring driver errors."""
         undo = [("cuStreamDestroy", (getattr(self, "_stream", None),)),
-                ("cuMemAddressFree", (getattr(self, "_scratch", None), getattr(self, "page_size", 0)))]
+                ("cuMemAddressFree",
+                 (getattr(self, "_scratch", None), getattr(self, "page_size", 0)))]
         if getattr(self, "_ctx", None) is not None:
             undo.append(("cuDevicePrimaryCtxRelease", (self._dev,)))
         for fn, args in undo:
@@ -125,7 +127,7 @@ class CudaBackend(Backend):
 
     def mem_info(self) -> tuple[int, int]:
         self._make_current("mem_info")
-        free, total = self._d("mem_info", "cuMemGetInfo")
+        free, total = self._driver("mem_info", "cuMemGetInfo")
         return int(free), int(total)
 
     def device_uuid(self) -> str:
@@ -135,13 +137,13 @@ class CudaBackend(Backend):
         does not, so tenants and the daemon name devices by it.
         """
         self._make_current("device_uuid")
-        return drv.format_uuid(self._d("device_uuid", "cuDeviceGetUuid", self._dev).bytes)
+        return drv.format_uuid(self._driver("device_uuid", "cuDeviceGetUuid", self._dev).bytes)
 
     # ---- virtual ranges -----------------------------------------------------------
     def reserve(self, nbytes: int) -> Range:
         self._check_size("reserve", nbytes)
         self._make_current("reserve")
-        base = self._d(
+        base = self._driver(
             "reserve", "cuMemAddressReserve", nbytes, self._align, 0, 0,
             show=f"cuMemAddressReserve(size={nbytes}, alignment={self._align})",
         )
@@ -155,13 +157,13 @@ class CudaBackend(Backend):
                 self._synchronize("free_range")
                 for start, count in contiguous_runs(slots, self.page_size):
                     size = count * self.page_size
-                    self._d(
+                    self._driver(
                         "free_range", "cuMemUnmap", rng.base + start, size,
                         show=f"cuMemUnmap({rng.base + start:#x}, {size}) (offset {start})",
                     )
                     for i in range(count):
                         del rng.mapped[start + i * self.page_size]
-            self._d(
+            self._driver(
                 "free_range", "cuMemAddressFree", rng.base, rng.size,
                 show=f"cuMemAddressFree({rng.base:#x}, {rng.size})",
             )
@@ -169,7 +171,7 @@ class CudaBackend(Backend):
     # ---- physical pages -----------------------------------------------------------
     def create_page(self) -> Page:
         self._make_current("create_page")
-        h = self._d(
+        h = self._driver(
             "create_page", "cuMemCreate", self.page_size, self._prop, 0,
             show=f"cuMemCreate(size={self.page_size}, device={self.device}, "
             f"handle type POSIX_FILE_DESCRIPTOR)",
@@ -180,7 +182,7 @@ class CudaBackend(Backend):
         self._check_page("export", page)
         self._make_current("export")
         fd = int(
-            self._d(
+            self._driver(
                 "export", "cuMemExportToShareableHandle", page.handle, self._posix_fd_type(), 0,
                 show=f"cuMemExportToShareableHandle(handle={page.handle:#x}, "
                 "POSIX_FILE_DESCRIPTOR)",
@@ -200,7 +202,7 @@ class CudaBackend(Backend):
         except OSError as e:
             raise InvalidArgument("import", f"fd {fd} is not an open descriptor: {e}") from e
         self._make_current("import")
-        h = self._d(
+        h = self._driver(
             "import", "cuMemImportFromShareableHandle", fd, self._posix_fd_type(),
             show=f"cuMemImportFromShareableHandle(fd={fd}, POSIX_FILE_DESCRIPTOR)",
         )
@@ -217,7 +219,7 @@ class CudaBackend(Backend):
         if not isinstance(addr, int) or addr <= 0:
             raise InvalidArgument("retain_handle", f"address must be a positive int, got {addr!r}")
         self._make_current("retain_handle")
-        h = self._d(
+        h = self._driver(
             "retain_handle", "cuMemRetainAllocationHandle", addr,
             show=f"cuMemRetainAllocationHandle({addr:#x})",
         )
@@ -228,30 +230,30 @@ class CudaBackend(Backend):
         ps, va = self.page_size, self._scratch
         with self._zero_lock:
             self._make_current("zero")
-            self._d(
+            self._driver(
                 "zero", "cuMemMap", va, ps, 0, page.handle, 0,
                 show=f"cuMemMap(scratch {va:#x}, {ps}, 0, handle={page.handle:#x})",
             )
             try:
-                self._d(
+                self._driver(
                     "zero", "cuMemSetAccess", va, ps, self._access, 1,
                     show=f"cuMemSetAccess(scratch {va:#x}, {ps}, READWRITE on device "
                     f"{self.device})",
                 )
-                self._d(
+                self._driver(
                     "zero", "cuMemsetD8Async", va, 0, ps, self._stream,
                     show=f"cuMemsetD8Async(scratch {va:#x}, 0, {ps})",
                 )
-                self._d("zero", "cuStreamSynchronize", self._stream)
+                self._driver("zero", "cuStreamSynchronize", self._stream)
             finally:
-                self._d(
+                self._driver(
                     "zero", "cuMemUnmap", va, ps, show=f"cuMemUnmap(scratch {va:#x}, {ps})"
                 )
 
     def release(self, page: Page) -> None:
         self._check_live("release", page)
         self._make_current("release")
-        self._d("release", "cuMemRelease", page.handle, show=f"cuMemRelease({page.handle:#x})")
+        self._driver("release", "cuMemRelease", page.handle, show=f"cuMemRelease({page.handle:#x})")
         page.released = True
 
     def retire(self, page: Page) -> Page | None:
@@ -285,7 +287,7 @@ class CudaBackend(Backend):
             try:
                 for slot, page in zip(slots, pages):
                     va = rng.base + slot
-                    self._d(
+                    self._driver(
                         "map", "cuMemMap", va, ps, 0, page.handle, 0,
                         show=f"cuMemMap({va:#x}, {ps}, 0, handle={page.handle:#x}) "
                         f"(offset {slot} of range {rng.base:#x})",
@@ -293,7 +295,7 @@ class CudaBackend(Backend):
                     done.append(slot)
                 for start, count in contiguous_runs(slots, ps):
                     va, size = rng.base + start, count * ps
-                    self._d(
+                    self._driver(
                         "map", "cuMemSetAccess", va, size, self._access, 1,
                         show=f"cuMemSetAccess({va:#x}, {size}, READWRITE on device "
                         f"{self.device}) (offset {start} of range {rng.base:#x})",
@@ -301,7 +303,7 @@ class CudaBackend(Backend):
             except BaseException:
                 for slot in done:  # roll back: nothing of this call stays mapped
                     try:
-                        self._d("map", "cuMemUnmap", rng.base + slot, ps)
+                        self._driver("map", "cuMemUnmap", rng.base + slot, ps)
                     except VmmError:
                         pass
                 raise
@@ -323,7 +325,7 @@ class CudaBackend(Backend):
             # whole mappings, so unmap per contiguous run.
             for start, count in contiguous_runs(slots, ps):
                 va, size = rng.base + start, count * ps
-                self._d(
+                self._driver(
                     "unmap", "cuMemUnmap", va, size,
                     show=f"cuMemUnmap({va:#x}, {size}) (offset {start} of range {rng.base:#x})",
                 )
