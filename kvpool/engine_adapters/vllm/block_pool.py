@@ -58,7 +58,6 @@ class ElasticBlockPool(BlockPool):
         self.free_block_queue = FreeKVCacheBlockQueue([])  # only evictable blocks live here
         self._stash: list[int] = []
         self.lock = threading.RLock()
-        self.needed = 0  # the last block count the coordinator asked for
         self.shrinks = self.shrink_preemptions = self.shrink_evictions = 0
         self.idle_evictions = 0
         self._stopped = threading.Event()
@@ -265,7 +264,7 @@ class ElasticBlockPool(BlockPool):
             sched = b.scheduler
             if sched is None or self.allocator.group.tenant.closed:
                 continue
-            ops = self.allocator._ops
+            ops = self.allocator.ops
             busy = sched.has_unfinished_requests()
             now = time.monotonic()
             if ops != last or busy:
@@ -295,29 +294,49 @@ class ElasticBlockPool(BlockPool):
                 f"allocator holds {a.used_blocks}, pool accounts for 1 + {used} + "
                 f"{len(queued)} + {len(self._stash)}")
             for i in queued | set(self._stash):
-                assert a._held[i], f"free block {i} not held"
+                assert a.is_held(i), f"free block {i} not held"
             for blk in self.blocks[1:]:
-                if not a._held[blk.block_id]:
+                if not a.is_held(blk.block_id):
                     assert blk.block_hash is None, f"block {blk.block_id} free but hashed"
 
 
 def allocate_slots(original):
     """Wrap ``KVCacheManager.allocate_slots``: on a shortfall ask kvpool (without waiting)
-    for the missing blocks and try once more; None still means "not now"."""
+    for the missing blocks and try once more; None still means "not now".
+
+    The success path is one extra call frame: nothing is counted or locked. Only when vLLM
+    says no is the call repeated with the coordinator's block count recorded (a refused
+    ``allocate_slots`` has changed nothing but idempotent skipped-block frees), so the
+    shortfall asked of kvpool is exact."""
 
     def allocate_slots(self, request, num_new_tokens, *args, **kwargs):
-        pool = self.block_pool
-        if not isinstance(pool, ElasticBlockPool):
-            return original(self, request, num_new_tokens, *args, **kwargs)
-        pool.needed = 0
         out = original(self, request, num_new_tokens, *args, **kwargs)
         if out is not None:
             return out
+        pool = self.block_pool
+        if not isinstance(pool, ElasticBlockPool):
+            return None
+        coord = self.coordinator
+        count = coord.get_num_blocks_to_allocate
+        needed = 0
+
+        def counted(*a, **k):
+            nonlocal needed
+            n = count(*a, **k)
+            needed = max(needed, n)
+            return n
+
+        coord.get_num_blocks_to_allocate = counted  # this call only (instance attribute)
+        try:
+            out = original(self, request, num_new_tokens, *args, **kwargs)
+        finally:
+            del coord.get_num_blocks_to_allocate
+        if out is not None:  # a shrink or grant landed in between
+            return out
         reserved = kwargs.get("reserved_blocks", 0)
-        short = pool.needed + self.watermark_blocks + reserved - pool.get_num_free_blocks()
+        short = needed + self.watermark_blocks + reserved - pool.get_num_free_blocks()
         if short <= 0 or not pool.grow(short):
             return None
-        pool.needed = 0
         out = original(self, request, num_new_tokens, *args, **kwargs)
         if out is None:
             pool.stash_free()
@@ -325,17 +344,3 @@ def allocate_slots(original):
 
     allocate_slots.__wrapped__ = original
     return allocate_slots
-
-
-def record_needed(original):
-    """Wrap the coordinator's ``get_num_blocks_to_allocate`` to remember the count."""
-
-    def get_num_blocks_to_allocate(self, *args, **kwargs):
-        n = original(self, *args, **kwargs)
-        pool = self.block_pool
-        if isinstance(pool, ElasticBlockPool):
-            pool.needed = max(pool.needed, n)
-        return n
-
-    get_num_blocks_to_allocate.__wrapped__ = original
-    return get_num_blocks_to_allocate

@@ -26,6 +26,7 @@ from dataclasses import replace
 from kvpool.engine_adapters.vllm.settings import AdapterError, Settings
 
 log = logging.getLogger("kvpool.vllm")
+REFILL_TICK_S = 0.5  # the allocator's background tick (idle trim, reports)
 
 
 class Bridge:
@@ -123,10 +124,13 @@ class Bridge:
         label = self.tenant.name
         self.group = self.tenant.region_group(len(bases), region_bytes, label=label)
         # populate: pages are faulted in when mapped (on the refill thread or the grant),
-        # not at the first KV write inside a model step; the refill thread wakes on demand
-        # (alloc/free set its event), so its idle tick can be slow: fewer GIL handoffs.
+        # not at the first KV write inside a model step. The refill thread is woken by
+        # alloc/free when the reserve crosses a watermark and by demand; its tick only
+        # paces idle trim and reports (second-scale), so it is slow: every wake of a
+        # background thread takes the GIL from the step loop.
         self.allocator = ElasticBlockAllocator(
-            self.group, block_stride, low=s.low, high=s.high, populate=True, tick_s=0.05,
+            self.group, block_stride, low=s.low, high=s.high, populate=True,
+            tick_s=REFILL_TICK_S,
             idle_timeout_s=s.idle_timeout_s, max_blocks=num_blocks)
         if self.allocator.num_blocks != num_blocks:
             raise AdapterError(f"kvpool: allocator holds {self.allocator.num_blocks} blocks, "

@@ -14,8 +14,9 @@ Engine-core process:
   ``engine.core.get_kv_cache_configs``  rounds the block count to whole chunks;
   ``allocate_kv_cache`` (V1 runner and Model Runner V2)  views over a region group;
   ``kv_cache_coordinator.BlockPool``    the elastic block pool;
-  ``KVCacheManager.allocate_slots`` and ``KVCacheCoordinator.get_num_blocks_to_allocate``
-                                        ask kvpool for a shortfall, never raise;
+  ``KVCacheManager.allocate_slots``     asks kvpool for a shortfall (the coordinator's
+                                        block count is read only when vLLM refused),
+                                        never raises;
   ``Scheduler.__init__``                binds the pool to the scheduler (shrink callback,
                                         idle release);
   ``EngineCore.step/add_request/abort_requests`` and ``EngineCoreProc._process_engine_step/
@@ -173,11 +174,9 @@ def _patch_allocate(mod) -> None:
 
 # ---- engine-core process: the scheduler ------------------------------------------------------
 def _patch_coordinator(mod) -> None:
-    from kvpool.engine_adapters.vllm.block_pool import ElasticBlockPool, record_needed
+    from kvpool.engine_adapters.vllm.block_pool import ElasticBlockPool
 
     mod.BlockPool = ElasticBlockPool
-    cls = mod.KVCacheCoordinator
-    cls.get_num_blocks_to_allocate = record_needed(cls.get_num_blocks_to_allocate)
 
 
 def _patch_manager(mod) -> None:
