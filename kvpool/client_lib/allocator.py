@@ -123,8 +123,8 @@ class ElasticBlockAllocator:
         with self.lock:
             out = self.book.take(n)
             if out is not None:
-                if self.book.reserve_size < self.low:
-                    self._refill.wake()
+                if self.book.reserve_size < self.low and self.book.unmapped_size:
+                    self._refill.wake()  # only when a refill could grant something
                 return out
         return self._alloc_slow(n, wait)
 
