@@ -31,7 +31,8 @@ import grp
 import os
 
 from kvpool import protocol as p
-from kvpool.daemon.tenants import Tenant, Tenants
+from kvpool.daemon.config import TenantPolicy
+from kvpool.daemon.tenants import TenantRecord, Tenants
 
 READ_ONLY_OPS = frozenset(p.MONITOR_OPS | {"check"})
 
@@ -59,7 +60,7 @@ def is_admin(uid: int, groups: set[int], admin_gid: int | None) -> bool:
     return uid == 0 or uid == os.getuid() or (admin_gid is not None and admin_gid in groups)
 
 
-def may_claim(name: str, policy, uid: int, groups: set[int]) -> str | None:
+def may_claim(name: str, policy: TenantPolicy, uid: int, groups: set[int]) -> str | None:
     """Why a peer (``uid``, ``groups``) may not register as the configured tenant
     ``name`` whose :class:`~kvpool.daemon.config.TenantPolicy` is ``policy``; None when
     it may. A policy naming neither ``uids`` nor ``group`` may be claimed by anyone."""
@@ -80,7 +81,7 @@ def may_claim(name: str, policy, uid: int, groups: set[int]) -> str | None:
     return f"tenant name {name!r} is reserved by the daemon's config for {who}; uid {uid} is not one"
 
 
-def authorize(op: str, token: str, identity: bytes, tenants: Tenants) -> Tenant | None:
+def authorize(op: str, token: str, identity: bytes, tenants: Tenants) -> TenantRecord | None:
     """The tenant a request acts as (None for anonymous monitor requests)."""
     tenant = tenants.by_token.get(token) if token else None
     if op == "register":

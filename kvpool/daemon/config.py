@@ -15,6 +15,8 @@ TOML layout (see ``systemd/kvpool.toml``)::
     warm_min = "0"            # zeroed pages kept ready (size or page count "16p")
     warm_max = "256MiB"
     default_max = "100%"      # a tenant's hard limit unless configured (share of budget)
+    # caps and loop tuning (max_sessions, burst, idle_work_s ...): see the Config
+    # fields below, each documented where it is defined
 
     [tenants.llama-8b]        # per-tenant policy by name
     min = "4GiB"
@@ -97,7 +99,6 @@ class Config:
     default_max: Size = "100%"
     tenants: dict[str, TenantPolicy] = field(default_factory=dict)
     # timers (seconds)
-    tick_s: Seconds = 0.02  # idle work granularity (warm pool refill/trim, zeroing)
     liveness_s: Seconds = 0.25  # how often to check tenant pids (pidfds cover most cases)
     register_timeout_s: Seconds = 10.0  # fd-channel sessions that never register are dropped
     send_timeout_s: Seconds = 2.0  # a tenant whose fd socket stays full this long is dropped
@@ -111,9 +112,22 @@ class Config:
     max_sessions: Count = 1024
     max_groups_per_tenant: Count = 64
     max_virtual_pages_per_tenant: Count = 1 << 20
+    max_queued_fds: Count = 1 << 17  # descriptors queued for one tenant (two of the largest grants)
+    # loop tuning: how the one thread shares its time (defaults rarely need changing)
+    idle_work_s: Seconds = 0.002  # idle maintenance (retire, refill warm pool) per loop turn
+    adopt_wait_s: Seconds = 1.0  # how long an Adopt waits for the descriptors it announced
+    short_backoff_s: Seconds = 0.5  # a tenant that answered a shrink short is asked again after
+    status_interval_s: Seconds = 5.0  # sd_notify STATUS= line
+    snapshot_timeout_s: Seconds = 2.0  # the metrics exporter's wait for a loop-built snapshot
+    refusal_log_interval_s: Seconds = 1.0  # refused sessions are logged at most this often
+    burst: Count = 64  # messages read from one socket per loop turn
+    accept_burst: Count = 8  # fd-channel connections accepted per loop turn
+    interleave: Count = 8  # fd-channel events handled between two looks at the control socket
+    drain_slice: Count = 4096  # frames of a refused control message discarded per turn
+    control_hwm: Count = 10000  # ZeroMQ high-water marks of the control socket (messages)
 
     @classmethod
-    def load(cls, path: str | os.PathLike | None = None,
+    def load(cls, path: str | os.PathLike[str] | None = None,
              labels: dict[str, str] | None = None, **overrides: Any) -> "Config":
         """Defaults, then the TOML file at ``path``, then non-None ``overrides`` (flags);
         validated. ``labels`` names each override in messages (``{"budget": "--budget"}``).

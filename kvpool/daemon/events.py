@@ -17,9 +17,12 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from kvpool import protocol as p
+
+if TYPE_CHECKING:
+    from kvpool.daemon.tenants import TenantRecord
 
 RING = 4096  # events kept
 
@@ -39,8 +42,9 @@ class EventLog:
         self._wake = wake
         self._woken = False
 
-    def record(self, kind: str, tenant=None, nbytes: int = 0, **detail) -> p.EventInfo:
-        """Append one event (``tenant``: a Tenant record, or None)."""
+    def record(self, kind: str, tenant: TenantRecord | None = None, nbytes: int = 0,
+               **detail: Any) -> p.EventInfo:
+        """Append one event (about ``tenant``, or about none)."""
         self.seq += 1
         ev = p.EventInfo(seq=self.seq, time=time.time(), kind=kind,
                          tenant=tenant.name if tenant is not None else "",

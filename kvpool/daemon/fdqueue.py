@@ -4,19 +4,21 @@
   grant (pfns, turned into descriptors only when sent) and the replies that must follow
   them (the ordering rule: a grant's descriptors are in the tenant's socket before its
   reply leaves). The server sends from the head while the socket takes it and waits
-  for ``POLLOUT`` otherwise. The queue is bounded (:data:`MAX_QUEUED_FDS`) and a tenant
+  for ``POLLOUT`` otherwise. The queue is bounded (``max_queued_fds``) and a tenant
   whose socket stays full for ``send_timeout_s`` is dropped.
 * :class:`Parked` — an ``Adopt`` whose announced descriptors have not all arrived yet:
-  it is handled once they have, or refused at its deadline.
+  it is handled once they have, or refused at its deadline (``adopt_wait_s``).
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Union
 
-MAX_QUEUED_FDS = 1 << 17  # descriptors queued for one tenant (two of the largest grants)
-ADOPT_WAIT_S = 1.0  # how long an Adopt waits for descriptors it announced
+from kvpool import protocol as p
+
+MAX_QUEUED_FDS = 1 << 17  # the default of Config.max_queued_fds
 
 
 @dataclass
@@ -36,9 +38,10 @@ class QueuedReply:
 class Outbound:
     """Messages for one tenant's fd channel and the replies ordered behind them."""
 
-    items: deque = field(default_factory=deque)
+    items: deque[Union[FdMessage, QueuedReply]] = field(default_factory=deque)
     fds: int = 0  # descriptors in ``items``
     stuck_since: float | None = None  # when the socket last refused a message
+    limit: int = MAX_QUEUED_FDS  # more descriptors queued than this: the tenant is dropped
 
     def push_fds(self, header: bytes, pfns: list[int]) -> None:
         self.items.append(FdMessage(header, pfns))
@@ -47,7 +50,7 @@ class Outbound:
     def push_reply(self, envelope: list[bytes], frame: bytes, end_session: bool = False) -> None:
         self.items.append(QueuedReply(envelope, frame, end_session))
 
-    def pop(self):
+    def pop(self) -> Union[FdMessage, QueuedReply]:
         item = self.items.popleft()
         if isinstance(item, FdMessage):
             self.fds -= len(item.pfns)
@@ -56,7 +59,7 @@ class Outbound:
 
     @property
     def overflowing(self) -> bool:
-        return self.fds > MAX_QUEUED_FDS
+        return self.fds > self.limit
 
     def __bool__(self) -> bool:
         return bool(self.items)
@@ -68,7 +71,7 @@ class Parked:
 
     identity: bytes
     envelope: list[bytes]
-    req: object  # p.Adopt
+    req: p.Adopt
     deadline: float
 
 

@@ -16,10 +16,17 @@ from __future__ import annotations
 
 import ipaddress
 import time
+from typing import TYPE_CHECKING, Iterator
 
 from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server
 from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
                                     HistogramMetricFamily)
+from prometheus_client.metrics_core import Metric
+
+if TYPE_CHECKING:
+    from kvpool import protocol as p
+    from kvpool.daemon.measures import Snapshot
+    from kvpool.daemon.observe import Observer
 
 HIST_HELP = {
     "grant_service": ("kvpool_grant_service_seconds",
@@ -84,10 +91,10 @@ def parse_address(text: str, allow_remote: bool = False) -> tuple[str, int]:
 class DaemonCollector:
     """Metric families from a loop-built snapshot (see the module docstring)."""
 
-    def __init__(self, observer):
+    def __init__(self, observer: Observer):
         self.observer = observer
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         snap = self.observer.snapshot_from_loop()
         if snap is None:
             return
@@ -105,7 +112,7 @@ class DaemonCollector:
         yield build
 
     @staticmethod
-    def _pool(snap):
+    def _pool(snap: Snapshot) -> Iterator[Metric]:
         pool, dev = snap.pool, [str(snap.pool.device)]
         for key, text in POOL_GAUGES:
             g = GaugeMetricFamily(f"kvpool_pool_{key}_bytes", text, labels=["device"])
@@ -131,7 +138,7 @@ class DaemonCollector:
         yield c
 
     @staticmethod
-    def _tenants(snap):
+    def _tenants(snap: Snapshot) -> Iterator[Metric]:
         labels = ["tenant", "tenant_id", "kind", "device"]
         dev = str(snap.pool.device)
         rows = [([t.name, str(t.id), t.kind, dev], t) for t in snap.tenants]
@@ -158,11 +165,11 @@ class DaemonCollector:
         yield c
 
     @staticmethod
-    def _counters(snap):
+    def _counters(snap: Snapshot) -> Iterator[Metric]:
         n = snap.counters
         dev = [str(snap.pool.device)]
 
-        def simple(name, text, key):
+        def simple(name: str, text: str, key: str) -> Metric:
             c = CounterMetricFamily(name, text, labels=["device"])
             c.add_metric(dev, n.get(key, 0))
             return c
@@ -213,10 +220,11 @@ class DaemonCollector:
             yield c
 
     @staticmethod
-    def _histograms(snap):
+    def _histograms(snap: Snapshot) -> Iterator[Metric]:
         for key, (name, text) in HIST_HELP.items():
             h = snap.hists[key]
-            buckets, acc = [], 0
+            buckets: list[tuple[str, float]] = []
+            acc = 0
             for bound, count in zip([*map(_le, h.bounds), "+Inf"], h.counts):
                 acc += count
                 buckets.append((bound, acc))
@@ -229,13 +237,13 @@ def _le(bound: float) -> str:
     return repr(float(bound))
 
 
-def _codes():
+def _codes() -> frozenset[str]:
     from kvpool import protocol as p
 
     return p.CODES
 
 
-def tenant_state(t) -> str:
+def tenant_state(t: p.TenantInfo) -> str:
     if t.unresponsive:
         return "unresponsive"
     if t.waiting:
@@ -248,7 +256,7 @@ def tenant_state(t) -> str:
 class Exporter:
     """``/metrics`` on ``host:port`` from a thread of prometheus_client's own."""
 
-    def __init__(self, observer, host: str, port: int):
+    def __init__(self, observer: Observer, host: str, port: int):
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(DaemonCollector(observer))
         ProcessCollector(namespace="kvpool_daemon", registry=self.registry)

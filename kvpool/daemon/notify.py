@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
+from typing import Mapping
 
 
 class Notifier:
@@ -21,7 +22,7 @@ class Notifier:
             self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
 
     @classmethod
-    def from_env(cls, environ: dict | None = None) -> "Notifier":
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "Notifier":
         env = os.environ if environ is None else environ
         usec = None
         raw = env.get("WATCHDOG_USEC")

@@ -16,90 +16,46 @@ meanwhile (by tenant), the bytes the waiters were granted and the round's durati
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import logging
 import os
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
 
 from kvpool import protocol as p
 from kvpool.daemon.events import EventLog
+from kvpool.daemon.measures import BYE_REASONS, HISTOGRAMS, Hist, Round, Snapshot
+from kvpool.daemon.outcome import Outcome
+from kvpool.daemon.tenants import TenantRecord
+
+if TYPE_CHECKING:
+    from kvpool.daemon.metrics import Exporter
+    from kvpool.daemon.server import Server
 
 log = logging.getLogger("kvpool.daemon.observe")
 
-# bucket bounds (seconds)
-FAST = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1, 1.0)
-SLOW = (1e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
-HISTOGRAMS = {
-    "grant_service": FAST,  # a grant served at once: time in the arbiter
-    "grant_wait": SLOW,  # a grant or lease that waited for reclaim: request to answer
-    "reclaim_round": SLOW,  # a reclaim round: first waiter to no waiter
-    "tenant_drop": FAST,  # a departed tenant's memory back in the pool
-}
-BYE_REASONS = ("said bye", "daemon shutting down")
+
+def _op(req: p.Request) -> str:
+    return str(req.__struct_config__.tag)
 
 
-class Hist:
-    """A cumulative-bucket histogram (Prometheus ``le`` semantics), loop thread only."""
-
-    def __init__(self, bounds: tuple[float, ...]):
-        self.bounds = bounds
-        self.counts = [0] * (len(bounds) + 1)
-        self.sum = 0.0
-
-    def observe(self, v: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, v)] += 1
-        self.sum += v
-
-    def copy(self) -> "Hist":
-        h = Hist(self.bounds)
-        h.counts, h.sum = list(self.counts), self.sum
-        return h
-
-
-@dataclass
-class Round:
-    start: float
-    free_at_start: int  # bytes free (warm, dirty, unallocated) when the round opened
-    asked: Counter = field(default_factory=Counter)  # tenant name -> bytes asked
-    answered: Counter = field(default_factory=Counter)  # tenant name -> bytes given back
-    by_mode: Counter = field(default_factory=Counter)  # reserve | shrink -> bytes given back
-    granted: int = 0  # bytes granted to the round's waiters
-    waiters: int = 0
-    served: int = 0
-    failed: int = 0
-
-
-@dataclass
-class Snapshot:
-    """The daemon's state at one moment between two requests (built on the loop)."""
-
-    taken: float
-    pool: p.PoolInfo
-    tenants: list[p.TenantInfo]
-    counters: dict
-    hists: dict[str, Hist]
-    requests: int
-    errors: int
-    refused: int
-    waiters: int
-    uptime_s: float
-    events: int
-    build_s: float = 0.0  # time the loop spent building it
+def _replace(obj: object, name: str, fn: Callable[..., Any]) -> None:
+    """Put ``fn`` in place of ``obj.name`` on this instance (an observing wrapper; the
+    class and its other instances are untouched)."""
+    setattr(obj, name, fn)
 
 
 class Observer:
-    def __init__(self, server):
+    def __init__(self, server: Server):
         self.server = server
-        self.a = server.arbiter
-        self.ps = self.a.page_size
-        self.counts: Counter = Counter()
+        self.arbiter = server.arbiter
+        self.ps = self.arbiter.page_size
+        self.counts: Counter[Any] = Counter()
         self.hists = {k: Hist(b) for k, b in HISTOGRAMS.items()}
         self._waiting: dict[tuple[int, int], tuple[float, int, str]] = {}  # (tenant, req id) -> (t0, pages, op)
-        self._answered: Counter = Counter()  # tenant id -> pages released since its ask
+        self._answered: Counter[int] = Counter()  # tenant id -> pages released since its ask
         self.round: Round | None = None
         self._errors_seen = 0  # error replies the arbiter produced (the rest: the server's)
         self._refused = 0
@@ -109,17 +65,18 @@ class Observer:
         self._ready = threading.Event()
         self._snap_lock = threading.Lock()
         self.last: Snapshot | None = None
-        self.exporter = None  # metrics.Exporter when configured
+        self.exporter: Exporter | None = None  # when configured
         self._wrap()
-        server._watch(self._wake_r, self._on_wake)
+        server.watch(self._wake_r, self._on_wake)
 
     # ---- hooks ------------------------------------------------------------------------
     def _wrap(self) -> None:
-        a, r = self.a, self.a.reclaimer
+        a, r = self.arbiter, self.arbiter.reclaimer
         handle, tick, drop = a.handle, a.tick, a.drop
         unsolicited, released = a.unsolicited, r.released
 
-        def on_handle(identity, req, envelope=None):
+        def on_handle(identity: bytes, req: p.Request,
+                      envelope: list[bytes] | None = None) -> Outcome:
             t = a.tenants.by_token.get(req.token) if req.token else None
             before = t.granted if t is not None else 0
             t0 = time.perf_counter()
@@ -127,48 +84,51 @@ class Observer:
             self._guard(self._handled, req, out, time.perf_counter() - t0, before, t)
             return out
 
-        def on_tick(now=None):
+        def on_tick(now: float | None = None) -> list[Outcome]:
             outs = tick(now)
             if outs or self.round is not None:
                 self._guard(self._ticked, outs)
             return outs
 
-        def on_drop(t, why):
+        def on_drop(t: TenantRecord, why: str) -> None:
             held, arbitrated, t0 = t.held, t.arbitrated, time.perf_counter()
             drop(t, why)
             self._guard(self._dropped, t, why, held, arbitrated, time.perf_counter() - t0)
 
-        def on_unsolicited(t, msg):
+        def on_unsolicited(t: TenantRecord, msg: p.Reply) -> None:
             unsolicited(t, msg)
             if isinstance(msg, p.Reclaim):
                 self._guard(self._asked, t, msg)
 
-        def on_released(t, pages):
+        def on_released(t: TenantRecord, pages: int) -> None:
             ask = t.ask
             released(t, pages)
             if ask is not None:
                 self._guard(self._gave_back, t, pages, ask.mode)
 
-        a.handle, a.tick, a.drop, a.unsolicited, r.released = (
-            on_handle, on_tick, on_drop, on_unsolicited, on_released)
-        a._handlers[p.Events] = self._events_request
+        for obj, name, fn in ((a, "handle", on_handle), (a, "tick", on_tick),
+                              (a, "drop", on_drop), (a, "unsolicited", on_unsolicited),
+                              (r, "released", on_released)):
+            _replace(obj, name, fn)
+        a.add_handler(p.Events, self._events_request)
 
     @staticmethod
-    def _guard(fn, *args) -> None:
+    def _guard(fn: Callable[..., None], *args: Any) -> None:
         try:
             fn(*args)
         except Exception:  # observing must never change what the daemon does
             log.exception("recording %s failed", fn.__name__)
 
-    def _handled(self, req, out, dt: float, before: int, sender) -> None:
+    def _handled(self, req: p.Request, out: Outcome, dt: float, before: int,
+                 sender: TenantRecord | None) -> None:
         t, reply = out.tenant or sender, out.reply
         if out.deferred:
-            if isinstance(req, (p.Grant, p.Lease)):
+            if isinstance(req, (p.Grant, p.Lease)) and t is not None:
                 self._wait_began(t, req)
             return
         if isinstance(reply, p.Error):
             spec = bool(getattr(req, "speculative", False))
-            self._error(t, "speculative" if spec else req.__struct_config__.tag, reply, None)
+            self._error(t, "speculative" if spec else _op(req), reply, None)
         elif isinstance(reply, p.Granted):
             self.counts["grants"] += 1
             self.counts["grant_pages"] += reply.nfds
@@ -190,32 +150,35 @@ class Observer:
             self.events.record("limit", None, 0, tenants=[req.tenant], **change)
         self._close_round()
 
-    def _error(self, t, op: str, reply: p.Error, waited: float | None) -> None:
+    def _error(self, t: TenantRecord | None, op: str, reply: p.Error,
+               waited: float | None) -> None:
         self._errors_seen += 1
         self.counts["answers", reply.code] += 1
         if reply.code in (p.BAD_REQUEST, p.UNAUTHORIZED):
             self._refused += 1
         if op in ("grant", "lease") and reply.code in (p.NO_MEMORY, p.OVER_LIMIT):
-            detail = {"code": reply.code, "request": op, "message": reply.message[:200]}
+            detail: dict[str, Any] = {"code": reply.code, "request": op,
+                                      "message": reply.message[:200]}
             if waited is not None:
                 detail["waited_s"] = round(waited, 6)
             self.events.record("deny", t, 0, **detail)
 
-    def _wait_began(self, t, req) -> None:
-        w = self.a.reclaimer.waiters[-1] if self.a.reclaimer.waiters else None
+    def _wait_began(self, t: TenantRecord, req: p.Grant | p.Lease) -> None:
+        w = self.arbiter.reclaimer.waiters[-1] if self.arbiter.reclaimer.waiters else None
         pages = w.pages if w is not None and w.req is req else 0
         now = time.monotonic()
-        self._waiting[(t.id, req.id)] = (now, pages, req.__struct_config__.tag)
+        self._waiting[(t.id, req.id)] = (now, pages, _op(req))
         self.counts["waits"] += 1
         if self.round is None:
-            self.round = Round(start=now, free_at_start=self.a.pool.available * self.ps)
+            self.round = Round(start=now, free_at_start=self.arbiter.pool.available * self.ps)
         self.round.waiters += 1
-        self.events.record("wait", t, pages * self.ps, request=req.__struct_config__.tag)
+        self.events.record("wait", t, pages * self.ps, request=_op(req))
 
-    def _ticked(self, outs) -> None:
+    def _ticked(self, outs: list[Outcome]) -> None:
         now = time.monotonic()
         for o in outs:
             t, reply = o.tenant, o.reply
+            assert t is not None and reply is not None  # tick's outcomes have both
             t0, pages, op = self._waiting.pop((t.id, reply.id), (now, 0, ""))
             waited = now - t0
             rnd = self.round
@@ -239,7 +202,7 @@ class Observer:
                                    grew=pages * self.ps)
         self._close_round()
 
-    def _asked(self, t, msg: p.Reclaim) -> None:
+    def _asked(self, t: TenantRecord, msg: p.Reclaim) -> None:
         self.counts["asks", msg.mode] += 1
         self._answered[t.id] = 0
         if self.round is not None:
@@ -247,7 +210,7 @@ class Observer:
         self.events.record("ask", t, msg.bytes, mode=msg.mode, urgent=msg.urgent,
                            reason=msg.reason, seq=msg.seq)
 
-    def _gave_back(self, t, pages: int, mode: str) -> None:
+    def _gave_back(self, t: TenantRecord, pages: int, mode: str) -> None:
         nbytes = pages * self.ps
         self._answered[t.id] += pages
         self.counts["reclaimed_bytes", t.name, mode] += nbytes
@@ -255,7 +218,8 @@ class Observer:
             self.round.answered[t.name] += nbytes
             self.round.by_mode[mode] += nbytes
 
-    def _dropped(self, t, why: str, held: int, arbitrated: bool, dt: float) -> None:
+    def _dropped(self, t: TenantRecord, why: str, held: int, arbitrated: bool,
+                 dt: float) -> None:
         self.events.forget(t.id)
         self._answered.pop(t.id, None)
         for key in [k for k in self._waiting if k[0] == t.id]:
@@ -270,7 +234,7 @@ class Observer:
 
     def _close_round(self) -> None:
         rnd = self.round
-        if rnd is None or self.a.reclaimer.waiters:
+        if rnd is None or self.arbiter.reclaimer.waiters:
             return
         self.round = None
         dt = time.monotonic() - rnd.start
@@ -289,10 +253,9 @@ class Observer:
             tenants=sorted(set(rnd.asked) | set(rnd.answered)))
 
     # ---- the Events request --------------------------------------------------------
-    def _events_request(self, t, identity, r: p.Events):
-        from kvpool.daemon.arbiter import Outcome
-
-        reply = self.events.request(t.id, self.a._envelope, r)
+    def _events_request(self, t: TenantRecord, identity: bytes,
+                        r: p.Events) -> p.Reply | Outcome:
+        reply = self.events.request(t.id, self.arbiter.envelope, r)
         if reply is None:
             return Outcome(None, tenant=t, deferred=True)
         return reply
@@ -311,14 +274,14 @@ class Observer:
             self._want = False
             self.last = self.snapshot()
             self._ready.set()
-        live = self.a.tenants.by_id
+        live = self.arbiter.tenants.by_id
         for tid in [tid for tid in self.events.followers if tid not in live]:
             self.events.forget(tid)
-        self.events.flush(self.server._reply)
+        self.events.flush(self.server.reply)
 
     def snapshot(self) -> Snapshot:
         """The state now (loop thread only)."""
-        a = self.a
+        a = self.arbiter
         t0 = time.perf_counter()
         refused = self._refused + max(0, a.errors - self._errors_seen)
         snap = Snapshot(
@@ -330,21 +293,22 @@ class Observer:
         snap.build_s = time.perf_counter() - t0
         return snap
 
-    def snapshot_from_loop(self, timeout_s: float = 2.0) -> Snapshot | None:
+    def snapshot_from_loop(self, timeout_s: float | None = None) -> Snapshot | None:
         """From any other thread: a snapshot built by the loop at its next turn (or the
         last one, when the loop does not get to it within ``timeout_s``)."""
         with self._snap_lock:
             self._ready.clear()
             self._want = True
             self._poke()
-            self._ready.wait(timeout_s)
+            self._ready.wait(self.server.cfg.snapshot_timeout_s if timeout_s is None
+                             else timeout_s)
             return self.last
 
     def close(self) -> None:
         if self.exporter is not None:
             self.exporter.close()
             self.exporter = None
-        self.server._unwatch(self._wake_r)
+        self.server.unwatch(self._wake_r)
         self._ready.set()
         fds, self._wake_r, self._wake_w = (self._wake_r, self._wake_w), -1, -1
         for fd in fds:
@@ -352,18 +316,18 @@ class Observer:
                 os.close(fd)
 
 
-def attach(server) -> Observer:
+def attach(server: Server) -> Observer:
     """Observe ``server``'s arbiter; serve ``/metrics`` when its config names an address
     (a refused or unusable address is a ``StartupError``)."""
     from kvpool.daemon import metrics
     from kvpool.daemon.server import StartupError
 
     obs = Observer(server)
-    address = getattr(server.cfg, "metrics_address", None)
+    address = server.cfg.metrics_address
     if address:
         try:
             host, port = metrics.parse_address(address, bool(
-                getattr(server.cfg, "metrics_allow_remote", False)))
+                server.cfg.metrics_allow_remote))
             obs.exporter = metrics.Exporter(obs, host, port)
         except (ValueError, OSError) as e:
             obs.close()

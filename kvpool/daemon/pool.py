@@ -43,8 +43,8 @@ from kvpool.vmm import Backend, Page, VmmError
 log = logging.getLogger("kvpool.daemon.pool")
 
 
-class NoMemory(Exception):
-    """The budget (or the device) cannot supply the pages asked for."""
+class PoolExhausted(Exception):
+    """The budget (or the device) cannot supply the pages asked (answered ``NO_MEMORY``)."""
 
 
 @dataclass(eq=False)
@@ -104,7 +104,7 @@ class Pool:
         """``n`` pages for ``tenant`` (all or none): its own released pages first, then
         fresh ones (warm, else created now, retiring others' released pages for room)."""
         if n > self.available:
-            raise NoMemory(
+            raise PoolExhausted(
                 f"{n} pages asked, {self.available} available (budget {self.budget_pages}, "
                 f"granted {self.granted}, retained {len(self.retained)})"
             )
@@ -120,11 +120,11 @@ class Pool:
                     self._retire(next(iter(self.dirty)))  # room for a fresh page
                     continue
                 fresh.append(self._create())
-        except (VmmError, OSError, NoMemory) as e:
+        except (VmmError, OSError, PoolExhausted) as e:
             for pfn in own:  # roll back: nothing was exported by this call
                 self._dirty(pfn, tenant)
             self.warm.extend(reversed(fresh))
-            raise NoMemory(f"could not supply {n} pages: {e}") from e
+            raise PoolExhausted(f"could not supply {n} pages: {e}") from e
         out = own + fresh
         for pfn in out:
             self.owner[pfn] = tenant
@@ -190,13 +190,13 @@ class Pool:
         """Count ``n`` more pages as leased, retiring dirty and destroying warm pages to
         make room."""
         if n > self.available:
-            raise NoMemory(f"{n} pages asked for a lease, {self.available} available")
+            raise PoolExhausted(f"{n} pages asked for a lease, {self.available} available")
         while self.free < n and self.dirty:
             self._retire(next(iter(self.dirty)))
         while self.free < n and self.warm:
             self._destroy(self.warm.pop(0))
         if self.free < n:  # retired pages were still referenced
-            raise NoMemory(f"{n} pages asked for a lease, {self.free} free "
+            raise PoolExhausted(f"{n} pages asked for a lease, {self.free} free "
                            f"({len(self.retained)} retained pages still referenced)")
         self.leased += n
 
@@ -205,26 +205,16 @@ class Pool:
 
     def adopt(self, page: Page, tenant: int) -> int:
         """Take ownership of a page a tenant still maps after a daemon restart."""
-        pfn = self._next_pfn
-        self._next_pfn += 1
-        self.pages[pfn] = page
+        pfn = self._hold(page)
         self.owner[pfn] = tenant
         return pfn
 
-    def page_keys(self) -> set[tuple[int, int]]:
-        """``(st_dev, st_ino)`` of every page this pool holds (host backend only)."""
-        if self.backend.name != "host":
-            return set()
-        return {self.page_key_of_fd(page.handle) for page in self.pages.values()}  # type: ignore[misc]
-
-    def page_key_of_fd(self, fd: int) -> tuple[int, int] | None:
-        """The identity of a page descriptor (host: its memfd inode), to refuse duplicates."""
-        if self.backend.name != "host":
-            return None
-        import os
-
-        st = os.fstat(fd)
-        return (st.st_dev, st.st_ino)
+    def _hold(self, page: Page) -> int:
+        """Give ``page`` the next pfn (it is in ``pages``, nowhere else yet)."""
+        pfn = self._next_pfn
+        self._next_pfn += 1
+        self.pages[pfn] = page
+        return pfn
 
     def _new_page(self) -> Page:
         """A fresh page, zeroed (a fresh memfd reads zeros; device memory may not)."""
@@ -239,11 +229,8 @@ class Pool:
 
     def _create(self) -> int:
         if self.free <= 0:
-            raise NoMemory("budget exhausted")
-        page = self._new_page()
-        pfn = self._next_pfn
-        self._next_pfn += 1
-        self.pages[pfn] = page
+            raise PoolExhausted("budget exhausted")
+        pfn = self._hold(self._new_page())
         self.created += 1
         return pfn
 
@@ -280,7 +267,7 @@ class Pool:
         while len(self.warm) < self._warm_target() and time.monotonic() < deadline:
             try:
                 pfn = self._create()
-            except (VmmError, OSError, NoMemory) as e:
+            except (VmmError, OSError, PoolExhausted) as e:
                 log.warning("warm pool refill stopped: %s", e)
                 self.warm_min = len(self.warm)
                 break
@@ -293,11 +280,8 @@ class Pool:
         except (VmmError, OSError) as e:
             log.warning("could not create a fresh page: %s", e)
             return False
-        pfn = self._next_pfn
-        self._next_pfn += 1
-        self.pages[pfn] = page
         self.renewed += 1
-        self.warm.insert(0, pfn)
+        self.warm.insert(0, self._hold(page))
         return True
 
     def _destroy(self, pfn: int) -> None:

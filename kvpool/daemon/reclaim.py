@@ -29,11 +29,11 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, AbstractSet
 
 from kvpool import protocol as p
 from kvpool.daemon.fairshare import Claim, fair_shares, may_grow, reclaim_plan
-from kvpool.daemon.tenants import Tenant
+from kvpool.daemon.tenants import TenantRecord
 
 log = logging.getLogger("kvpool.daemon.reclaim")
 
@@ -41,16 +41,16 @@ if TYPE_CHECKING:
     from kvpool.daemon.arbiter import Arbiter
 
 
-# A tenant that answered a shrink short is not asked again for this long (others are);
-# short enough that a waiter does not sit out most of its deadline behind one round.
-SHORT_BACKOFF_S = 0.5
+# A tenant that answered a shrink short is not asked again for ``short_backoff_s``
+# (Config; others are asked first): short enough that a waiter does not sit out most of
+# its deadline behind one round.
 
 
 @dataclass(eq=False)
 class Waiter:
     """A grant or lease growth queued until ``pages`` are free (or ``deadline``)."""
 
-    tenant: Tenant
+    tenant: TenantRecord
     envelope: list[bytes]
     req: p.Request  # p.Grant or p.Lease
     pages: int
@@ -70,9 +70,10 @@ class Ask:
 
 
 class Reclaimer:
-    def __init__(self, arbiter: "Arbiter", timeout_s: float):
-        self.a = arbiter
+    def __init__(self, arbiter: "Arbiter", timeout_s: float, short_backoff_s: float = 0.5):
+        self.arbiter = arbiter
         self.timeout_s = timeout_s
+        self.short_backoff_s = short_backoff_s
         self.waiters: list[Waiter] = []
         self._seq = 0
 
@@ -83,29 +84,29 @@ class Reclaimer:
 
     @property
     def asked_pages(self) -> int:
-        return sum(t.ask.pages for t in self.a.tenants if t.ask is not None)  # type: ignore[attr-defined]
+        return sum(t.ask.pages for t in self.arbiter.tenants if t.ask is not None)
 
-    def wait(self, t: Tenant, envelope: list[bytes], req: p.Request, pages: int, now: float) -> None:
+    def wait(self, t: TenantRecord, envelope: list[bytes], req: p.Request, pages: int, now: float) -> None:
         self.waiters.append(Waiter(t, envelope, req, pages, now + self.timeout_s))
         t.waiting_pages += pages
 
-    def released(self, t: Tenant, pages: int) -> None:
+    def released(self, t: TenantRecord, pages: int) -> None:
         """``t`` gave back ``pages``: they count towards its outstanding ask."""
         ask = t.ask
         if ask is not None:
-            ask.pages -= pages  # type: ignore[attr-defined]
+            ask.pages -= pages
 
-    def answered(self, t: Tenant, seq: int, now: float) -> None:
+    def answered(self, t: TenantRecord, seq: int, now: float) -> None:
         """The tenant finished handling reclaim ``seq`` (a :class:`~p.Reclaimed`)."""
         ask = t.ask
-        if ask is None or ask.seq != seq:  # type: ignore[attr-defined]
+        if ask is None or ask.seq != seq:
             return
-        if ask.pages > 0 and ask.mode == "shrink":  # type: ignore[attr-defined]
-            t.short_until = now + min(self.timeout_s, SHORT_BACKOFF_S)  # ask others first
+        if ask.pages > 0 and ask.mode == "shrink":
+            t.short_until = now + min(self.timeout_s, self.short_backoff_s)  # ask others first
         t.ask = None
         t.unresponsive = False
 
-    def forget(self, t: Tenant) -> list[Waiter]:
+    def forget(self, t: TenantRecord) -> list[Waiter]:
         """``t`` is gone: its waiters are dropped (nobody to answer)."""
         gone = [w for w in self.waiters if w.tenant is t]
         self.waiters = [w for w in self.waiters if w.tenant is not t]
@@ -113,17 +114,17 @@ class Reclaimer:
         return gone
 
     # ---- policy inputs ------------------------------------------------------------------
-    def claims(self, extra: tuple[Tenant, int] | None = None, protect: set[int] = frozenset()
+    def claims(self, extra: tuple[TenantRecord, int] | None = None, protect: AbstractSet[int] = frozenset()
                ) -> list[Claim]:
         """Every arbitrated tenant as the fair-share policy sees it (bytes). ``extra``
         adds a request's pages to a tenant's demand; tenants in ``protect`` (ids) are
         pinned at what they hold (their floor is raised to it)."""
-        ps = self.a.page_size
+        ps = self.arbiter.page_size
         out = []
-        for t in self.a.tenants:
+        for t in self.arbiter.tenants:
             if not t.arbitrated:
                 continue
-            held = t.held - (t.ask.pages if t.ask is not None else 0)  # type: ignore[attr-defined]
+            held = t.held - (t.ask.pages if t.ask is not None else 0)
             held = max(held, 0)
             demand = held + t.waiting_pages + (extra[1] if extra and extra[0] is t else 0)
             floor = max(t.min_pages, t.lease_pages)  # a lease is never reclaimed
@@ -135,18 +136,18 @@ class Reclaimer:
 
     def shares(self) -> dict[int, int]:
         """Each arbitrated tenant's weighted fair share now (bytes), by tenant id."""
-        got = fair_shares(self.a.budget, self.claims(), self.a.page_size)
+        got = fair_shares(self.arbiter.budget, self.claims(), self.arbiter.page_size)
         return {int(k): v for k, v in got.items()}
 
-    def may_grow(self, t: Tenant, pages: int, lease: bool = False) -> bool:
+    def may_grow(self, t: TenantRecord, pages: int, lease: bool = False) -> bool:
         """Whether ``t`` may take ``pages`` more by reclaiming from others: up to its fair
         share; a lease may take everything above the others' floors (``min``, leases)."""
-        ps = self.a.page_size
+        ps = self.arbiter.page_size
         if lease:
-            floors = sum(max(x.min_pages, x.lease_pages) for x in self.a.tenants
+            floors = sum(max(x.min_pages, x.lease_pages) for x in self.arbiter.tenants
                          if x.arbitrated and x is not t)
-            return t.held + t.waiting_pages + pages <= self.a.budget // ps - floors
-        return may_grow(self.a.budget, self.claims(extra=(t, pages)), str(t.id), pages * ps, ps)
+            return t.held + t.waiting_pages + pages <= self.arbiter.budget // ps - floors
+        return may_grow(self.arbiter.budget, self.claims(extra=(t, pages)), str(t.id), pages * ps, ps)
 
     # ---- the step ---------------------------------------------------------------------
     def step(self, now: float) -> list[tuple[Waiter, p.Reply | None]]:
@@ -155,7 +156,7 @@ class Reclaimer:
         ``(waiter, error reply)``."""
         done: list[tuple[Waiter, p.Reply | None]] = []
         self._expire_asks(now)
-        avail = self.a.pool.available
+        avail = self.arbiter.pool.available
         while self.waiters:
             w = self.waiters[0]
             if w.tenant.held + w.pages > w.tenant.cap_pages:
@@ -184,59 +185,60 @@ class Reclaimer:
         reserves do not cover ``need``. Asking a tenant for its reserve alone and only
         then for more would let a busy tenant, whose reserve refills as requests finish,
         answer reserve asks forever while the waiter starves."""
-        reserves = self._plan_reserves(need)
+        reserves = self._plan_reserve_asks(need)
         rest = need - sum(reserves.values())
-        shrinks, urgent = self._plan_shrink(rest, now) if rest > 0 else ({}, False)
+        shrinks, urgent = self._plan_shrink_asks(rest, now) if rest > 0 else ({}, False)
         victims = {t.id: t for t in self._victims()}
         for tid in sorted(set(reserves) | set(shrinks)):
             pages = reserves.get(tid, 0) + shrinks.get(tid, 0)
             if tid in shrinks:
-                self._send(victims[tid], pages, "shrink", urgent, "fair share", now)
+                self._send_ask(victims[tid], pages, "shrink", urgent, "fair share", now)
             else:
-                self._send(victims[tid], pages, "reserve", False, "reserve", now)
+                self._send_ask(victims[tid], pages, "reserve", False, "reserve", now)
 
     def _pop(self, w: Waiter) -> None:
         self.waiters.remove(w)
         w.tenant.waiting_pages -= w.pages
 
     def _expire_asks(self, now: float) -> None:
-        for t in self.a.tenants:
+        for t in self.arbiter.tenants:
             ask = t.ask
             if ask is None:
                 continue
-            if ask.pages <= 0:  # type: ignore[attr-defined]
+            if ask.pages <= 0:
                 t.ask = None  # satisfied (its Reclaimed, if any, finds nothing to clear)
                 t.unresponsive = False
                 continue
-            if ask.deadline <= now:  # type: ignore[attr-defined]
+            if ask.deadline <= now:
                 t.ask = None
-                if ask.pages > 0:  # type: ignore[attr-defined]
+                if ask.pages > 0:
                     t.ignored += 1
                     t.unresponsive = t.held > t.min_pages
-                    self.a.log_ignored(t, ask)
+                    self.arbiter.log_ignored(t, ask)
 
-    def _send(self, t: Tenant, pages: int, mode: str, urgent: bool, reason: str, now: float) -> None:
+    def _send_ask(self, t: TenantRecord, pages: int, mode: str, urgent: bool, reason: str,
+                  now: float) -> None:
         self._seq += 1
         log.debug("reclaim %d: %s asked for %d pages (%s%s, %s)", self._seq, t.name, pages,
                   mode, ", urgent" if urgent else "", reason)
         t.ask = Ask(self._seq, pages, mode, urgent, now + self.timeout_s, reason)
-        self.a.unsolicited(t, p.Reclaim(
-            bytes=pages * self.a.page_size, reason=reason, seq=self._seq, mode=mode,
+        self.arbiter.unsolicited(t, p.Reclaim(
+            bytes=pages * self.arbiter.page_size, reason=reason, seq=self._seq, mode=mode,
             urgent=urgent, deadline_ms=int(self.timeout_s * 1000)))
 
     def _enforce_limits(self, now: float) -> None:
         """Tenants above their (lowered) limit shrink now, idle or not."""
-        for t in self.a.tenants:
+        for t in self.arbiter.tenants:
             excess = t.granted - max(0, t.max_pages - t.lease_pages)
             if excess > 0 and t.ask is None and t.arbitrated:
-                self._send(t, excess, "shrink", True, "limit", now)
+                self._send_ask(t, excess, "shrink", True, "limit", now)
 
-    def _victims(self) -> list[Tenant]:
+    def _victims(self) -> list[TenantRecord]:
         waiting = {w.tenant.id for w in self.waiters}
-        return [t for t in self.a.tenants
+        return [t for t in self.arbiter.tenants
                 if t.arbitrated and t.ask is None and t.id not in waiting]
 
-    def _plan_reserves(self, need: int) -> dict[int, int]:
+    def _plan_reserve_asks(self, need: int) -> dict[int, int]:
         plan: dict[int, int] = {}
         for t in sorted(self._victims(), key=lambda t: -t.reserve_pages):
             if need <= 0:
@@ -248,11 +250,11 @@ class Reclaimer:
             need -= plan[t.id]
         return plan
 
-    def _plan_shrink(self, need: int, now: float) -> tuple[dict[int, int], bool]:
-        ps = self.a.page_size
+    def _plan_shrink_asks(self, need: int, now: float) -> tuple[dict[int, int], bool]:
+        ps = self.arbiter.page_size
         victims = {t.id: t for t in self._victims() if t.short_until <= now}
-        protect = {t.id for t in self.a.tenants if t.id not in victims}
-        plan = reclaim_plan(self.a.budget, self.claims(protect=protect), need * ps, ps)
+        protect = {t.id for t in self.arbiter.tenants if t.id not in victims}
+        plan = reclaim_plan(self.arbiter.budget, self.claims(protect=protect), need * ps, ps)
         urgent = any(w.deadline - now < self.timeout_s / 2 for w in self.waiters)
         asked: dict[int, int] = {}
         for name, nbytes in plan:
@@ -272,5 +274,5 @@ class Reclaimer:
 
     def next_deadline(self) -> float | None:
         times = [w.deadline for w in self.waiters]
-        times += [t.ask.deadline for t in self.a.tenants if t.ask is not None]  # type: ignore[attr-defined]
+        times += [t.ask.deadline for t in self.arbiter.tenants if t.ask is not None]
         return min(times) if times else None

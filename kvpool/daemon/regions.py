@@ -16,7 +16,10 @@ from dataclasses import dataclass, field
 
 
 @dataclass(eq=False)
-class Group:
+class GroupRecord:
+    """The daemon's page table of one region group (the client maps the group's
+    regions: ``kvpool.client_lib.RegionGroup``)."""
+
     id: int
     tenant: int
     n_regions: int
@@ -48,7 +51,9 @@ class Group:
     def release_all(self) -> list[int]:
         return self.release(list(self.units))
 
-    def report(self, in_use: int | None, reserve: list[int] | None) -> None:
+    def record_usage(self, in_use: int | None, reserve: list[int] | None) -> None:
+        """Store what the client reports: bytes in use, units held as idle reserve
+        (only units the table holds; ``None`` leaves a value as it is)."""
         if in_use is not None:
             self.in_use = in_use
         if reserve is not None:
@@ -65,11 +70,11 @@ class Group:
         """The table run-length encoded: ``(start, length, reserve)`` for each stretch
         of consecutive mapped units of one state; unmapped stretches are left out.
         O(mapped units), whatever the group's virtual size."""
-        out: list[list] = []
+        out: list[list[int]] = []  # [start, length, reserve (0/1)]
         for u in sorted(self.units):
             res = u in self.reserve
-            if out and out[-1][0] + out[-1][1] == u and out[-1][2] == res:
+            if out and out[-1][0] + out[-1][1] == u and out[-1][2] == int(res):
                 out[-1][1] += 1
             else:
-                out.append([u, 1, res])
-        return [(a, b, c) for a, b, c in out]
+                out.append([u, 1, int(res)])
+        return [(a, b, bool(c)) for a, b, c in out]

@@ -11,14 +11,21 @@ from __future__ import annotations
 import socket
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterator
 
-from kvpool.daemon.regions import Group
+from kvpool.daemon.regions import GroupRecord
+
+if TYPE_CHECKING:
+    from kvpool.daemon.reclaim import Ask
 
 NO_MEMORY_KINDS = ("monitor", "admin")  # session kinds that hold no memory (daemon-enforced)
 
 
 @dataclass(eq=False)
-class Tenant:
+class TenantRecord:
+    """The daemon's record of one session (the client's session object is
+    ``kvpool.client_lib.Tenant``)."""
+
     id: int
     token: str
     pid: int
@@ -35,12 +42,12 @@ class Tenant:
     min_pages: int = 0  # guaranteed: never reclaimed
     max_pages: int = 0  # hard limit
     weight: float = 1.0  # share of contended memory
-    groups: dict[int, Group] = field(default_factory=dict)
+    groups: dict[int, GroupRecord] = field(default_factory=dict)
     granted: int = 0  # pages in this tenant's tables (sum over groups)
     lease_pages: int = 0  # pages leased (no table: the tenant's own allocator uses them)
     since: float = field(default_factory=time.monotonic)
     # reclaim state (see kvpool.daemon.reclaim)
-    ask: object | None = None  # the outstanding Ask, if any
+    ask: Ask | None = None  # the outstanding ask, if any
     short_until: float = 0.0  # answered a shrink short: not asked to shrink before this
     ignored: int = 0  # asks that expired unanswered
     unresponsive: bool = False  # capped at min_pages until it answers a reclaim
@@ -74,7 +81,7 @@ class Tenant:
     def in_use_bytes(self, page_size: int) -> int:
         reported = [g.in_use for g in self.groups.values()]
         if reported and all(r is not None for r in reported):
-            return sum(reported)  # type: ignore[arg-type]
+            return sum(r for r in reported if r is not None)
         return self.in_use_pages * page_size
 
 
@@ -82,27 +89,27 @@ class Tenants:
     """Indexes over live tenants: by id, by session token, by fd-channel fileno."""
 
     def __init__(self) -> None:
-        self.by_id: dict[int, Tenant] = {}
-        self.by_token: dict[str, Tenant] = {}
-        self.by_fileno: dict[int, Tenant] = {}
+        self.by_id: dict[int, TenantRecord] = {}
+        self.by_token: dict[str, TenantRecord] = {}
+        self.by_fileno: dict[int, TenantRecord] = {}
         self._next_id = 1
 
-    def add(self, **kw) -> Tenant:
-        t = Tenant(id=self._next_id, **kw)
+    def add(self, **kw: Any) -> TenantRecord:
+        t = TenantRecord(id=self._next_id, **kw)
         self._next_id += 1
         self.by_id[t.id] = t
         self.by_token[t.token] = t
         self.by_fileno[t.conn.fileno()] = t
         return t
 
-    def remove(self, t: Tenant) -> None:
+    def remove(self, t: TenantRecord) -> None:
         self.by_id.pop(t.id, None)
         self.by_token.pop(t.token, None)
         for fd, other in list(self.by_fileno.items()):
             if other is t:
                 del self.by_fileno[fd]
 
-    def named(self, name: str) -> list[Tenant]:
+    def named(self, name: str) -> list[TenantRecord]:
         """Memory-holding tenants called ``name`` (monitor and admin sessions claim no
         name). At most one is registered at a time (the arbiter refuses a second)."""
         return [t for t in self.by_id.values() if t.name == name and t.arbitrated]
@@ -110,13 +117,13 @@ class Tenants:
     def count_uid(self, uid: int) -> int:
         return sum(1 for t in self.by_id.values() if t.uid == uid)
 
-    def find(self, key: str) -> list[Tenant]:
+    def find(self, key: str) -> list[TenantRecord]:
         """Tenants whose name is ``key``, or whose id is ``key``."""
         if key.isdigit() and int(key) in self.by_id:
             return [self.by_id[int(key)]]
         return self.named(key)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[TenantRecord]:
         return iter(list(self.by_id.values()))
 
     def __len__(self) -> int:

@@ -14,19 +14,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from kvpool.daemon import server  # noqa: E402
+from kvpool.daemon import fdsessions, server  # noqa: E402
 
 
 def inject(fault: str, trigger: Path) -> None:
     if fault == "read":
-        real_read = server.Server._read
+        real_read = fdsessions.FdSessions.read
 
         def read(self, t):
             if t.name == "boom":
                 raise RuntimeError("injected fault while reading boom's fd channel")
             return real_read(self, t)
 
-        server.Server._read = read
+        fdsessions.FdSessions.read = read
     elif fault == "crash":
         real_turn = server.Server.turn
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import itertools
 import os
-import resource
 
 import psutil
 import zmq
 
 from kvpool import fdchannel, paths
 from kvpool import protocol as p
+from kvpool.limits import raise_fd_limit
 
 
 class RawPeer:
@@ -73,10 +73,7 @@ def daemon_usage(pid: int) -> tuple[int, int]:
 
 def allow_fds(n: int) -> None:
     """Let this test process hold ``n`` descriptors (up to the hard limit)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = min(hard, max(soft, n))
-    if want > soft:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    raise_fd_limit(n)
 
 
 def pid_alive(pid: int) -> bool:

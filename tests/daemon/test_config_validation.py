@@ -122,7 +122,7 @@ def test_good_values_start_the_daemon(run_dir):
 
 def test_config_schema_units():
     with pytest.raises(ConfigError) as e:
-        Config.from_dict({"tick_s": math.inf, "recover_timeout_s": math.nan,
+        Config.from_dict({"idle_work_s": math.inf, "recover_timeout_s": math.nan,
                           "warm_min": "16q", "default_max": "0%"})
     assert len(e.value.problems) == 4, e.value.problems
     cfg = Config.from_dict({"recover_timeout_s": 0, "budget": "50%", "socket_mode": "660"})

@@ -11,7 +11,7 @@ from kvpool import protocol as p
 from kvpool.daemon.arbiter import Arbiter
 from kvpool.daemon.config import Config
 from kvpool.daemon.pool import Pool
-from kvpool.daemon.regions import Group
+from kvpool.daemon.regions import GroupRecord
 from kvpool.vmm.host import HostBackend
 
 PAGE = 64 << 10
@@ -44,7 +44,7 @@ def arb():
 def test_integrity_flags_a_monitor_that_holds_memory(arb):
     m, _ = arb.tenant("watch", kind="monitor")
     assert arb.check_integrity() == []
-    m.groups[99] = Group(id=99, tenant=m.id, n_regions=1, npages=1)
+    m.groups[99] = GroupRecord(id=99, tenant=m.id, n_regions=1, npages=1)
     arb.groups[99] = m.groups[99]
     assert any("monitor session" in x for x in arb.check_integrity())
 
@@ -56,18 +56,18 @@ def test_integrity_flags_an_index_mismatch_and_ids_out_of_range(arb):
     del arb.groups[g.group]
     assert any("group index" in x for x in arb.check_integrity())
     arb.groups[g.group] = t.groups[g.group]
-    big = Group(id=p.MAX_GROUP_ID + 1, tenant=t.id, n_regions=1, npages=1)
+    big = GroupRecord(id=p.MAX_GROUP_ID + 1, tenant=t.id, n_regions=1, npages=1)
     t.groups[big.id] = arb.groups[big.id] = big
     assert any("outside 1.." in x for x in arb.check_integrity())
 
 
 def test_group_ids_wrap_within_range_and_skip_live_ones(arb):
     t, ident = arb.tenant("a")
-    arb._next_group = p.MAX_GROUP_ID
+    arb.next_group = p.MAX_GROUP_ID
     ids = [arb.handle(ident, p.CreateGroup(id=i, token=t.token, n_regions=1,
                                            capacity=PAGE)).reply.group for i in range(3)]
     assert ids == [p.MAX_GROUP_ID, 1, 2]
-    arb._next_group = 1  # 1 and 2 are live: skipped
+    arb.next_group = 1  # 1 and 2 are live: skipped
     assert arb.handle(ident, p.CreateGroup(id=9, token=t.token, n_regions=1,
                                            capacity=PAGE)).reply.group == 3
 

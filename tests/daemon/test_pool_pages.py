@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from kvpool.daemon.pool import NoMemory, Pool
+from kvpool.daemon.pool import PoolExhausted, Pool
 from kvpool.vmm.host import HostBackend
 
 PAGE = 64 << 10
@@ -59,9 +59,9 @@ def test_retained_pages_count_in_the_budget_until_let_go(backend):
     settle(pool)
     assert pool.retained_pages(1) == 3 and pool.retained_pages() == 3
     assert pool.available == 1 and pool.free == 0 and len(pool.warm) == 1
-    with pytest.raises(NoMemory):
+    with pytest.raises(PoolExhausted):
         pool.take(2, tenant=2)
-    with pytest.raises(NoMemory):
+    with pytest.raises(PoolExhausted):
         pool.lease(2)
     assert pool.recheck_retained() == 0  # still held
     for fd in kept:
@@ -84,7 +84,7 @@ def test_a_grant_that_retirement_cannot_cover_changes_nothing(backend):
     kept = [os.dup(pool.pages[x].handle) for x in first[:2]]
     pool.give_back(first, tenant=1)  # not retired yet: no idle time in between
     assert pool.available == 4
-    with pytest.raises(NoMemory):
+    with pytest.raises(PoolExhausted):
         pool.take(3, tenant=2)  # its own page + one fresh: tenant 1 holds the rest
     assert pool.dirty == {mine[0]: 2}, "its own page is back where it was"
     assert pool.retained_pages(1) == 2 and len(pool.warm) == 1  # the fresh one, unused

@@ -12,7 +12,7 @@ from kvpool import paths
 from kvpool import protocol as p
 from kvpool.daemon.arbiter import Arbiter
 from kvpool.daemon.config import Config, TenantPolicy
-from kvpool.daemon.pool import NoMemory, Pool
+from kvpool.daemon.pool import PoolExhausted, Pool
 from kvpool.vmm.host import HostBackend
 
 PAGE = 64 << 10
@@ -125,7 +125,7 @@ def test_pool_budget_zeroing_and_integrity(backend):
     pool = Pool(backend, budget_pages=4, warm_min=0, warm_max=2)
     a = pool.take(3, tenant=1)
     assert pool.granted == 3 and pool.free == 1 and pool.check() == []
-    with pytest.raises(NoMemory):
+    with pytest.raises(PoolExhausted):
         pool.take(2, tenant=2)
     for pfn in a:
         _fill(backend, pool.pages[pfn], 0xCD)
@@ -177,7 +177,7 @@ def test_arbiter_integrity_and_detection(backend):
     assert isinstance(out.reply, p.Registered)
     g = arb.handle(ident, p.CreateGroup(id=2, token=t.token, n_regions=2, capacity=4 * PAGE)).reply
     out = arb.handle(ident, p.Grant(id=3, token=t.token, group=g.group, units=[0, 3]))
-    assert isinstance(out.reply, p.Granted) and len(out.send) == 4
+    assert isinstance(out.reply, p.Granted) and len(out.pfns_to_send) == 4
     assert arb.check_integrity() == []
     # corrupt: the same pfn in two slots
     grp = t.groups[g.group]

@@ -1,0 +1,232 @@
+"""Groups, grants, releases and leases: the memory-moving requests of a tenant.
+
+A grant backs ``units`` of one of the tenant's groups with pages from the pool (the
+descriptors precede the reply: :attr:`Outcome.pfns_to_send`); a release gives units
+back; a lease counts bytes the tenant uses through its own allocator. Nothing is ever
+granted past the budget or a tenant's cap (``OVER_LIMIT``), nor during recovery
+(``BUSY``). What does not fit now either waits for reclaim (a *deferred* outcome, served
+by :meth:`Grants.serve` from ``Arbiter.tick``) or is refused ``NO_MEMORY`` (speculative
+grants, tenants being asked to give back, tenants at their fair share).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from kvpool import protocol as p
+from kvpool.daemon.outcome import Fail, Outcome
+from kvpool.daemon.pool import PoolExhausted
+from kvpool.daemon.reclaim import Waiter
+from kvpool.daemon.regions import GroupRecord
+from kvpool.daemon.tenants import NO_MEMORY_KINDS, TenantRecord
+
+if TYPE_CHECKING:
+    from kvpool.daemon.arbiter import Arbiter
+
+MAX_PAGES_PER_GRANT = 1 << 16
+
+
+def require_holder(t: TenantRecord, op: str) -> None:
+    """Only memory-holding kinds hold memory: a monitor or admin session never does
+    (so nothing it could hold escapes ``ps``, reclaim or the budget's accounting)."""
+    if t.kind in NO_MEMORY_KINDS:
+        raise Fail(p.UNAUTHORIZED, f"a {t.kind} session holds no memory ({op} refused)")
+
+
+def check_units(g: GroupRecord, units: list[int]) -> None:
+    if len(set(units)) != len(units):
+        raise Fail(p.BAD_REQUEST, "a unit is named twice")
+    for u in units:
+        if u >= g.npages:
+            raise Fail(p.BAD_REQUEST, f"unit {u} is outside the group ({g.npages} pages)")
+
+
+class Grants:
+    def __init__(self, arbiter: Arbiter):
+        self.arbiter = arbiter
+
+    # ---- groups -------------------------------------------------------------------
+    def group_of(self, t: TenantRecord, gid: int) -> GroupRecord:
+        g = t.groups.get(gid)
+        if g is None:
+            if gid in self.arbiter.groups:
+                raise Fail(p.UNAUTHORIZED, f"group {gid} belongs to another tenant")
+            raise Fail(p.NOT_FOUND, f"no group {gid} in this session")
+        return g
+
+    def create_group(self, t: TenantRecord, identity: bytes, r: p.CreateGroup) -> p.Reply:
+        a = self.arbiter
+        require_holder(t, "create_group")
+        if r.capacity % a.page_size:
+            raise Fail(p.BAD_REQUEST, f"capacity {r.capacity} is not a multiple of the page "
+                                      f"size {a.page_size}")
+        npages = r.capacity // a.page_size
+        if npages > p.MAX_PAGES_PER_REGION:
+            raise Fail(p.BAD_REQUEST, f"capacity of {npages} pages exceeds {p.MAX_PAGES_PER_REGION}")
+        if r.bases and len(r.bases) != r.n_regions:
+            raise Fail(p.BAD_REQUEST, f"{len(r.bases)} bases for {r.n_regions} regions")
+        most = min(p.MAX_GROUPS, a.cfg.max_groups_per_tenant)
+        if len(t.groups) >= most:
+            raise Fail(p.OVER_LIMIT, f"a tenant may hold at most {most} groups "
+                                     f"(max_groups_per_tenant)")
+        virtual = sum(g.virtual_pages for g in t.groups.values())
+        cap = a.cfg.max_virtual_pages_per_tenant
+        if virtual + npages * r.n_regions > cap:
+            raise Fail(p.OVER_LIMIT, f"{r.n_regions} x {npages} virtual pages on top of the "
+                                     f"{virtual} this tenant's groups span exceed "
+                                     f"{cap} (max_virtual_pages_per_tenant)")
+        g = GroupRecord(id=a.new_group_id(), tenant=t.id, n_regions=r.n_regions,
+                        npages=npages, bases=list(r.bases), label=r.label)
+        t.groups[g.id] = g
+        a.groups[g.id] = g
+        return p.GroupCreated(id=r.id, group=g.id, npages=npages)
+
+    def destroy_group(self, t: TenantRecord, identity: bytes, r: p.DestroyGroup) -> p.Reply:
+        a = self.arbiter
+        g = self.group_of(t, r.group)
+        pfns = g.release_all()
+        a.pool.give_back(pfns, t.id)
+        t.granted -= len(pfns)
+        a.reclaimer.released(t, len(pfns))
+        del t.groups[g.id]
+        a.groups.pop(g.id, None)
+        return p.Done(id=r.id)
+
+    # ---- grants -------------------------------------------------------------------
+    def grant(self, t: TenantRecord, identity: bytes, r: p.Grant) -> Outcome:
+        require_holder(t, "grant")
+        g = self.group_of(t, r.group)
+        check_units(g, r.units)
+        held = [u for u in r.units if u in g.units]
+        if held:
+            raise Fail(p.BAD_REQUEST, f"unit {held[0]} of group {g.id} is already granted")
+        n = len(r.units) * g.n_regions
+        if n > MAX_PAGES_PER_GRANT:
+            raise Fail(p.BAD_REQUEST, f"{n} pages in one grant exceed {MAX_PAGES_PER_GRANT}")
+        if any(set(w.req.units) & set(r.units) for w in self.arbiter.reclaimer.waiters
+               if w.tenant is t and isinstance(w.req, p.Grant) and w.req.group == g.id):
+            raise Fail(p.BAD_REQUEST, f"a unit of group {g.id} is already being granted")
+        self._admit(t, n)
+        if not self._fits(t, n, r.speculative):
+            return self._defer(t, r, n)
+        return self._grant_now(t, g, r)
+
+    def _admit(self, t: TenantRecord, n: int) -> None:
+        """Refuse what can never be granted now: past the limit, or during recovery."""
+        a = self.arbiter
+        if a.recovering:
+            raise Fail(p.BUSY, "the daemon is rebuilding its accounting after a restart")
+        kept = a.pool.retained_pages(t.id)  # released pages it still references
+        if t.held + kept + t.waiting_pages + n > t.cap_pages:
+            why = " (capped at its min: it ignored a reclaim)" if t.unresponsive else ""
+            why += f" ({kept} released pages it still references count)" if kept else ""
+            raise Fail(p.OVER_LIMIT, f"{t.name}: {t.held} + {n} pages would exceed its limit "
+                                     f"of {t.cap_pages} pages{why}")
+
+    def _fits(self, t: TenantRecord, n: int, speculative: bool) -> bool:
+        """Whether ``n`` pages for ``t`` are served now rather than queued. They are when
+        free memory covers them beyond what waiters are owed; and also when free memory
+        covers them and ``t`` stays within its fair share: a request that fits is never
+        queued behind one that does not (the waiter's pages then come from reclaim,
+        which asks for what is missing at the next step). Speculative grants never take
+        pages a waiter could use."""
+        reclaimer = self.arbiter.reclaimer
+        avail = self.arbiter.pool.available
+        if n <= avail - reclaimer.waiting_pages:
+            return True
+        if speculative or n > avail or not reclaimer.waiters or t.ask is not None:
+            return False
+        return reclaimer.may_grow(t, n)  # its fair share (for a lease too)
+
+    def _defer(self, t: TenantRecord, r: p.Grant | p.Lease, n: int) -> Outcome:
+        """Not enough free memory: wait for reclaim, when ``t`` is entitled to it."""
+        a = self.arbiter
+        speculative = isinstance(r, p.Grant) and r.speculative
+        if speculative or t.ask is not None or \
+                not a.reclaimer.may_grow(t, n, lease=isinstance(r, p.Lease)):
+            why = ("speculative grants use free memory only" if speculative else
+                   f"{t.name} is being asked to give memory back" if t.ask is not None else
+                   f"{t.name} is at its fair share")
+            raise Fail(p.NO_MEMORY, f"{n} pages asked, {a.pool.available} available; {why}")
+        a.reclaimer.wait(t, a.envelope, r, n, time.monotonic())
+        return Outcome(None, tenant=t, deferred=True)
+
+    def _grant_now(self, t: TenantRecord, g: GroupRecord, r: p.Grant) -> Outcome:
+        a = self.arbiter
+        n = len(r.units) * g.n_regions
+        try:
+            pfns = a.pool.take(n, t.id)
+        except PoolExhausted as e:
+            a.errors += 1
+            return Outcome(p.error(r.id, p.NO_MEMORY, str(e)), tenant=t)
+        g.grant(r.units, pfns)
+        t.granted += n
+        g.record_usage(r.in_use, r.reserve)
+        reply = p.Granted(id=r.id, group=g.id, units=r.units, nfds=n)
+        return Outcome(reply, pfns_to_send=pfns, tenant=t)
+
+    def serve(self, w: Waiter) -> Outcome:
+        """A waiter whose pages are free now (``Arbiter.tick``)."""
+        t, r = w.tenant, w.req
+        if isinstance(r, p.Lease):
+            return Outcome(self._lease_now(t, r, w.pages), tenant=t)
+        assert isinstance(r, p.Grant)
+        return self._grant_now(t, t.groups[r.group], r)
+
+    # ---- releases and reports ---------------------------------------------------------
+    def release(self, t: TenantRecord, identity: bytes, r: p.Release) -> p.Reply:
+        a = self.arbiter
+        g = self.group_of(t, r.group)
+        check_units(g, r.units)
+        missing = [u for u in r.units if u not in g.units]
+        if missing:
+            raise Fail(p.BAD_REQUEST, f"unit {missing[0]} of group {g.id} is not granted")
+        pfns = g.release(r.units)
+        a.pool.give_back(pfns, t.id)
+        t.granted -= len(pfns)
+        a.reclaimer.released(t, len(pfns))
+        g.record_usage(r.in_use, r.reserve)
+        return p.Done(id=r.id)
+
+    def report(self, t: TenantRecord, identity: bytes, r: p.Report) -> p.Reply:
+        self.group_of(t, r.group).record_usage(r.in_use, r.reserve)
+        return p.Done(id=r.id)
+
+    def reclaimed(self, t: TenantRecord, identity: bytes, r: p.Reclaimed) -> p.Reply:
+        self.arbiter.reclaimer.answered(t, r.seq, time.monotonic())
+        return p.Done(id=r.id)
+
+    # ---- leases ---------------------------------------------------------------------
+    def lease(self, t: TenantRecord, identity: bytes, r: p.Lease) -> p.Reply | Outcome:
+        a = self.arbiter
+        require_holder(t, "lease")
+        pages = -(-r.bytes // a.page_size)
+        if pages <= t.lease_pages:
+            a.pool.unlease(t.lease_pages - pages)
+            t.lease_pages = pages
+            return p.Leased(id=r.id, bytes=pages * a.page_size)
+        n = pages - t.lease_pages
+        if any(w.tenant is t for w in a.reclaimer.waiters):
+            raise Fail(p.BUSY, "a request of this tenant is already waiting")
+        self._admit(t, n)
+        if not self._fits(t, n, False):
+            return self._defer(t, r, n)
+        return self._lease_now(t, r, n)
+
+    def _lease_now(self, t: TenantRecord, r: p.Lease, n: int) -> p.Reply:
+        a = self.arbiter
+        try:
+            a.pool.lease(n)
+        except PoolExhausted as e:
+            a.errors += 1
+            return p.error(r.id, p.NO_MEMORY, str(e))
+        if a.pool.backend.name != "host":  # the device's real free memory decides too
+            free, _ = a.pool.backend.mem_info()
+            if free < n * a.page_size:
+                a.pool.unlease(n)
+                a.errors += 1
+                return p.error(r.id, p.NO_MEMORY, f"the device has {free} bytes free, "
+                                                  f"{n * a.page_size} leased")
+        t.lease_pages += n
+        return p.Leased(id=r.id, bytes=t.lease_pages * a.page_size)

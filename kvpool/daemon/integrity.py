@@ -1,0 +1,91 @@
+"""The arbiter's self-check (``kvpool check``): every invariant the daemon keeps, as a
+list of problems (empty when all hold). Read-only; O(pages).
+
+* every page is owned exactly once: in the warm pool, the dirty list, or one region
+  slot of its owner (the pool's own check covers warm/dirty/owned and the budget);
+* per-tenant counts equal their tables, and their sum the pool's ``granted``;
+* tenants' leases add up to the pool's ``leased``;
+* monitor and admin sessions hold nothing;
+* the group index is exactly the tenants' groups, ids in ``1..MAX_GROUP_ID``, and no
+  tenant is past its caps on groups and virtual pages.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvpool import protocol as p
+from kvpool.daemon.tenants import NO_MEMORY_KINDS, TenantRecord
+
+if TYPE_CHECKING:
+    from kvpool.daemon.arbiter import Arbiter
+
+
+def check_groups(a: Arbiter) -> list[str]:
+    """The group index is exactly the tenants' groups; ids stay in range; no tenant
+    is past its caps on groups and virtual pages."""
+    problems = []
+    owned = {g.id: g for t in a.tenants for g in t.groups.values()}
+    if owned.keys() != a.groups.keys() or any(a.groups[i] is not g for i, g in owned.items()):
+        extra = sorted(set(a.groups) ^ set(owned))[:8]
+        problems.append(f"the group index and the tenants' groups differ (ids {extra})")
+    bad = sorted(i for i in a.groups if not 1 <= i <= p.MAX_GROUP_ID)[:8]
+    if bad:
+        problems.append(f"group ids {bad} are outside 1..{p.MAX_GROUP_ID}")
+    most = a.cfg.max_groups_per_tenant
+    vmost = a.cfg.max_virtual_pages_per_tenant
+    for t in a.tenants:
+        virtual = sum(g.virtual_pages for g in t.groups.values())
+        if len(t.groups) > most or virtual > vmost:
+            problems.append(f"tenant {t.id} holds {len(t.groups)} groups spanning "
+                            f"{virtual} virtual pages, past its caps ({most}, {vmost})")
+    return problems
+
+
+def check_tables(a: Arbiter, t: TenantRecord, seen: dict[int, tuple[int, int, int]],
+                 problems: list[str]) -> int:
+    """Check ``t``'s page tables (recording each pfn's slot in ``seen``); its pages."""
+    pages = 0
+    if t.kind in NO_MEMORY_KINDS and (t.groups or t.held):
+        problems.append(f"{t.kind} session {t.id} holds memory ({t.held} pages, "
+                        f"{len(t.groups)} groups)")
+    for g in t.groups.values():
+        if g.tenant != t.id:
+            problems.append(f"group {g.id} in tenant {t.id} names tenant {g.tenant}")
+        for u, pfns in g.units.items():
+            if not 0 <= u < g.npages:
+                problems.append(f"group {g.id} maps unit {u} outside its {g.npages} pages")
+            if len(pfns) != g.n_regions:
+                problems.append(f"group {g.id} unit {u} has {len(pfns)} pages, "
+                                f"expected {g.n_regions}")
+            for pfn in pfns:
+                if pfn in seen:
+                    problems.append(f"pfn {pfn} is in two slots: {seen[pfn]} and "
+                                    f"{(t.id, g.id, u)}")
+                seen[pfn] = (t.id, g.id, u)
+                if a.pool.owner.get(pfn) != t.id:
+                    problems.append(f"pfn {pfn} in tenant {t.id}'s table is owned by "
+                                    f"{a.pool.owner.get(pfn)} in the pool")
+            pages += len(pfns)
+        if not g.reserve <= g.units.keys():
+            problems.append(f"group {g.id} reports reserve units it does not hold")
+    if pages != t.granted:
+        problems.append(f"tenant {t.id} counts {t.granted} pages, its tables hold {pages}")
+    return pages
+
+
+def check_integrity(a: Arbiter) -> list[str]:
+    """Every invariant above; the problems found (empty: all hold)."""
+    problems = a.pool.check()
+    seen: dict[int, tuple[int, int, int]] = {}
+    total = sum(check_tables(a, t, seen, problems) for t in a.tenants)
+    problems += check_groups(a)
+    leased = sum(t.lease_pages for t in a.tenants)
+    if leased != a.pool.leased:
+        problems.append(f"tenants lease {leased} pages, the pool counts {a.pool.leased}")
+    if set(seen) != set(a.pool.owner):
+        orphans = set(a.pool.owner) - set(seen)
+        problems.append(f"pfns {sorted(orphans)[:8]} are granted but in no table")
+    if total != a.pool.granted:
+        problems.append(f"tables hold {total} pages, the pool counts {a.pool.granted}")
+    return problems

@@ -1,0 +1,102 @@
+"""Read-only views of the arbiter's state: ``ps``, ``stats``, ``map`` and ``check``.
+
+Nothing here changes state. Replies stay bounded: ``ps``/``stats`` list tenants (never
+pages), ``map`` run-length encodes page tables and pages its reply at about
+:data:`p.MAP_REPLY_BYTES`. Monitor and admin sessions are left out of listings unless
+they hold something (none should: ``check`` says so).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from kvpool import protocol as p
+from kvpool.daemon.integrity import check_integrity
+from kvpool.daemon.outcome import Fail
+from kvpool.daemon.tenants import NO_MEMORY_KINDS, TenantRecord
+
+if TYPE_CHECKING:
+    from kvpool.daemon.arbiter import Arbiter
+
+
+class Views:
+    def __init__(self, arbiter: Arbiter):
+        self.arbiter = arbiter
+
+    def tenant_info(self, t: TenantRecord, shares: dict[int, int] | None = None) -> p.TenantInfo:
+        a = self.arbiter
+        ps = a.page_size
+        share = (shares or {}).get(t.id, 0)
+        return p.TenantInfo(
+            id=t.id, name=t.name, kind=t.kind, pid=t.pid, uid=t.uid, registered=t.registered,
+            groups=len(t.groups), mapped=t.granted * ps, in_use=t.in_use_bytes(ps),
+            reserve=t.reserve_pages * ps, min=t.min_pages * ps, max=t.max_pages * ps,
+            weight=t.weight, lease=t.lease_pages * ps, share=share,
+            asked=max(0, t.ask.pages) * ps if t.ask is not None else 0,
+            ignored=t.ignored, unresponsive=t.unresponsive, waiting=t.waiting_pages * ps,
+            retained=a.pool.retained_pages(t.id) * ps,
+        )
+
+    def pool_info(self) -> p.PoolInfo:
+        a = self.arbiter
+        pool, ps = a.pool, a.page_size
+        return p.PoolInfo(
+            backend=pool.backend.name, device=pool.backend.device, page_size=ps,
+            budget=pool.budget_pages * ps, granted=pool.granted * ps, warm=len(pool.warm) * ps,
+            dirty=len(pool.dirty) * ps, free=pool.free * ps, created=pool.created,
+            warm_min=pool.warm_min * ps, warm_max=pool.warm_max * ps,
+            leased=pool.leased * ps, waiting=a.reclaimer.waiting_pages * ps,
+            recovering=a.recovering,
+            retained=pool.retained_pages() * ps, renewed=pool.renewed,
+        )
+
+    def listed(self) -> list[p.TenantInfo]:
+        """Tenants for ``ps``/``stats``: every session but monitor and admin ones, and
+        every session that holds anything whatever its kind (none should)."""
+        a = self.arbiter
+        shares = a.reclaimer.shares()
+        return [self.tenant_info(x, shares) for x in a.tenants
+                if x.kind not in NO_MEMORY_KINDS or x.held or x.groups]
+
+    def ps(self, t: TenantRecord, identity: bytes, r: p.Ps) -> p.Reply:
+        return p.PsReply(id=r.id, tenants=self.listed(), pool=self.pool_info())
+
+    def stats(self, t: TenantRecord, identity: bytes, r: p.Stats) -> p.Reply:
+        a = self.arbiter
+        return p.StatsReply(
+            id=r.id, pool=self.pool_info(), tenants=self.listed(),
+            uptime_s=time.monotonic() - a.started, requests=a.requests, errors=a.errors,
+        )
+
+    def map(self, t: TenantRecord, identity: bytes, r: p.MapReq) -> p.Reply:
+        """Groups in id order after ``r.after``, page tables run-length encoded (a reply's
+        size follows the pages mapped, not the virtual size), cut at about
+        :data:`p.MAP_REPLY_BYTES` with ``next`` saying where to go on."""
+        a = self.arbiter
+        tenants = list(a.tenants) if r.tenant is None else a.tenants.find(r.tenant)
+        if r.tenant is not None and not tenants:
+            raise Fail(p.NOT_FOUND, f"no tenant {r.tenant!r}")
+        names = {x.id: x.name for x in tenants}
+        ids = sorted(g.id for x in tenants for g in x.groups.values() if g.id > r.after)
+        groups: list[p.GroupInfo] = []
+        size = 0
+        for n, gid in enumerate(ids):
+            g = a.groups[gid]
+            runs = [p.Run(start, length, reserve) for start, length, reserve in g.runs()]
+            cost = 128 + 10 * (len(runs) + min(len(g.bases), p.MAP_BASES))
+            if r.pfns:
+                cost += 10 * g.pages + 10 * len(g.units)
+            if groups and (size + cost > p.MAP_REPLY_BYTES or len(groups) >= r.limit):
+                return p.MapReply(id=r.id, pool=self.pool_info(), groups=groups,
+                                  next=groups[-1].id, truncated=len(ids) - n)
+            size += cost
+            groups.append(p.GroupInfo(
+                id=g.id, tenant=g.tenant, tenant_name=names.get(g.tenant, ""), label=g.label,
+                n_regions=g.n_regions, npages=g.npages, bases=g.bases[: p.MAP_BASES],
+                runs=runs, pfns=dict(g.units) if r.pfns else None,
+            ))
+        return p.MapReply(id=r.id, pool=self.pool_info(), groups=groups)
+
+    def check(self, t: TenantRecord, identity: bytes, r: p.Check) -> p.Reply:
+        return p.CheckReply(id=r.id, problems=check_integrity(self.arbiter))
