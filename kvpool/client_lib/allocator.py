@@ -293,10 +293,6 @@ class ElasticBlockAllocator:
         """A counter of alloc/free calls: unchanged means no activity in between."""
         return self.book.ops
 
-    # The vLLM adapter still reads these two; use is_held() and ops.
-    _held = property(lambda self: self.book.held_flags)
-    _ops = property(lambda self: self.book.ops)
-
     @property
     def unmapped_chunks(self) -> int:
         """Chunks of the virtual capacity with no memory behind them now."""
