@@ -3,8 +3,9 @@ work without torch (a GPU host's daemon should not need a 2 GB framework).
 
 Builds the package from a copy of this checkout into a fresh virtual environment (no
 system site packages), then: ``import torch`` fails there; ``kvpool daemon`` (host
-backend) starts; ``kvpool ps`` answers; a tenant maps memory through the client
-library; an engine command says in one line which extra it needs. Needs the package
+backend) starts; ``kvpool ps``, ``map``, ``check``, ``events``, ``info``, ``lease`` and
+``stop`` work; a tenant maps memory through the client library; the engine and demo
+commands say in one line which extra they need. Needs the package
 index (pip's cache is used); skipped, saying so, only when the index is unreachable.
 """
 
@@ -107,15 +108,22 @@ def test_daemon_and_ps_run_from_the_core_install(core_venv, tmp_path):
         assert json.loads(ps.stdout)["pool"]["budget"] == 8 << 20
         tenant = run(core_venv, "python", "-c", TENANT, str(run_dir))
         assert tenant.returncode == 0 and tenant.stdout.strip() == "ok", tenant.stderr
-        plain = run(core_venv, "kvpool", "ps", "--run-dir", str(run_dir))
-        assert plain.returncode == 0, plain.stderr
+        at = ("--run-dir", str(run_dir))
+        for args in (("ps", *at), ("map", *at), ("check", *at), ("events", *at),
+                     ("info", "--backend", "host"), ("lease", *at, "1MiB", "true")):
+            proc = run(core_venv, "kvpool", *args)
+            assert proc.returncode == 0, f"kvpool {' '.join(args)}: {proc.stderr}"
+        stop = run(core_venv, "kvpool", "stop", *at)
+        assert stop.returncode == 0, stop.stderr
+        daemon.wait(30)
     finally:
-        daemon.send_signal(signal.SIGTERM)
-        try:
-            daemon.wait(15)
-        except subprocess.TimeoutExpired:
-            daemon.kill()
-            daemon.wait()
+        if daemon.poll() is None:
+            daemon.send_signal(signal.SIGTERM)
+            try:
+                daemon.wait(15)
+            except subprocess.TimeoutExpired:
+                daemon.kill()
+                daemon.wait()
         shutil.rmtree(run_dir, ignore_errors=True)
     assert daemon.returncode == 0, log.read_text()
 
