@@ -14,7 +14,13 @@ block allocator (fast path / slow path) and zero-copy tensor views.
 
 from kvpool.client_lib.admin import Monitor
 from kvpool.client_lib.allocator import ElasticBlockAllocator, Holdings
-from kvpool.client_lib.errors import DaemonUnavailable, KvpoolError, NoMemory, OverLimit
+from kvpool.client_lib.errors import (
+    DaemonUnavailable,
+    KvpoolError,
+    NoMemory,
+    OverLimit,
+    ProtocolError,
+)
 from kvpool.client_lib.regions import RegionGroup
 from kvpool.client_lib.tenant import Lease, Tenant, connect
 
@@ -27,6 +33,7 @@ __all__ = [
     "Monitor",
     "NoMemory",
     "OverLimit",
+    "ProtocolError",
     "RegionGroup",
     "Tenant",
     "connect",
