@@ -6,13 +6,12 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 
-from .helpers import PAGE, REPO, DaemonProc, wait_ready
+from .helpers import PAGE, REPO, DaemonProc, daemon_command, wait_ready
 
 
 @pytest.fixture
@@ -25,9 +24,8 @@ def start_daemon():
               env: dict | None = None, launcher: list[str] | None = None) -> DaemonProc:
         run_dir = Path(tempfile.mkdtemp(prefix="kvp-", dir="/tmp"))
         log = run_dir.with_suffix(".log")
-        cmd = [*(launcher or [sys.executable, "-m", "kvpool.cli.main"]), "daemon",
-               "--backend", "host", "--run-dir", str(run_dir), "--budget", budget, "--page-size", str(page_size),
-               *extra]
+        cmd = daemon_command(run_dir, *extra, budget=budget, page_size=page_size,
+                             launcher=launcher)
         with open(log, "w") as f:
             proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO,
                                     env={**os.environ, **(env or {})})

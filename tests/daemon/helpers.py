@@ -14,6 +14,20 @@ WORKER = Path(__file__).with_name("worker.py")
 PAGE = 64 << 10
 
 
+def daemon_command(run_dir: Path, *extra: str, budget: str | int | None = "8MiB",
+                   page_size: int | None = PAGE, launcher: list[str] | None = None) -> list[str]:
+    """The one command line every test starts a host-backend daemon with (``budget`` or
+    ``page_size`` None: left to the daemon's defaults; ``launcher`` replaces
+    ``python -m kvpool.cli.main``, e.g. a fault-injecting wrapper)."""
+    cmd = [*(launcher or [sys.executable, "-m", "kvpool.cli.main"]), "daemon",
+           "--backend", "host", "--run-dir", str(run_dir)]
+    if budget is not None:
+        cmd += ["--budget", str(budget)]
+    if page_size is not None:
+        cmd += ["--page-size", str(page_size)]
+    return [*cmd, *extra]
+
+
 @dataclass
 class DaemonProc:
     run_dir: Path

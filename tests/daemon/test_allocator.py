@@ -165,18 +165,16 @@ def shared_tenant():
     import shutil
     import signal
     import subprocess
-    import sys
     import tempfile
     from pathlib import Path
 
-    from .helpers import REPO, DaemonProc, wait_ready
+    from .helpers import REPO, DaemonProc, daemon_command, wait_ready
 
     run_dir = Path(tempfile.mkdtemp(prefix="kvp-", dir="/tmp"))
     log = run_dir.with_suffix(".log")
     with open(log, "w") as f:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "kvpool.cli.main", "daemon", "--backend", "host", "--run-dir",
-             str(run_dir), "--budget", str(48 * PAGE), "--page-size", str(PAGE)],
+            daemon_command(run_dir, budget=48 * PAGE),
             stdout=f, stderr=subprocess.STDOUT, cwd=REPO)
     d = DaemonProc(run_dir=run_dir, proc=proc, log=log, page_size=PAGE)
     wait_ready(d)

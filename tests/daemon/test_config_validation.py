@@ -13,7 +13,6 @@ import shutil
 import signal
 import stat
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -21,13 +20,12 @@ import pytest
 
 from kvpool.daemon.config import Config, ConfigError
 
-from .helpers import PAGE, REPO, DaemonProc, wait_ready
+from .helpers import PAGE, REPO, DaemonProc, daemon_command, wait_ready
 
 
 def start(run_dir: Path, *flags: str, toml: str | None = None,
           budget: str = "8MiB") -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "kvpool.cli.main", "daemon", "--backend", "host",
-           "--run-dir", str(run_dir), "--budget", budget, "--page-size", str(PAGE), *flags]
+    cmd = daemon_command(run_dir, *flags, budget=budget)
     if toml is not None:
         path = run_dir.with_suffix(".toml")
         path.write_text(toml)

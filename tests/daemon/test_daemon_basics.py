@@ -16,7 +16,7 @@ from kvpool import protocol as p
 from kvpool.client_lib import NoMemory, OverLimit, connect
 from kvpool.client_lib.connection import Connection
 
-from .helpers import PAGE, REPO
+from .helpers import PAGE, REPO, daemon_command
 
 
 def raw_session(d):
@@ -131,8 +131,7 @@ def test_fd_channel_junk_is_ignored_and_fds_closed(daemon):
 
 def test_second_daemon_refuses_the_same_run_dir(daemon):
     out = subprocess.run(
-        [sys.executable, "-m", "kvpool.cli.main", "daemon", "--backend", "host",
-         "--run-dir", str(daemon.run_dir), "--budget", "1MiB", "--page-size", str(PAGE)],
+        daemon_command(daemon.run_dir, budget="1MiB"),
         capture_output=True, text=True, timeout=30, cwd=REPO)
     assert out.returncode != 0 and "already serves" in out.stderr
     assert daemon.stats().pool.budget == 8 << 20  # the first one still serves
@@ -146,8 +145,7 @@ def test_second_daemon_refuses_the_same_run_dir(daemon):
 ])
 def test_daemon_rejects_bad_sizes(args, needle, tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "kvpool.cli.main", "daemon", "--backend", "host",
-         "--run-dir", str(tmp_path / "rd"), *args],
+        daemon_command(tmp_path / "rd", *args, budget=None, page_size=None),
         capture_output=True, text=True, timeout=30, cwd=REPO)
     assert out.returncode == 2 and needle in out.stderr, out.stderr
 

@@ -11,7 +11,6 @@ import shutil
 import signal
 import stat
 import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -21,7 +20,7 @@ import pytest
 
 from kvpool import paths
 
-from .helpers import PAGE, REPO, DaemonProc, wait_ready
+from .helpers import PAGE, REPO, DaemonProc, daemon_command, wait_ready
 
 NOBODY = 65534
 needs_root = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"),
@@ -34,8 +33,7 @@ def as_nobody(*cmd: str) -> None:
 
 
 def daemon_cmd(run_dir: Path) -> list[str]:
-    return [sys.executable, "-m", "kvpool.cli.main", "daemon", "--backend", "host",
-            "--run-dir", str(run_dir), "--budget", "8MiB", "--page-size", str(PAGE)]
+    return daemon_command(run_dir)
 
 
 def refused(run_dir: Path) -> str:

@@ -5,10 +5,9 @@ only grow, and a lease that forces a reclaim shows in the reclaim counters and h
 from __future__ import annotations
 
 import subprocess
-import sys
 import time
 
-from daemon.helpers import PAGE, REPO
+from daemon.helpers import PAGE, REPO, daemon_command
 
 from . import scenario
 from .helpers import samples, scrape, value
@@ -122,9 +121,7 @@ def test_a_dead_tenant_and_a_refused_grant_are_counted(start_daemon):
 
 def test_a_non_loopback_metrics_address_is_refused(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "kvpool.cli.main", "daemon", "--backend", "host", "--budget",
-         "1MiB", "--page-size", str(PAGE), "--run-dir", str(tmp_path / "run"),
-         "--metrics-address", "192.0.2.1:9400"],
+        daemon_command(tmp_path / "run", "--metrics-address", "192.0.2.1:9400", budget="1MiB"),
         capture_output=True, text=True, timeout=60, cwd=REPO)
     assert out.returncode != 0
     assert "not loopback" in out.stderr and "Traceback" not in out.stderr, out.stderr
