@@ -149,6 +149,10 @@ class Tenant:
     def handle_message(self, m: p.Reply) -> None:
         if isinstance(m, p.Reclaim):
             self.reclaim(m)
+        elif isinstance(m, p.Settled):  # an offer of ours ended (kvpool.client_lib.handoff)
+            from kvpool.client_lib import handoff
+
+            handoff.of(self).settled(m)
 
     def reclaim(self, m: p.Reclaim) -> int:
         """Answer one reclaim request; returns the bytes released."""

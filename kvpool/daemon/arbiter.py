@@ -38,6 +38,7 @@ from kvpool.daemon.adoption import Adoption
 from kvpool.daemon.auth import Denied, authorize
 from kvpool.daemon.config import Config
 from kvpool.daemon.grants import Grants
+from kvpool.daemon.handoff import Handoff
 from kvpool.daemon.integrity import check_integrity
 from kvpool.daemon.outcome import Fail, Handler, Outcome
 from kvpool.daemon.pool import Pool
@@ -73,6 +74,7 @@ class Arbiter:
         self.grants = Grants(self)
         self.adoption = Adoption(self)
         self.views = Views(self)
+        self.handoff = Handoff(self, cfg.handoff_pairs())
         g, v = self.grants, self.views
         self._handlers: dict[type[p.Request], Handler] = {
             p.Register: self.registry.register,
@@ -92,6 +94,9 @@ class Arbiter:
             p.Reclaimed: g.reclaimed,
             p.Adopt: self.adoption.adopt,
             p.Shutdown: lambda t, i, r: Outcome(p.Done(id=r.id), stop=True),
+            p.Offer: self.handoff.offer,
+            p.Claim: self.handoff.claim,
+            p.Cancel: self.handoff.cancel,
         }
 
     # ---- entry points -----------------------------------------------------------------
@@ -123,6 +128,7 @@ class Arbiter:
         if self.recovery.finish_if_done(now):
             log.info("recovery done: %d tenants, %d pages adopted", len(self.tenants),
                      self.pool.granted)
+        self.handoff.tick(now)  # expired tickets: their givers keep the pages
         if self.recovering:
             return []
         out = []
@@ -136,6 +142,8 @@ class Arbiter:
 
     def next_deadline(self) -> float | None:
         d = self.reclaimer.next_deadline()
+        e = self.handoff.next_deadline()
+        d = min(d, e) if d is not None and e is not None else (d if e is None else e)
         if self.recovering:
             until = self.recovery.until
             d = min(d, until) if d is not None else until
@@ -147,6 +155,7 @@ class Arbiter:
         return self.registry.open(conn, pid, uid, gid, pidfd)
 
     def drop(self, t: TenantRecord, why: str) -> None:
+        self.handoff.dropped(t)  # its offers end; its pages go back with the rest
         self.registry.drop(t, why)
 
     def unsolicited(self, t: TenantRecord, msg: p.Reply) -> None:

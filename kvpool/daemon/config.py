@@ -79,6 +79,9 @@ class TenantPolicy:
     weight: Annotated[float, Meta(gt=0, le=10000)] = 1.0
     uids: list[Annotated[int, Meta(ge=0, le=(1 << 32) - 2)]] = field(default_factory=list)
     group: str | None = None
+    # tenants this one may hand pages to although they run as another uid (page handoff)
+    handoff_to: list[Annotated[str, Meta(min_length=1, max_length=64)]] = field(
+        default_factory=list)
 
 
 @dataclass
@@ -215,6 +218,10 @@ class Config:
         if isinstance(value, str) and value.strip().endswith("p") and value.strip()[:-1].isdigit():
             return int(value.strip()[:-1])
         return parse_size(value, total) // page_size
+
+    def handoff_pairs(self) -> set[tuple[str, str]]:
+        """``(giver, receiver)`` tenant names allowed to hand pages over across uids."""
+        return {(name, to) for name, pol in self.tenants.items() for to in pol.handoff_to}
 
     def policy(self, name: str) -> TenantPolicy:
         return self.tenants.get(name, TenantPolicy())

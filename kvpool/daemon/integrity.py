@@ -88,4 +88,5 @@ def check_integrity(a: Arbiter) -> list[str]:
         problems.append(f"pfns {sorted(orphans)[:8]} are granted but in no table")
     if total != a.pool.granted:
         problems.append(f"tables hold {total} pages, the pool counts {a.pool.granted}")
+    problems += a.handoff.check()  # tickets in escrow (kvpool.daemon.handoff)
     return problems

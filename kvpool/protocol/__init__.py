@@ -57,11 +57,13 @@ from kvpool.protocol.requests import (
     Request, Register, CreateGroup, DestroyGroup, Grant, Release, Report, Lease,
     Reclaimed, AdoptGroup, Adopt, Bye, Ping, Ps, Stats, MapReq, SetLimit, Shutdown,
     Check, EVENTS_LIMIT, Events, REQUESTS, AnyRequest, MONITOR_OPS, ADMIN_OPS,
+    TicketId, MAX_TTL_MS, Offer, Claim, Cancel,
 )
 from kvpool.protocol.replies import (
     Reply, Error, Registered, GroupCreated, Granted, Done, TenantInfo, PoolInfo, Run,
     GroupInfo, PsReply, StatsReply, MapReply, CheckReply, Reclaim, LimitSet, Leased,
-    Adopted, EventInfo, EventsReply, REPLIES, AnyReply,
+    Adopted, EventInfo, EventsReply, REPLIES, AnyReply, SETTLED_STATES, Offered, Claimed,
+    Settled,
 )
 from kvpool.protocol.fd import (
     FdHello, FdHeader,
@@ -85,5 +87,6 @@ __all__ = [
     "StatsReply", "MapReply", "CheckReply", "Reclaim", "LimitSet", "Leased", "Adopted",
     "EventInfo", "EventsReply", "REPLIES", "AnyReply", "FdHello", "FdHeader", "encode",
     "DecodeError", "decode_request", "decode_reply", "decode_hello", "decode_header",
-    "error", "to_builtins",
+    "error", "to_builtins", "TicketId", "MAX_TTL_MS", "Offer", "Claim", "Cancel",
+    "SETTLED_STATES", "Offered", "Claimed", "Settled",
 ]

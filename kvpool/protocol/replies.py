@@ -223,8 +223,39 @@ class EventsReply(Reply, tag="events"):
     lost: int = 0
 
 
+# ---- page handoff (kvpool.daemon.handoff) -----------------------------------------------
+SETTLED_STATES = ("claimed", "expired", "cancelled")
+
+
+class Offered(Reply, tag="offered"):
+    ticket: str  # the capability the giver passes to the receiver (32 hex digits)
+    pages: int  # units x regions in escrow
+    ttl_ms: int
+
+
+class Claimed(Granted, tag="claimed"):
+    """The ticket's pages are the receiver's now (``units`` of ``group``; ``nfds``
+    descriptors already on its fd channel, as for a grant). ``giver`` handed them."""
+
+    ticket: str = ""
+    giver: str = ""
+
+
+class Settled(Reply, tag="settled"):
+    """Unsolicited (``id`` 0), to the giver: ticket ``ticket`` over ``units`` of
+    ``group`` ended ``state`` (:data:`SETTLED_STATES`): ``claimed`` — unmap them (the
+    receiver owns them; release nothing); ``expired``/``cancelled`` — they stay yours."""
+
+    ticket: str
+    state: str
+    group: int
+    units: list[int]
+    receiver: str = ""
+    reason: str = ""
+
+
 REPLIES = (
     Error, Registered, GroupCreated, Granted, Done, PsReply, StatsReply, MapReply,
-    CheckReply, Reclaim, LimitSet, Leased, Adopted, EventsReply,
+    CheckReply, Reclaim, LimitSet, Leased, Adopted, EventsReply, Offered, Claimed, Settled,
 )
 AnyReply = Union[REPLIES]  # type: ignore[valid-type]

@@ -15,8 +15,8 @@ from typing import Annotated, Optional, Union
 from msgspec import Meta, Struct
 
 from kvpool.protocol.bounds import (
-    MAP_GROUPS, MAX_BYTES, MAX_GROUPS, MAX_ID, MAX_NAME, MAX_REGIONS, VERSION, Bytes, Id,
-    Kind, Name, Seq, Token, Units, Weight,
+    MAP_GROUPS, MAX_BYTES, MAX_GROUPS, MAX_ID, MAX_NAME, MAX_REGIONS, MAX_UNITS, VERSION,
+    Bytes, Id, Kind, Name, Seq, Token, Unit, Units, Weight,
 )
 
 
@@ -187,9 +187,44 @@ class Events(Request, tag="events"):
     limit: Annotated[int, Meta(ge=1, le=EVENTS_LIMIT)] = EVENTS_LIMIT
 
 
+# ---- page handoff (kvpool.daemon.handoff; docs/ARCHITECTURE.md "Page handoff") -------
+TicketId = Annotated[str, Meta(pattern=r"^[0-9a-f]{32}$")]  # 128 random bits, hex
+MAX_TTL_MS = 3_600_000  # an offer waits at most an hour
+SomeUnits = Annotated[list[Unit], Meta(min_length=1, max_length=MAX_UNITS)]
+
+
+class Offer(Request, tag="offer"):
+    """Put ``units`` (granted, distinct, in no other pending ticket) of ``group`` in
+    escrow for the tenant registered as ``to``, for ``ttl_ms``; answered ``Offered``
+    with the ticket id. The giver keeps the pages until a claim succeeds, and must not
+    write them meanwhile."""
+
+    group: Id
+    units: SomeUnits
+    to: Name
+    ttl_ms: Annotated[int, Meta(ge=1, le=MAX_TTL_MS)] = 10_000
+
+
+class Claim(Request, tag="claim"):
+    """Take ticket ``ticket`` into ``group`` at ``units`` (unmapped there, as many as the
+    ticket holds: ``units[i]`` gets the ticket's ``i``-th unit); answered ``Claimed``
+    (a ``Granted``: the descriptors precede it). The giver is told ``Settled``."""
+
+    ticket: TicketId
+    group: Id
+    units: SomeUnits
+
+
+class Cancel(Request, tag="cancel"):
+    """The giver takes its pending offer back (``NOT_FOUND`` once it is settled)."""
+
+    ticket: TicketId
+
+
 REQUESTS = (
     Register, CreateGroup, DestroyGroup, Grant, Release, Report, Bye, Ping,
     Ps, Stats, MapReq, SetLimit, Check, Lease, Reclaimed, Adopt, Shutdown, Events,
+    Offer, Claim, Cancel,
 )
 AnyRequest = Union[REQUESTS]  # type: ignore[valid-type]
 MONITOR_OPS = frozenset({"ps", "stats", "map", "ping", "check", "events"})

@@ -1,4 +1,5 @@
-"""Ten thousand hostile control messages over all 18 request types, while two hostile
+"""Ten thousand hostile control messages over all 21 request types (forged and foreign
+handoff tickets among them), while two hostile
 fd-channel peers misbehave (one never reads its descriptors, one announces Adopt
 descriptors it never sends): each message gets an error reply, a live tenant keeps being
 served, and afterwards the daemon is alive, no page has leaked, its invariants hold, and
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 
 from kvpool import fdchannel, paths
 from kvpool import protocol as p
+from kvpool.client_lib import handoff
 
 from .helpers import PAGE, read_event
 from .rawpeer import RawPeer, daemon_usage
@@ -23,7 +25,7 @@ N_MESSAGES = 10_000
 BUDGET_PAGES = 1024
 SINK_PAGES = 400  # more fd messages than a socket buffer holds
 TENANT_OPS = ["grant", "release", "report", "create_group", "destroy_group", "bye",
-              "lease", "reclaimed", "adopt"]
+              "lease", "reclaimed", "adopt", "offer", "claim", "cancel"]
 ALL_OPS = ["register", *TENANT_OPS, "ping", "ps", "stats", "map", "set_limit", "check", "events",
            "shutdown"]
 assert sorted(ALL_OPS) == sorted(t.__struct_config__.tag for t in p.REQUESTS)  # all covered
@@ -42,6 +44,9 @@ FIELDS = {
     "lease": {"bytes": "huge"},
     "reclaimed": {"seq": "int", "freed": "oint"},
     "adopt": {"groups": "groups", "lease": "huge", "nfds": "zero"},
+    "offer": {"group": "int", "units": "list", "to": "str", "ttl_ms": "ttl"},
+    "claim": {"ticket": "ticket", "group": "int", "units": "list"},
+    "cancel": {"ticket": "ticket"},
 }
 for op in ALL_OPS:
     FIELDS.setdefault(op, {})
@@ -68,6 +73,12 @@ WRONG = {
                       st.integers(p.MAX_BYTES + 1, 2**64 - 1)),
     "zero": st.one_of(st.text(max_size=8), st.integers(-(2**63), -1),
                       st.integers((1 << 20) + 1, 2**64 - 1)),
+    "ticket": st.one_of(ints, st.none(), st.binary(max_size=16),  # malformed or oversized
+                        st.text(alphabet="0123456789abcdef", max_size=31),
+                        st.text(alphabet="0123456789abcdef", min_size=33, max_size=200),
+                        st.text(alphabet="0123456789ABCDEFG-", min_size=32, max_size=32)),
+    "ttl": st.one_of(st.integers(-(2**63), 0), st.integers(p.MAX_TTL_MS + 1, 2**64 - 1),
+                     st.floats(), st.text(max_size=4)),
     "groups": st.one_of(ints, st.text(max_size=8), st.lists(ints, min_size=1, max_size=3),
                         st.lists(st.fixed_dictionaries({"id": st.integers(-5, 0),
                                                         "n_regions": st.integers(1, 2),
@@ -79,6 +90,8 @@ GOOD = {
     "olist": st.lists(st.integers(0, 7), max_size=3), "str": st.just("x"), "ostr": st.just("x"),
     "bool": st.booleans(), "huge": st.integers(2**40, p.MAX_BYTES),  # (past the budget)
     "zero": st.just(0), "groups": st.just([]),
+    "ticket": st.text(alphabet="0123456789abcdef", min_size=32, max_size=32),  # forged
+    "ttl": st.integers(1, 100),
 }
 
 
@@ -90,6 +103,7 @@ class Env:
     attacker_token: str
     attacker_group: int
     victim_groups: list[int]
+    ticket: str  # a real, pending ticket for another tenant (not the attacker)
     sent = 0
 
 
@@ -160,7 +174,10 @@ def hostile(env: Env):
                   "report": {"group": env.attacker_group},
                   "create_group": {"n_regions": 1, "capacity": PAGE},
                   "destroy_group": {"group": env.attacker_group}, "bye": {},
-                  "lease": {"bytes": PAGE}, "reclaimed": {"seq": 1}, "adopt": {}}[op]
+                  "lease": {"bytes": PAGE}, "reclaimed": {"seq": 1}, "adopt": {},
+                  "offer": {"group": env.attacker_group, "units": [0], "to": "victim"},
+                  "claim": {"ticket": env.ticket, "group": env.attacker_group, "units": [3]},
+                  "cancel": {"ticket": env.ticket}}[op]
         return ("anon", [p.encode({"op": op, **with_header(fields, rid, token)})], rid)
 
     @st.composite
@@ -221,8 +238,35 @@ def hostile(env: Env):
             frames[1] = b"\xc1"  # keep the REQ-style envelope invalid too
         return ("anon", frames, None)
 
+    @st.composite
+    def forged_ticket(draw):
+        """Tickets the attacker may not use: forged ids, a real ticket meant for the
+        victim (claimed into the attacker's group, or cancelled: not its offer), offers of
+        units it does not hold or of another tenant's group."""
+        rid = draw(ids)
+        g = env.attacker_group
+        case = draw(st.sampled_from(["forged", "foreign", "cancel", "offer_unheld",
+                                     "offer_foreign"]))
+        forged = draw(st.text(alphabet="0123456789abcdef", min_size=32, max_size=32))
+        if case == "forged":
+            req = {"op": draw(st.sampled_from(["claim", "cancel"])), "ticket": forged}
+            if req["op"] == "claim":
+                req.update(group=g, units=[draw(st.integers(1, 7))])
+        elif case == "foreign":
+            req = {"op": "claim", "ticket": env.ticket, "group": g, "units": [3]}
+        elif case == "cancel":
+            req = {"op": "cancel", "ticket": env.ticket}
+        elif case == "offer_unheld":
+            req = {"op": "offer", "group": g, "to": "victim",
+                   "units": draw(st.lists(st.integers(1, 7), min_size=1, max_size=3))}
+        else:
+            req = {"op": "offer", "group": draw(st.sampled_from(env.victim_groups)),
+                   "units": [0], "to": "attacker"}
+        return ("attacker", [p.encode({**req, **with_header({}, rid, env.attacker_token)})], rid)
+
     return st.one_of(wrong_type(), unknown_op(), unknown_field(), garbage(), truncated(),
-                     bad_token(), foreign_group(), bad_units(), bad_values(), multi_frame())
+                     bad_token(), foreign_group(), bad_units(), bad_values(), multi_frame(),
+                     forged_ticket())
 
 
 def test_ten_thousand_hostile_messages(start_daemon, tmp_path):
@@ -235,7 +279,11 @@ def test_ten_thousand_hostile_messages(start_daemon, tmp_path):
     sink, adopter = fd_channel_attackers(d)
     ctx = zmq.Context.instance()
     env = Env()
-    with d.connect("attacker") as attacker:
+    with d.connect("attacker") as attacker, d.connect("giver") as giver:
+        gg = giver.region_group(1, 8 * PAGE)  # a real ticket, for someone else
+        gg.grant([0])
+        ticket = handoff.offer(gg, [0], to="victim", ttl_s=p.MAX_TTL_MS / 1000)
+        env.ticket = ticket.id
         ag = attacker.region_group(1, 8 * PAGE)
         ag.grant([0])
         env.attacker_group = ag.id
@@ -288,6 +336,8 @@ def test_ten_thousand_hostile_messages(start_daemon, tmp_path):
         with d.monitor() as m:
             (v,) = [t for t in m.ps().tenants if t.name == "victim"]
             assert v.registered
+        assert not ticket.settled and gg.mapped == {0}  # no hostile message spoiled it
+        assert handoff.cancel(giver, ticket) is True
         env.anon.close()
     check_fd_channel_attackers(d, sink, adopter)
     stop.touch()

@@ -1,0 +1,209 @@
+"""Page handoff, the client's side: give units of a region group to another tenant, or
+take units another tenant gave, without copying a byte (the wire:
+``Offer``/``Claim``/``Cancel`` in :mod:`kvpool.protocol.requests`).
+
+    # giver (e.g. a prefill engine): a request's KV is whole units of one group
+    ticket = handoff.offer(group, units=[4, 5, 6], to="decode", ttl_s=10)
+    send_to_decode(ticket.id, len(ticket.units))     # out of band (the router)
+    ticket.wait()           # "claimed": the units are unmapped here; else kept
+
+    # receiver (e.g. a decode engine), a group of the same layout
+    handoff.claim(group, ticket_id, at_units=[0, 1, 2])   # mapped; the giver's bytes
+
+Rules the caller keeps:
+
+* between ``offer`` and the ticket's settlement the giver must not write those units
+  (the receiver may be reading them) nor release them (a claim then fails and the
+  ticket is cancelled); it may still read them;
+* a claimed ticket's units are unmapped here by this module when the daemon's
+  :class:`~kvpool.protocol.replies.Settled` arrives (the keeper thread delivers it):
+  the memory now belongs to, and is charged to, the receiver; nothing is released;
+* units handed over must be units nothing else of this process manages: when an
+  :class:`~kvpool.client_lib.allocator.ElasticBlockAllocator` sits on the group, the
+  engine side forgets them in its own books (request-aligned units).
+
+Invariant: a group's ``mapped`` set and ``handles`` lose a unit only when the daemon says
+it was claimed (or the group releases it), and gain one only when a claim's descriptors
+are mapped in every region.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Sequence
+
+from kvpool import fdchannel
+from kvpool import protocol as p
+from kvpool.client_lib.regions import unit_runs
+
+if TYPE_CHECKING:
+    from kvpool.client_lib.regions import RegionGroup
+    from kvpool.client_lib.tenant import Tenant
+
+PENDING = "pending"
+
+
+@dataclass
+class Ticket:
+    """An offer this process made: ``id`` is the capability to pass to the receiver."""
+
+    id: str
+    group: int
+    units: tuple[int, ...]
+    to: str
+    pages: int
+    ttl_s: float
+    state: str = PENDING  # then one of p.SETTLED_STATES
+    reason: str = ""
+    _done: threading.Event = field(default_factory=threading.Event, repr=False)
+
+    @property
+    def settled(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout_s: float | None = None) -> str:
+        """Block until the daemon settles the ticket (or ``timeout_s``, default the ttl
+        plus 5 s); returns the state (``pending`` on timeout)."""
+        self._done.wait(self.ttl_s + 5.0 if timeout_s is None else timeout_s)
+        return self.state
+
+
+class Handoffs:
+    """One tenant's offers in flight, and what to do when the daemon settles them."""
+
+    def __init__(self, tenant: "Tenant"):
+        self.tenant = tenant
+        self.tickets: dict[str, Ticket] = {}
+        self._lock = threading.Lock()
+        self._early: dict[str, p.Reply] = {}  # a Settled read before its Offered returned
+
+    def offer(self, group: "RegionGroup", units: Sequence[int], to: str,
+              ttl_s: float = 10.0) -> Ticket:
+        """Put mapped ``units`` of ``group`` in escrow for tenant ``to`` (order kept: the
+        receiver's ``at_units[i]`` gets ``units[i]``)."""
+        units = list(units)
+        missing = [u for u in units if u not in group.mapped]
+        if missing:
+            raise ValueError(f"unit {missing[0]} of group {group.id} is not mapped")
+        ttl_ms = max(1, min(p.MAX_TTL_MS, round(ttl_s * 1000)))
+        reply, _ = self.tenant.conn.call(
+            p.Offer(group=group.id, units=units, to=to, ttl_ms=ttl_ms), p.Offered)
+        t = Ticket(id=reply.ticket, group=group.id, units=tuple(units), to=to,
+                   pages=reply.pages, ttl_s=ttl_ms / 1000)
+        with self._lock:
+            self.tickets[t.id] = t
+            early = self._early.pop(t.id, None)
+        if early is not None:
+            self.settled(early)  # type: ignore[arg-type]
+        return t
+
+    def cancel(self, ticket: Ticket | str) -> bool:
+        """Take a pending offer back: True when cancelled (the pages stay here); False
+        when the ticket is over already (its state says how: claimed, expired)."""
+        tid = ticket.id if isinstance(ticket, Ticket) else ticket
+        from kvpool.client_lib.errors import KvpoolError
+
+        try:
+            self.tenant.conn.call(p.Cancel(ticket=tid), p.Done)
+        except KvpoolError as e:
+            if e.code != p.NOT_FOUND:
+                raise
+            t = self.tickets.get(tid)
+            if t is not None:
+                t.wait(self.tenant.timeout_s)  # the Settled that ended it is on its way
+            return False
+        self._finish(tid, "cancelled", "cancelled by the giver")
+        return True
+
+    def claim(self, group: "RegionGroup", ticket: Ticket | str, at_units: Sequence[int],
+              populate: bool = False) -> list[int]:
+        """Map the ticket's pages at ``at_units`` (unmapped) of ``group``; returns them.
+        The pages hold the giver's bytes (not zeroed). All or nothing."""
+        tid = ticket.id if isinstance(ticket, Ticket) else ticket
+        at = list(at_units)
+        reply, fds = self.tenant.conn.call(
+            p.Claim(ticket=tid, group=group.id, units=at), p.Claimed)
+        with fdchannel.closing(fds):
+            try:
+                kept = group._map(at, fds, populate)
+            except BaseException:
+                self.tenant.call(p.Release(group=group.id, units=sorted(at)))
+                raise
+        with group._lock:
+            group.mapped.update(at)
+            group.handles.update(kept)
+        return at
+
+    # ---- the daemon's word ----------------------------------------------------------------
+    def settled(self, m: p.Settled) -> None:
+        """A ticket of ours is over (keeper thread): on ``claimed`` drop the mappings of
+        its units (the pages are the receiver's now; nothing goes back to the daemon)."""
+        with self._lock:
+            t = self.tickets.get(m.ticket)
+            if t is None:
+                self._early[m.ticket] = m
+                while len(self._early) > 1024:
+                    self._early.pop(next(iter(self._early)))
+                return
+        if m.state == "claimed":
+            group = self.tenant.groups.get(m.group)
+            if group is not None:
+                forget(group, list(m.units))
+        self._finish(m.ticket, m.state, m.reason)
+
+    def _finish(self, tid: str, state: str, reason: str) -> None:
+        with self._lock:
+            t = self.tickets.pop(tid, None)
+        if t is not None:
+            t.state, t.reason = state, reason
+            t._done.set()
+
+    def pending(self) -> list[Ticket]:
+        with self._lock:
+            return list(self.tickets.values())
+
+
+def forget(group: "RegionGroup", units: list[int]) -> None:
+    """Unmap ``units`` of ``group`` in every region and drop their page handles, without
+    telling the daemon (it moved the pages to another tenant already)."""
+    with group._lock:
+        units = sorted(u for u in units if u in group.mapped)
+        group.mapped.difference_update(units)
+        handles = {u: group.handles.pop(u) for u in units if u in group.handles}
+    ps = group.page_size
+    for rng in group.ranges:
+        for first, _, n in unit_runs(units):
+            group.backend.unmap(rng, first * ps, n)
+    group._drop_handles(handles)
+
+
+def of(tenant: "Tenant") -> Handoffs:
+    """The tenant's :class:`Handoffs` (made on first use)."""
+    h = getattr(tenant, "_handoffs", None)
+    if h is None:
+        h = tenant._handoffs = Handoffs(tenant)  # type: ignore[attr-defined]
+    return h
+
+
+def offer(group: "RegionGroup", units: Sequence[int], to: str, ttl_s: float = 10.0) -> Ticket:
+    return of(group.tenant).offer(group, units, to, ttl_s)
+
+
+def claim(group: "RegionGroup", ticket: Ticket | str, at_units: Sequence[int],
+          populate: bool = False) -> list[int]:
+    return of(group.tenant).claim(group, ticket, at_units, populate)
+
+
+def cancel(tenant: "Tenant", ticket: Ticket | str) -> bool:
+    return of(tenant).cancel(ticket)
+
+
+def wait_all(tenant: "Tenant", timeout_s: float) -> bool:
+    """Whether every offer of ``tenant`` settled within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    for t in of(tenant).pending():
+        if not t._done.wait(max(0.0, deadline - time.monotonic())):
+            return False
+    return True

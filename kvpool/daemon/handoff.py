@@ -1,0 +1,177 @@
+"""Page handoff, the daemon's side: ``offer``, ``claim`` and ``cancel`` requests over the
+escrow book (:mod:`kvpool.daemon.escrow`), applied to the tenants' page tables and the
+pool's ownership.
+
+* ``offer``: units of the giver's group go in escrow (the giver keeps them: they stay in
+  its table, charged to it, until a claim succeeds).
+* ``claim``: all checks first (the ticket, who may claim it, the layout, the receiver's
+  room under its cap, its fair share while others wait, its target units), then in one
+  step the pages leave the giver's table and enter the receiver's, the pool's owner of
+  each pfn changes, the pages' descriptors are queued for the receiver (before the
+  reply, as for a grant) and the giver is told (:class:`~kvpool.protocol.replies.Settled`,
+  unsolicited) to drop its mappings. A refused claim changes nothing: the giver keeps
+  the pages and the ticket stays claimable by its receiver.
+* tickets expire on the arbiter's tick; a giver's session that ends cancels its tickets
+  (its pages return to the pool with everything else it held, :meth:`Handoff.dropped`).
+
+Transferred pages are not zeroed (their bytes are the point) and never reach anyone but
+the receiver: the descriptors go only to the receiver's fd channel, and the pool's owner
+check (the server sends only pages the tenant owns) holds for them as for grants.
+
+Invariants (:meth:`Handoff.check`): the book is sound; every pending ticket's giver is a
+live tenant; the pages moved are counted once (giver's ``granted`` down, receiver's up,
+the pool's total unchanged).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any, Iterable
+
+from kvpool import protocol as p
+from kvpool.daemon import escrow
+from kvpool.daemon.escrow import Escrow, Layout, Party, Refused
+from kvpool.daemon.grants import check_units, require_holder
+from kvpool.daemon.outcome import Fail, Outcome
+
+if TYPE_CHECKING:
+    from kvpool.daemon.arbiter import Arbiter
+
+log = logging.getLogger("kvpool.daemon.handoff")
+
+
+def party(t: Any) -> Party:
+    """What the book knows of a session: decided by the daemon (SO_PEERCRED, register)."""
+    return Party(tenant=t.id, name=t.name, uid=t.uid)
+
+
+class Handoff:
+    def __init__(self, arbiter: "Arbiter", pairs: Iterable[tuple[str, str]] = ()):
+        self.arbiter = arbiter
+        self.book = Escrow()
+        self.pairs = frozenset(pairs)  # (giver name, receiver name) across uids
+
+    def _layout(self, g: Any) -> Layout:
+        return Layout(n_regions=g.n_regions, unit_bytes=self.arbiter.page_size)
+
+    # ---- requests -------------------------------------------------------------------
+    def offer(self, t: Any, identity: bytes, r: p.Offer) -> p.Reply:
+        a = self.arbiter
+        require_holder(t, "offer")
+        g = a.grants.group_of(t, r.group)
+        check_units(g, r.units)
+        missing = [u for u in r.units if u not in g.units]
+        if missing:
+            raise Fail(p.BAD_REQUEST, f"unit {missing[0]} of group {g.id} is not granted")
+        for other in a.tenants.named(r.to):  # a receiver already connected: say it now
+            why = escrow.may_pair(party(t), party(other), self.pairs)
+            if why:
+                raise Fail(p.UNAUTHORIZED, why)
+        pfns = [pfn for u in r.units for pfn in g.units[u]]
+        try:
+            ticket = self.book.offer(party(t), g.id, list(r.units), pfns, self._layout(g),
+                                     r.to, r.ttl_ms / 1000, time.monotonic())
+        except Refused as e:
+            raise Fail(e.code, str(e)) from None
+        log.info("tenant %d (%s) offers %d units (%d pages) of group %d to %s, ticket %s",
+                 t.id, t.name, len(r.units), ticket.pages, g.id, r.to, escrow.short(ticket.id))
+        return p.Offered(id=r.id, ticket=ticket.id, pages=ticket.pages, ttl_ms=r.ttl_ms)
+
+    def claim(self, t: Any, identity: bytes, r: p.Claim) -> Outcome:
+        a = self.arbiter
+        require_holder(t, "claim")
+        if a.recovering:
+            raise Fail(p.BUSY, "the daemon is rebuilding its accounting after a restart")
+        g = a.grants.group_of(t, r.group)
+        check_units(g, r.units)
+        held = [u for u in r.units if u in g.units]
+        if held:
+            raise Fail(p.BAD_REQUEST, f"unit {held[0]} of group {g.id} is mapped already")
+        if any(set(w.req.units) & set(r.units) for w in a.reclaimer.waiters
+               if w.tenant is t and isinstance(w.req, p.Grant) and w.req.group == g.id):
+            raise Fail(p.BAD_REQUEST, f"a unit of group {g.id} is being granted")
+        now = time.monotonic()
+        room = t.cap_pages - t.held - a.pool.retained_pages(t.id) - t.waiting_pages
+        try:
+            ticket = self.book.check_claim(r.ticket, party(t), self._layout(g), len(r.units),
+                                           room, now, self.pairs)
+        except Refused as e:
+            raise Fail(e.code, str(e)) from None
+        n = ticket.pages
+        if t.ask is not None:
+            raise Fail(p.NO_MEMORY, f"{t.name} is being asked to give memory back; "
+                                    f"the giver keeps the pages")
+        if a.reclaimer.waiters and not a.reclaimer.may_grow(t, n):
+            raise Fail(p.OVER_LIMIT, f"{t.name}: {n} more pages would take it past its fair "
+                                     f"share while others wait; the giver keeps the pages")
+        giver = a.tenants.by_id.get(ticket.giver.tenant)
+        gg = giver.groups.get(ticket.group) if giver is not None else None
+        if gg is None or [pfn for u in ticket.units for pfn in gg.units.get(u, ())] \
+                != list(ticket.pfns):
+            self.book.cancel(ticket.id, ticket.giver.tenant, now)
+            self._tell(ticket, "cancelled", "the giver no longer holds those units")
+            raise Fail(p.NOT_FOUND, f"ticket {escrow.short(ticket.id)} is void: the giver no "
+                                    f"longer holds those units (cancelled)")
+        pfns = self._move(giver, gg, t, g, ticket, list(r.units))
+        self.book.claimed_by_receiver(ticket, party(t), now)
+        self._tell(ticket, "claimed", f"claimed by {t.name}", receiver=t.name)
+        log.info("tenant %d (%s) claimed ticket %s: %d pages from %s", t.id, t.name,
+                 escrow.short(ticket.id), n, ticket.giver.name)
+        reply = p.Claimed(id=r.id, group=g.id, units=list(r.units), nfds=n,
+                             ticket=ticket.id, giver=ticket.giver.name)
+        return Outcome(reply, pfns_to_send=pfns, tenant=t)
+
+    def _move(self, giver: Any, gg: Any, t: Any, g: Any, ticket: escrow.Ticket,
+              at: list[int]) -> list[int]:
+        """The pages of ``ticket`` leave ``giver``'s group ``gg`` and land at ``at`` in
+        ``t``'s group ``g``; ownership and both tenants' counts move with them."""
+        a = self.arbiter
+        pfns = gg.release(list(ticket.units))  # unit-major, in the ticket's order
+        giver.granted -= len(pfns)
+        a.reclaimer.released(giver, len(pfns))
+        gg.record_usage(None, None)
+        for pfn in pfns:
+            a.pool.owner[pfn] = t.id
+        g.grant(at, pfns)
+        t.granted += len(pfns)
+        return pfns
+
+    def cancel(self, t: Any, identity: bytes, r: p.Cancel) -> p.Reply:
+        try:
+            self.book.cancel(r.ticket, t.id, time.monotonic())
+        except Refused as e:
+            raise Fail(e.code, str(e)) from None
+        return p.Done(id=r.id)
+
+    # ---- time, death, integrity ---------------------------------------------------------
+    def tick(self, now: float) -> None:
+        """Expire late tickets; their givers learn they keep the pages."""
+        for ticket in self.book.expire(now):
+            self._tell(ticket, "expired", "nobody claimed it in time")
+
+    def next_deadline(self) -> float | None:
+        return self.book.next_deadline()
+
+    def dropped(self, t: Any) -> None:
+        """``t``'s session ends: its pending offers are cancelled (their pages go back to
+        the pool with the rest of what it holds)."""
+        gone = self.book.forget_giver(t.id, time.monotonic())
+        if gone:
+            log.info("tenant %d (%s) ended with %d tickets pending: cancelled", t.id,
+                     t.name, len(gone))
+
+    def _tell(self, ticket: escrow.Ticket, state: str, reason: str, receiver: str = "") -> None:
+        giver = self.arbiter.tenants.by_id.get(ticket.giver.tenant)
+        if giver is not None:
+            self.arbiter.unsolicited(giver, p.Settled(
+                ticket=ticket.id, state=state, group=ticket.group, units=list(ticket.units),
+                receiver=receiver, reason=reason))
+
+    def check(self) -> list[str]:
+        problems = self.book.check_integrity()
+        for ticket in self.book.pending.values():
+            if ticket.giver.tenant not in self.arbiter.tenants.by_id:
+                problems.append(f"ticket {escrow.short(ticket.id)} of tenant "
+                                f"{ticket.giver.tenant} is pending but its giver is gone")
+        return problems
