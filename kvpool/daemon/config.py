@@ -35,7 +35,6 @@ where the backend is opened. A loaded :class:`Config` never makes the daemon rai
 from __future__ import annotations
 
 import dataclasses
-import grp
 import os
 import sys
 import typing
@@ -46,6 +45,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+from kvpool.daemon import config_values as values_
 from kvpool.sizes import format_size, parse_size
 
 if sys.version_info >= (3, 11):
@@ -56,9 +56,7 @@ else:  # pragma: no cover
 # ---- the schema's types ---------------------------------------------------------------
 Seconds = Annotated[float, Meta(gt=0, le=86400)]  # rejects nan and inf too
 Count = Annotated[int, Meta(ge=1, le=1 << 40)]
-Size = int | str  # checked by parse_size (see SIZE_RULES)
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-MAX_BYTES = 1 << 62
+Size = int | str  # checked by parse_size (see config_values.SIZE_RULES)
 
 
 class ConfigError(ValueError):
@@ -107,7 +105,7 @@ class Config:
     send_timeout_s: Seconds = 2.0  # a tenant whose fd socket stays full this long is dropped
     reclaim_timeout_s: Seconds = 2.0  # deadline of reclaim asks and of requests waiting on them
     recover_timeout_s: Annotated[float, Meta(ge=0, le=86400)] = 5.0  # after a restart
-    log_level: str = "INFO"  # one of LOG_LEVELS, any case
+    log_level: str = "INFO"  # one of config_values.LOG_LEVELS, any case
     metrics_address: str | None = None  # HOST:PORT of the Prometheus exporter (None: off)
     metrics_allow_remote: bool = False  # a non-loopback metrics_address is refused unless set
     # caps (a session or tenant past one gets a clear refusal)
@@ -168,17 +166,17 @@ class Config:
             if key == "tenants":
                 out[key] = _tenants(values[key], problems)
                 continue
-            value = _normalise(key, values[key])
+            value = values_.normalise(key, values[key])
             try:
                 out[key] = msgspec.convert(value, hints[key], strict=True)
             except msgspec.ValidationError as e:
-                problems.append(f"{label} = {_show(values[key])}: {_reason(e)}")
+                problems.append(f"{label} = {values_.show(values[key])}: {values_.reason(e)}")
                 continue
-            problem = _check_value(key, out[key])
+            problem = values_.check_value(key, out[key])
             if problem:
-                problems.append(f"{label} = {_show(values[key])}: {problem}")
+                problems.append(f"{label} = {values_.show(values[key])}: {problem}")
         for key in ("socket_group", "admin_group"):
-            if isinstance(out.get(key), str) and not _group_exists(out[key]):
+            if isinstance(out.get(key), str) and not values_.group_exists(out[key]):
                 problems.append(f"{where.get(key, key)} = {out[key]!r}: no such group")
         if problems:
             raise ConfigError(problems)
@@ -191,10 +189,10 @@ class Config:
         problems: list[str] = []
         budget = parse_size(self.budget, total)
         if budget > total:
-            problems.append(f"budget = {_show_size(self.budget)}: more than the device's "
+            problems.append(f"budget = {values_.show_size(self.budget)}: more than the device's "
                             f"{format_size(total)}")
         elif budget < page_size:
-            problems.append(f"budget = {_show_size(self.budget)}: less than one page "
+            problems.append(f"budget = {values_.show_size(self.budget)}: less than one page "
                             f"({format_size(page_size)})")
         if problems:
             raise ConfigError(problems)
@@ -233,67 +231,6 @@ class Config:
         return run_dir(self.run_dir)
 
 
-# ---- value checks -------------------------------------------------------------------------
-# which sizes may be a percentage, a page count ("16p"), must be > 0
-SIZE_RULES = {
-    "budget": dict(percent=True, pages=False, positive=True),
-    "page_size": dict(percent=False, pages=False, positive=True),
-    "warm_min": dict(percent=True, pages=True, positive=False),
-    "warm_max": dict(percent=True, pages=True, positive=False),
-    "default_max": dict(percent=True, pages=False, positive=True),
-    "min": dict(percent=True, pages=False, positive=False),
-    "max": dict(percent=True, pages=False, positive=True),
-}
-
-
-def _normalise(key: str, value: Any) -> Any:
-    if key == "socket_mode" and isinstance(value, str):
-        text = value.strip().lower().removeprefix("0o")
-        if text and all(c in "01234567" for c in text):
-            return int(text, 8)
-    if key == "log_level" and isinstance(value, str):
-        return value.upper()
-    return value
-
-
-def _check_value(key: str, value: Any) -> str | None:
-    """What is wrong with an already well-typed value, or None."""
-    if key == "page_size" and value is not None:
-        return check_size(value, **SIZE_RULES[key]) or _page_size_problem(parse_size(value))
-    if key in SIZE_RULES and value is not None:
-        return check_size(value, **SIZE_RULES[key])
-    if key == "log_level" and value not in LOG_LEVELS:
-        return f"expected one of {', '.join(LOG_LEVELS)}"
-    if key in ("run_dir", "socket_group", "admin_group") and value is not None and not value:
-        return "must not be empty"
-    return None
-
-
-def check_size(value: int | str, *, percent: bool, pages: bool, positive: bool) -> str | None:
-    """Why ``value`` is not a valid size of this kind, or None (a percentage's total is
-    known only later)."""
-    text = value.strip() if isinstance(value, str) else None
-    if pages and text and text.endswith("p") and text[:-1].isdigit():
-        return None
-    if text is not None and text.endswith("%") and not percent:
-        return "a percentage is not allowed here"
-    try:
-        n = parse_size(value, 1 << 40 if percent else None)  # a share of 1 TiB, for the check
-    except ValueError as e:
-        return str(e)
-    if n > MAX_BYTES:
-        return "too large"
-    if positive and n == 0:
-        return "must be more than 0"
-    return None
-
-
-def _page_size_problem(n: int) -> str | None:
-    if n < 4096 or n & (n - 1):
-        return "expected a power of two of at least 4 KiB"
-    return None
-
-
 def _tenants(raw: Any, problems: list[str]) -> dict[str, TenantPolicy]:
     if not isinstance(raw, dict):
         problems.append("[tenants] must be a table of tables ([tenants.NAME])")
@@ -305,7 +242,7 @@ def _tenants(raw: Any, problems: list[str]) -> dict[str, TenantPolicy]:
         if isinstance(policy, TenantPolicy):
             policy = dataclasses.asdict(policy)
         if not isinstance(policy, dict):
-            problems.append(f"tenants.{name}: expected a table, got {_show(policy)}")
+            problems.append(f"tenants.{name}: expected a table, got {values_.show(policy)}")
             continue
         unknown = sorted(set(policy) - names)
         if unknown:
@@ -317,36 +254,16 @@ def _tenants(raw: Any, problems: list[str]) -> dict[str, TenantPolicy]:
             try:
                 values[key] = msgspec.convert(policy[key], hints[key], strict=True)
             except msgspec.ValidationError as e:
-                problems.append(f"{label} = {_show(policy[key])}: {_reason(e)}")
+                problems.append(f"{label} = {values_.show(policy[key])}: {values_.reason(e)}")
                 bad = True
                 continue
-            problem = _check_value(key, values[key])
-            if key == "group" and isinstance(values[key], str) and not _group_exists(values[key]):
+            problem = values_.check_value(key, values[key])
+            group = values[key] if key == "group" else None
+            if isinstance(group, str) and not values_.group_exists(group):
                 problem = "no such group"
             if problem:
-                problems.append(f"{label} = {_show(policy[key])}: {problem}")
+                problems.append(f"{label} = {values_.show(policy[key])}: {problem}")
                 bad = True
         if not bad:
             out[name] = TenantPolicy(**values)
     return out
-
-
-def _group_exists(name: str) -> bool:
-    try:
-        grp.getgrnam(name)
-        return True
-    except KeyError:
-        return False
-
-
-def _reason(e: msgspec.ValidationError) -> str:
-    text = str(e).replace("`", "")
-    return text[:1].lower() + text[1:]
-
-
-def _show(value: Any) -> str:
-    return repr(value) if not isinstance(value, float) else f"{value:g}"
-
-
-def _show_size(value: int | str) -> str:
-    return format_size(value) if isinstance(value, int) else repr(value)

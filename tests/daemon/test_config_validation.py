@@ -131,9 +131,9 @@ def test_config_schema_units():
 
 
 def test_the_shipped_config_file_validates(monkeypatch):
-    import kvpool.daemon.config as config
+    import kvpool.daemon.config_values as config_values
 
-    monkeypatch.setattr(config, "_group_exists", lambda name: True)  # the kvpool groups
+    monkeypatch.setattr(config_values, "group_exists", lambda name: True)  # the kvpool groups
     cfg = Config.load(REPO / "systemd" / "kvpool.toml")
     assert cfg.socket_group == "kvpool" and cfg.tenants["llama-8b"].weight == 2.0
     cfg.check_budget(total=80 << 30, page_size=2 << 20)
