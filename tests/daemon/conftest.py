@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 from pathlib import Path
@@ -57,3 +58,40 @@ def start_daemon():
 @pytest.fixture
 def daemon(start_daemon) -> DaemonProc:
     return start_daemon()
+
+
+@pytest.fixture
+def arb():
+    """An :class:`Arbiter` over a 16-page host pool, without a daemon process.
+    ``arb.register(name, kind, pid)`` opens a session (a socketpair stands in for the fd
+    channel) and returns ``(tenant, identity, outcome of Register)``; ``arb.tenant(...)``
+    does the same, asserts the registration, and returns ``(tenant, identity)``."""
+    from kvpool import protocol as p
+    from kvpool.daemon.arbiter import Arbiter
+    from kvpool.daemon.config import Config
+    from kvpool.daemon.pool import Pool
+    from kvpool.vmm.host import HostBackend
+
+    backend = HostBackend(page_size=PAGE)
+    pool = Pool(backend, 16)
+    a = Arbiter(Config(budget=16 * PAGE), pool, 16 * PAGE)
+    socks: list[socket.socket] = []
+
+    def register(name: str, kind: str = "engine", pid: int | None = None):
+        x, y = socket.socketpair()
+        socks.extend((x, y))
+        t = a.open_session(x, pid if pid is not None else 1000 + len(socks), 0, 0, None)
+        ident = name.encode()
+        return t, ident, a.handle(ident, p.Register(id=1, token=t.token, name=name, kind=kind))
+
+    def tenant(name: str, kind: str = "engine", pid: int | None = None):
+        t, ident, out = register(name, kind, pid)
+        assert out.reply.ok, out.reply
+        return t, ident
+
+    a.register, a.tenant = register, tenant
+    yield a
+    for s in socks:
+        s.close()
+    pool.close()
+    backend.close()

@@ -3,42 +3,10 @@ issue 9 added can fail; the head-of-line rule and the id allocator, in isolation
 
 from __future__ import annotations
 
-import socket
-
-import pytest
-
 from kvpool import protocol as p
-from kvpool.daemon.arbiter import Arbiter
-from kvpool.daemon.config import Config
-from kvpool.daemon.pool import Pool
 from kvpool.daemon.regions import GroupRecord
-from kvpool.vmm.host import HostBackend
 
 PAGE = 64 << 10
-
-
-@pytest.fixture
-def arb():
-    backend = HostBackend(page_size=PAGE)
-    pool = Pool(backend, 16)
-    a = Arbiter(Config(budget=16 * PAGE), pool, 16 * PAGE)
-    socks: list[socket.socket] = []
-
-    def tenant(name: str, kind: str = "engine"):
-        x, y = socket.socketpair()
-        socks.extend((x, y))
-        t = a.open_session(x, 1000 + len(socks), 0, 0, None)
-        ident = name.encode()
-        out = a.handle(ident, p.Register(id=1, token=t.token, name=name, kind=kind))
-        assert out.reply.ok, out.reply
-        return t, ident
-
-    a.tenant = tenant
-    yield a
-    for s in socks:
-        s.close()
-    pool.close()
-    backend.close()
 
 
 def test_integrity_flags_a_monitor_that_holds_memory(arb):

@@ -7,46 +7,17 @@ from __future__ import annotations
 import json
 import os
 import resource
-import socket
 import subprocess
 import sys
 import time
 
-import pytest
-
 from kvpool import protocol as p
 from kvpool.daemon import fdqueue
-from kvpool.daemon.arbiter import Arbiter
 from kvpool.daemon.config import Config
-from kvpool.daemon.pool import Pool
 from kvpool.daemon.restart import Recovery, StateFile, live_tenants
 from kvpool.limits import raise_fd_limit
-from kvpool.vmm.host import HostBackend
 
 PAGE = 64 << 10
-
-
-@pytest.fixture
-def arb():
-    backend = HostBackend(page_size=PAGE)
-    pool = Pool(backend, 16)
-    a = Arbiter(Config(budget=16 * PAGE), pool, 16 * PAGE)
-    socks: list[socket.socket] = []
-
-    def tenant(name: str, pid: int | None = None, kind: str = "engine"):
-        x, y = socket.socketpair()
-        socks.extend((x, y))
-        t = a.open_session(x, pid if pid is not None else 1000 + len(socks), 0, 0, None)
-        ident = name.encode()
-        out = a.handle(ident, p.Register(id=1, token=t.token, name=name, kind=kind))
-        return t, ident, out
-
-    a.tenant = tenant
-    yield a
-    for s in socks:
-        s.close()
-    pool.close()
-    backend.close()
 
 
 def test_recovery_ends_when_everyone_is_back_or_time_is_up():
@@ -113,10 +84,9 @@ def test_begin_recovery_refuses_grants_then_ends_and_continues_group_ids(arb):
     arb.begin_recovery({mine}, {"old": mine}, {mine: 0}, next_group=40,
                        until=time.monotonic() + 60)
     assert arb.recovering and arb.pool_info().recovering
-    other, _, out = arb.tenant("old", pid=mine + 1)
+    other, _, out = arb.register("old", pid=mine + 1)
     assert out.reply.code == p.UNAUTHORIZED  # the name is kept for its pid
-    t, ident, out = arb.tenant("new")
-    assert out.reply.ok
+    t, ident = arb.tenant("new")
     g = arb.handle(ident, p.CreateGroup(id=2, token=t.token, n_regions=1, capacity=4 * PAGE))
     assert g.reply.group == 40
     out = arb.handle(ident, p.Grant(id=3, token=t.token, group=40, units=[0]))
@@ -136,7 +106,7 @@ def test_an_empty_recovery_changes_only_the_group_ids(arb):
 
 
 def test_map_pages_its_reply_by_limit(arb):
-    t, ident, _ = arb.tenant("a")
+    t, ident = arb.tenant("a")
     ids = [arb.handle(ident, p.CreateGroup(id=2 + i, token=t.token, n_regions=1,
                                            capacity=4 * PAGE)).reply.group for i in range(5)]
     arb.handle(ident, p.Grant(id=9, token=t.token, group=ids[1], units=[0, 1, 3]))
@@ -156,7 +126,7 @@ def test_map_pages_its_reply_by_limit(arb):
 
 def test_ps_leaves_out_monitors_that_hold_nothing(arb):
     arb.tenant("watch", kind="monitor")
-    t, ident, _ = arb.tenant("eng")
+    t, ident = arb.tenant("eng")
     r = arb.handle(ident, p.Ps(id=2, token=t.token)).reply
     assert [x.name for x in r.tenants] == ["eng"]
 
