@@ -126,6 +126,7 @@ class Config:
     interleave: Count = 8  # fd-channel events handled between two looks at the control socket
     drain_slice: Count = 4096  # frames of a refused control message discarded per turn
     control_hwm: Count = 10000  # ZeroMQ high-water marks of the control socket (messages)
+    event_ring: Count = 4096  # decisions kept for `kvpool events` (older ones are lost)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str] | None = None,

@@ -24,7 +24,7 @@ from kvpool import protocol as p
 if TYPE_CHECKING:
     from kvpool.daemon.tenants import TenantRecord
 
-RING = 4096  # events kept
+RING = 4096  # events kept (the default of Config.event_ring)
 
 
 @dataclass

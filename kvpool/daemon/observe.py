@@ -60,7 +60,7 @@ class Observer:
         self._errors_seen = 0  # error replies the arbiter produced (the rest: the server's)
         self._refused = 0
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self.events = EventLog(wake=self._poke)
+        self.events = EventLog(size=server.cfg.event_ring, wake=self._poke)
         self._want = False
         self._ready = threading.Event()
         self._snap_lock = threading.Lock()
