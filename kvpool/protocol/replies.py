@@ -258,4 +258,4 @@ REPLIES = (
     Error, Registered, GroupCreated, Granted, Done, PsReply, StatsReply, MapReply,
     CheckReply, Reclaim, LimitSet, Leased, Adopted, EventsReply, Offered, Claimed, Settled,
 )
-AnyReply = Union[REPLIES]  # type: ignore[valid-type]
+AnyReply = Union[REPLIES]  # type: ignore[valid-type]  # built from the tuple for msgspec

@@ -226,6 +226,6 @@ REQUESTS = (
     Ps, Stats, MapReq, SetLimit, Check, Lease, Reclaimed, Adopt, Shutdown, Events,
     Offer, Claim, Cancel,
 )
-AnyRequest = Union[REQUESTS]  # type: ignore[valid-type]
+AnyRequest = Union[REQUESTS]  # type: ignore[valid-type]  # built from the tuple for msgspec
 MONITOR_OPS = frozenset({"ps", "stats", "map", "ping", "check", "events"})
 ADMIN_OPS = frozenset({"set_limit", "shutdown"})
