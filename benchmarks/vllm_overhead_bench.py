@@ -14,6 +14,7 @@ with the ratios elastic / static (goal: decode step <= 1.03x).
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
 import sys
@@ -34,11 +35,13 @@ from adapters.vllm_procs import (  # noqa: E402
 from common import write_result  # noqa: E402
 
 
-def stream_one(base: str, model: str, prompt: str, tokens: int) -> tuple[float, int]:
-    """(seconds per decode step, completion tokens) of one streamed greedy request."""
+def stream_one(base: str, model: str, prompt: str, tokens: int) -> tuple[float, int, float]:
+    """(seconds per decode step, completion tokens, seconds to the first token) of one
+    streamed greedy request."""
     from openai import OpenAI
 
     c = OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=600, max_retries=0)
+    t0 = time.perf_counter()
     stamps = []
     for chunk in c.completions.create(model=model, prompt=prompt, max_tokens=tokens,
                                       temperature=0, stream=True,
@@ -46,7 +49,8 @@ def stream_one(base: str, model: str, prompt: str, tokens: int) -> tuple[float, 
         if chunk.choices and chunk.choices[0].text:
             stamps.append(time.perf_counter())
     steps = len(stamps) - 1
-    return ((stamps[-1] - stamps[0]) / steps if steps > 0 else float("nan")), tokens
+    return ((stamps[-1] - stamps[0]) / steps if steps > 0 else float("nan")), tokens, \
+        stamps[0] - t0
 
 
 def one_rep(base: str, model: str, n: int, tokens: int) -> dict:
@@ -56,7 +60,8 @@ def one_rep(base: str, model: str, n: int, tokens: int) -> dict:
                                                 f" {i}", tokens), range(n)))
     wall = time.perf_counter() - t0
     return {"step_s": statistics.median(r[0] for r in res),
-            "tok_per_s": sum(r[1] for r in res) / wall}
+            "tok_per_s": sum(r[1] for r in res) / wall,
+            "ttft_s": statistics.median(r[2] for r in res)}
 
 
 def main() -> None:
@@ -93,6 +98,7 @@ def main() -> None:
         for s in (static, elastic):  # warm-up
             one_rep(s.base, s.name, 2, 16)
         runs: dict[str, list[dict]] = {"static": [], "elastic": []}
+        load_before = os.getloadavg()
         for rep in range(a.reps):
             order = (static, elastic) if rep % 2 == 0 else (elastic, static)
             for s in order:
@@ -100,7 +106,8 @@ def main() -> None:
         summary = {}
         for name, xs in runs.items():
             summary[name] = {"step_ms_median": 1e3 * statistics.median(x["step_s"] for x in xs),
-                             "tok_per_s_median": statistics.median(x["tok_per_s"] for x in xs)}
+                             "tok_per_s_median": statistics.median(x["tok_per_s"] for x in xs),
+                             "ttft_ms_median": 1e3 * statistics.median(x["ttft_s"] for x in xs)}
         ratio_step = summary["elastic"]["step_ms_median"] / summary["static"]["step_ms_median"]
         ratio_tput = summary["elastic"]["tok_per_s_median"] / summary["static"][
             "tok_per_s_median"]
@@ -109,18 +116,26 @@ def main() -> None:
                                         zip(runs["elastic"], runs["static"]))
         paired_tput = statistics.median(e["tok_per_s"] / s_["tok_per_s"] for e, s_ in
                                         zip(runs["elastic"], runs["static"]))
-        print(f"{'server':8} {'decode step ms':>15} {'tokens/s':>10}")
+        pairs = sorted(e["step_s"] / s_["step_s"] for e, s_ in
+                       zip(runs["elastic"], runs["static"]))
+        q1, _, q3 = statistics.quantiles(pairs, n=4) if len(pairs) > 1 else (pairs * 3)
+        load = {"before": load_before, "after": os.getloadavg()}
+        print(f"{'server':8} {'decode step ms':>15} {'tokens/s':>10} {'TTFT ms':>9}")
         for name, v in summary.items():
-            print(f"{name:8} {v['step_ms_median']:15.2f} {v['tok_per_s_median']:10.1f}")
+            print(f"{name:8} {v['step_ms_median']:15.2f} {v['tok_per_s_median']:10.1f} "
+                  f"{v['ttft_ms_median']:9.1f}")
         print(f"elastic / static: decode step {ratio_step:.3f}x (goal <= 1.03x), "
               f"throughput {ratio_tput:.3f}x; paired medians {paired_step:.3f}x / "
-              f"{paired_tput:.3f}x")
+              f"{paired_tput:.3f}x (paired step ratios: quartiles {q1:.3f} .. {q3:.3f}); "
+              f"load average {load['before'][0]:.1f} -> {load['after'][0]:.1f}")
         path = write_result("vllm_overhead_bench", {
             "params": vars(a), "runs": runs, "summary": summary,
             "ratio_decode_step_elastic_over_static": ratio_step,
             "ratio_throughput_elastic_over_static": ratio_tput,
             "paired_median_decode_step_ratio": paired_step,
             "paired_median_throughput_ratio": paired_tput,
+            "paired_decode_step_ratio_quartiles": [q1, q3],
+            "load_average_1_5_15": load,
             "goal_decode_step_ratio": 1.03,
         }, a.out)
         print(f"wrote {path}")

@@ -73,26 +73,78 @@ def test_ps_lists_the_server_as_an_engine_tenant(servers, daemon):
     assert "plugin active" in logs
 
 
+# The tiny model's KV chunk (the release unit) is one 64 KiB page of each of its 2 layer
+# regions: 8 blocks of 16 tokens. The lease leaves the server 2 chunks (the null block's
+# and one: 15 usable blocks), fewer than 8 running requests hold once each has 4 blocks.
+CHUNK = 2 * 65536
+LEASE = (4 << 20) - 2 * CHUNK
+RUNNING = 32 * 2 * 8192  # 32 blocks of 2 x 8 KiB: 4 per request, twice what the lease leaves
+
+
+def _in_use(run_dir, name: str) -> int:
+    from kvpool.client_lib import Monitor
+
+    mon = Monitor(run_dir, timeout_s=30)
+    try:
+        return next((t.in_use for t in mon.ps().tenants if t.name == name), 0)
+    finally:
+        mon.close()
+
+
+def _prewarmed_lease(run_dir) -> subprocess.Popen:
+    """``kvpool lease LEASE -- sleep 2`` in an interpreter that has imported the CLI
+    already and starts it when a line arrives on stdin (no interpreter start-up between
+    the trigger and the lease under load)."""
+    args = ["lease", str(LEASE), "--timeout", "60", "--run-dir", str(run_dir), "--",
+            sys.executable, "-c", "import time; time.sleep(2)"]
+    code = ("import sys; from kvpool.cli.main import cli; sys.stdin.readline(); "
+            f"cli({args!r}, prog_name='kvpool')")
+    return subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=REPO)
+
+
 def test_greedy_output_equals_plain_vllm_even_under_a_forced_reclaim(servers, daemon):
     plain, elastic = servers
     want, _ = burst(plain.base, "plain")
     got, _ = burst(elastic.base, "tiny-a")
     assert got == want
 
-    def lease_mid_generation():
+    # Deterministic rather than timed: start from an empty prefix cache (the idle release
+    # evicts it), so in_use is the running requests' blocks; lease once they hold twice
+    # what the lease leaves; the attempt counts only if the lease was granted while no
+    # request had finished (then the shrink cannot be met without preempting).
+    mid_generation = False
+    for _attempt in range(3):
         deadline = time.monotonic() + 120
-        while (daemon.tenant("tiny-a") or {}).get("in_use", 0) < (1 << 20):
+        while _in_use(daemon.run_dir, "tiny-a") > 2 * CHUNK:
             assert time.monotonic() < deadline, daemon.ps()
-            time.sleep(0.05)
-        return subprocess.run(
-            [sys.executable, "-m", "kvpool.cli.main", "lease", "3MiB", "--timeout", "60",
-             "--run-dir", str(daemon.run_dir), "--", sys.executable, "-c",
-             "import time; time.sleep(2)"], capture_output=True, text=True, cwd=REPO,
-            timeout=180)
-
-    got, lease = burst(elastic.base, "tiny-a", lease_mid_generation)
-    assert lease.returncode == 0, lease.stderr
-    assert got == want
+            time.sleep(0.2)
+        lease = _prewarmed_lease(daemon.run_dir)
+        try:
+            with ThreadPoolExecutor(len(PROMPTS)) as ex:
+                futs = [ex.submit(complete, elastic.base, "tiny-a", p, MAX_TOKENS)
+                        for p in PROMPTS]
+                while (_in_use(daemon.run_dir, "tiny-a") < RUNNING
+                       and not all(f.done() for f in futs)):
+                    time.sleep(0.02)
+                lease.stdin.write("go\n")
+                lease.stdin.flush()
+                err = ""
+                for line in lease.stderr:  # the CLI says so right after the grant
+                    err += line
+                    if line.startswith("kvpool: leased"):
+                        break
+                mid_generation = not any(f.done() for f in futs)
+                err += lease.stderr.read()
+                assert lease.wait(120) == 0, err
+                got = [tokens(f.result()) for f in futs]
+        finally:
+            if lease.poll() is None:
+                lease.kill()
+        assert got == want
+        if mid_generation:
+            break
+    assert mid_generation, "the lease was never granted while the requests were running"
     logs = elastic.logs()
     assert "kvpool: shrink of" in logs
     preempted = [int(line.split("preempted ")[1].split()[0])
