@@ -81,7 +81,10 @@ class VarlenBatch:
 class ForwardBatch:
     """Everything one forward pass needs besides the weights; built once per step and
     shared by all layers. ``slot_blocks``/``slot_offsets`` [T] say where each token's K/V
-    goes; ``logits_indices`` picks the rows whose logits are sampled."""
+    goes; ``logits_indices`` picks the rows whose logits are sampled. ``varlen_last``
+    (native backend) is ``varlen`` restricted to those rows' queries, one per sampled
+    sequence: the last layer attends for them only (every row's K/V is still stored).
+    ``rope`` is what :func:`kvpool.engine.fused.rotary_` takes."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -91,8 +94,8 @@ class ForwardBatch:
     decode: DecodeGroup | None = None
     prefills: list[PrefillGroup] = field(default_factory=list)
     varlen: VarlenBatch | None = None
-    cos: torch.Tensor | None = None
-    sin: torch.Tensor | None = None
+    varlen_last: VarlenBatch | None = None
+    rope: tuple[torch.Tensor, ...] | None = None
 
 
 def select_backend(requested: AttentionBackend, device: torch.device, dtype: torch.dtype,
@@ -121,11 +124,18 @@ def select_backend(requested: AttentionBackend, device: torch.device, dtype: tor
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    fb: ForwardBatch) -> torch.Tensor:
-    """q [T, H, D], k/v [T, Hkv, D]; caches [num_blocks, block_size, Hkv, D] (maybe strided
-    views). Writes this step's K/V into the caches, then attends. Returns [T, H, D]."""
+                    fb: ForwardBatch, last: bool = False) -> torch.Tensor:
+    """q [T, H, D], k/v [T, Hkv, D] ([H, D] rows contiguous, token stride free); caches
+    [num_blocks, block_size, Hkv, D] (maybe strided views). Writes this step's K/V into the
+    caches, then attends. Returns [T, H, D], or with ``last`` (needs ``fb.varlen_last``)
+    [len(logits_indices), H, D] for the sampled rows only."""
     if fb.varlen is not None:
-        return _native_attention(q, k, v, k_cache, v_cache, fb.varlen)
+        if last:
+            assert fb.varlen_last is not None
+            _store_kv(k, v, k_cache, v_cache, fb.varlen)
+            return _native_attention(q[fb.logits_indices], k_cache, v_cache, fb.varlen_last)
+        _store_kv(k, v, k_cache, v_cache, fb.varlen)
+        return _native_attention(q, k_cache, v_cache, fb.varlen)
     k_cache[fb.slot_blocks, fb.slot_offsets] = k
     v_cache[fb.slot_blocks, fb.slot_offsets] = v
     bs = k_cache.shape[1]
@@ -162,30 +172,36 @@ def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
     return g.view(b, nb * bs, h, dim).transpose(1, 2)
 
 
-def _native_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      k_cache: torch.Tensor, v_cache: torch.Tensor, vb: VarlenBatch
-                      ) -> torch.Tensor:
+def _store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              vb: VarlenBatch) -> None:
     lib = native.load()
     assert lib is not None
-    t, h, d = q.shape
-    hkv = k.shape[1]
-    bs = k_cache.shape[1]
-    # invariants the kernel relies on: [.., Hkv, D] rows contiguous, same strides for K and V
+    t, hkv, d = k.shape
+    # invariants the kernels rely on: [.., Hkv, D] rows contiguous, same strides for K and V
     assert k_cache.stride()[1:] == v_cache.stride()[1:] == (hkv * d, d, 1)
     assert k_cache.stride(0) == v_cache.stride(0)
     assert k.stride()[1:] == (d, 1) and v.stride()[1:] == (d, 1)
-    assert k.dtype == v.dtype == k_cache.dtype == q.dtype == torch.float32
+    assert k.dtype == v.dtype == k_cache.dtype == torch.float32
     with torch.profiler.record_function("kvpool::store_kv"):
         lib.kvpool_store_kv(k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                             k_cache.stride(0), k_cache.stride(1), vb.slots.data_ptr(), t,
-                            k.stride(0), v.stride(0), bs)
-    q = q.contiguous()
+                            k.stride(0), v.stride(0), k_cache.shape[1])
+
+
+def _native_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      vb: VarlenBatch) -> torch.Tensor:
+    lib = native.load()
+    assert lib is not None
+    t, h, d = q.shape
+    hkv = k_cache.shape[2]
+    assert q.stride()[1:] == (d, 1) and q.dtype == torch.float32
     out = vb.out[:t]
     with torch.profiler.record_function("kvpool::paged_attention"):
         rc = lib.kvpool_paged_attention(
-            q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+            q.data_ptr(), q.stride(0), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             vb.block_tables.data_ptr(), vb.block_tables.stride(0), vb.q_start.data_ptr(),
-            vb.ctx_len.data_ptr(), vb.ctx_len.numel(), h, hkv, d, bs, 1.0 / math.sqrt(d))
+            vb.ctx_len.data_ptr(), vb.ctx_len.numel(), h, hkv, d, k_cache.shape[1],
+            1.0 / math.sqrt(d))
     assert rc == 0, "native attention rejected the shapes select_backend accepted"
     return out

@@ -66,6 +66,15 @@ class RotaryEmbedding:
             return cos[positions], sin[positions]
         return self._compute(positions, dtype)
 
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype, max_position: int
+             ) -> tuple[torch.Tensor, ...]:
+        """What :func:`kvpool.engine.fused.rotary_` takes: (cos, sin) rows [T, 1, D], then
+        (cos_table, sin_table, index) with ``table[index[t]]`` the row of token t."""
+        cos, sin = self.cos_sin(positions, dtype, max_position)
+        if max_position < self.TABLE_MAX and self._table is not None:
+            return cos, sin, self._table[0], self._table[1], positions
+        return cos, sin, cos, sin, torch.arange(positions.shape[0], device=positions.device)
+
     TABLE_MAX = 1 << 16
     _table: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -73,12 +82,6 @@ class RotaryEmbedding:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
 
 
 def _llama3_inv_freq(inv: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:

@@ -8,11 +8,11 @@ Inputs are flat: one [T] token vector for the whole mixed batch.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from kvpool.engine import fused
 from kvpool.engine.attention import ForwardBatch, paged_attention
-from kvpool.engine.layers import PackedLinear, RMSNorm, apply_rotary
+from kvpool.engine.layers import PackedLinear, RMSNorm
 from kvpool.engine.model_config import ModelConfig
 
 KVLayers = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (k_cache, v_cache)
@@ -33,19 +33,21 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.d, c.rms_norm_eps)
         self.qk_norm = c.qk_norm
 
-    def forward(self, x: torch.Tensor, fb: ForwardBatch, kv: tuple[torch.Tensor, torch.Tensor]
-                ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fb: ForwardBatch, kv: tuple[torch.Tensor, torch.Tensor],
+                last: bool = False) -> torch.Tensor:
+        """Stores every row's K/V; with ``last`` (the final layer, when the batch allows it:
+        ``fb.varlen_last``) returns the output of the ``fb.logits_indices`` rows only."""
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(
+        q, k, v = fused.linear(self.qkv_proj, x).split(
             [self.h * self.d, self.kvh * self.d, self.kvh * self.d], dim=-1)
-        q = q.view(t, self.h, self.d)
+        q = q.view(t, self.h, self.d)  # views into the packed qkv rows (no copies)
         k, v = k.view(t, self.kvh, self.d), v.view(t, self.kvh, self.d)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        assert fb.cos is not None and fb.sin is not None
-        q, k = apply_rotary(q, fb.cos, fb.sin), apply_rotary(k, fb.cos, fb.sin)
-        o = paged_attention(q, k, v, kv[0], kv[1], fb)
-        return self.o_proj(o.reshape(t, self.h * self.d))
+        assert fb.rope is not None
+        q, k = fused.rotary_(q, k, fb.rope)
+        o = paged_attention(q, k, v, kv[0], kv[1], fb, last)
+        return fused.linear(self.o_proj, o.reshape(o.shape[0], self.h * self.d))
 
 
 class MLP(nn.Module):
@@ -57,8 +59,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(i, c.hidden_size, bias=c.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return fused.linear(self.down_proj, fused.silu_mul(fused.linear(self.gate_up_proj, x)))
 
 
 class DecoderLayer(nn.Module):
@@ -69,10 +70,20 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, fb: ForwardBatch,
-                kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), fb, kv)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, fb: ForwardBatch,
+                kv: tuple[torch.Tensor, torch.Tensor], last: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream travels next to the layer output (vLLM's convention): returns
+        (mlp output, residual); the next norm adds them. ``residual`` None: ``x`` is the
+        embedding. With ``last``, both come back for the ``fb.logits_indices`` rows only."""
+        h, residual = fused.rmsnorm(x, self.input_layernorm.weight,
+                                    self.input_layernorm.eps, residual)
+        a = self.self_attn(h, fb, kv, last)
+        if last:
+            residual = residual[fb.logits_indices]
+        h, residual = fused.rmsnorm(a, self.post_attention_layernorm.weight,
+                                    self.post_attention_layernorm.eps, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -102,10 +113,16 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, kv_layers: KVLayers) -> torch.Tensor:
         x = self.model.embed_tokens(fb.input_ids)
-        for layer, kv in zip(self.model.layers, kv_layers):
-            x = layer(x, fb, kv)
-        return self.model.norm(x[fb.logits_indices])  # rows that get sampled only
+        residual = None
+        n = len(self.model.layers)
+        for i, (layer, kv) in enumerate(zip(self.model.layers, kv_layers)):
+            x, residual = layer(x, residual, fb, kv, i == n - 1 and fb.varlen_last is not None)
+        assert residual is not None
+        if fb.varlen_last is None:  # rows that get sampled only
+            x, residual = x[fb.logits_indices], residual[fb.logits_indices]
+        norm = self.model.norm
+        return fused.rmsnorm(x, norm.weight, norm.eps, residual)[0]
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return fused.linear(self.lm_head, hidden).float()

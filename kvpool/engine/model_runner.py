@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kvpool.engine import native
+from kvpool.engine import fused, native
 from kvpool.engine.attention import (AttentionBackend, DecodeGroup, ForwardBatch,
                                      PrefillGroup, VarlenBatch, select_backend)
 from kvpool.engine.kv_cache import KVCache
@@ -35,6 +35,8 @@ class ModelRunner:
         self._attn_out = torch.empty(0)
         if device.type == "cpu":
             native.tune_malloc()
+            if dtype == torch.float32:
+                fused.prepack(model)
         if self.backend == "native":
             self._attn_out = torch.empty(max_num_tokens, c.num_heads, c.head_dim, dtype=dtype)
 
@@ -65,16 +67,17 @@ class ModelRunner:
                 samplers.append(req)
         dev = self.device
         positions = torch.tensor(pos, dtype=torch.long, device=dev)
-        cos, sin = self.rope.cos_sin(positions, self.dtype, max(pos))
         fb = ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
             positions=positions,
             slot_blocks=torch.tensor(slot_blocks, dtype=torch.long, device=dev),
             slot_offsets=positions % bs,
             logits_indices=torch.tensor(logits_idx, dtype=torch.long, device=dev),
-            cos=cos, sin=sin)
+            rope=self.rope.rope(positions, self.dtype, max(pos)))
         if self.backend == "native":
             fb.varlen = self._varlen(ordered, slot_blocks, fb)
+            if 0 < len(logits_idx) < len(ids):
+                fb.varlen_last = self._varlen_last(fb.varlen, ordered)
             return fb, samplers
         singles = [r for r, n in ordered if n == 1]
         if singles:
@@ -103,6 +106,16 @@ class ModelRunner:
             q_start=torch.tensor(q_start, dtype=i32), ctx_len=torch.tensor(ctx, dtype=i32),
             block_tables=torch.tensor(tables, dtype=i32),
             slots=fb.slot_blocks * bs + fb.slot_offsets, out=self._attn_out)
+
+    def _varlen_last(self, vb: VarlenBatch, ordered: list[tuple[Request, int]]
+                     ) -> VarlenBatch:
+        """``vb`` restricted to the last query of each sequence that samples this step."""
+        rows = [i for i, (req, n) in enumerate(ordered)
+                if req.num_computed_tokens + n == req.num_tokens]
+        sel = torch.tensor(rows, dtype=torch.long)
+        return VarlenBatch(q_start=torch.arange(len(rows) + 1, dtype=torch.int32),
+                           ctx_len=vb.ctx_len[sel], block_tables=vb.block_tables[sel],
+                           slots=vb.slots, out=vb.out)
 
     def _decode_group(self, reqs: list[Request]) -> DecodeGroup:
         bs = self.block_size

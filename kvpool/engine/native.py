@@ -24,7 +24,8 @@ import tempfile
 import threading
 from pathlib import Path
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
+SOURCES = [Path(__file__).with_name("csrc") / n for n in ("paged_attention.cpp", "cpu_ops.cpp")]
+SOURCE = SOURCES[0]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17",
          "-fno-math-errno"]
 _lock = threading.Lock()
@@ -40,7 +41,9 @@ def cache_dir() -> Path:
 
 
 def _target() -> Path:
-    h = hashlib.sha256(SOURCE.read_bytes())
+    h = hashlib.sha256()
+    for src in SOURCES:
+        h.update(src.read_bytes())
     h.update(" ".join(FLAGS).encode())
     h.update(platform.machine().encode())
     try:
@@ -66,7 +69,7 @@ def build() -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        r = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True,
+        r = subprocess.run([cxx, *FLAGS, *map(str, SOURCES), "-o", tmp], capture_output=True,
                            text=True)
         if r.returncode != 0:
             raise RuntimeError(f"{cxx} failed: {r.stderr.strip()[-2000:]}")
@@ -92,13 +95,28 @@ def load() -> ctypes.CDLL | None:
             _error = str(e)
             return None
         lib.kvpool_paged_attention.restype = ctypes.c_int
-        lib.kvpool_paged_attention.argtypes = [_P, _P, _P, _P, _I64, _I64, _I64, _P, _I64,
-                                               _P, _P, _I32, _I32, _I32, _I32, _I32, _F]
+        lib.kvpool_paged_attention.argtypes = [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _P,
+                                               _I64, _P, _P, _I32, _I32, _I32, _I32, _I32, _F]
         lib.kvpool_store_kv.restype = None
         lib.kvpool_store_kv.argtypes = [_P, _P, _P, _P, _I64, _I64, _P, _I32, _I64, _I64,
                                         _I32]
+        _declare_cpu_ops(lib)
         _lib = lib
         return lib
+
+
+def _declare_cpu_ops(lib: ctypes.CDLL) -> None:
+    """Signatures of csrc/cpu_ops.cpp (see its header for what each computes)."""
+    lib.kvpool_linear_small.restype = ctypes.c_int
+    lib.kvpool_linear_small.argtypes = [_P, _I64, _P, _P, _P, _I64, _I32, _I32, _I64]
+    lib.kvpool_rmsnorm.restype = None
+    lib.kvpool_rmsnorm.argtypes = [_P, _I64, _P, _I64, _P, _P, _I64, _I32, _I32, _F]
+    lib.kvpool_rotary.restype = None
+    lib.kvpool_rotary.argtypes = [_P, _I64, _I64, _I32, _I32, _I32, _P, _P, _P, _I32]
+    lib.kvpool_silu_mul.restype = None
+    lib.kvpool_silu_mul.argtypes = [_P, _I64, _P, _I64, _I32, _I32]
+    lib.kvpool_argmax.restype = None
+    lib.kvpool_argmax.argtypes = [_P, _I64, _I32, _I32, _P]
 
 
 def error() -> str | None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvpool.engine import fused
 from kvpool.engine.errors import RequestError
 
 
@@ -53,9 +54,9 @@ class SamplingParams:
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
            generators: Sequence[torch.Generator | None]) -> list[int]:
     """One token per row of ``logits`` [S, V] (float32)."""
+    out = fused.argmax(logits)
     if all(p.greedy for p in params):
-        return logits.argmax(dim=-1).tolist()
-    out = logits.argmax(dim=-1).tolist()
+        return out
     for i, (p, g) in enumerate(zip(params, generators)):
         if not p.greedy:
             out[i] = _sample_row(logits[i], p, g)

@@ -77,7 +77,8 @@ constexpr int KC = 16;    // keys per inner chunk
 constexpr int MAXR = 32;  // query rows (tokens x heads of one kv group) per work item
 
 struct Args {
-  const float* q;  // [T, H, D]
+  const float* q;  // [T, H, D] rows q_row elements apart ([H, D] contiguous)
+  int64_t q_row;
   float* out;      // [T, H, D]
   const float* k_cache;
   const float* v_cache;
@@ -106,7 +107,7 @@ void attend_tile(const Args& a, int s, int kvh, int t0, int nt) {
   int qpos[MAXR];
   for (int r = 0; r < R; ++r) {
     const int t = t0 + r / g, h = kvh * g + r % g;
-    const float* src = a.q + ((int64_t)(a.q_start[s] + t) * a.H + h) * D;
+    const float* src = a.q + (int64_t)(a.q_start[s] + t) * a.q_row + (int64_t)h * D;
     for (int c = 0; c < NV; ++c) vstore(qb[r] + 8 * c, vload(src + 8 * c) * splat(a.scale));
     for (int c = 0; c < NV; ++c) vstore(acc[r] + 8 * c, splat(0.f));
     m[r] = -INFINITY;
@@ -238,12 +239,12 @@ void attend_all(const Args& a) {
 extern "C" {
 
 // Returns 0 on success, 1 if head_dim is not supported (the caller falls back).
-int kvpool_paged_attention(const float* q, float* out, const float* k_cache,
+int kvpool_paged_attention(const float* q, int64_t q_row, float* out, const float* k_cache,
                            const float* v_cache, int64_t block_stride, int64_t tok_stride,
                            int64_t head_stride, const int32_t* block_tables, int64_t bt_stride,
                            const int32_t* q_start, const int32_t* ctx_len, int S, int H,
                            int Hkv, int D, int bs, float scale) {
-  Args a{q, out, k_cache, v_cache, block_stride, tok_stride, head_stride, block_tables,
+  Args a{q, q_row, out, k_cache, v_cache, block_stride, tok_stride, head_stride, block_tables,
          bt_stride, q_start, ctx_len, S, H, Hkv, bs, scale};
   if (H % Hkv != 0 || H / Hkv > MAXR) return 1;
   switch (D) {
@@ -268,6 +269,6 @@ void kvpool_store_kv(const float* k, const float* v, float* k_cache, float* v_ca
   }
 }
 
-int kvpool_abi_version() { return 1; }
+int kvpool_abi_version() { return 2; }
 
 }  // extern "C"
