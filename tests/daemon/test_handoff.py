@@ -7,6 +7,9 @@ side with pages in escrow or mid-handoff loses no memory."""
 from __future__ import annotations
 
 import ctypes
+import grp
+import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -27,10 +30,11 @@ REGIONS = 2
 CAP = 8 * PAGE  # 8 units per group
 
 
-def spawn(d, *args: str) -> subprocess.Popen:
-    cmd = [sys.executable, str(WORKER), *args, "--run-dir", str(d.run_dir)]
+def spawn(d, *args: str, prefix: tuple[str, ...] = ()) -> subprocess.Popen:
+    cmd = [*prefix, sys.executable, str(WORKER), *args, "--run-dir", str(d.run_dir)]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HOME": "/tmp"}
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=REPO)
+                            stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
     d.workers.append(proc)
     return proc
 
@@ -321,3 +325,66 @@ def test_receiver_killed_mid_handoff_loses_no_memory(daemon, delay):
         assert d.check() == []
     s = d.stats()
     assert s.pool.granted == 0 and not s.tenants and d.check() == []
+
+
+GROUP = "kvpooltest"
+
+
+def _other_uid_daemon(start_daemon, tmp_path, pairing: bool):
+    """A daemon whose sockets a group can reach, so uid 65534 can be a tenant; with
+    ``pairing`` its config lets ``prefill`` hand pages to ``decode`` across uids."""
+    if subprocess.run(["getent", "group", GROUP], capture_output=True).returncode != 0:
+        subprocess.run(["groupadd", GROUP], check=True)
+    conf = tmp_path / "kvpool.toml"
+    conf.write_text('[tenants.prefill]\nhandoff_to = ["decode"]\n' if pairing else "")
+    d = start_daemon(extra=("--socket-group", GROUP, "--config", str(conf)))
+    nobody = ("setpriv", "--reuid=65534", "--regid=65534",
+              f"--groups={grp.getgrnam(GROUP).gr_gid}", "--")
+    return d, nobody
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root and setpriv")
+def test_another_uid_may_not_claim_without_a_pairing(start_daemon, tmp_path):
+    d, nobody = _other_uid_daemon(start_daemon, tmp_path, pairing=False)
+    taker = spawn(d, "take", "--name", "decode", "--at", "0", "--from-units", "1",
+                  prefix=nobody)
+    read_event(taker, "ready")
+    giver, gg = giver_with_data(d)
+    with giver:
+        with pytest.raises(KvpoolError, match="not the same uid") as err:
+            handoff.offer(gg, [1], to="decode")  # the receiver is there: refused now
+        assert err.value.code == "UNAUTHORIZED"
+        taker.kill()
+        taker.wait(10)
+        wait_for(lambda: tenant_info(d, "decode") is None, "the receiver is gone")
+        ticket = handoff.offer(gg, [1], to="decode")  # offered while nobody holds the name
+        taker = spawn(d, "take", "--name", "decode", "--at", "0", "--from-units", "1",
+                      prefix=nobody)
+        read_event(taker, "ready")
+        taker.stdin.write(ticket.id + "\n")
+        taker.stdin.flush()
+        line = taker.stdout.readline()
+        assert "not the same uid" in line and "UNAUTHORIZED" in line, line
+        assert not ticket.settled and gg.mapped == {0, 1, 2}
+        assert handoff.cancel(giver, ticket) is True
+        assert d.check() == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root and setpriv")
+def test_a_configured_pairing_admits_another_uid(start_daemon, tmp_path):
+    d, nobody = _other_uid_daemon(start_daemon, tmp_path, pairing=True)
+    taker = spawn(d, "take", "--name", "decode", "--at", "3,4", "--from-units", "1,2",
+                  prefix=nobody)
+    read_event(taker, "ready")
+    giver, gg = giver_with_data(d)
+    with giver:
+        ticket = handoff.offer(gg, [1, 2], to="decode")
+        taker.stdin.write(ticket.id + "\n")
+        taker.stdin.flush()
+        got = read_event(taker, "claimed")
+        assert got["ok"] is True and got["mapped"] == [3, 4]
+        assert ticket.wait(10) == "claimed" and gg.mapped == {0}
+        with d.monitor() as m:
+            uids = {t.name: t.uid for t in m.ps().tenants}
+        assert uids == {"prefill": 0, "decode": 65534}
+        assert d.check() == []
