@@ -5,7 +5,6 @@ taken by another session. Monitor and admin sessions claim no name."""
 from __future__ import annotations
 
 import grp
-import json
 import os
 import shutil
 import subprocess
