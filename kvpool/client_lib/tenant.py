@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import resource
 import threading
 import time
 from pathlib import Path
@@ -37,6 +36,7 @@ from kvpool import protocol as p
 from kvpool.client_lib.connection import Connection, UntrustedDaemon
 from kvpool.client_lib.errors import KvpoolError
 from kvpool.client_lib.regions import RegionGroup
+from kvpool.limits import raise_fd_limit
 from kvpool.vmm import open_backend
 
 log = logging.getLogger("kvpool.client")
@@ -340,10 +340,7 @@ class Lease:
 
 def _raise_fd_limit() -> None:
     """Host tenants keep one descriptor per mapped page: allow the hard limit."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:
-        with contextlib.suppress(ValueError, OSError):
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    raise_fd_limit()
 
 
 def connect(name: str, device: int = 0, run_dir: str | os.PathLike[str] | None = None,
