@@ -27,13 +27,15 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Iterable
 
 from kvpool import protocol as p
 from kvpool.daemon import escrow
 from kvpool.daemon.escrow import Escrow, Layout, Party, Refused
 from kvpool.daemon.grants import check_units, require_holder
 from kvpool.daemon.outcome import Fail, Outcome
+from kvpool.daemon.regions import GroupRecord
+from kvpool.daemon.tenants import TenantRecord
 
 if TYPE_CHECKING:
     from kvpool.daemon.arbiter import Arbiter
@@ -41,7 +43,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvpool.daemon.handoff")
 
 
-def party(t: Any) -> Party:
+def party(t: TenantRecord) -> Party:
     """What the book knows of a session: decided by the daemon (SO_PEERCRED, register)."""
     return Party(tenant=t.id, name=t.name, uid=t.uid)
 
@@ -52,11 +54,11 @@ class Handoff:
         self.book = Escrow()
         self.pairs = frozenset(pairs)  # (giver name, receiver name) across uids
 
-    def _layout(self, g: Any) -> Layout:
+    def _layout(self, g: GroupRecord) -> Layout:
         return Layout(n_regions=g.n_regions, unit_bytes=self.arbiter.page_size)
 
     # ---- requests -------------------------------------------------------------------
-    def offer(self, t: Any, identity: bytes, r: p.Offer) -> p.Reply:
+    def offer(self, t: TenantRecord, identity: bytes, r: p.Offer) -> p.Reply:
         a = self.arbiter
         require_holder(t, "offer")
         g = a.grants.group_of(t, r.group)
@@ -78,7 +80,7 @@ class Handoff:
                  t.id, t.name, len(r.units), ticket.pages, g.id, r.to, escrow.short(ticket.id))
         return p.Offered(id=r.id, ticket=ticket.id, pages=ticket.pages, ttl_ms=r.ttl_ms)
 
-    def claim(self, t: Any, identity: bytes, r: p.Claim) -> Outcome:
+    def claim(self, t: TenantRecord, identity: bytes, r: p.Claim) -> Outcome:
         a = self.arbiter
         require_holder(t, "claim")
         if a.recovering:
@@ -107,7 +109,7 @@ class Handoff:
                                      f"share while others wait; the giver keeps the pages")
         giver = a.tenants.by_id.get(ticket.giver.tenant)
         gg = giver.groups.get(ticket.group) if giver is not None else None
-        if gg is None or [pfn for u in ticket.units for pfn in gg.units.get(u, ())] \
+        if giver is None or gg is None or [pfn for u in ticket.units for pfn in gg.units.get(u, ())] \
                 != list(ticket.pfns):
             self.book.cancel(ticket.id, ticket.giver.tenant, now)
             self._tell(ticket, "cancelled", "the giver no longer holds those units")
@@ -122,7 +124,8 @@ class Handoff:
                              ticket=ticket.id, giver=ticket.giver.name)
         return Outcome(reply, pfns_to_send=pfns, tenant=t)
 
-    def _move(self, giver: Any, gg: Any, t: Any, g: Any, ticket: escrow.Ticket,
+    def _move(self, giver: TenantRecord, gg: GroupRecord, t: TenantRecord, g: GroupRecord,
+              ticket: escrow.Ticket,
               at: list[int]) -> list[int]:
         """The pages of ``ticket`` leave ``giver``'s group ``gg`` and land at ``at`` in
         ``t``'s group ``g``; ownership and both tenants' counts move with them."""
@@ -137,7 +140,7 @@ class Handoff:
         t.granted += len(pfns)
         return pfns
 
-    def cancel(self, t: Any, identity: bytes, r: p.Cancel) -> p.Reply:
+    def cancel(self, t: TenantRecord, identity: bytes, r: p.Cancel) -> p.Reply:
         try:
             self.book.cancel(r.ticket, t.id, time.monotonic())
         except Refused as e:
@@ -153,7 +156,7 @@ class Handoff:
     def next_deadline(self) -> float | None:
         return self.book.next_deadline()
 
-    def dropped(self, t: Any) -> None:
+    def dropped(self, t: TenantRecord) -> None:
         """``t``'s session ends: its pending offers are cancelled (their pages go back to
         the pool with the rest of what it holds)."""
         gone = self.book.forget_giver(t.id, time.monotonic())
