@@ -55,7 +55,7 @@ class Tenant:
         self.timeout_s = timeout_s
         self._register = p.Register(name=name, kind=kind, device=device, min=min, max=max,
                                     weight=weight)
-        _raise_fd_limit()
+        raise_fd_limit()  # host tenants keep one descriptor per mapped page
         self.conn = Connection(Path(self.run_dir), timeout_s=timeout_s)
         self.closed = False
         try:
@@ -336,11 +336,6 @@ class Lease:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _raise_fd_limit() -> None:
-    """Host tenants keep one descriptor per mapped page: allow the hard limit."""
-    raise_fd_limit()
 
 
 def connect(name: str, device: int = 0, run_dir: str | os.PathLike[str] | None = None,
