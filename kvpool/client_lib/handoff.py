@@ -22,6 +22,11 @@ Rules the caller keeps:
   :class:`~kvpool.client_lib.allocator.ElasticBlockAllocator` sits on the group, the
   engine side forgets them in its own books (request-aligned units).
 
+After a daemon restart the tenant's pending offers are cancelled (the new daemon knows no
+ticket; the giver re-adopted its pages). A claim the old daemon granted whose ``Settled``
+never reached the giver leaves both sides mapping the pages: the second to adopt them
+is refused (a page granted already) — a known limit.
+
 Invariant: a group's ``mapped`` set and ``handles`` lose a unit only when the daemon says
 it was claimed (or the group releases it), and gain one only when a claim's descriptors
 are mapped in every region.
@@ -125,15 +130,7 @@ class Handoffs:
         at = list(at_units)
         reply, fds = self.tenant.conn.call(
             p.Claim(ticket=tid, group=group.id, units=at), p.Claimed)
-        with fdchannel.closing(fds):
-            try:
-                kept = group._map(at, fds, populate)
-            except BaseException:
-                self.tenant.call(p.Release(group=group.id, units=sorted(at)))
-                raise
-        with group._lock:
-            group.mapped.update(at)
-            group.handles.update(kept)
+        group.map_granted(at, fds, populate)
         return at
 
     # ---- the daemon's word ----------------------------------------------------------------
@@ -160,6 +157,12 @@ class Handoffs:
             t.state, t.reason = state, reason
             t._done.set()
 
+    def void(self, reason: str) -> None:
+        """Every pending offer is over (the daemon restarted: the new one knows no ticket
+        and adopted the pages from us): cancelled, the pages stay here."""
+        for t in self.pending():
+            self._finish(t.id, "cancelled", reason)
+
     def pending(self) -> list[Ticket]:
         with self._lock:
             return list(self.tickets.values())
@@ -168,15 +171,7 @@ class Handoffs:
 def forget(group: "RegionGroup", units: list[int]) -> None:
     """Unmap ``units`` of ``group`` in every region and drop their page handles, without
     telling the daemon (it moved the pages to another tenant already)."""
-    with group._lock:
-        units = sorted(u for u in units if u in group.mapped)
-        group.mapped.difference_update(units)
-        handles = {u: group.handles.pop(u) for u in units if u in group.handles}
-    ps = group.page_size
-    for rng in group.ranges:
-        for first, _, n in unit_runs(units):
-            group.backend.unmap(rng, first * ps, n)
-    group._drop_handles(handles)
+    group.forget(units)
 
 
 def of(tenant: "Tenant") -> Handoffs:

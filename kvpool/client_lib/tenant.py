@@ -284,6 +284,9 @@ class Tenant:
         self.info = reply
         self.id = reply.tenant
         self.reconnects += 1
+        handoffs = getattr(self, "_handoffs", None)  # (kvpool.client_lib.handoff)
+        if handoffs is not None:  # the new daemon knows no ticket: our offers end here
+            handoffs.void("the daemon restarted")
         log.warning("reconnected to the kvpool daemon as tenant %d; adopted %d groups",
                     self.id, len(entries))
 

@@ -388,3 +388,23 @@ def test_a_configured_pairing_admits_another_uid(start_daemon, tmp_path):
             uids = {t.name: t.uid for t in m.ps().tenants}
         assert uids == {"prefill": 0, "decode": 65534}
         assert d.check() == []
+
+
+def test_a_daemon_restart_ends_pending_offers_and_the_giver_keeps_its_pages(daemon):
+    from .policy_helpers import restart
+
+    d = daemon
+    giver, gg = giver_with_data(d)
+    with giver:
+        ticket = handoff.offer(gg, [1, 2], to="decode")
+        restart(d, os.getpid(), next_group=gg.id + 1)
+        assert ticket.wait(30) == "cancelled" and "restarted" in ticket.reason
+        wait_for(lambda: giver.reconnects == 1, "the giver re-adopted")
+        assert gg.mapped == {0, 1, 2} and read(gg, 2, 1) == pattern(2, 1, PAGE)
+        with d.connect("decode") as receiver:
+            rg = receiver.region_group(REGIONS, CAP)
+            wait_for(lambda: not d.stats().pool.recovering, "recovery is over")
+            with pytest.raises(KvpoolError, match="no ticket"):
+                handoff.claim(rg, ticket, [0, 1])
+        assert tenant_info(d, "prefill").mapped == 3 * REGIONS * PAGE
+        assert d.check() == []
