@@ -12,7 +12,6 @@ Writes benchmarks/results/reclaim_bench.json.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import subprocess
 import sys
@@ -112,20 +111,15 @@ def main() -> None:
     ap.add_argument("--tenants", type=int, default=3)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    from kvpool import launch
     from kvpool.client_lib import Monitor, connect
 
     run_dir = tempfile.mkdtemp(prefix="kvp-bench-")
     budget = args.budget_pages * PAGE
-    daemon = subprocess.Popen(
-        [sys.executable, "-m", "kvpool.cli.main", "daemon", "--backend", "host", "--run-dir",
-         run_dir, "--budget", str(budget), "--page-size", str(PAGE), "--warm-max", "0",
-         "--log-level", "WARNING"], cwd=REPO)
+    daemon = launch.start_daemon(run_dir, "--warm-max", "0", "--log-level", "WARNING",
+                                 budget=budget, page_size=PAGE, cwd=REPO)
     procs = []
     try:
-        deadline = time.monotonic() + 20
-        while not (os.path.exists(f"{run_dir}/pages.sock") and os.path.exists(f"{run_dir}/control.sock")):
-            assert daemon.poll() is None and time.monotonic() < deadline, "daemon did not start"
-            time.sleep(0.01)
         per = args.budget_pages // args.tenants - 8  # cached blocks; reserves fill the rest
         for i in range(args.tenants):
             procs.append(subprocess.Popen(
@@ -165,8 +159,7 @@ def main() -> None:
         for p in procs:
             p.stdin.close()
             p.wait(10)
-        daemon.terminate()
-        daemon.wait(10)
+        daemon.stop()
         shutil.rmtree(run_dir, ignore_errors=True)
 
 

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -14,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+from kvpool import launch
 
 
 class ClusterError(RuntimeError):
@@ -70,16 +71,17 @@ class Cluster:
 
     def daemon(self, budget: int, page_size: int, extra: tuple[str, ...] = (),
                backend: str = "host") -> Proc:
+        """A daemon on a fresh run dir (:func:`kvpool.launch.start_daemon`), serving when
+        this returns; one that does not start raises :class:`ClusterError` with its log."""
         self.run_dir = Path(tempfile.mkdtemp(prefix="kvpool-demo-", dir="/tmp"))
-        proc = self._spawn("daemon", ["daemon", "--backend", backend, "--run-dir",
-                                      str(self.run_dir), "--budget", str(budget),
-                                      "--page-size", str(page_size), *extra])
-        deadline = time.monotonic() + 30
-        while not (self.run_dir / "pages.sock").exists():
-            self._check(proc)
-            if time.monotonic() > deadline:
-                raise ClusterError(f"the daemon did not start in 30 s:\n{proc.tail()}")
-            time.sleep(0.05)
+        log = self.workdir / "daemon.log"
+        try:
+            d = launch.start_daemon(self.run_dir, *extra, budget=budget, page_size=page_size,
+                                    backend=backend, log=log, new_session=True)
+        except launch.DaemonStartError as e:
+            raise ClusterError(str(e)) from None
+        proc = Proc("daemon", d.popen, log)
+        self.procs.append(proc)
         return proc
 
     def serve(self, name: str, model_dir: Path, kv_cache_size: int, elastic: bool,
@@ -148,26 +150,10 @@ class Cluster:
 
     def stop(self) -> None:
         for proc in reversed(self.procs):  # servers first, the daemon last
-            _terminate(proc.popen)
+            launch.stop(proc.popen, grace_s=5.0, group=True)
         self.procs.clear()
         if self.run_dir is not None:
             import shutil
 
             shutil.rmtree(self.run_dir, ignore_errors=True)
             self.run_dir = None
-
-
-def _terminate(popen: subprocess.Popen, grace_s: float = 5.0) -> None:
-    if popen.poll() is not None:
-        return
-    try:
-        os.killpg(popen.pid, signal.SIGTERM)
-        popen.wait(grace_s)
-    except (ProcessLookupError, PermissionError):
-        pass
-    except subprocess.TimeoutExpired:
-        try:
-            os.killpg(popen.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        popen.wait()

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
 import socket
-import subprocess
 import tempfile
 from pathlib import Path
 
 import pytest
 
-from .helpers import PAGE, REPO, DaemonProc, daemon_command, wait_ready
+from .helpers import PAGE, DaemonProc, daemon_command, spawn_daemon, stop_daemon,
+                      wait_ready
 
 
 @pytest.fixture
@@ -24,14 +22,10 @@ def start_daemon():
     def start(budget: str = "8MiB", page_size: int = PAGE, extra: tuple[str, ...] = (),
               env: dict | None = None, launcher: list[str] | None = None) -> DaemonProc:
         run_dir = Path(tempfile.mkdtemp(prefix="kvp-", dir="/tmp"))
-        log = run_dir.with_suffix(".log")
         cmd = daemon_command(run_dir, *extra, budget=budget, page_size=page_size,
                              launcher=launcher)
-        with open(log, "w") as f:
-            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO,
-                                    env={**os.environ, **(env or {})})
-        d = DaemonProc(run_dir=run_dir, proc=proc, log=log, page_size=page_size)
-        started.append(d)
+        d = spawn_daemon(cmd, run_dir, run_dir.with_suffix(".log"), page_size, env, wait=False)
+        started.append(d)  # stopped and removed at the end even if it never serves
         wait_ready(d)
         return d
 
@@ -44,13 +38,7 @@ def start_daemon():
             for stream in (w.stdout, w.stderr):
                 if stream:
                     stream.close()
-        if d.proc.poll() is None:
-            d.proc.send_signal(signal.SIGTERM)
-            try:
-                d.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                d.proc.kill()
-                d.proc.wait()
+        stop_daemon(d)
         shutil.rmtree(d.run_dir, ignore_errors=True)
         d.log.unlink(missing_ok=True)
 

@@ -9,6 +9,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvpool import launch
+
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("worker.py")
 PAGE = 64 << 10
@@ -16,16 +18,12 @@ PAGE = 64 << 10
 
 def daemon_command(run_dir: Path, *extra: str, budget: str | int | None = "8MiB",
                    page_size: int | None = PAGE, launcher: list[str] | None = None) -> list[str]:
-    """The one command line every test starts a host-backend daemon with (``budget`` or
+    """The one command line every test starts a host-backend daemon with
+    (:func:`kvpool.launch.daemon_argv` with the tests' budget and page size; ``budget`` or
     ``page_size`` None: left to the daemon's defaults; ``launcher`` replaces
     ``python -m kvpool.cli.main``, e.g. a fault-injecting wrapper)."""
-    cmd = [*(launcher or [sys.executable, "-m", "kvpool.cli.main"]), "daemon",
-           "--backend", "host", "--run-dir", str(run_dir)]
-    if budget is not None:
-        cmd += ["--budget", str(budget)]
-    if page_size is not None:
-        cmd += ["--page-size", str(page_size)]
-    return [*cmd, *extra]
+    return launch.daemon_argv(run_dir, *extra, budget=budget, page_size=page_size,
+                              launcher=launcher)
 
 
 @dataclass
@@ -110,12 +108,31 @@ def read_until(proc: subprocess.Popen, event: str, pred, timeout: float = 30.0) 
             return msg
 
 
+def spawn_daemon(cmd: list[str], run_dir: Path, log: Path, page_size: int = PAGE,
+                 env: dict | None = None, append: bool = False, wait: bool = True) -> DaemonProc:
+    """Start ``cmd`` (from :func:`daemon_command`) through :func:`kvpool.launch.spawn`,
+    output to ``log`` (appended to with ``append``); with ``wait``, return once it serves
+    (a daemon that does not is stopped and fails the test)."""
+    started = launch.spawn(cmd, run_dir, log, env=env, cwd=REPO, append=append)
+    d = DaemonProc(run_dir=run_dir, proc=started.popen, log=log, page_size=page_size)
+    if wait:
+        try:
+            wait_ready(d)
+        except AssertionError:
+            stop_daemon(d)
+            raise
+    return d
+
+
+def stop_daemon(d: DaemonProc) -> int:
+    """SIGTERM, SIGKILL after 10 s (:func:`kvpool.launch.stop`); the exit status."""
+    return launch.stop(d.proc)
+
+
 def wait_ready(d: DaemonProc, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if d.proc.poll() is not None:
-            raise AssertionError(f"daemon exited with {d.proc.returncode}:\n{d.logs()}")
-        if (d.run_dir / "pages.sock").exists() and (d.run_dir / "control.sock").exists():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"daemon not ready in {timeout} s:\n{d.logs()}")
+    """Both daemon sockets exist (:func:`kvpool.launch.wait_serving`); a daemon that exits
+    first, or does not serve in ``timeout``, fails the test with its log."""
+    try:
+        launch.wait_serving(d.proc, d.run_dir, d.log, timeout)
+    except launch.DaemonStartError as e:
+        raise AssertionError(str(e)) from None

@@ -1,0 +1,203 @@
+"""Starting a kvpool daemon as a child process: the one launcher tests, benchmarks and the
+demo use (``tests/daemon/helpers.py``, ``kvpool.demo.cluster.Cluster.daemon``,
+``benchmarks/*``). Imports neither torch nor the daemon: the child is
+``python -m kvpool.cli.main daemon ...``.
+
+Invariants:
+
+* :func:`daemon_argv` is the one place such a command line is built: the launcher
+  (default ``python -m kvpool.cli.main``; a wrapper such as ``setpriv ... python -m
+  kvpool.cli.main`` or a fault-injecting script replaces it), ``daemon --backend B
+  --run-dir D``, ``--budget``/``--page-size`` when given (else the daemon's defaults),
+  then the caller's extra flags, in that order.
+* A daemon *serves* once both of its sockets (``control.sock``, ``pages.sock``) exist in
+  its run directory: it binds them after its start-up checks and before its event loop,
+  so a connection made from then on is answered. :meth:`DaemonProcess.wait_serving`
+  returns only then; if the process exits first, or the deadline passes, it raises
+  :class:`DaemonStartError` whose message ends with the tail of the daemon's log.
+  Socket files left by a killed daemon would count: :func:`restart` removes them first.
+* :meth:`DaemonProcess.stop` always leaves the process reaped: SIGTERM (the daemon's
+  clean stop), SIGKILL after ``grace_s``; a process already gone is not an error. With
+  ``new_session`` the signals go to the child's whole process group.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+from kvpool import paths
+
+START_TIMEOUT_S = 30.0  # a daemon on a loaded 2-core machine binds in well under a second
+STOP_GRACE_S = 10.0
+
+
+class DaemonStartError(RuntimeError):
+    """The daemon exited before it served, or did not serve in time; says which, with its log."""
+
+
+def cli_argv() -> list[str]:
+    """``python -m kvpool.cli.main`` with this interpreter: the default launcher."""
+    return [sys.executable, "-m", "kvpool.cli.main"]
+
+
+def daemon_argv(run_dir: str | os.PathLike[str], *extra: str,
+                budget: str | int | None = None, page_size: int | None = None,
+                backend: str = "host", launcher: Sequence[str] | None = None) -> list[str]:
+    """The ``kvpool daemon`` command line for ``run_dir`` (see the module invariants)."""
+    argv = [*(launcher or cli_argv()), "daemon", "--backend", backend,
+            "--run-dir", str(run_dir)]
+    if budget is not None:
+        argv += ["--budget", str(budget)]
+    if page_size is not None:
+        argv += ["--page-size", str(page_size)]
+    return [*argv, *extra]
+
+
+def serving(run_dir: Path) -> bool:
+    """Both daemon sockets exist in ``run_dir``."""
+    return paths.control_path(run_dir).exists() and paths.pages_path(run_dir).exists()
+
+
+def log_tail(log: Path | None, lines: int = 40) -> str:
+    """The last ``lines`` lines of ``log`` ('' when there is none)."""
+    if log is None:
+        return ""
+    try:
+        return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def wait_serving(popen: subprocess.Popen[bytes], run_dir: Path, log: Path | None = None,
+                 timeout_s: float = START_TIMEOUT_S) -> None:
+    """Return once the daemon ``popen`` on ``run_dir`` serves; raise
+    :class:`DaemonStartError` if it exits first or ``timeout_s`` passes."""
+    deadline = time.monotonic() + timeout_s
+    while not serving(run_dir):
+        if popen.poll() is not None:
+            raise DaemonStartError(f"the daemon exited with code {popen.returncode} before "
+                                   f"serving:\n{log_tail(log)}")
+        if time.monotonic() > deadline:
+            raise DaemonStartError(f"the daemon did not serve within {timeout_s:g} s:\n"
+                                   f"{log_tail(log)}")
+        time.sleep(0.02)
+
+
+def stop(popen: subprocess.Popen[bytes], grace_s: float = STOP_GRACE_S,
+         group: bool = False) -> int:
+    """SIGTERM (to the process group with ``group``), SIGKILL after ``grace_s``; returns
+    the exit status, the process reaped."""
+    if popen.poll() is None:
+        _signal(popen, signal.SIGTERM, group)
+        try:
+            popen.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            _signal(popen, signal.SIGKILL, group)
+    return popen.wait()
+
+
+def _signal(popen: subprocess.Popen[bytes], sig: signal.Signals, group: bool) -> None:
+    try:
+        if group:
+            os.killpg(popen.pid, sig)
+        else:
+            popen.send_signal(sig)
+    except (ProcessLookupError, PermissionError):
+        pass  # already gone (or a setpriv child we may not signal: wait reaps it)
+
+
+@dataclass
+class DaemonProcess:
+    """A daemon child process on ``run_dir`` whose output goes to ``log`` (None: inherited)."""
+
+    run_dir: Path
+    popen: subprocess.Popen[bytes]
+    argv: list[str]
+    log: Path | None = None
+    env: dict[str, str] | None = None  # what was added to the parent's environment
+    cwd: str | None = None
+    new_session: bool = False
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def wait_serving(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        """:func:`wait_serving` for this daemon."""
+        wait_serving(self.popen, self.run_dir, self.log, timeout_s)
+
+    def stop(self, grace_s: float = STOP_GRACE_S) -> int:
+        """:func:`stop` for this daemon."""
+        return stop(self.popen, grace_s, self.new_session)
+
+    def kill(self) -> int:
+        """SIGKILL at once (a crash: the daemon's restart state stays); returns the status."""
+        if self.popen.poll() is None:
+            _signal(self.popen, signal.SIGKILL, self.new_session)
+        return self.popen.wait()
+
+    def __enter__(self) -> DaemonProcess:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+
+def spawn(argv: Sequence[str], run_dir: str | os.PathLike[str], log: Path | None = None,
+          env: Mapping[str, str] | None = None, cwd: str | os.PathLike[str] | None = None,
+          new_session: bool = False, append: bool = False) -> DaemonProcess:
+    """Start ``argv`` (from :func:`daemon_argv`) without waiting; stdout and stderr go to
+    ``log`` (appended to with ``append``), or are inherited when ``log`` is None; ``env``
+    is added to this process's environment."""
+    out = open(log, "ab" if append else "wb") if log is not None else None
+    added = dict(env or {})
+    where = None if cwd is None else str(cwd)
+    try:
+        popen = subprocess.Popen(list(argv), stdout=out, stderr=subprocess.STDOUT if out else None,
+                                 env={**os.environ, **added}, cwd=where,
+                                 start_new_session=new_session)
+    finally:
+        if out is not None:
+            out.close()
+    return DaemonProcess(Path(run_dir), popen, list(argv), log, added, where, new_session)
+
+
+def start_daemon(run_dir: str | os.PathLike[str], *extra: str,
+                 budget: str | int | None = None, page_size: int | None = None,
+                 backend: str = "host", log: Path | None = None,
+                 env: Mapping[str, str] | None = None, cwd: str | os.PathLike[str] | None = None,
+                 launcher: Sequence[str] | None = None, new_session: bool = False,
+                 timeout_s: float = START_TIMEOUT_S) -> DaemonProcess:
+    """Start a daemon on ``run_dir`` and return once it serves. If it does not, it is
+    stopped and :class:`DaemonStartError` says why."""
+    argv = daemon_argv(run_dir, *extra, budget=budget, page_size=page_size, backend=backend,
+                       launcher=launcher)
+    d = spawn(argv, run_dir, log, env, cwd, new_session)
+    try:
+        d.wait_serving(timeout_s)
+    except BaseException:
+        d.stop()
+        raise
+    return d
+
+
+def restart(d: DaemonProcess, timeout_s: float = START_TIMEOUT_S) -> DaemonProcess:
+    """The same command line again on the same run dir and log (appended), once ``d`` has
+    exited (``d.kill()`` or ``d.stop()`` first). The dead daemon's socket files are removed
+    first (it is reaped, nothing listens on them), so serving means the new daemon serves."""
+    if d.popen.poll() is None:
+        raise RuntimeError(f"daemon {d.pid} is still running")
+    for path in (paths.control_path(d.run_dir), paths.pages_path(d.run_dir)):
+        path.unlink(missing_ok=True)
+    new = spawn(d.argv, d.run_dir, d.log, d.env, d.cwd, d.new_session, append=True)
+    new.wait_serving(timeout_s)
+    return new
