@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from .helpers import PAGE, DaemonProc, daemon_command, spawn_daemon, stop_daemon,
-                      wait_ready
+from .helpers import (PAGE, DaemonProc, daemon_command, spawn_daemon, stop_daemon,
+                      wait_ready)
 
 
 @pytest.fixture
