@@ -96,12 +96,18 @@ class RegionGroup:
         req = p.Grant(group=self.id, units=units, in_use=in_use,
                       reserve=None if reserve is None else list(reserve), speculative=speculative)
         _, fds = self.tenant.call(req, p.Granted)
+        self.map_granted(units, fds, populate)
+
+    def map_granted(self, units: list[int], fds: list[int], populate: bool = False) -> None:
+        """Map the page descriptors the daemon just sent for ``units`` (a grant or a
+        claim: unit-major, in the order of ``units``) in every region and record them;
+        closes ``fds``. All or nothing: on failure the units go back (``Release``)."""
         with fdchannel.closing(fds):
             try:
                 kept = self._map(units, fds, populate)
             except BaseException:
                 log.exception("mapping granted units failed; giving them back")
-                self.tenant.call(p.Release(group=self.id, units=units), p.Done)
+                self.tenant.call(p.Release(group=self.id, units=sorted(units)), p.Done)
                 raise
         with self._lock:
             self.mapped.update(units)
@@ -150,13 +156,27 @@ class RegionGroup:
                 raise ValueError(f"unit {missing[0]} of group {self.id} is not mapped")
             self.mapped.difference_update(units)
             handles = {u: self.handles.pop(u) for u in units if u in self.handles}
-        ps = self.page_size
-        for rng in self.ranges:
-            for first, _, n in unit_runs(units):
-                self.backend.unmap(rng, first * ps, n)
-        self._drop_handles(handles)
+        self._unmap(units, handles)
         self.tenant.call(p.Release(group=self.id, units=units, in_use=in_use,
                                    reserve=None if reserve is None else list(reserve)), p.Done)
+
+    def forget(self, units: Sequence[int]) -> list[int]:
+        """Unmap those of ``units`` this group maps, in every region, and drop their page
+        handles *without* telling the daemon (it moved the pages to another tenant: a
+        claimed handoff); returns them, sorted."""
+        with self._lock:
+            gone = sorted(u for u in units if u in self.mapped)
+            self.mapped.difference_update(gone)
+            handles = {u: self.handles.pop(u) for u in gone if u in self.handles}
+        self._unmap(gone, handles)
+        return gone
+
+    def _unmap(self, units: list[int], handles: dict[int, list[Page]]) -> None:
+        """Unmap sorted ``units`` in every region, then release their kept handles."""
+        for rng in self.ranges:
+            for first, _, n in unit_runs(units):
+                self.backend.unmap(rng, first * self.page_size, n)
+        self._drop_handles(handles)
 
     def set_usage(self, *, in_use: int | None = None,
                   reserve: Sequence[int] | None = None) -> None:
@@ -221,11 +241,7 @@ class RegionGroup:
             units = sorted(self.mapped)
             self.mapped.clear()
             handles, self.handles = self.handles, {}
-        ps = self.page_size
-        for rng in self.ranges:
-            for first, _, n in unit_runs(units):
-                self.backend.unmap(rng, first * ps, n)
-        self._drop_handles(handles)
+        self._unmap(units, handles)
         try:
             if not self.tenant.closed:
                 self.tenant.call(p.DestroyGroup(group=self.id), p.Done)
