@@ -39,9 +39,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
-from kvpool import fdchannel
 from kvpool import protocol as p
-from kvpool.client_lib.regions import unit_runs
 
 if TYPE_CHECKING:
     from kvpool.client_lib.regions import RegionGroup
