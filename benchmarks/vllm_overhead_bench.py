@@ -3,10 +3,14 @@
 Same tiny Llama, same workload, one run: a static server (``--kv-cache-memory-bytes``
 equal to the daemon's budget) and an elastic one on a kvpool daemon with that budget,
 measured in interleaved repetitions (the order alternates every repetition, one server
-busy at a time). Decode step time is a streamed request's time between its first and
-last token divided by the tokens in between; throughput is all completion tokens over the
-wall time of a repetition. Prints a table and writes benchmarks/results/vllm_overhead_bench.json
-with the ratios elastic / static (goal: decode step <= 1.03x).
+busy at a time). Decode step time is the engine's mean inter-token latency over the
+repetition (vLLM's ``inter_token_latency_seconds`` histogram, engine-core timestamps); the
+client's view (a streamed request's time from first to last token per token) is kept
+beside it, with time to first token, throughput (all completion tokens over the wall time
+of a repetition) and the server processes' CPU time per token (the least sensitive to other
+load on a shared machine). Prints a table and writes
+benchmarks/results/vllm_overhead_bench.json with the ratios elastic / static, of the
+medians and paired per repetition (goal: decode step <= 1.03x).
 
     python benchmarks/vllm_overhead_bench.py --reps 6 --requests 8 --tokens 128
 """
@@ -53,15 +57,75 @@ def stream_one(base: str, model: str, prompt: str, tokens: int) -> tuple[float, 
         stamps[0] - t0
 
 
-def one_rep(base: str, model: str, n: int, tokens: int) -> dict:
+def engine_itl(base: str) -> tuple[float, float]:
+    """(sum, count) of vLLM's ``inter_token_latency_seconds`` histogram: the engine core's
+    own timestamps of consecutive tokens, so HTTP streaming does not blur them."""
+    import httpx
+
+    total = count = 0.0
+    for line in httpx.get(f"{base}/metrics", timeout=30).text.splitlines():
+        if line.startswith("vllm:inter_token_latency_seconds_sum"):
+            total += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("vllm:inter_token_latency_seconds_count"):
+            count += float(line.rsplit(" ", 1)[1])
+    return total, count
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a server's process tree (API server, engine core)."""
+    import psutil
+
+    root = psutil.Process(pid)
+    total = 0.0
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            t = proc.cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def one_rep(server, n: int, tokens: int) -> dict:
+    base, model = server.base, server.name
+    itl0, cpu0 = engine_itl(base), cpu_seconds(server.proc.pid)
     t0 = time.perf_counter()
     with ThreadPoolExecutor(n) as ex:
         res = list(ex.map(lambda i: stream_one(base, model, PROMPTS[i % len(PROMPTS)] +
                                                 f" {i}", tokens), range(n)))
     wall = time.perf_counter() - t0
-    return {"step_s": statistics.median(r[0] for r in res),
-            "tok_per_s": sum(r[1] for r in res) / wall,
-            "ttft_s": statistics.median(r[2] for r in res)}
+    itl1, cpu1 = engine_itl(base), cpu_seconds(server.proc.pid)
+    done = sum(r[1] for r in res)
+    return {"engine_step_s": (itl1[0] - itl0[0]) / max(1.0, itl1[1] - itl0[1]),
+            "step_s": statistics.median(r[0] for r in res),
+            "tok_per_s": done / wall,
+            "ttft_s": statistics.median(r[2] for r in res),
+            "cpu_per_token_s": (cpu1 - cpu0) / done}
+
+
+METRICS = {  # key in a repetition -> (what, higher is better)
+    "engine_step_s": ("decode step, engine (inter-token latency)", False),
+    "step_s": ("decode step, client (streamed chunks)", False),
+    "tok_per_s": ("throughput", True),
+    "ttft_s": ("time to first token", False),
+    "cpu_per_token_s": ("server CPU time per token", False),
+}
+
+
+def compare(runs: dict[str, list[dict]]) -> dict:
+    """Per metric: medians, ratio of medians (elastic / static), the median and quartiles
+    of the per-repetition ratios (each repetition's two runs are adjacent in time)."""
+    out = {}
+    for key in METRICS:
+        e = [x[key] for x in runs["elastic"]]
+        s_ = [x[key] for x in runs["static"]]
+        pairs = sorted(a / b for a, b in zip(e, s_))
+        q1, _, q3 = statistics.quantiles(pairs, n=4) if len(pairs) > 1 else pairs * 3
+        out[key] = {"static_median": statistics.median(s_),
+                    "elastic_median": statistics.median(e),
+                    "ratio_of_medians": statistics.median(e) / statistics.median(s_),
+                    "paired_median": statistics.median(pairs), "paired_quartiles": [q1, q3]}
+    return out
 
 
 def main() -> None:
@@ -96,47 +160,36 @@ def main() -> None:
         elastic = servers.start("elastic", daemon.run_dir, **uni)
         servers.wait_healthy()
         for s in (static, elastic):  # warm-up
-            one_rep(s.base, s.name, 2, 16)
+            one_rep(s, 2, 16)
         runs: dict[str, list[dict]] = {"static": [], "elastic": []}
         load_before = os.getloadavg()
         for rep in range(a.reps):
             order = (static, elastic) if rep % 2 == 0 else (elastic, static)
             for s in order:
-                runs[s.name].append(one_rep(s.base, s.name, a.requests, a.tokens))
-        summary = {}
-        for name, xs in runs.items():
-            summary[name] = {"step_ms_median": 1e3 * statistics.median(x["step_s"] for x in xs),
-                             "tok_per_s_median": statistics.median(x["tok_per_s"] for x in xs),
-                             "ttft_ms_median": 1e3 * statistics.median(x["ttft_s"] for x in xs)}
-        ratio_step = summary["elastic"]["step_ms_median"] / summary["static"]["step_ms_median"]
-        ratio_tput = summary["elastic"]["tok_per_s_median"] / summary["static"][
-            "tok_per_s_median"]
-        # Paired: each repetition's two runs are adjacent in time (noise shared).
-        paired_step = statistics.median(e["step_s"] / s_["step_s"] for e, s_ in
-                                        zip(runs["elastic"], runs["static"]))
-        paired_tput = statistics.median(e["tok_per_s"] / s_["tok_per_s"] for e, s_ in
-                                        zip(runs["elastic"], runs["static"]))
-        pairs = sorted(e["step_s"] / s_["step_s"] for e, s_ in
-                       zip(runs["elastic"], runs["static"]))
-        q1, _, q3 = statistics.quantiles(pairs, n=4) if len(pairs) > 1 else (pairs * 3)
+                runs[s.name].append(one_rep(s, a.requests, a.tokens))
         load = {"before": load_before, "after": os.getloadavg()}
-        print(f"{'server':8} {'decode step ms':>15} {'tokens/s':>10} {'TTFT ms':>9}")
-        for name, v in summary.items():
-            print(f"{name:8} {v['step_ms_median']:15.2f} {v['tok_per_s_median']:10.1f} "
-                  f"{v['ttft_ms_median']:9.1f}")
-        print(f"elastic / static: decode step {ratio_step:.3f}x (goal <= 1.03x), "
-              f"throughput {ratio_tput:.3f}x; paired medians {paired_step:.3f}x / "
-              f"{paired_tput:.3f}x (paired step ratios: quartiles {q1:.3f} .. {q3:.3f}); "
-              f"load average {load['before'][0]:.1f} -> {load['after'][0]:.1f}")
+        cmp = compare(runs)
+        print(f"{'elastic / static':42} {'static':>10} {'elastic':>10} {'ratio':>7} "
+              f"{'paired':>7} {'paired quartiles':>17}")
+        for key, (what, _) in METRICS.items():
+            c = cmp[key]
+            scale = 1.0 if key == "tok_per_s" else 1e3  # seconds -> ms
+            print(f"{what:42} {c['static_median'] * scale:10.3f} "
+                  f"{c['elastic_median'] * scale:10.3f} {c['ratio_of_medians']:7.3f} "
+                  f"{c['paired_median']:7.3f} {c['paired_quartiles'][0]:8.3f}.."
+                  f"{c['paired_quartiles'][1]:.3f}")
+        step = cmp["engine_step_s"]
+        print(f"decode step elastic / static: {step['ratio_of_medians']:.3f}x (paired "
+              f"{step['paired_median']:.3f}x; goal <= 1.03x); load average "
+              f"{load['before'][0]:.1f} -> {load['after'][0]:.1f} on {os.cpu_count()} CPUs")
         path = write_result("vllm_overhead_bench", {
-            "params": vars(a), "runs": runs, "summary": summary,
-            "ratio_decode_step_elastic_over_static": ratio_step,
-            "ratio_throughput_elastic_over_static": ratio_tput,
-            "paired_median_decode_step_ratio": paired_step,
-            "paired_median_throughput_ratio": paired_tput,
-            "paired_decode_step_ratio_quartiles": [q1, q3],
-            "load_average_1_5_15": load,
+            "params": vars(a), "runs": runs, "comparison": cmp,
+            "ratio_decode_step_elastic_over_static": step["ratio_of_medians"],
+            "paired_median_decode_step_ratio": step["paired_median"],
+            "ratio_throughput_elastic_over_static": cmp["tok_per_s"]["ratio_of_medians"],
+            "paired_median_throughput_ratio": cmp["tok_per_s"]["paired_median"],
             "goal_decode_step_ratio": 1.03,
+            "load_average_1_5_15": load,
         }, a.out)
         print(f"wrote {path}")
     finally:
