@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from daemon.helpers import PAGE, REPO, read_event, read_until, wait_ready
+from daemon.helpers import PAGE, REPO, read_event, read_until, respawn
 
 from .helpers import mapped, spawn, wait_for
 
@@ -76,10 +76,7 @@ def test_kill9_of_the_daemon_loses_nothing(start_daemon):
         r0 = read_event(h, "alive")["rounds"]
         assert read_event(h, "alive")["rounds"] > r0
 
-    cmd = list(d.proc.args)
-    with open(d.log, "a") as f:
-        d.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO)
-    wait_ready(d)
+    respawn(d)
     for h in holders:
         read_until(h, "alive", lambda e: e["connected"] and e["reconnects"] == 1)
     after = {t["name"]: t["mapped"] for t in d.cli_json("ps")["tenants"]}

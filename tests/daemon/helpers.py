@@ -124,6 +124,17 @@ def spawn_daemon(cmd: list[str], run_dir: Path, log: Path, page_size: int = PAGE
     return d
 
 
+def respawn(d: DaemonProc, timeout: float = 15.0) -> None:
+    """Start ``d``'s command line again once it has exited (:func:`kvpool.launch.restart`:
+    the dead daemon's socket files removed, its log appended to); ``d.proc`` becomes the
+    new process, serving when this returns."""
+    old = launch.DaemonProcess(d.run_dir, d.proc, list(d.proc.args), d.log, cwd=str(REPO))
+    try:
+        d.proc = launch.restart(old, timeout).popen
+    except launch.DaemonStartError as e:
+        raise AssertionError(str(e)) from None
+
+
 def stop_daemon(d: DaemonProc) -> int:
     """SIGTERM, SIGKILL after 10 s (:func:`kvpool.launch.stop`); the exit status."""
     return launch.stop(d.proc)

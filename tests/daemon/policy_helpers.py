@@ -6,14 +6,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import time
 
 from kvpool import protocol as p
 from kvpool.client_lib.connection import Connection
 from kvpool.client_lib.errors import KvpoolError
 
-from .helpers import REPO, DaemonProc, wait_ready
+from .helpers import DaemonProc, respawn
 
 
 def session(d: DaemonProc, name: str | None = "attacker", kind: str = "engine",
@@ -80,10 +79,8 @@ def restart(d: DaemonProc, expect_pid: int, next_group: int = 0, timeout: float 
     d.proc.wait()
     if between is not None:  # e.g. edit the restart state the next daemon will read
         between()
-    with open(d.log, "a") as f:
-        d.proc = subprocess.Popen(list(d.proc.args), stdout=f, stderr=subprocess.STDOUT, cwd=REPO)
-    wait_ready(d)
-    while True:  # the old daemon's socket files are still there: wait for the new one
+    respawn(d)
+    while True:  # until the new daemon answers
         try:
             stats(d)
             return

@@ -163,28 +163,20 @@ def test_random_alloc_free_sequences_keep_the_books(shared_tenant, ops, block):
 def shared_tenant():
     """One daemon and tenant for the hypothesis test (module scope: fast examples)."""
     import shutil
-    import signal
-    import subprocess
     import tempfile
     from pathlib import Path
 
-    from .helpers import REPO, DaemonProc, daemon_command, wait_ready
+    from .helpers import daemon_command, spawn_daemon, stop_daemon
 
     run_dir = Path(tempfile.mkdtemp(prefix="kvp-", dir="/tmp"))
     log = run_dir.with_suffix(".log")
-    with open(log, "w") as f:
-        proc = subprocess.Popen(
-            daemon_command(run_dir, budget=48 * PAGE),
-            stdout=f, stderr=subprocess.STDOUT, cwd=REPO)
-    d = DaemonProc(run_dir=run_dir, proc=proc, log=log, page_size=PAGE)
-    wait_ready(d)
+    d = spawn_daemon(daemon_command(run_dir, budget=48 * PAGE), run_dir, log)
     t = d.connect("hyp")
     yield t
     t.close()
     assert d.check() == []
     assert d.stats().pool.granted == 0
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(10)
+    stop_daemon(d)
     shutil.rmtree(run_dir, ignore_errors=True)
     log.unlink(missing_ok=True)
 

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import uuid
 from pathlib import Path
@@ -20,7 +18,7 @@ from kvpool import paths
 from kvpool.client_lib import Monitor, connect
 from kvpool.client_lib.connection import UntrustedDaemon
 
-from .helpers import PAGE, REPO, DaemonProc, wait_ready
+from .helpers import PAGE, daemon_command, spawn_daemon, stop_daemon, wait_ready
 
 NOBODY = 65534
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"),
@@ -32,25 +30,16 @@ def fake_daemon():
     """A real daemon run by uid 65534 in ``/tmp/kvp-fake-*`` (it creates the directory)."""
     run_dir = Path("/tmp") / f"kvp-fake-{uuid.uuid4().hex[:8]}"
     log = Path(f"{run_dir}.log")
-    cmd = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--",
-           sys.executable, "-m", "kvpool.cli.main", "daemon", "--backend", "host",
-           "--run-dir", str(run_dir), "--budget", "8MiB", "--page-size", str(PAGE)]
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO,
-                                env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
-    d = DaemonProc(run_dir=run_dir, proc=proc, log=log, page_size=PAGE)
+    setpriv = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--",
+               sys.executable, "-m", "kvpool.cli.main"]
+    d = spawn_daemon(daemon_command(run_dir, launcher=setpriv), run_dir, log,
+                     env={"PYTHONDONTWRITEBYTECODE": "1"}, wait=False)
     try:
         wait_ready(d)
         assert run_dir.stat().st_uid == NOBODY
         yield d
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_daemon(d)
         shutil.rmtree(run_dir, ignore_errors=True)
         log.unlink(missing_ok=True)
 

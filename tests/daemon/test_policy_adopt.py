@@ -196,7 +196,7 @@ def test_tenants_come_back_after_a_clean_stop(start_daemon):
     as after a crash: Adopt being recovery-only must not strand them."""
     import time
 
-    from .helpers import read_event, wait_ready
+    from .helpers import read_event, respawn
 
     d = start_daemon(budget=str(64 * PAGE))
     holder = d.worker("hold", "--name", "h0", "--units", "6")
@@ -205,10 +205,7 @@ def test_tenants_come_back_after_a_clean_stop(start_daemon):
     assert before == {"h0": pages * PAGE}, before
     d.cli("stop")
     assert d.proc.wait(30) == 0
-    with open(d.log, "a") as f:
-        d.proc = subprocess.Popen(list(d.proc.args), stdout=f, stderr=subprocess.STDOUT,
-                                  cwd=REPO)
-    wait_ready(d)
+    respawn(d)
     deadline = time.monotonic() + 30
     while True:
         try:

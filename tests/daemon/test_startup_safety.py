@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import stat
 import subprocess
 import tempfile
@@ -20,7 +19,7 @@ import pytest
 
 from kvpool import paths
 
-from .helpers import PAGE, REPO, DaemonProc, daemon_command, wait_ready
+from .helpers import REPO, DaemonProc, daemon_command, spawn_daemon, stop_daemon, wait_ready
 
 NOBODY = 65534
 needs_root = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"),
@@ -70,24 +69,14 @@ def daemon_on():
     started: list[DaemonProc] = []
 
     def start(run_dir: Path) -> DaemonProc:
-        log = run_dir.with_suffix(".log")
-        with open(log, "w") as f:
-            proc = subprocess.Popen(daemon_cmd(run_dir), stdout=f, stderr=subprocess.STDOUT,
-                                    cwd=REPO)
-        d = DaemonProc(run_dir=run_dir, proc=proc, log=log, page_size=PAGE)
+        d = spawn_daemon(daemon_cmd(run_dir), run_dir, run_dir.with_suffix(".log"), wait=False)
         started.append(d)
         wait_ready(d)
         return d
 
     yield start
     for d in started:
-        if d.proc.poll() is None:
-            d.proc.send_signal(signal.SIGTERM)
-            try:
-                d.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                d.proc.kill()
-                d.proc.wait()
+        stop_daemon(d)
         d.log.unlink(missing_ok=True)
 
 
