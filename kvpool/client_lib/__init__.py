@@ -22,7 +22,8 @@ from kvpool.client_lib.errors import (
     ProtocolError,
 )
 from kvpool.client_lib.regions import RegionGroup
-from kvpool.client_lib.tenant import Lease, Tenant, connect
+from kvpool.client_lib.lease import Lease
+from kvpool.client_lib.tenant import Tenant, connect
 
 __all__ = [
     "DaemonUnavailable",

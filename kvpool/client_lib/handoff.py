@@ -174,10 +174,9 @@ def forget(group: "RegionGroup", units: list[int]) -> None:
 
 def of(tenant: "Tenant") -> Handoffs:
     """The tenant's :class:`Handoffs` (made on first use)."""
-    h = getattr(tenant, "_handoffs", None)
-    if h is None:
-        h = tenant._handoffs = Handoffs(tenant)  # type: ignore[attr-defined]
-    return h
+    if tenant.handoffs is None:
+        tenant.handoffs = Handoffs(tenant)
+    return tenant.handoffs
 
 
 def offer(group: "RegionGroup", units: Sequence[int], to: str, ttl_s: float = 10.0) -> Ticket:

@@ -29,15 +29,19 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, TypeVar, overload
+from typing import TYPE_CHECKING, Callable, TypeVar, overload
 
 from kvpool import paths
 from kvpool import protocol as p
 from kvpool.client_lib.connection import Connection, UntrustedDaemon
 from kvpool.client_lib.errors import KvpoolError
+from kvpool.client_lib.lease import Lease
 from kvpool.client_lib.regions import RegionGroup
 from kvpool.limits import raise_fd_limit
 from kvpool.vmm import open_backend
+
+if TYPE_CHECKING:
+    from kvpool.client_lib.handoff import Handoffs
 
 log = logging.getLogger("kvpool.client")
 
@@ -76,6 +80,7 @@ class Tenant:
         self.budget = reply.budget
         self.groups: dict[int, RegionGroup] = {}
         self.on_message: Callable[[p.Reply], None] | None = None
+        self.handoffs: Handoffs | None = None  # kvpool.client_lib.handoff, made on first use
         self.lease_bytes = 0
         self.reconnects = 0
         self.reclaims = 0  # reclaim requests handled
@@ -194,7 +199,7 @@ class Tenant:
         return freed
 
     # ---- leases -----------------------------------------------------------------------
-    def lease(self, nbytes: int) -> "Lease":
+    def lease(self, nbytes: int) -> Lease:
         """Hold ``nbytes`` (rounded up to pages) against the budget for memory this process
         uses through its own allocator. The daemon reclaims from other tenants to make
         room (and on CUDA checks the device's real free memory); raises ``NoMemory`` when
@@ -284,9 +289,8 @@ class Tenant:
         self.info = reply
         self.id = reply.tenant
         self.reconnects += 1
-        handoffs = getattr(self, "_handoffs", None)  # (kvpool.client_lib.handoff)
-        if handoffs is not None:  # the new daemon knows no ticket: our offers end here
-            handoffs.void("the daemon restarted")
+        if self.handoffs is not None:  # the new daemon knows no ticket: our offers end
+            self.handoffs.void("the daemon restarted")
         log.warning("reconnected to the kvpool daemon as tenant %d; adopted %d groups",
                     self.id, len(entries))
 
@@ -316,25 +320,6 @@ class Tenant:
             self.backend.close()
 
     def __enter__(self) -> "Tenant":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-class Lease:
-    """A held lease (context manager). ``close()`` gives the memory back."""
-
-    def __init__(self, tenant: Tenant, nbytes: int):
-        self.tenant = tenant
-        self.nbytes = nbytes
-
-    def close(self) -> None:
-        if self.nbytes and not self.tenant.closed:
-            self.tenant.set_lease(0)
-        self.nbytes = 0
-
-    def __enter__(self) -> "Lease":
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -1,0 +1,30 @@
+"""A held lease: bytes a tenant holds against the daemon's budget for memory it uses
+through its own allocator (a training job, say), made by :meth:`Tenant.lease`. The
+daemon reclaims from other tenants to make room; the lease ends with :meth:`Lease.close`
+(or the ``with`` block, or the process)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvpool.client_lib.tenant import Tenant
+
+
+class Lease:
+    """A held lease (context manager). ``close()`` gives the memory back."""
+
+    def __init__(self, tenant: Tenant, nbytes: int):
+        self.tenant = tenant
+        self.nbytes = nbytes
+
+    def close(self) -> None:
+        if self.nbytes and not self.tenant.closed:
+            self.tenant.set_lease(0)
+        self.nbytes = 0
+
+    def __enter__(self) -> "Lease":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
