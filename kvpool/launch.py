@@ -8,8 +8,8 @@ Invariants:
 * :func:`daemon_argv` is the one place such a command line is built: the launcher
   (default ``python -m kvpool.cli.main``; a wrapper such as ``setpriv ... python -m
   kvpool.cli.main`` or a fault-injecting script replaces it), ``daemon --backend B
-  --run-dir D``, ``--budget``/``--page-size`` when given (else the daemon's defaults),
-  then the caller's extra flags, in that order.
+  --run-dir D``, ``--config``/``--budget``/``--page-size`` when given (else the
+  daemon's defaults), then the caller's extra flags, in that order.
 * A daemon *serves* once both of its sockets (``control.sock``, ``pages.sock``) exist in
   its run directory: it binds them after its start-up checks and before its event loop,
   so a connection made from then on is answered. :meth:`DaemonProcess.wait_serving`
@@ -50,10 +50,14 @@ def cli_argv() -> list[str]:
 
 def daemon_argv(run_dir: str | os.PathLike[str], *extra: str,
                 budget: str | int | None = None, page_size: int | None = None,
-                backend: str = "host", launcher: Sequence[str] | None = None) -> list[str]:
-    """The ``kvpool daemon`` command line for ``run_dir`` (see the module invariants)."""
+                backend: str = "host", config: str | os.PathLike[str] | None = None,
+                launcher: Sequence[str] | None = None) -> list[str]:
+    """The ``kvpool daemon`` command line for ``run_dir`` (see the module invariants);
+    ``config`` is a TOML file (``--config``)."""
     argv = [*(launcher or cli_argv()), "daemon", "--backend", backend,
             "--run-dir", str(run_dir)]
+    if config is not None:
+        argv += ["--config", str(config)]
     if budget is not None:
         argv += ["--budget", str(budget)]
     if page_size is not None:
@@ -173,14 +177,15 @@ def spawn(argv: Sequence[str], run_dir: str | os.PathLike[str], log: Path | None
 
 def start_daemon(run_dir: str | os.PathLike[str], *extra: str,
                  budget: str | int | None = None, page_size: int | None = None,
-                 backend: str = "host", log: Path | None = None,
+                 backend: str = "host", config: str | os.PathLike[str] | None = None,
+                 log: Path | None = None,
                  env: Mapping[str, str] | None = None, cwd: str | os.PathLike[str] | None = None,
                  launcher: Sequence[str] | None = None, new_session: bool = False,
                  timeout_s: float = START_TIMEOUT_S) -> DaemonProcess:
     """Start a daemon on ``run_dir`` and return once it serves. If it does not, it is
     stopped and :class:`DaemonStartError` says why."""
     argv = daemon_argv(run_dir, *extra, budget=budget, page_size=page_size, backend=backend,
-                       launcher=launcher)
+                       config=config, launcher=launcher)
     d = spawn(argv, run_dir, log, env, cwd, new_session)
     try:
         d.wait_serving(timeout_s)

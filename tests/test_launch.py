@@ -31,9 +31,9 @@ def test_the_command_line_is_launcher_daemon_flags_then_extra(run_dir):
     assert argv == [sys.executable, "-m", "kvpool.cli.main", "daemon", "--backend", "host",
                     "--run-dir", str(run_dir), "--budget", "8MiB", "--page-size", str(PAGE),
                     "--warm-max", "0"]
-    wrapped = launch.daemon_argv(run_dir, launcher=["setpriv", "--", "kvpool"])
+    wrapped = launch.daemon_argv(run_dir, launcher=["setpriv", "--", "kvpool"], config="a.toml")
     assert wrapped == ["setpriv", "--", "kvpool", "daemon", "--backend", "host", "--run-dir",
-                       str(run_dir)]  # no budget/page size: the daemon's defaults
+                       str(run_dir), "--config", "a.toml"]  # no budget/page size: defaults
 
 
 def test_a_started_daemon_serves_and_stops_cleanly(run_dir):

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 
+from kvpool import launch
 from kvpool.demo.cluster import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -41,12 +42,8 @@ class Server:
                 pass
 
     def stop(self) -> None:
-        self.kill(signal.SIGTERM)
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.kill(signal.SIGKILL)
-            self.proc.wait(10)
+        """SIGTERM to the group, SIGKILL after 10 s (:func:`kvpool.launch.stop`)."""
+        launch.stop(self.proc, 10.0, group=True)
 
 
 class Servers:
