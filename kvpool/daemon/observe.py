@@ -129,6 +129,9 @@ class Observer:
         if isinstance(reply, p.Error):
             spec = bool(getattr(req, "speculative", False))
             self._error(t, "speculative" if spec else _op(req), reply, None)
+        elif isinstance(reply, p.Claimed):  # a page handoff: pages moved, none granted
+            self.events.record("handoff", t, reply.nfds * self.ps, giver=reply.giver,
+                               group=reply.group, units=len(reply.units))
         elif isinstance(reply, p.Granted):
             self.counts["grants"] += 1
             self.counts["grant_pages"] += reply.nfds

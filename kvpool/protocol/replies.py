@@ -203,7 +203,8 @@ class Adopted(Reply, tag="adopted"):
 
 class EventInfo(Struct, kw_only=True):
     """One decision of the daemon. ``kind``: grant, wait, deny, lease, ask, reclaim (a
-    whole round: ``detail`` has its asks and answers by tenant), limit, death, bye."""
+    whole round: ``detail`` has its asks and answers by tenant), limit, death, bye,
+    handoff (pages a tenant claimed from a giver: ``detail`` names the giver)."""
 
     seq: int
     time: float  # unix seconds

@@ -98,6 +98,14 @@ def test_the_receiver_reads_the_givers_bytes_and_the_giver_lets_go(daemon):
         assert d.stats().pool.granted == 3 * REGIONS * PAGE  # moved, not added
         assert read(gg, 0) == pattern(0, 0, PAGE)  # what it kept is intact
         assert d.check() == []
+        with d.monitor() as m:  # `kvpool events`: a handoff, not a grant
+            events = m.call(p.Events()).events
+        moved = [e for e in events if e.kind == "handoff"]
+        assert [(e.tenant, e.bytes, e.detail["giver"]) for e in moved] == \
+            [("decode", 2 * REGIONS * PAGE, "prefill")]
+        assert [e.bytes for e in events if e.kind == "grant"] == [3 * REGIONS * PAGE]
+        ps = {t["name"]: t["mapped"] for t in d.cli_json("ps")["tenants"]}  # `kvpool ps`
+        assert ps == {"prefill": REGIONS * PAGE, "decode": 2 * REGIONS * PAGE}
         # the receiver owns them now: writes are its own, release gives them back
         ctypes.memset(rg.unit_address(0, 5), 0x5A, PAGE)
         rg.release([5, 3])
