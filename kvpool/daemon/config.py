@@ -23,6 +23,7 @@ TOML layout (see ``systemd/kvpool.toml``)::
     max = "20GiB"
     weight = 2.0
     uids = [1001]             # who may claim the name (and/or group = "llm"); empty: anyone
+    handoff_to = ["decode"]   # may hand pages to these tenants though another uid runs them
 
 Validation (:meth:`Config.load`): each value is converted with ``msgspec`` against the
 field's annotated type (``Meta`` bounds: timers finite and positive, counts at least 1,
