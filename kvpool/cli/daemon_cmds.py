@@ -7,6 +7,7 @@ Heavy modules (zmq, the daemon, the vmm backends) are imported inside the comman
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 
@@ -51,16 +52,24 @@ def _monitor(run_dir):
         raise click.ClickException(e.message) from None
 
 
-def _call(run_dir, fn):
+@contextlib.contextmanager
+def monitor_session(run_dir):
+    """A monitor session for one command: the daemon's errors end it with one line
+    (``code: message``, exit status 1), and it is closed however the command ends."""
     from kvpool.client_lib.errors import KvpoolError
 
     mon = _monitor(run_dir)
     try:
-        return fn(mon)
+        yield mon
     except KvpoolError as e:
         raise click.ClickException(f"{e.code}: {e.message}") from None
     finally:
         mon.close()
+
+
+def _call(run_dir, fn):
+    with monitor_session(run_dir) as mon:
+        return fn(mon)
 
 
 def _json(obj) -> None:

@@ -5,12 +5,13 @@ A gap (events the ring no longer held) is printed as such, never hidden."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 
 import click
 
-from kvpool.cli.daemon_cmds import _monitor, json_option, run_dir_option
+from kvpool.cli.daemon_cmds import json_option, monitor_session, run_dir_option
 from kvpool.sizes import format_size
 
 POLL_MS = 10_000  # a follow request the daemon leaves unanswered this long is sent again
@@ -60,10 +61,8 @@ def describe(ev, brief: bool = False) -> str:
 def events(follow, tenant, since, run_dir, as_json):
     """Show the daemon's recent decisions; with --follow, as they happen."""
     from kvpool import protocol as p
-    from kvpool.client_lib.errors import KvpoolError
 
-    mon = _monitor(run_dir)
-    try:
+    with monitor_session(run_dir) as mon, contextlib.suppress(KeyboardInterrupt):
         while True:
             reply = fetch(mon, since, tenant, follow)
             if reply is None:
@@ -76,12 +75,6 @@ def events(follow, tenant, since, run_dir, as_json):
             since = reply.next
             if not follow and len(reply.events) < p.EVENTS_LIMIT:
                 return
-    except KeyboardInterrupt:
-        return
-    except KvpoolError as e:
-        raise click.ClickException(f"{e.code}: {e.message}") from None
-    finally:
-        mon.close()
 
 
 def register(cli: click.Group) -> None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import click
 
-from kvpool.cli.daemon_cmds import _monitor, run_dir_option
+from kvpool.cli.daemon_cmds import monitor_session, run_dir_option
 from kvpool.sizes import format_size
 
 BAR = 18
@@ -162,11 +162,8 @@ def top(once, interval, run_dir):
     from rich.console import Console
     from rich.live import Live
 
-    from kvpool.client_lib.errors import KvpoolError
-
-    mon = _monitor(run_dir)
     view = View()
-    try:
+    with monitor_session(run_dir) as mon, contextlib.suppress(KeyboardInterrupt):
         if once:
             view.update(mon)  # a first sample, then the rates over a short span
             time.sleep(min(interval, 0.5))
@@ -185,12 +182,6 @@ def top(once, interval, run_dir):
                     return
                 if not keys:
                     time.sleep(interval)
-    except KeyboardInterrupt:
-        return
-    except KvpoolError as e:
-        raise click.ClickException(f"{e.code}: {e.message}") from None
-    finally:
-        mon.close()
 
 
 def register(cli: click.Group) -> None:
