@@ -94,6 +94,7 @@ class Handoff:
                if w.tenant is t and isinstance(w.req, p.Grant) and w.req.group == g.id):
             raise Fail(p.BAD_REQUEST, f"a unit of group {g.id} is being granted")
         now = time.monotonic()
+        self.tick(now)  # expire what is due first: its giver hears of it, never silently
         room = t.cap_pages - t.held - a.pool.retained_pages(t.id) - t.waiting_pages
         try:
             ticket = self.book.check_claim(r.ticket, party(t), self._layout(g), len(r.units),
@@ -141,8 +142,10 @@ class Handoff:
         return pfns
 
     def cancel(self, t: TenantRecord, identity: bytes, r: p.Cancel) -> p.Reply:
+        now = time.monotonic()
+        self.tick(now)  # (an expired ticket is told as such, then refused)
         try:
-            self.book.cancel(r.ticket, t.id, time.monotonic())
+            self.book.cancel(r.ticket, t.id, now)
         except Refused as e:
             raise Fail(e.code, str(e)) from None
         return p.Done(id=r.id)

@@ -114,3 +114,22 @@ def test_without_contention_the_same_claim_moves_the_pages(arb):
     assert arb.check_integrity() == []
     prefill.close()
     decode.close()
+
+
+def test_a_ticket_found_expired_by_a_claim_is_still_told_to_its_giver(arb):
+    """No timer ran (no daemon loop here): the claim itself finds the ticket late, and
+    the giver still gets its Settled(expired), so it knows it keeps the pages."""
+    import time
+
+    prefill, decode = Session(arb, "prefill", 100), Session(arb, "decode", 101)
+    pg, dg = prefill.group(), decode.group()
+    prefill.call(p.Grant(group=pg, units=[0, 1]))
+    ticket = prefill.call(p.Offer(group=pg, units=[1], to="decode", ttl_ms=1)).reply.ticket
+    time.sleep(0.01)
+    out = decode.call(p.Claim(ticket=ticket, group=dg, units=[0]))
+    assert isinstance(out.reply, p.Error) and "expired already" in out.reply.message
+    told = [m for _, m in arb.take_outbox() if isinstance(m, p.Settled)]
+    assert [(m.ticket, m.state) for m in told] == [(ticket, "expired")]
+    assert sorted(prefill.t.groups[pg].units) == [0, 1] and arb.check_integrity() == []
+    prefill.close()
+    decode.close()
