@@ -105,12 +105,14 @@ def _worker(kind: str, path: str, lim: dict[str, Any], conn) -> None:  # noqa: A
                "block_size": eng.block_size})
     while (work := conn.recv()) is not None:
         eng.reset()
+        load = os.getloadavg()[0]
         f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         t = time.perf_counter()
         outs = eng.generate(work)
         dt = time.perf_counter() - t
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
-        conn.send({"seconds": dt, "page_faults": faults, "outputs": outs})
+        conn.send({"seconds": dt, "page_faults": faults, "outputs": outs,
+                   "load_before": load, "load_after": os.getloadavg()[0]})
 
 
 class Peer:
@@ -170,7 +172,7 @@ def compare(path: str, vocab: int, lim: dict[str, Any], reps: int, names: list[s
                     runs[w][kind].append(r)
                     log(f"rep {rep} {w} {kind}: {r['tokens_per_s']:.0f} tok/s"
                         + (f", TPOT {r['tpot_ms']:.2f} ms" if "tpot_ms" in r else "")
-                        + f", {r['page_faults']} faults")
+                        + f", {r['page_faults']} faults, load {r['load_before']:.1f}")
     finally:
         for p in peers.values():
             p.close()
@@ -183,10 +185,18 @@ def compare(path: str, vocab: int, lim: dict[str, Any], reps: int, names: list[s
         for kind in ("kvpool", "vllm"):
             rs = runs[w][kind]
             entry[kind] = {m: _stats([r[m] for r in rs])
-                           for m in ("tokens_per_s", "seconds", "page_faults", "tpot_ms")
+                           for m in ("tokens_per_s", "seconds", "page_faults", "tpot_ms",
+                                     "load_before", "load_after")
                            if m in rs[0]}
         entry["ratio_kvpool_over_vllm_tokens_per_s"] = (
             entry["kvpool"]["tokens_per_s"]["median"] / entry["vllm"]["tokens_per_s"]["median"])
+        # back-to-back pairs see similar machine load: their ratios are the noise-robust view
+        paired = [a["tokens_per_s"] / b["tokens_per_s"]
+                  for a, b in zip(runs[w]["kvpool"], runs[w]["vllm"])]
+        entry["paired_ratios_kvpool_over_vllm"] = paired
+        entry["paired_ratio_median"] = statistics.median(paired)
+        entry["ratio_of_max_tokens_per_s"] = (entry["kvpool"]["tokens_per_s"]["max"]
+                                              / entry["vllm"]["tokens_per_s"]["max"])
         if w == "W4":
             entry["tpot_vllm_over_kvpool"] = (entry["vllm"]["tpot_ms"]["median"]
                                               / entry["kvpool"]["tpot_ms"]["median"])

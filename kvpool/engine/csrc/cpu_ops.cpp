@@ -50,8 +50,12 @@ inline cvf cexp(cvf x) {
   return y * reinterpret_cast<cvf&>(e);
 }
 
-// Rows per thread below which a pass stays on the calling thread (a fork/join costs more).
-constexpr int64_t kSerialElems = 1 << 15;
+// Work (elements) below which a pass stays on the calling thread: a fork/join costs a few
+// microseconds on an idle machine and up to a scheduler time slice on a busy one, more than
+// one core takes for 256K elements of an element-wise pass (~0.1 ms).
+constexpr int64_t kSerialElems = 1 << 18;
+// GEMV-like passes read the whole weight matrix: two cores' memory bandwidth pays off sooner.
+constexpr int64_t kSerialWeights = 1 << 15;
 
 // y[m, n0:n0+R] for M rows of x; W rows n0.. are read once for all M rows.
 template <int M, int R>
@@ -76,7 +80,7 @@ template <int M, int R>
 void linear_small(const float* x, int64_t x_row, const float* w, const float* bias, float* y,
                   int64_t y_row, int N, int64_t K) {
   const int nb = N / R;
-#pragma omp parallel for schedule(static) if ((int64_t)N * K > kSerialElems)
+#pragma omp parallel for schedule(static) if ((int64_t)N * K > kSerialWeights)
   for (int b = 0; b < nb; ++b) {
     float o[M][R];
     dot_block<M, R>(x, x_row, w, K, b * R, o);
@@ -170,7 +174,7 @@ void kvpool_silu_mul(const float* gu, int64_t gu_row, float* out, int64_t out_ro
 
 // idx[s] = the first j with x[s, j] == max_j x[s, j] (NaN-free rows).
 void kvpool_argmax(const float* x, int64_t row, int S, int V, int64_t* idx) {
-#pragma omp parallel for schedule(static) if ((int64_t)S * V > 8 * kSerialElems)
+#pragma omp parallel for schedule(static) if ((int64_t)S * V > kSerialElems)
   for (int s = 0; s < S; ++s) {
     const float* r = x + (int64_t)s * row;
     // pass 1: the maximum (8 lanes); pass 2: its first position (the row is in cache)

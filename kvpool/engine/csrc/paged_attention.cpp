@@ -91,12 +91,15 @@ struct Args {
   float scale;
 };
 
-// Attends rows = tiles tokens [t0, t0 + nt) x the g query heads of kv head kvh of seq s.
+// Attends the rows of one work item: tokens [t0, t0 + nt) of sequence s x the query heads of
+// kv heads [kvh0, kvh0 + nkv). Row r is (token t0 + r / (nkv g), kv head kvh0 + (r / g) % nkv,
+// query head of that group r % g). An item spanning all kv heads (decode-sized sequences)
+// reads each key's whole [Hkv, D] row, which is contiguous in the cache.
 template <int D>
-void attend_tile(const Args& a, int s, int kvh, int t0, int nt) {
+void attend_tile(const Args& a, int s, int kvh0, int nkv, int t0, int nt) {
   constexpr int NV = D / 8;
   const int g = a.H / a.Hkv;
-  const int R = nt * g;
+  const int R = nt * g * nkv;
   const int qlen = a.q_start[s + 1] - a.q_start[s];
   const int ctx = a.ctx_len[s];
   const int first_pos = ctx - qlen;  // absolute position of the sequence's first query
@@ -105,9 +108,13 @@ void attend_tile(const Args& a, int s, int kvh, int t0, int nt) {
   alignas(32) float sc[MAXR][KC];
   float m[MAXR], l[MAXR];
   int qpos[MAXR];
+  int64_t hoff[MAXR];  // the row's kv head offset within a key's row
+  int qh[MAXR];        // the row's query head
   for (int r = 0; r < R; ++r) {
-    const int t = t0 + r / g, h = kvh * g + r % g;
-    const float* src = a.q + (int64_t)(a.q_start[s] + t) * a.q_row + (int64_t)h * D;
+    const int t = t0 + r / (g * nkv), kvh = kvh0 + (r / g) % nkv;
+    qh[r] = kvh * g + r % g;
+    hoff[r] = (int64_t)kvh * a.head_stride;
+    const float* src = a.q + (int64_t)(a.q_start[s] + t) * a.q_row + (int64_t)qh[r] * D;
     for (int c = 0; c < NV; ++c) vstore(qb[r] + 8 * c, vload(src + 8 * c) * splat(a.scale));
     for (int c = 0; c < NV; ++c) vstore(acc[r] + 8 * c, splat(0.f));
     m[r] = -INFINITY;
@@ -116,11 +123,12 @@ void attend_tile(const Args& a, int s, int kvh, int t0, int nt) {
   }
   const int kend = first_pos + t0 + nt;  // keys [0, kend) are visible to some row
   const int32_t* bt = a.block_tables + (int64_t)s * a.bt_stride;
+  const int64_t span = (int64_t)(nkv - 1) * a.head_stride + D;  // floats read per key
+  const int64_t base_off = (int64_t)kvh0 * a.head_stride;
   // key addresses: block index and offset advance incrementally (no division per key)
   int blk = 0, boff = 0;
   auto key_off = [&]() {
-    const int64_t off = (int64_t)bt[blk] * a.block_stride + (int64_t)boff * a.tok_stride +
-                        (int64_t)kvh * a.head_stride;
+    const int64_t off = (int64_t)bt[blk] * a.block_stride + (int64_t)boff * a.tok_stride;
     if (++boff == a.bs) { boff = 0; ++blk; }
     return off;
   };
@@ -138,22 +146,24 @@ void attend_tile(const Args& a, int s, int kvh, int t0, int nt) {
     nnext = std::min(KC, kend - j0 - KC);  // next chunk: addresses now, prefetched early
     for (int j = 0; j < nnext; ++j) {
       offs[j] = key_off();
-      for (int c = 0; c < D; c += 16) {
-        __builtin_prefetch(a.k_cache + offs[j] + c);
-        __builtin_prefetch(a.v_cache + offs[j] + c);
+      for (int64_t c = 0; c < span; c += 16) {
+        __builtin_prefetch(a.k_cache + offs[j] + base_off + c);
+        __builtin_prefetch(a.v_cache + offs[j] + base_off + c);
       }
     }
     for (int j = n; j < KC; ++j) kp[j] = vp[j] = kp[0];  // padding keys, masked below
     int nvr[MAXR];
     for (int r = 0; r < R; ++r) nvr[r] = std::min(n, qpos[r] - j0 + 1);
-    for (int r = 0; r < R; r += 2) {  // scores: 2 rows x 4 keys per block of FMAs
-      const int r1 = r + 1 < R ? r + 1 : r;  // odd R: the last row pairs with itself
+    for (int r = 0; r < R;) {  // scores: 2 rows of one kv head x 4 keys per block of FMAs
+      const bool pair = r + 1 < R && hoff[r + 1] == hoff[r];
+      const int r1 = pair ? r + 1 : r;  // otherwise the row pairs with itself
       const int nv = std::max(nvr[r], nvr[r1]);
-      if (nv <= 0) continue;
+      const int64_t ho = hoff[r];
       const float* q0 = qb[r];
       const float* q1 = qb[r1];
       for (int jb = 0; jb < nv; jb += 4) {
-        const float *k0 = kp[jb], *k1 = kp[jb + 1], *k2 = kp[jb + 2], *k3 = kp[jb + 3];
+        const float *k0 = kp[jb] + ho, *k1 = kp[jb + 1] + ho, *k2 = kp[jb + 2] + ho,
+                    *k3 = kp[jb + 3] + ho;
         vf x[8];
         for (int i = 0; i < 8; ++i) x[i] = splat(0.f);
         for (int c = 0; c < D; c += 8) {
@@ -168,6 +178,7 @@ void attend_tile(const Args& a, int s, int kvh, int t0, int nt) {
         if (r1 != r)
           for (int i = 0; i < 4; ++i) sc[r1][jb + i] = res[4 + i];
       }
+      r = r1 + 1;
     }
     for (int r = 0; r < R; ++r) {  // online softmax
       const int nv = nvr[r];
@@ -181,35 +192,40 @@ void attend_tile(const Args& a, int s, int kvh, int t0, int nt) {
       float sum = 0.f;
       for (int j = 0; j < nv; ++j) sum += sc[r][j];
       l[r] = l[r] * alpha + sum;
-      vf a[NV];  // P @ V with the row's accumulator in registers
-      for (int c = 0; c < NV; ++c) a[c] = vload(acc[r] + 8 * c) * splat(alpha);
+      vf acc_r[NV];  // P @ V with the row's accumulator in registers
+      for (int c = 0; c < NV; ++c) acc_r[c] = vload(acc[r] + 8 * c) * splat(alpha);
+      const int64_t ho = hoff[r];
       for (int j = 0; j < nv; ++j) {
         const vf p = splat(sc[r][j]);
-        const float* vr = vp[j];
-        for (int c = 0; c < NV; ++c) a[c] += p * vload(vr + 8 * c);
+        const float* vr = vp[j] + ho;
+        for (int c = 0; c < NV; ++c) acc_r[c] += p * vload(vr + 8 * c);
       }
-      for (int c = 0; c < NV; ++c) vstore(acc[r] + 8 * c, a[c]);
+      for (int c = 0; c < NV; ++c) vstore(acc[r] + 8 * c, acc_r[c]);
     }
   }
   for (int r = 0; r < R; ++r) {
-    const int t = t0 + r / g, h = kvh * g + r % g;
-    float* dst = a.out + ((int64_t)(a.q_start[s] + t) * a.H + h) * D;
+    const int t = t0 + r / (g * nkv);
+    float* dst = a.out + ((int64_t)(a.q_start[s] + t) * a.H + qh[r]) * D;
     const vf inv = splat(1.f / l[r]);
     for (int c = 0; c < NV; ++c) vstore(dst + 8 * c, vload(acc[r] + 8 * c) * inv);
   }
 }
 
+// Work items of sequence s: one for all its rows when they fit (qlen x H <= MAXR: decodes
+// and short chunks), else ceil(qlen / tq) token tiles x Hkv kv heads.
+inline int64_t num_items(const Args& a, int s, int tq) {
+  const int qlen = a.q_start[s + 1] - a.q_start[s];
+  if (qlen <= 0) return 0;
+  if ((int64_t)qlen * a.H <= MAXR) return 1;
+  return (int64_t)((qlen + tq - 1) / tq) * a.Hkv;
+}
+
 template <int D>
 void attend_all(const Args& a) {
   const int g = a.H / a.Hkv;
-  const int tq = std::max(1, MAXR / g);  // query tokens per work item
-  // Work items: for each sequence, ceil(qlen / tq) tiles x Hkv heads. Sequences are few
-  // (<= max_num_seqs), so a prefix sum on the stack-free path is cheap.
+  const int tq = std::max(1, MAXR / g);  // query tokens per per-head work item
   int64_t total = 0;
-  for (int s = 0; s < a.S; ++s) {
-    const int qlen = a.q_start[s + 1] - a.q_start[s];
-    total += (int64_t)((qlen + tq - 1) / tq) * a.Hkv;
-  }
+  for (int s = 0; s < a.S; ++s) total += num_items(a, s, tq);
 #pragma omp parallel
   {
     int s = 0;
@@ -219,17 +235,20 @@ void attend_all(const Args& a) {
       // items arrive in increasing order per thread: advance the cursor monotonically
       if (item < base) { s = 0; base = 0; }
       for (;;) {
-        const int qlen = a.q_start[s + 1] - a.q_start[s];
-        const int64_t n = (int64_t)((qlen + tq - 1) / tq) * a.Hkv;
+        const int64_t n = num_items(a, s, tq);
         if (item < base + n) break;
         base += n;
         ++s;
       }
-      const int64_t local = item - base;
       const int qlen = a.q_start[s + 1] - a.q_start[s];
+      if ((int64_t)qlen * a.H <= MAXR) {
+        attend_tile<D>(a, s, 0, a.Hkv, 0, qlen);
+        continue;
+      }
+      const int64_t local = item - base;
       const int tile = (int)(local / a.Hkv), kvh = (int)(local % a.Hkv);
       const int t0 = tile * tq;
-      attend_tile<D>(a, s, kvh, t0, std::min(tq, qlen - t0));
+      attend_tile<D>(a, s, kvh, 1, t0, std::min(tq, qlen - t0));
     }
   }
 }
