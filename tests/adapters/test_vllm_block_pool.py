@@ -72,3 +72,57 @@ def test_cached_blocks_stay_evictable_and_shrink_empties_whole_chunks(pool):
     assert pool.evict_cached(None) == left
     pool.check_integrity()
     assert pool.held_chunks() == 1  # the null block's
+
+
+@pytest.fixture
+def manager(pool, monkeypatch):
+    """vLLM's own KVCacheManager over the elastic pool, its allocate_slots wrapped as the
+    plugin wraps it (16 blocks of 16 tokens of virtual capacity, 2 blocks per chunk)."""
+    import torch
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core import kv_cache_coordinator, kv_cache_manager
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    from kvpool.engine_adapters.vllm.block_pool import allocate_slots
+
+    pool.bridge.close()  # the manager builds its own pool over the same allocator
+    b = bridge_mod.Bridge(pool.bridge.settings)
+    monkeypatch.setattr(bridge_mod, "_bridge", b)
+    b.connect("unit-mgr")
+    b.allocator = ElasticBlockAllocator(b.tenant.region_group(2, 16 * BLOCK), BLOCK, low=0,
+                                        high=0, idle_timeout_s=60)
+    assert b.allocator.alloc(1) == [0]
+    monkeypatch.setattr(kv_cache_coordinator, "BlockPool", ElasticBlockPool)
+    cls = kv_cache_manager.KVCacheManager
+    monkeypatch.setattr(cls, "allocate_slots", allocate_slots(cls.allocate_slots))
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=8, dtype=torch.float32)
+    cfg = KVCacheConfig(num_blocks=b.allocator.num_blocks, kv_cache_tensors=[],
+                        kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
+    init_none_hash(sha256)
+    m = cls(cfg, max_model_len=512, scheduler_block_size=16, hash_block_size=16)
+    m.hasher = get_request_block_hasher(16, sha256)
+    yield m
+    b.close()
+
+
+def _request(manager, rid: str, tokens: int):
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    return Request(rid, list(range(tokens)), SamplingParams(max_tokens=8), None,
+                   block_hasher=manager.hasher)
+
+
+def test_a_shortfall_asks_kvpool_for_exactly_the_missing_blocks(manager):
+    pool, a = manager.block_pool, manager.block_pool.allocator
+    assert isinstance(pool, ElasticBlockPool) and a.mapped_chunks == 1  # the null block's
+    out = manager.allocate_slots(_request(manager, "r1", 100), 100)  # 7 blocks, 1 mapped
+    assert out is not None and len(out.get_block_ids()[0]) == 7
+    assert a.mapped_chunks == 4  # 1 + the 3 chunks (2 blocks each) the 6 missing blocks need
+    assert pool.get_num_free_blocks() == 0
+    pool.check_integrity()
+    # More than the virtual capacity: "not now" (None), never an exception, nothing kept.
+    assert manager.allocate_slots(_request(manager, "r2", 400), 400) is None
+    assert not pool._stash
+    pool.check_integrity()
