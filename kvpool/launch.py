@@ -1,5 +1,5 @@
-"""Starting a kvpool daemon as a child process: the one launcher tests, benchmarks and the
-demo use (``tests/daemon/helpers.py``, ``kvpool.demo.cluster.Cluster.daemon``,
+"""Starting kvpool daemons (and ``kvpool serve`` servers) as child processes: the one
+launcher tests, benchmarks and the demo use (``tests/daemon/helpers.py``, ``kvpool.demo.cluster.Cluster.daemon``,
 ``benchmarks/*``). Imports neither torch nor the daemon: the child is
 ``python -m kvpool.cli.main daemon ...``.
 
@@ -156,23 +156,46 @@ class DaemonProcess:
         self.stop()
 
 
-def spawn(argv: Sequence[str], run_dir: str | os.PathLike[str], log: Path | None = None,
-          env: Mapping[str, str] | None = None, cwd: str | os.PathLike[str] | None = None,
-          new_session: bool = False, append: bool = False) -> DaemonProcess:
-    """Start ``argv`` (from :func:`daemon_argv`) without waiting; stdout and stderr go to
+def serve_argv(model_dir: str | os.PathLike[str], *extra: str, port: int, name: str,
+               kv_cache_size: str | int, elastic: bool = False,
+               log_level: str = "warning") -> list[str]:
+    """The ``kvpool serve`` command line of the bundled engine's OpenAI server on
+    127.0.0.1:``port`` (``--elastic``: its KV memory from the daemon named by
+    ``KVPOOL_RUN_DIR``), then the caller's extra flags."""
+    return [*cli_argv(), "serve", str(model_dir), "--port", str(port), "--served-model-name",
+            name, "--kv-cache-size", str(kv_cache_size), "--log-level", log_level,
+            *(("--elastic",) if elastic else ()), *extra]
+
+
+def spawn_process(argv: Sequence[str], log: Path | None = None,
+                  env: Mapping[str, str] | None = None,
+                  cwd: str | os.PathLike[str] | None = None, new_session: bool = False,
+                  append: bool = False,
+                  base_env: Mapping[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """Start ``argv`` (a daemon's or a server's) without waiting; stdout and stderr go to
     ``log`` (appended to with ``append``), or are inherited when ``log`` is None; ``env``
-    is added to this process's environment."""
+    is added to ``base_env`` (default: this process's environment)."""
     out = open(log, "ab" if append else "wb") if log is not None else None
-    added = dict(env or {})
-    where = None if cwd is None else str(cwd)
     try:
-        popen = subprocess.Popen(list(argv), stdout=out, stderr=subprocess.STDOUT if out else None,
-                                 env={**os.environ, **added}, cwd=where,
-                                 start_new_session=new_session)
+        return subprocess.Popen(list(argv), stdout=out,
+                                stderr=subprocess.STDOUT if out else None,
+                                env={**(os.environ if base_env is None else base_env),
+                                     **(env or {})},
+                                cwd=None if cwd is None else str(cwd),
+                                start_new_session=new_session)
     finally:
         if out is not None:
             out.close()
-    return DaemonProcess(Path(run_dir), popen, list(argv), log, added, where, new_session)
+
+
+def spawn(argv: Sequence[str], run_dir: str | os.PathLike[str], log: Path | None = None,
+          env: Mapping[str, str] | None = None, cwd: str | os.PathLike[str] | None = None,
+          new_session: bool = False, append: bool = False) -> DaemonProcess:
+    """Start the daemon ``argv`` (from :func:`daemon_argv`) on ``run_dir`` without
+    waiting (:func:`spawn_process`)."""
+    popen = spawn_process(argv, log, env, cwd, new_session, append)
+    return DaemonProcess(Path(run_dir), popen, list(argv), log, dict(env or {}),
+                         None if cwd is None else str(cwd), new_session)
 
 
 def start_daemon(run_dir: str | os.PathLike[str], *extra: str,

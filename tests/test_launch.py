@@ -70,3 +70,12 @@ def test_a_killed_daemon_restarts_with_the_same_command_line(run_dir):
             assert m.stats().pool.budget == 16 * PAGE
     finally:
         assert d.stop() == 0, launch.log_tail(log)
+
+
+def test_the_serve_command_line_names_the_model_port_and_kv_size():
+    argv = launch.serve_argv("/m", "--max-model-len", "512", port=8001, name="a",
+                             kv_cache_size="4MiB", elastic=True)
+    assert argv[:4] == [sys.executable, "-m", "kvpool.cli.main", "serve"]
+    assert argv[4:] == ["/m", "--port", "8001", "--served-model-name", "a", "--kv-cache-size",
+                        "4MiB", "--log-level", "warning", "--elastic", "--max-model-len", "512"]
+    assert "--elastic" not in launch.serve_argv("/m", port=1, name="a", kv_cache_size=1)

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys
@@ -57,14 +56,9 @@ class Cluster:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None,
-               module: str = "kvpool.cli.main") -> Proc:
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Proc:
         log = self.workdir / f"{name}.log"
-        with open(log, "wb") as f:
-            popen = subprocess.Popen(
-                [sys.executable, "-m", module, *args], stdout=f,
-                stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
-                start_new_session=True)
+        popen = launch.spawn_process(argv, log, env, new_session=True)
         proc = Proc(name, popen, log)
         self.procs.append(proc)
         return proc
@@ -87,15 +81,14 @@ class Cluster:
     def serve(self, name: str, model_dir: Path, kv_cache_size: int, elastic: bool,
               extra: tuple[str, ...] = (), env: dict[str, str] | None = None) -> Proc:
         port = free_port()
-        args = ["serve", str(model_dir), "--port", str(port), "--served-model-name", name,
-                "--kv-cache-size", str(kv_cache_size), "--log-level", "warning", *extra]
+        argv = launch.serve_argv(model_dir, *extra, port=port, name=name,
+                                 kv_cache_size=kv_cache_size, elastic=elastic)
         env = dict(env or {})
         if elastic:
             if self.run_dir is None:
                 raise ClusterError("start the daemon before elastic servers")
-            args.append("--elastic")
             env |= {"KVPOOL_RUN_DIR": str(self.run_dir), "KVPOOL_TENANT": name}
-        proc = self._spawn(f"serve-{name}", args, env)
+        proc = self._spawn(f"serve-{name}", argv, env)
         proc.url = f"http://127.0.0.1:{port}"
         return proc
 
@@ -118,7 +111,9 @@ class Cluster:
                     "KVPOOL_TENANT": name}
         else:
             args += ["--kv-cache-memory-bytes", str(kv_cache_size)]
-        proc = self._spawn(f"vllm-{name}", args, env, module="vllm.entrypoints.openai.api_server")
+        proc = self._spawn(f"vllm-{name}",
+                           [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *args],
+                           env)
         proc.url = f"http://127.0.0.1:{port}"
         return proc
 

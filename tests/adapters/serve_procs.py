@@ -6,7 +6,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,13 +62,9 @@ class Servers:
         if elastic:
             env.update(KVPOOL_RUN_DIR=str(run_dir), KVPOOL_IDLE_TIMEOUT=str(idle_timeout))
         env.update(extra_env)  # e.g. KVPOOL_WEIGHT, KVPOOL_MIN
-        cmd = [sys.executable, "-m", "kvpool.cli.main", "serve", str(self.model), "--port",
-               str(port), "--served-model-name", name, "--kv-cache-size", "4MiB",
-               "--max-model-len", "512", "--log-level", "warning",
-               *(("--elastic",) if elastic else ()), *extra]
-        with open(log, "w") as f:
-            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, env=env,
-                                    start_new_session=True)
+        cmd = launch.serve_argv(self.model, "--max-model-len", "512", *extra, port=port,
+                                name=name, kv_cache_size="4MiB", elastic=elastic)
+        proc = launch.spawn_process(cmd, log, cwd=REPO, new_session=True, base_env=env)
         s = Server(name, proc, port, log)
         self.all.append(s)
         return s
