@@ -22,6 +22,16 @@ Rules the caller keeps:
   :class:`~kvpool.client_lib.allocator.ElasticBlockAllocator` sits on the group, the
   engine side forgets them in its own books (request-aligned units).
 
+For the engine side (issue 15 points 2-4): a request's KV must be whole units of one
+group, so request-aligned allocation gives each request its own chunks (an allocator
+chunk is ``pages_per_chunk`` consecutive units: chunk ``c`` is units
+``c * pages_per_chunk ..``). The giver offers those units in block-table order and drops
+the chunks from its allocator's books once ``ticket.wait()`` says ``claimed`` (the pages
+are unmapped already; no ``Release``); the receiver picks as many unmapped units
+(whole chunks it takes out of its allocator's unmapped set), claims at them, marks their
+blocks held for the request and rewrites the block table to the new block ids. The
+ticket id and the unit count travel with the request (tokens, sampling state).
+
 After a daemon restart the tenant's pending offers are cancelled (the new daemon knows no
 ticket; the giver re-adopted its pages). A claim the old daemon granted whose ``Settled``
 never reached the giver leaves both sides mapping the pages: the second to adopt them
@@ -40,6 +50,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
 from kvpool import protocol as p
+from kvpool.client_lib.errors import KvpoolError
 
 if TYPE_CHECKING:
     from kvpool.client_lib.regions import RegionGroup
@@ -80,7 +91,7 @@ class Handoffs:
         self.tenant = tenant
         self.tickets: dict[str, Ticket] = {}
         self._lock = threading.Lock()
-        self._early: dict[str, p.Reply] = {}  # a Settled read before its Offered returned
+        self._early: dict[str, p.Settled] = {}  # a Settled read before its Offered returned
 
     def offer(self, group: "RegionGroup", units: Sequence[int], to: str,
               ttl_s: float = 10.0) -> Ticket:
@@ -99,15 +110,13 @@ class Handoffs:
             self.tickets[t.id] = t
             early = self._early.pop(t.id, None)
         if early is not None:
-            self.settled(early)  # type: ignore[arg-type]
+            self.settled(early)
         return t
 
     def cancel(self, ticket: Ticket | str) -> bool:
         """Take a pending offer back: True when cancelled (the pages stay here); False
         when the ticket is over already (its state says how: claimed, expired)."""
         tid = ticket.id if isinstance(ticket, Ticket) else ticket
-        from kvpool.client_lib.errors import KvpoolError
-
         try:
             self.tenant.conn.call(p.Cancel(ticket=tid), p.Done)
         except KvpoolError as e:
