@@ -39,7 +39,7 @@ def timed(samples: dict, name: str, fn, *args):
 def split_map(b, pages: list, s: dict) -> None:
     """CUDA only: ``cuMemMap``, ``cuMemSetAccess`` and ``cuMemUnmap`` timed apart, one page
     each, in a range of their own (``map_pages`` does map + set access in one call)."""
-    from kvpool.vmm.cuda import _call
+    from kvpool.vmm.cuda_driver import call as _call
 
     cu, ps = b._cu, b.page_size
     rng = b.reserve(len(pages) * ps)

@@ -76,8 +76,9 @@ def error_text(cu: Any, code: int) -> str:
     return f"{name} ({code})" + (f": {desc}" if desc else "")
 
 
-def typed_error(cu: Any, op: str, call: str, code: int) -> VmmError:
-    msg = f"{call} failed with {error_text(cu, code)}"
+def typed_error(cu: Any, op: str, shown: str, code: int) -> VmmError:
+    """The :class:`VmmError` subclass for CUresult ``code`` of the call ``shown``."""
+    msg = f"{shown} failed with {error_text(cu, code)}"
     if code == CUDA_ERROR_OUT_OF_MEMORY:
         return OutOfMemory(op, msg)
     if code in (CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_INVALID_HANDLE):
@@ -100,8 +101,8 @@ def call(cu: Any, op: str, fn: str, *args: Any, show: str | None = None) -> Any:
         raise Unsupported(op, f"{fn}: the CUDA driver is not usable ({e})") from e
     code = int(res[0])
     if code != CUDA_SUCCESS:
-        call = show or f"{fn}({', '.join(fmt(a) for a in args)})"
-        raise typed_error(cu, op, call, code)
+        shown = show or f"{fn}({', '.join(format_arg(a) for a in args)})"
+        raise typed_error(cu, op, shown, code)
     if len(res) == 1:
         return None
     if len(res) == 2:
@@ -109,7 +110,8 @@ def call(cu: Any, op: str, fn: str, *args: Any, show: str | None = None) -> Any:
     return tuple(res[1:])
 
 
-def fmt(v: Any) -> str:
+def format_arg(v: Any) -> str:
+    """A driver call's argument as error messages show it (addresses in hex)."""
     if isinstance(v, int) and not isinstance(v, bool) and v > 0xFFFF:
         return hex(v)
     if isinstance(v, (int, float, str, bool)) or v is None:
