@@ -1,4 +1,5 @@
-"""What fresh pages cost: a page that changes tenant is a new physical page (DESIGN.md),
+"""What fresh pages cost: a page that changes tenant is a new physical page
+(docs/ARCHITECTURE.md, "Fresh pages and retained memory"),
 where it used to be the released one, zeroed. Recycled and fresh variants run
 interleaved (A, B, A, B, ...) in one process, so both see the same machine state; each
 row is reported as a ratio to its baseline.

@@ -13,7 +13,7 @@ that kept a descriptor or a mapping of a page it released keeps that memory aliv
 it stays charged to that tenant and to the budget until it is gone
 (:meth:`recheck_retained`, on the liveness timer).
 
-Fresh pages (DESIGN.md): a physical page handed to a tenant was never exported to any
+Fresh pages (ARCHITECTURE.md): a physical page handed to a tenant was never exported to any
 other tenant. A released page goes back only to the tenant that released it (``take``
 prefers the caller's own dirty pages); for anyone else it is *retired* — its handle
 released — and a fresh page (a new memfd on host, a new ``cuMemCreate`` allocation on

@@ -1,6 +1,6 @@
 """The kvpool wire protocol: every control message as a typed msgspec schema.
 
-Transport (see DESIGN.md "Wire"):
+Transport (see docs/ARCHITECTURE.md, "Wire"):
 
 * **control** — ZeroMQ. The daemon binds a ROUTER at ``ipc://$RUN_DIR/control.sock``;
   each client connects a DEALER and sends one frame per request: a msgpack map that
@@ -13,7 +13,7 @@ Transport (see DESIGN.md "Wire"):
   accept the daemon sends one :class:`FdHello` (session token, backend, page size);
   afterwards it only sends page descriptors, each message headed by a :class:`FdHeader`.
 
-Reclaim (see DESIGN.md "Arbitration"): when a grant or lease does not fit, the daemon
+Reclaim (see docs/ARCHITECTURE.md, "Arbitration"): when a grant or lease does not fit, the daemon
 sends unsolicited :class:`Reclaim` messages (``id`` 0, numbered by ``seq``) to other
 tenants: ``mode="reserve"`` asks for mapped-but-unused units only, ``mode="shrink"``
 asks the tenant's shrink callback to empty whole units. The tenant answers each with a
