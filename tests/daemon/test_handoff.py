@@ -331,6 +331,7 @@ def test_receiver_killed_mid_handoff_loses_no_memory(daemon, delay):
         assert gg.mapped == kept
         assert d.stats().pool.granted == len(kept) * REGIONS * PAGE
         assert d.check() == []
+        assert d.cli("check").returncode == 0  # `kvpool check`: clean
     s = d.stats()
     assert s.pool.granted == 0 and not s.tenants and d.check() == []
 
