@@ -217,6 +217,58 @@ class ChunkBook:
         self.free_count = self.in_use = 0
         return chunks
 
+    # ---- whole chunks: request-aligned KV, page handoff ------------------------------
+    def take_empty_chunks(self, k: int) -> list[int] | None:
+        """``k >= 1`` mapped empty chunks (an empty current one joins the reserve first),
+        every block of them now held: whole units for one owner. None (no change) if
+        fewer are empty."""
+        self.demote_if_empty()
+        if k > len(self._reserve):
+            return None
+        chunks = self._reserve[len(self._reserve) - k:]
+        del self._reserve[len(self._reserve) - k:]
+        for c in chunks:
+            fl = self._free_lists[c]
+            assert fl is not None and len(fl) == self.blocks_per_chunk, "reserve chunks are empty"
+            fl.clear()
+            self._hold_whole(c)
+        self.free_count -= k * self.blocks_per_chunk
+        return chunks
+
+    def adopt_chunks(self, chunks: Iterable[int]) -> None:
+        """In-flight chunks just mapped for one owner (a claim, a whole-chunk grant):
+        mapped, every block held."""
+        for c in chunks:
+            assert c in self._in_flight, f"adopt: chunk {c} is not in flight"
+            self._in_flight.discard(c)
+            self._free_lists[c] = []
+            self._hold_whole(c)
+
+    def forget_chunks(self, chunks: Iterable[int]) -> None:
+        """Wholly held chunks whose pages went to another tenant: unmapped, nothing held.
+        Raises ValueError (changing nothing) unless every block of each is held."""
+        chunks = list(chunks)
+        per = self.blocks_per_chunk
+        for c in chunks:
+            if not 0 <= c < self.nchunks or self._used[c] != per:
+                raise ValueError(f"forget: chunk {c!r} is not wholly held")
+        for c in chunks:
+            if c == self._current:
+                self._current, self._current_free = -1, _EMPTY
+            self._free_lists[c] = None
+            self._used[c] = 0
+            self._held[c * per:(c + 1) * per] = bytes(per)
+            heapq.heappush(self._unmapped, c)
+        self.in_use -= per * len(chunks)
+        self.ops += 1
+
+    def _hold_whole(self, c: int) -> None:
+        per = self.blocks_per_chunk
+        self._held[c * per:(c + 1) * per] = b"\x01" * per
+        self._used[c] = per
+        self.in_use += per
+        self.ops += 1
+
     # ---- views ----------------------------------------------------------------------
     def empty_chunks(self) -> list[int]:
         """Mapped chunks with no held block: the reserve and an empty current chunk."""

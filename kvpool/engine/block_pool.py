@@ -61,6 +61,12 @@ class BlockPool(ABC):
             PoolExhausted: fewer than ``n`` blocks are available now; nothing was taken.
         """
 
+    def get_blocks_for(self, owner: str, n: int) -> list[int]:
+        """:meth:`get_new_blocks` on behalf of request ``owner``: a pool that keeps each
+        request's KV in its own allocation units (request-aligned, so the units can
+        change hands whole) uses the owner; others ignore it. Same contract otherwise."""
+        return self.get_new_blocks(n)
+
     @abstractmethod
     def free_blocks(self, block_ids: Iterable[int]) -> None:
         """Drop one reference from each block. A block reaching 0 becomes free (uncached)

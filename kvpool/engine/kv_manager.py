@@ -53,7 +53,7 @@ class KVCacheManager:
         if hit:
             self.pool.touch(hit)  # first, so allocating cannot evict the hit blocks
         try:
-            new = self.pool.get_new_blocks(max(need, 0))
+            new = self.pool.get_blocks_for(req.request_id, max(need, 0))
         except PoolExhausted:
             if hit:
                 self.pool.free_blocks(reversed(hit))

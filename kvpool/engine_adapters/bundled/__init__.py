@@ -29,7 +29,10 @@ def enable(config: EngineConfig, settings: Settings | None = None) -> None:
     """Make the engine built from ``config`` allocate its KV cache through kvpool; the
     engine gets a ``close()`` that gives the memory and the daemon session back."""
     check_engine(config)
-    bridge = Bridge(config, settings or Settings.from_env())
+    settings = settings or Settings.from_env()
+    if settings.request_aligned:
+        config.enable_prefix_caching = False  # a shared block would tie requests' units
+    bridge = Bridge(config, settings)
     config.block_pool_factory = bridge.make_pool
     config.kv_cache_factory = bridge.make_kv_cache
     config.extra[ADAPTER_KEY] = bridge

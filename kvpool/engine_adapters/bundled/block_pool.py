@@ -13,6 +13,10 @@ tenant's ``max(min, fair share)``); the library then releases the emptied units.
 Invariants: block ids equal allocator block ids, block 0 (the engine's null block) is
 allocated at start and never freed, and every block the engine references or caches is
 held in the allocator (``check_integrity`` verifies both sides).
+
+Request-aligned mode (:meth:`ElasticBlockPool.align_requests`, ``KVPOOL_REQUEST_ALIGNED``):
+each request's blocks come from whole chunks only it uses (:mod:`.aligned`), so its KV is
+whole units that can change hands (:mod:`.handoff`); the prefix cache is off then.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from collections import defaultdict
 
 from kvpool.engine.block_pool import NULL_BLOCK, FixedBlockPool
 from kvpool.engine.errors import PoolExhausted
+from kvpool.engine_adapters.bundled.aligned import RequestChunks
 from kvpool.engine_adapters.bundled.settings import AdapterError
 
 log = logging.getLogger("kvpool.adapter")
@@ -52,6 +57,7 @@ class ElasticBlockPool(FixedBlockPool):
         self.idle_evictions = 0
         self._stopped = threading.Event()
         self._idle_thread: threading.Thread | None = None
+        self.aligned: RequestChunks | None = None  # request-aligned mode when set
 
     # ---- binding ------------------------------------------------------------------
     def bind(self, allocator) -> None:
@@ -62,6 +68,10 @@ class ElasticBlockPool(FixedBlockPool):
         null = allocator.alloc(1)
         if null != [NULL_BLOCK]:
             raise AdapterError(f"expected the allocator's first block to be 0, got {null}")
+
+    def align_requests(self) -> None:
+        """Give each request its own chunks from now on (before any request runs)."""
+        self.aligned = RequestChunks(self.allocator.blocks_per_chunk)
 
     def bind_engine(self, engine) -> None:
         """Serialize the engine's steps with preemption requested by :meth:`shrink`."""
@@ -168,8 +178,56 @@ class ElasticBlockPool(FixedBlockPool):
             ref[b] = 1
         return out
 
+    def get_blocks_for(self, owner: str, n: int) -> list[int]:
+        aligned = self.aligned
+        if aligned is None:
+            return self.get_new_blocks(n)
+        if n <= 0:
+            return []
+        # Only the engine's thread allocates for ``owner``, so its spares cannot change
+        # between the count and the take; the daemon call runs without ``lock``.
+        with self.lock:
+            k = aligned.chunks_needed(owner, n)
+        fresh = self.allocator.alloc_chunks(k, wait=False) if k else []
+        if fresh is None:
+            raise PoolExhausted(f"kvpool has no memory for {k} more KV chunk(s) now")
+        with self.lock:
+            out = aligned.take(owner, n, fresh)
+            for b in out:
+                self._ref[b] = 1
+            return out
+
     def _release(self, blocks: list[int], recent: bool) -> None:
-        self.allocator.free(blocks)
+        if self.aligned is not None:
+            loose, whole = self.aligned.release(blocks)
+            blocks = loose + whole
+        if blocks:
+            self.allocator.free(blocks)
+
+    # ---- handing a request's KV over (request-aligned mode) -------------------------
+    def request_chunks(self, rid: str) -> list[int]:
+        """The chunks request ``rid`` owns, in the order its blocks fill them."""
+        with self.lock:
+            return list(self.aligned.chunks.get(rid, []))
+
+    def forget_request(self, rid: str, block_ids: list[int]) -> list[int]:
+        """Another tenant claimed ``rid``'s chunks (the group unmapped them): its blocks
+        lose their reference, the chunks leave the books unmapped. Returns them."""
+        with self.lock:
+            for b in block_ids:
+                assert self._ref[b] == 1, f"handed-over block {b} is shared"
+                self._ref[b] = 0
+            chunks = self.aligned.forget(rid)
+            self.allocator.forget_chunks(chunks)
+            return chunks
+
+    def adopt_request(self, rid: str, chunks: list[int], block_ids: list[int]) -> None:
+        """``chunks`` (adopted by the allocator, wholly held) now belong to ``rid``,
+        which uses ``block_ids`` of them (ref 1 each)."""
+        with self.lock:
+            self.aligned.adopt(rid, chunks, block_ids)
+            for b in block_ids:
+                self._ref[b] = 1
 
     def free_blocks(self, block_ids) -> None:
         with self.lock:
@@ -205,7 +263,8 @@ class ElasticBlockPool(FixedBlockPool):
     @property
     def num_used_blocks(self) -> int:
         with self.lock:
-            return self.allocator.used_blocks - len(self._evictable) - 1  # minus null
+            spare = self.aligned.num_spare if self.aligned is not None else 0
+            return self.allocator.used_blocks - len(self._evictable) - spare - 1  # minus null
 
     def held_bytes(self, block_bytes: int) -> int:
         return self.allocator.holdings().mapped
@@ -290,8 +349,16 @@ class ElasticBlockPool(FixedBlockPool):
                     used += 1
                 else:
                     assert b not in self._entry, f"free block {b} still cached"
-            assert alloc.used_blocks == used + 1, (
-                f"allocator holds {alloc.used_blocks} blocks, pool accounts for {used} + null")
+            spare = 0
+            if self.aligned is not None:
+                self.aligned.check()
+                spare = self.aligned.num_spare
+                for c, blocks in self.aligned.spare.items():
+                    for b in blocks:
+                        assert self._ref[b] == 0 and alloc.is_held(b), f"spare block {b}"
+            assert alloc.used_blocks == used + spare + 1, (
+                f"allocator holds {alloc.used_blocks} blocks, pool accounts for {used} + "
+                f"{spare} spare + null")
             for h, dups in self._by_hash.items():
                 for b in dups:
                     assert self._entry[b].block_hash == h, f"hash index wrong for block {b}"

@@ -63,6 +63,8 @@ class Bridge:
                 self.group, per_region, low=s.low, high=s.high,
                 idle_timeout_s=s.idle_timeout_s, populate=s.populate)
             self.pool.bind(allocator)
+            if s.request_aligned:
+                self.pool.align_requests()
             self.tenant.set_shrink_callback(self.pool.shrink)
             self.pool.start_idle_release(s.idle_timeout_s)
             nblocks = allocator.num_blocks

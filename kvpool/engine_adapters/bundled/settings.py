@@ -17,3 +17,6 @@ class Settings(TenantSettings):
     """How this engine joins kvpool; ``from_env`` reads ``KVPOOL_*`` variables."""
 
     populate: bool = True  # fault granted pages in at map time (off the step path)
+    # each request's KV in its own allocation units, so it can be handed to another
+    # engine (prefill/decode pairs); turns the prefix cache off
+    request_aligned: bool = False
