@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,6 +19,23 @@ from kvpool import launch
 
 class ClusterError(RuntimeError):
     """A process of the run failed to start or died; the message says which and why."""
+
+
+def wait_healthy(popen: subprocess.Popen, url: str, name: str, deadline: float,
+                 logs: Callable[[], str], poll_s: float = 0.2) -> None:
+    """Return once ``GET url/health`` answers 200; :class:`ClusterError` (with ``logs()``)
+    if ``popen`` exits first or the ``time.monotonic()`` ``deadline`` passes."""
+    while True:
+        if popen.poll() is not None:
+            raise ClusterError(f"{name} exited with code {popen.returncode}:\n{logs()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise ClusterError(f"{name} not healthy in time:\n{logs()}")
+        time.sleep(poll_s)
 
 
 def free_port() -> int:
@@ -120,19 +138,8 @@ class Cluster:
     def wait_healthy(self, timeout_s: float = 120.0) -> None:
         deadline = time.monotonic() + timeout_s
         for proc in self.procs:
-            if proc.url is None:
-                continue
-            while True:
-                self._check(proc)
-                try:
-                    if httpx.get(f"{proc.url}/health", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise ClusterError(f"{proc.name} not healthy in {timeout_s:.0f} s:\n"
-                                       f"{proc.tail()}")
-                time.sleep(0.2)
+            if proc.url is not None:
+                wait_healthy(proc.popen, proc.url, proc.name, deadline, proc.tail)
 
     def _check(self, proc: Proc) -> None:
         if proc.popen.poll() is not None:

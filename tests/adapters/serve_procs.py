@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 
 from kvpool import launch
-from kvpool.demo.cluster import free_port
+from kvpool.demo.cluster import free_port, wait_healthy
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -70,20 +70,10 @@ class Servers:
         return s
 
     def wait_healthy(self, timeout: float = 60.0) -> None:
+        """Every server answers /health (:func:`kvpool.demo.cluster.wait_healthy`)."""
         deadline = time.monotonic() + timeout
         for s in self.all:
-            while True:
-                if s.proc.poll() is not None:
-                    raise AssertionError(f"kvpool serve {s.name} exited ({s.proc.returncode})"
-                                         f":\n{s.logs()}")
-                try:
-                    if httpx.get(f"{s.base}/health", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise AssertionError(f"kvpool serve {s.name} not healthy:\n{s.logs()}")
-                time.sleep(0.1)
+            wait_healthy(s.proc, s.base, f"kvpool serve {s.name}", deadline, s.logs, 0.1)
 
     def close(self) -> None:
         for s in self.all:
