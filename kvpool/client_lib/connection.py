@@ -274,8 +274,9 @@ class Connection:
             self.fdsock.settimeout(timeout)
 
     # ---- unsolicited messages ---------------------------------------------------------
-    def probe(self) -> bool:
-        """Whether the daemon still holds our fd channel (False once it is gone)."""
+    def daemon_alive(self) -> bool:
+        """Whether the daemon still holds our fd channel (looks now; False once it is
+        gone, and then for good: see ``daemon_gone``)."""
         if self._lock.acquire(blocking=False):
             try:
                 if not self.closed:

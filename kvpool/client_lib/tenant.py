@@ -224,7 +224,7 @@ class Tenant:
                 now = time.monotonic()
                 if now >= next_probe:
                     next_probe = now + 0.1
-                    self.conn.probe()
+                    self.conn.daemon_alive()
                 if self.conn.daemon_gone:
                     self._reconnect()
                     continue
