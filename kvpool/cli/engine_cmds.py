@@ -56,11 +56,19 @@ def register(cli: click.Group) -> None:
     @click.option("--elastic", is_flag=True, help="share KV memory through the kvpool daemon "
                   "(also KVPOOL_ENABLE=1)")
     @click.option("--log-level", default="info", show_default=True)
+    @click.option("--role", type=click.Choice(["both", "prefill", "decode"]), default="both",
+                  show_default=True, help="half of a prefill/decode pair that hands each "
+                  "request's KV over as pages (elastic, request-aligned)")
+    @click.option("--prefill-url", default=None,
+                  help="--role decode: the prefill server (this server is the front)")
+    @click.option("--handoff-to", default=None, help="--role prefill: the decode "
+                  "engine's tenant [default: <model>-decode]")
     def serve(model_dir: str, host: str, port: int, kv_cache_size: str | None,
               num_kv_blocks: int | None, block_size: int, kv_layout: str,
               max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int | None,
               served_model_name: str | None, device: str, dtype: str,
-              no_prefix_caching: bool, elastic: bool, log_level: str) -> None:
+              no_prefix_caching: bool, elastic: bool, log_level: str, role: str = "both",
+              prefill_url: str | None = None, handoff_to: str | None = None) -> None:
         """Serve MODEL_DIR with an OpenAI-compatible HTTP API."""
         require("engine", "serve")
         from kvpool.engine.config import EngineConfig
@@ -77,6 +85,17 @@ def register(cli: click.Group) -> None:
                 enable_prefix_caching=not no_prefix_caching)
         except (AssertionError, ValueError) as e:
             raise click.BadParameter(str(e)) from None
+        if role != "both":  # kvpool.engine_adapters.bundled.pd_server (issue 15)
+            from kvpool.engine_adapters.bundled import AdapterError, pd_server
+
+            if role == "decode" and not prefill_url:
+                raise click.BadParameter("--role decode needs --prefill-url")
+            try:
+                pd_server.serve_role(config, role, host, port, log_level, prefill_url,
+                                     handoff_to)
+            except (AdapterError, CheckpointError) as e:
+                raise click.ClickException(str(e)) from None
+            return
         if elastic or os.environ.get("KVPOOL_ENABLE") == "1":
             _enable_elastic(config)
         try:

@@ -182,11 +182,12 @@ class Engine:
 
     def add_prefilled(self, request_id: str, token_ids: list[int], num_prompt_tokens: int,
                       params: SamplingParams, block_ids: list[int],
-                      output_text: str = "", detok_offsets: tuple[int, int] | None = None
-                      ) -> str:
+                      output_text: str = "", detok_offsets: tuple[int, int] | None = None,
+                      generator_state: torch.Tensor | None = None) -> str:
         """Adopt a request another engine prefilled: its K/V for all of ``token_ids`` but
         the last is in ``block_ids`` (blocks the pool already counts as held, ref 1), so
-        it runs at once and its next step decodes. Raises RequestError on a duplicate id
+        it runs at once and its next step decodes; ``generator_state`` continues a seeded
+        request's random stream where the other engine left it. Raises RequestError on a duplicate id
         or a block table that does not cover the tokens."""
         if request_id in self.requests or request_id in self.detached:
             raise RequestError(f"duplicate request id {request_id!r}")
@@ -197,6 +198,8 @@ class Engine:
         gen = None
         if params.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(params.seed)
+            if generator_state is not None:
+                gen.set_state(generator_state)
         req = Request(request_id, token_ids[:num_prompt_tokens], params, gen)
         req.token_ids = list(token_ids)
         req.block_ids = list(block_ids)

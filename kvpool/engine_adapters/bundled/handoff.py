@@ -27,6 +27,7 @@ as they were.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
 from dataclasses import dataclass
@@ -53,6 +54,7 @@ class Handover:
     pages_per_chunk: int
     output_text: str = ""
     detok_offsets: tuple[int, int] | None = None
+    generator_state: str | None = None  # a seeded request's random state (base64)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -90,7 +92,7 @@ def give(engine, request_id: str, to: str, ttl_s: float = 10.0
                  block_ids=list(req.block_ids), chunks=chunks,
                  blocks_per_chunk=alloc.blocks_per_chunk,
                  pages_per_chunk=alloc.pages_per_chunk, output_text=req.output_text,
-                 detok_offsets=tuple(req.detok_offsets))
+                 detok_offsets=tuple(req.detok_offsets), generator_state=_state(req))
     return h, ticket
 
 
@@ -143,5 +145,19 @@ def take(engine, h: Handover) -> str:
         blocks = [at[b // per] * per + b % per for b in h.block_ids]
         pool.adopt_request(h.request_id, mine, blocks)
         engine.add_prefilled(h.request_id, h.token_ids, h.num_prompt_tokens, params, blocks,
-                             h.output_text, h.detok_offsets)
+                             h.output_text, h.detok_offsets, _unstate(h.generator_state))
     return h.request_id
+
+
+def _state(req) -> str | None:
+    if req.generator is None:
+        return None
+    return base64.b64encode(req.generator.get_state().numpy().tobytes()).decode()
+
+
+def _unstate(text: str | None):
+    if text is None:
+        return None
+    import torch
+
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
