@@ -56,20 +56,25 @@ def test_aligned_engine_equals_static(tiny_model, start_daemon, reference, kv):
     assert d.check() == []
 
 
-@pytest.mark.parametrize("layout", ["block_major", "per_layer"])
-def test_handover_between_engines_in_both_layouts(tiny_model, start_daemon, layout):
+SEEDED = SamplingParams(max_tokens=24, temperature=1.0, top_k=50, seed=7, ignore_eos=True)
+
+
+@pytest.mark.parametrize("layout,params", [("block_major", GREEDY), ("per_layer", GREEDY),
+                                           ("block_major", SEEDED)])
+def test_handover_between_engines_in_both_layouts(tiny_model, start_daemon, layout, params):
+    """Also a seeded sampled request: its random state travels with it."""
     # every request decodes on b at once, one unit each at least (16 blocks per unit
     # per-layer): a KV size with room for all of them
     static = Engine(EngineConfig(model=str(tiny_model), kv_cache_size="8MiB",
                                  kv_layout=layout))
-    want = run(static)
+    want = run(static, params=params)
     d = start_daemon(budget="16MiB")
     a = aligned(tiny_model, d, "prefill", kv_cache_size="8MiB", kv_layout=layout)
     b = aligned(tiny_model, d, "decode", kv_cache_size="8MiB", kv_layout=layout)
     got: dict[str, list[int]] = {}
     for i, p in enumerate(PROMPTS):
         rid = str(i)
-        a.add_request(p, GREEDY, rid)
+        a.add_request(p, params, rid)
         while not any(o.request_id == rid for o in a.step()):
             pass
         h, ticket = handoff.give(a, rid, to="decode")
