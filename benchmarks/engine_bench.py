@@ -27,6 +27,7 @@ Writes benchmarks/results/engine_bench.json (or --out).
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import tempfile
 import time
@@ -180,7 +181,14 @@ def main() -> None:
     ap.add_argument("--workloads", default="W1,W2,W3,W4", help="--peer: which ones")
     ap.add_argument("--threads", type=int, default=2, help="--peer: torch threads, both")
     ap.add_argument("--hf-batch", type=int, default=32, help="--peer: HF static batch")
+    ap.add_argument("--hf-workloads", default=None,
+                    help="--peer: workloads that also run HF generate (default: all of them)")
+    ap.add_argument("--hf-parity", action="store_true",
+                    help="only kvpool vs HF generate greedy agreement on --workloads "
+                         "(issue 11 model) -> engine_vs_hf.json")
     args = ap.parse_args()
+    if args.hf_parity:
+        return hf_parity_main(args)
     if args.peer:
         return peer_main(args)
     if args.quick:
@@ -281,7 +289,7 @@ def peer_main(args: argparse.Namespace) -> None:
         res = ep.compare(path, 32000, lim, args.reps, names, log)
         work = ep.workloads(32000)
         if not args.no_hf:
-            for w in names:
+            for w in (args.hf_workloads or args.workloads).split(","):
                 hf = ep.hf_floor(path, work[w], args.hf_batch, args.threads)
                 e = res["workloads"][w]
                 e["hf_generate"] = {k: v for k, v in hf.items() if k != "outputs"}
@@ -293,7 +301,7 @@ def peer_main(args: argparse.Namespace) -> None:
     for e in res["workloads"].values():
         del e["_kvpool_outputs"]
     t = Table(title=f"kvpool vs vLLM CPU, {args.reps} interleaved reps (median; min)")
-    for col in ("workload", "kvpool tok/s", "vLLM tok/s", "kvpool / vLLM", "HF tok/s",
+    for col in ("workload", "kvpool tok/s", "vLLM tok/s", "kvpool / vLLM", "paired", "HF tok/s",
                 "TPOT kvpool / vLLM", "faults kvpool / vLLM", "agree vLLM / HF"):
         t.add_column(col, justify="right")
     for w, e in res["workloads"].items():
@@ -304,6 +312,7 @@ def peer_main(args: argparse.Namespace) -> None:
         t.add_row(w, f"{k['tokens_per_s']['median']:,.0f} ({k['tokens_per_s']['min']:,.0f})",
                   f"{v['tokens_per_s']['median']:,.0f} ({v['tokens_per_s']['min']:,.0f})",
                   f"{e['ratio_kvpool_over_vllm_tokens_per_s']:.2f}",
+                  f"{e['paired_ratio_median']:.2f}",
                   "" if hf is None else f"{hf:,.0f}", tpot,
                   f"{k['page_faults']['median']:,.0f} / {v['page_faults']['median']:,.0f}",
                   f"{e['greedy_agreement_kvpool_vllm']:.3f} / "
@@ -316,12 +325,38 @@ def peer_main(args: argparse.Namespace) -> None:
     info = machine()
     info["vllm"] = vllm.__version__
     info["torch_threads"] = res["threads"]
+    info["load_avg_at_end"] = os.getloadavg()
     out = write_result("engine_vs_vllm", {
         "model": model, "limits": lim, "reps": args.reps, "machine": info,
         "workloads_spec": ep.__doc__.split("Workloads")[1].strip(), **res,
         "w2_profile": {**prof, "table_file": str(prof_path.name)},
         "runtime_s": time.perf_counter() - t0}, args.out)
     console.print(f"wrote {out} and {prof_path} in {time.perf_counter() - t0:.0f}s")
+
+
+def hf_parity_main(args: argparse.Namespace) -> None:
+    """``--hf-parity``: kvpool's greedy outputs against transformers on W1-W4, no timing race
+    (the slow HF floor apart from the interleaved comparison)."""
+    import engine_peer as ep
+
+    lim = {"threads": args.threads, "block_size": 16, "kv_bytes": 1 << 30,
+           "max_num_seqs": 128, "max_num_batched_tokens": 2048, "max_model_len": 4096}
+    res = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(make_tiny_model(Path(tmp) / "issue11-llama", layers=6, hidden=512,
+                                   heads=8, kv_heads=4, vocab=32000,
+                                   max_position_embeddings=4096, seed=args.seed))
+        work = ep.workloads(32000)
+        eng = ep._Kvpool(path, lim)
+        for w in args.workloads.split(","):
+            ours = eng.generate(work[w])
+            hf = ep.hf_floor(path, work[w], args.hf_batch, args.threads)
+            res[w] = {"greedy_agreement_kvpool_hf": ep.agreement(ours, hf["outputs"]),
+                      "identical": ours == hf["outputs"],
+                      "hf_tokens_per_s": hf["tokens_per_s"]}
+            print(w, res[w], flush=True)
+    out = write_result("engine_vs_hf", {"workloads": res, "limits": lim}, args.out)
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
