@@ -286,8 +286,8 @@ class ElasticBlockAllocator:
             self.book.return_unmapped(chunks)
 
     def forget_chunks(self, chunks: list[int]) -> None:
-        """Wholly held chunks another tenant claimed (the group unmapped them already):
-        out of the books, unmapped; nothing goes to the daemon."""
+        """Mapped chunks another tenant claimed (the group unmapped them already): out of
+        the books, unmapped, their held blocks dropped; nothing goes to the daemon."""
         with self.lock:
             self.book.forget_chunks(chunks)
 

@@ -245,21 +245,32 @@ class ChunkBook:
             self._hold_whole(c)
 
     def forget_chunks(self, chunks: Iterable[int]) -> None:
-        """Wholly held chunks whose pages went to another tenant: unmapped, nothing held.
-        Raises ValueError (changing nothing) unless every block of each is held."""
+        """Mapped chunks whose pages went to another tenant: unmapped, nothing held (their
+        held blocks are dropped, as the owner no longer has them). Raises ValueError
+        (changing nothing) if one is not mapped or is listed twice."""
         chunks = list(chunks)
         per = self.blocks_per_chunk
+        if len(set(chunks)) != len(chunks):
+            raise ValueError("forget: a chunk is listed twice")
         for c in chunks:
-            if not 0 <= c < self.nchunks or self._used[c] != per:
-                raise ValueError(f"forget: chunk {c!r} is not wholly held")
+            if not (isinstance(c, int) and 0 <= c < self.nchunks) or \
+                    self._free_lists[c] is None:
+                raise ValueError(f"forget: chunk {c!r} is not mapped")
         for c in chunks:
+            fl, u = self._free_lists[c], self._used[c]
+            assert fl is not None
             if c == self._current:
                 self._current, self._current_free = -1, _EMPTY
+            elif u == 0:
+                self._reserve.remove(c)
+            elif u < per:
+                self._partial[u].discard(c)
+            self.free_count -= len(fl)
+            self.in_use -= u
             self._free_lists[c] = None
             self._used[c] = 0
             self._held[c * per:(c + 1) * per] = bytes(per)
             heapq.heappush(self._unmapped, c)
-        self.in_use -= per * len(chunks)
         self.ops += 1
 
     def _hold_whole(self, c: int) -> None:

@@ -12,6 +12,15 @@ Commands:
            the pages at), or ``refused``; with ``hold`` stop there (to be killed), else
            decode to the end and print ``done``.
   check    engine and pool integrity; prints ``ok`` with the used block count.
+  run      {id, prompt, params}: run a request here to the end; ``done`` (with its
+           prefix-cache hit tokens).
+  export   {to, ttl}: (warm restart, idle) offer the prefix cache to ``to``; prints
+           ``cache`` (the message for the new engine, the units), then ``settled``.
+  import   {cache}: adopt the cache; prints ``adopted`` (entries) or ``refused``.
+  probe    {prompt}: the prefix-cache hit the prompt would get now (``hit``, tokens);
+           changes nothing.
+
+``--no-aligned`` runs the engine with the prefix cache instead of request-aligned KV.
 """
 
 from __future__ import annotations
@@ -76,19 +85,53 @@ def decode(engine, msg) -> None:
     emit(event="done", id=h.request_id, tokens=finish(engine, h.request_id))
 
 
+def run(engine, msg) -> None:
+    from kvpool.engine import SamplingParams
+
+    rid = msg["id"]
+    engine.add_request(msg["prompt"], SamplingParams(**msg["params"]), rid)
+    while True:
+        for o in engine.step():
+            if o.request_id == rid and o.finished:
+                return emit(event="done", id=rid, tokens=o.output_token_ids,
+                            hit=o.num_prefix_hit_tokens)
+
+
+def export(engine, msg) -> None:
+    from kvpool.engine_adapters.bundled import handoff_cache
+
+    c, ticket = handoff_cache.offer_cache(engine, msg["to"], msg.get("ttl", 10.0))
+    emit(event="cache", cache=json.loads(c.to_json()),
+         units=engine.pool.allocator.units_of(c.chunks))
+    state = handoff_cache.settle_cache(engine, c, ticket, msg.get("ttl", 10.0) + 10)
+    emit(event="settled", state=state, mapped=sorted(engine.pool.allocator.group.mapped))
+
+
+def adopt(engine, msg) -> None:
+    from kvpool.engine_adapters.bundled import handoff_cache
+
+    try:
+        n = handoff_cache.adopt_cache(engine, handoff_cache.CacheHandover.from_json(msg["cache"]))
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        return emit(event="refused", error=f"{type(e).__name__}: {e}")
+    engine.check_integrity()
+    emit(event="adopted", entries=n, cached=engine.pool.num_cached_blocks)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--run-dir", required=True)
     ap.add_argument("--name", required=True)
     ap.add_argument("--kv", default="2MiB")
+    ap.add_argument("--no-aligned", dest="aligned", action="store_false")
     args = ap.parse_args()
     from kvpool.engine import Engine, EngineConfig
     from kvpool.engine_adapters.bundled import Settings, enable
 
     cfg = EngineConfig(model=args.model, kv_cache_size=args.kv)
-    enable(cfg, Settings(run_dir=args.run_dir, name=args.name, request_aligned=True,
-                         idle_timeout_s=1.0))
+    enable(cfg, Settings(run_dir=args.run_dir, name=args.name, request_aligned=args.aligned,
+                         idle_timeout_s=600.0 if not args.aligned else 1.0))  # keep the cache
     engine = Engine(cfg)
     emit(event="ready")
     for line in sys.stdin:
@@ -98,6 +141,18 @@ def main() -> None:
                 prefill(engine, msg)
             elif msg["cmd"] == "decode":
                 decode(engine, msg)
+            elif msg["cmd"] == "run":
+                run(engine, msg)
+            elif msg["cmd"] == "export":
+                export(engine, msg)
+            elif msg["cmd"] == "import":
+                adopt(engine, msg)
+            elif msg["cmd"] == "probe":
+                from kvpool.engine import SamplingParams
+                from kvpool.engine.request import Request
+
+                req = Request("probe", msg["prompt"], SamplingParams(), None)
+                emit(event="hit", tokens=engine.kv_manager.get_computed_blocks(req)[1])
             elif msg["cmd"] == "check":
                 engine.check_integrity()
                 emit(event="ok", used=engine.pool.num_used_blocks)
