@@ -186,7 +186,11 @@ def main() -> None:
     ap.add_argument("--hf-parity", action="store_true",
                     help="only kvpool vs HF generate greedy agreement on --workloads "
                          "(issue 11 model) -> engine_vs_hf.json")
+    ap.add_argument("--profile-only", action="store_true",
+                    help="only the W2 step profile (issue 11 model) -> engine_w2_profile.txt")
     args = ap.parse_args()
+    if args.profile_only:
+        return profile_main(args)
     if args.hf_parity:
         return hf_parity_main(args)
     if args.peer:
@@ -332,6 +336,23 @@ def peer_main(args: argparse.Namespace) -> None:
         "w2_profile": {**prof, "table_file": str(prof_path.name)},
         "runtime_s": time.perf_counter() - t0}, args.out)
     console.print(f"wrote {out} and {prof_path} in {time.perf_counter() - t0:.0f}s")
+
+
+def profile_main(args: argparse.Namespace) -> None:
+    """``--profile-only``: the torch.profiler table of W2 steps that ``--peer`` writes."""
+    import engine_peer as ep
+
+    lim = {"threads": args.threads, "block_size": 16, "kv_bytes": 1 << 30,
+           "max_num_seqs": 128, "max_num_batched_tokens": 2048, "max_model_len": 4096}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(make_tiny_model(Path(tmp) / "issue11-llama", layers=6, hidden=512,
+                                   heads=8, kv_heads=4, vocab=32000,
+                                   max_position_embeddings=4096, seed=args.seed))
+        table, prof = ep.profile_step(path, lim, 32000)
+    prof["load_avg"] = os.getloadavg()
+    prof_path = Path(__file__).resolve().parent / "results" / "engine_w2_profile.txt"
+    prof_path.write_text(f"kvpool engine, W2 (issue 11 model), {prof}\n{table}\n")
+    print(f"{prof}\n{table}\nwrote {prof_path}")
 
 
 def hf_parity_main(args: argparse.Namespace) -> None:

@@ -12,6 +12,8 @@ with a weight prepacked once (``prepack``) for decode-sized batches, torch's own
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -29,6 +31,14 @@ def _native(x: torch.Tensor):  # noqa: ANN202
     return native.load()
 
 
+def _label(name: str) -> contextlib.AbstractContextManager:
+    """A profiler range for a native call (ctypes calls are invisible to torch.profiler);
+    free when no profiler runs."""
+    if torch.autograd.profiler._is_profiler_enabled:
+        return torch.profiler.record_function(name)
+    return contextlib.nullcontext()
+
+
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``r = residual + x`` (or ``x``), then ``weight * r / rms(r)`` in float32.
@@ -43,10 +53,11 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         out = weight * (r32 * torch.rsqrt(r32.pow(2).mean(-1, keepdim=True) + eps)).to(r.dtype)
         return out, r
     out = torch.empty(t, d, dtype=x.dtype)
-    lib.kvpool_rmsnorm(x.data_ptr(), x.stride(0),
-                       None if residual is None else residual.data_ptr(),
-                       0 if residual is None else residual.stride(0), weight.data_ptr(),
-                       out.data_ptr(), d, t, d, eps)
+    with _label("kvpool::rmsnorm"):
+        lib.kvpool_rmsnorm(x.data_ptr(), x.stride(0),
+                           None if residual is None else residual.data_ptr(),
+                           0 if residual is None else residual.stride(0), weight.data_ptr(),
+                           out.data_ptr(), d, t, d, eps)
     return out, (x if residual is None else residual)
 
 
@@ -62,13 +73,15 @@ def rotary_(q: torch.Tensor, k: torch.Tensor, rope: tuple[torch.Tensor, ...]
         return _rotary_torch(q, cos, sin), _rotary_torch(k, cos, sin)
     cos_t, sin_t, idx = rope[2], rope[3], rope[4]
     t, h, d = q.shape
-    if (q.stride(0) == k.stride(0) and k.data_ptr() > q.data_ptr()):  # one buffer: one pass
-        lib.kvpool_rotary(q.data_ptr(), q.stride(0), (k.data_ptr() - q.data_ptr()) // 4, h,
-                          k.shape[1], d, idx.data_ptr(), cos_t.data_ptr(), sin_t.data_ptr(), t)
-    else:
-        for x in (q, k):
-            lib.kvpool_rotary(x.data_ptr(), x.stride(0), 0, x.shape[1], 0, d, idx.data_ptr(),
-                              cos_t.data_ptr(), sin_t.data_ptr(), t)
+    with _label("kvpool::rotary"):
+        if q.stride(0) == k.stride(0) and k.data_ptr() > q.data_ptr():  # one buffer: one pass
+            lib.kvpool_rotary(q.data_ptr(), q.stride(0), (k.data_ptr() - q.data_ptr()) // 4,
+                              h, k.shape[1], d, idx.data_ptr(), cos_t.data_ptr(),
+                              sin_t.data_ptr(), t)
+        else:
+            for x in (q, k):
+                lib.kvpool_rotary(x.data_ptr(), x.stride(0), 0, x.shape[1], 0, d,
+                                  idx.data_ptr(), cos_t.data_ptr(), sin_t.data_ptr(), t)
     return q, k
 
 
@@ -86,8 +99,9 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
     out = torch.empty(t, i2 // 2, dtype=gate_up.dtype)
-    lib.kvpool_silu_mul(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), i2 // 2, t,
-                        i2 // 2)
+    with _label("kvpool::silu_mul"):
+        lib.kvpool_silu_mul(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), i2 // 2, t,
+                            i2 // 2)
     return out
 
 
@@ -98,7 +112,8 @@ def argmax(logits: torch.Tensor) -> list[int]:
         return logits.argmax(dim=-1).tolist()
     s, v = logits.shape
     idx = torch.empty(s, dtype=torch.long)
-    lib.kvpool_argmax(logits.data_ptr(), logits.stride(0), s, v, idx.data_ptr())
+    with _label("kvpool::argmax"):
+        lib.kvpool_argmax(logits.data_ptr(), logits.stride(0), s, v, idx.data_ptr())
     return idx.tolist()
 
 
@@ -129,9 +144,10 @@ def linear(mod: nn.Linear, x: torch.Tensor) -> torch.Tensor:
             and mod.weight.dtype == torch.float32 and mod.weight.is_contiguous():
         y = torch.empty(m, mod.out_features, dtype=x.dtype)
         b = mod.bias
-        rc = lib.kvpool_linear_small(x.data_ptr(), x.stride(0), mod.weight.data_ptr(),
-                                     None if b is None else b.data_ptr(), y.data_ptr(),
-                                     y.stride(0), m, mod.out_features, k)
+        with _label("kvpool::linear_small"):
+            rc = lib.kvpool_linear_small(x.data_ptr(), x.stride(0), mod.weight.data_ptr(),
+                                         None if b is None else b.data_ptr(), y.data_ptr(),
+                                         y.stride(0), m, mod.out_features, k)
         if rc == 0:
             return y
     packed = getattr(mod, "_kvpool_packed", None)
