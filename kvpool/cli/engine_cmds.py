@@ -63,12 +63,15 @@ def register(cli: click.Group) -> None:
                   help="--role decode: the prefill server (this server is the front)")
     @click.option("--handoff-to", default=None, help="--role prefill: the decode "
                   "engine's tenant [default: <model>-decode]")
+    @click.option("--pd", is_flag=True, help="run a prefill/decode pair: a --role prefill "
+                  "child process, and the decode front here")
     def serve(model_dir: str, host: str, port: int, kv_cache_size: str | None,
               num_kv_blocks: int | None, block_size: int, kv_layout: str,
               max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int | None,
               served_model_name: str | None, device: str, dtype: str,
               no_prefix_caching: bool, elastic: bool, log_level: str, role: str = "both",
-              prefill_url: str | None = None, handoff_to: str | None = None) -> None:
+              prefill_url: str | None = None, handoff_to: str | None = None,
+              pd: bool = False) -> None:
         """Serve MODEL_DIR with an OpenAI-compatible HTTP API."""
         require("engine", "serve")
         from kvpool.engine.config import EngineConfig
@@ -85,15 +88,19 @@ def register(cli: click.Group) -> None:
                 enable_prefix_caching=not no_prefix_caching)
         except (AssertionError, ValueError) as e:
             raise click.BadParameter(str(e)) from None
-        if role != "both":  # kvpool.engine_adapters.bundled.pd_server (issue 15)
+        if role != "both" or pd:  # kvpool.engine_adapters.bundled.pd_server (issue 15)
             from kvpool.engine_adapters.bundled import AdapterError, pd_server
 
-            if role == "decode" and not prefill_url:
+            if role == "decode" and not prefill_url and not pd:
                 raise click.BadParameter("--role decode needs --prefill-url")
             try:
-                pd_server.serve_role(config, role, host, port, log_level, prefill_url,
-                                     handoff_to)
-            except (AdapterError, CheckpointError) as e:
+                if pd:
+                    argv = [a for a in sys.argv[1:] if a != "--pd"]
+                    pd_server.serve_pair(config, argv, host, port, log_level)
+                else:
+                    pd_server.serve_role(config, role, host, port, log_level, prefill_url,
+                                         handoff_to)
+            except (AdapterError, RuntimeError, CheckpointError) as e:  # one line, no trace
                 raise click.ClickException(str(e)) from None
             return
         if elastic or os.environ.get("KVPOOL_ENABLE") == "1":

@@ -116,3 +116,26 @@ def test_a_served_pair_equals_a_single_engine(start_daemon, tiny_dir, reference,
     assert r.json()["choices"][0]["token_ids"] == reference[65]
     assert httpx.get(f"{url}/v1/stats", timeout=10).json()["pd"]["recomputed"] == 1
     assert d.check() == []
+
+
+def test_serve_pd_runs_both_halves_in_one_command(start_daemon, tiny_dir, reference,
+                                                 tmp_path):
+    d = start_daemon(budget="8MiB")
+    log = tmp_path / "pd.log"
+    front, url = serve(d, tiny_dir, log, "--pd", "--served-model-name", "tiny")
+    healthy(front, url, log)
+    for n in (5, 65, 130):
+        r = httpx.post(f"{url}/v1/completions", json=body(n), timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == reference[n], f"prompt of {n}"
+    assert httpx.get(f"{url}/v1/stats", timeout=10).json()["pd"]["adopted"] == 3
+    names = {t["name"]: t["pid"] for t in d.cli_json("ps")["tenants"]}
+    assert set(names) == {"tiny-prefill", "tiny-decode"}
+    assert names["tiny-decode"] == front.pid != names["tiny-prefill"]  # two processes
+    front.terminate()
+    front.wait(30)
+    deadline = time.monotonic() + 30  # the prefill child ends with the front
+    while d.cli_json("ps")["tenants"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert d.cli_json("ps")["tenants"] == []
+    assert d.check() == []

@@ -270,3 +270,57 @@ def serve_role(config: EngineConfig, role: str, host: str = "127.0.0.1", port: i
             return await pe.prefill(body.request_id, engine.encode(body.prompt), sp)
 
     uvicorn.run(app, host=host, port=port, log_level=log_level)
+
+
+def serve_pair(config: EngineConfig, argv: list[str], host: str = "127.0.0.1",
+               port: int = 8000, log_level: str = "info", start_timeout_s: float = 300.0
+               ) -> None:
+    """``kvpool serve MODEL --pd``: start the prefill half as a child process (the same
+    command line ``argv`` with ``--role prefill`` on a free loopback port), then serve the
+    decode half here as the front; the child ends with this process."""
+    import socket
+    import subprocess
+    import sys
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        child_port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "kvpool.cli.main", *argv, "--role", "prefill",
+           "--host", "127.0.0.1", "--port", str(child_port)]
+    child = subprocess.Popen(cmd, preexec_fn=_die_with_parent)
+    url = f"http://127.0.0.1:{child_port}"
+    try:
+        deadline = time.monotonic() + start_timeout_s
+        while True:
+            if child.poll() is not None:
+                raise RuntimeError(f"the prefill server exited ({child.returncode})")
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("the prefill server did not become healthy")
+            time.sleep(0.2)
+        serve_role(config, "decode", host, port, log_level, prefill_url=url)
+    finally:
+        child.terminate()
+        try:
+            child.wait(15)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+
+
+def _die_with_parent() -> None:
+    """(in the child, Linux) SIGTERM when the front exits, however it exits (uvicorn
+    re-raises SIGTERM after its shutdown, so a ``finally`` in the front never runs)."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
