@@ -63,6 +63,8 @@ def register(cli: click.Group) -> None:
                   help="--role decode: the prefill server (this server is the front)")
     @click.option("--handoff-to", default=None, help="--role prefill: the decode "
                   "engine's tenant [default: <model>-decode]")
+    @click.option("--handoff-from", default=None, metavar="URL", help="--elastic: first "
+                  "take over the prefix cache of the elastic server at URL (warm restart)")
     @click.option("--pd", is_flag=True, help="run a prefill/decode pair: a --role prefill "
                   "child process, and the decode front here")
     def serve(model_dir: str, host: str, port: int, kv_cache_size: str | None,
@@ -71,7 +73,7 @@ def register(cli: click.Group) -> None:
               served_model_name: str | None, device: str, dtype: str,
               no_prefix_caching: bool, elastic: bool, log_level: str, role: str = "both",
               prefill_url: str | None = None, handoff_to: str | None = None,
-              pd: bool = False) -> None:
+              handoff_from: str | None = None, pd: bool = False) -> None:
         """Serve MODEL_DIR with an OpenAI-compatible HTTP API."""
         require("engine", "serve")
         from kvpool.engine.config import EngineConfig
@@ -105,6 +107,15 @@ def register(cli: click.Group) -> None:
             return
         if elastic or os.environ.get("KVPOOL_ENABLE") == "1":
             _enable_elastic(config)
+            from kvpool.engine_adapters.bundled import warm_server
+
+            try:  # the elastic server: also /pd/retire (warm restart, issue 15)
+                warm_server.serve_elastic(config, host, port, log_level, handoff_from)
+            except (RuntimeError, CheckpointError) as e:
+                raise click.ClickException(str(e)) from None
+            return
+        if handoff_from:
+            raise click.BadParameter("--handoff-from needs --elastic")
         try:
             run_server(config, host=host, port=port, log_level=log_level)
         except CheckpointError as e:
