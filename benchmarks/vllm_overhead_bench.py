@@ -171,8 +171,8 @@ def main() -> None:
                 one_rep(s, a.requests, a.tokens)
             warmup += 1
             mapped.append((daemon.tenant("elastic") or {}).get("mapped", 0))
-            if mapped[-1] >= parse_size(a.budget) or (
-                    len(mapped) >= 3 and mapped[-1] == mapped[-3]):
+            if mapped[-1] >= parse_size(a.budget) or (  # it grows a chunk every ~2 reps
+                    len(mapped) >= 5 and mapped[-1] == mapped[-5]):
                 break
         print(f"warm-up: {warmup} repetitions each; elastic maps {mapped[-1]} B", flush=True)
         runs: dict[str, list[dict]] = {"static": [], "elastic": []}
