@@ -12,7 +12,7 @@ load on a shared machine). Prints a table and writes
 benchmarks/results/vllm_overhead_bench.json with the ratios elastic / static, of the
 medians and paired per repetition (goal: decode step <= 1.03x).
 
-    python benchmarks/vllm_overhead_bench.py --reps 6 --requests 8 --tokens 128
+    python benchmarks/vllm_overhead_bench.py --reps 40 --requests 8 --tokens 128
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ def compare(runs: dict[str, list[dict]]) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--reps", type=int, default=6)
+    ap.add_argument("--reps", type=int, default=40)
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--budget", default="64MiB")
