@@ -1,0 +1,30 @@
+"""Click parameter types the commands share."""
+
+from __future__ import annotations
+
+import click
+
+from kvpool.sizes import parse_size
+
+
+class SizeParam(click.ParamType):
+    """A size (``512MiB``, ``2G``, bytes) or, when ``percent`` is allowed, ``30%``."""
+
+    name = "size"
+
+    def __init__(self, percent: bool = False):
+        self.percent = percent
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int):
+            return value
+        text = str(value).strip()
+        try:
+            if text.endswith("%"):
+                if not self.percent:
+                    raise ValueError(f"{text!r}: a percentage is not allowed here")
+                parse_size(text, 100)  # validate now, resolve against the device later
+                return text
+            return parse_size(text)
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
