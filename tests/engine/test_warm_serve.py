@@ -14,7 +14,7 @@ import httpx
 from daemon.conftest import start_daemon  # noqa: F401  (fixture)
 from daemon.helpers import REPO
 
-from .test_pd_handoff import KV, prompt
+from .test_pd_handoff import KV, accounted, prompt
 from .test_pd_serve import body, free_port, healthy
 
 
@@ -56,9 +56,7 @@ def test_a_new_server_takes_over_the_cache(start_daemon, tiny_dir, tmp_path):
     stats = httpx.get(f"{url}/v1/stats").json()
     assert stats["prefix_hit_tokens"] >= 128 - 16, stats["prefix_hit_tokens"]
     # both tenants are there, the memory is accounted once
-    held = d.cli_json("ps")["tenants"]
-    assert sorted(t["name"] for t in held) == ["tiny", "tiny-next"]
-    assert d.stats().pool.granted == sum(t["mapped"] for t in held)
+    assert sorted(accounted(d)) == ["tiny", "tiny-next"]
     assert d.check() == []
     old.terminate()
     old.wait(30)
