@@ -101,6 +101,10 @@ def test_a_served_pair_equals_a_single_engine(start_daemon, tiny_dir, reference,
         assert r.json()["choices"][0]["token_ids"] == reference[n], f"prompt of {n}"
     for n in (5, 130):
         assert streamed(url, n) == reference[n], f"streamed prompt of {n}"
+    # a request the prefill engine finishes (its first token is its last): no handoff
+    r = httpx.post(f"{url}/v1/completions", json=body(40, max_tokens=1), timeout=120)
+    assert r.json()["choices"][0]["token_ids"] == reference[40][:1], r.text
+    assert r.json()["choices"][0]["finish_reason"] == "length"
     stats = httpx.get(f"{url}/v1/stats", timeout=10).json()
     assert stats["pd"] == {"adopted": len(LENGTHS) + 2, "recomputed": 0}
     held = {t["name"]: t for t in d.cli_json("ps")["tenants"]}
