@@ -5,7 +5,7 @@ Resolution (daemon and clients alike): an explicit ``--run-dir``; ``$KVPOOL_RUN_
 ``RuntimeDirectory=kvpool``) — and always for root, which never falls back to a
 world-writable ``/tmp``; ``$XDG_RUNTIME_DIR/kvpool``; ``/tmp/kvpool-$UID``.
 
-Trust rules (see ``docs/DESIGN-NOTES.md``, "Run directory and daemon identity"):
+Trust rules (see ``docs/ARCHITECTURE.md``, "Run directory, daemon identity, configuration"):
 
 * the daemon serves only from a directory that is not a symlink, is owned by its own
   uid and is writable by nobody else, below directories that only root or that uid can
