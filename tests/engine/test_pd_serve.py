@@ -143,3 +143,16 @@ def test_serve_pd_runs_both_halves_in_one_command(start_daemon, tiny_dir, refere
         time.sleep(0.2)
     assert d.cli_json("ps")["tenants"] == []
     assert d.check() == []
+
+
+def test_bad_pd_options_are_one_clear_line(tiny_dir):
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "kvpool.cli.main", "serve", str(tiny_dir),
+                               *args], capture_output=True, text=True, timeout=120, cwd=REPO)
+
+    for args, says in ((("--role", "decode"), "--prefill-url"),
+                       (("--handoff-from", "http://127.0.0.1:9"), "--elastic"),
+                       (("--role", "sideways"), "sideways")):
+        out = cli(*args)
+        assert out.returncode != 0 and says in out.stderr, (args, out.stderr)
+        assert "Traceback" not in out.stderr
