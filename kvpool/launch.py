@@ -16,6 +16,9 @@ Invariants:
   returns only then; if the process exits first, or the deadline passes, it raises
   :class:`DaemonStartError` whose message ends with the tail of the daemon's log.
   Socket files left by a killed daemon would count: :func:`restart` removes them first.
+* A server (``kvpool serve``, vLLM) is *ready* once ``GET URL/health`` answers 200
+  (:func:`wait_healthy`, stdlib HTTP, no proxy); it raises :class:`ChildStartError` if
+  the process exits first or the deadline passes.
 * :meth:`DaemonProcess.stop` always leaves the process reaped: SIGTERM (the daemon's
   clean stop), SIGKILL after ``grace_s``; a process already gone is not an error. With
   ``new_session`` the signals go to the child's whole process group.
@@ -23,12 +26,14 @@ Invariants:
 
 from __future__ import annotations
 
+import http.client
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+import urllib.request
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -39,7 +44,11 @@ START_TIMEOUT_S = 30.0  # a daemon on a loaded 2-core machine binds in well unde
 STOP_GRACE_S = 10.0
 
 
-class DaemonStartError(RuntimeError):
+class ChildStartError(RuntimeError):
+    """A child exited before it was ready, or was not ready in time; says which, with its log."""
+
+
+class DaemonStartError(ChildStartError):
     """The daemon exited before it served, or did not serve in time; says which, with its log."""
 
 
@@ -165,6 +174,29 @@ def serve_argv(model_dir: str | os.PathLike[str], *extra: str, port: int, name: 
     return [*cli_argv(), "serve", str(model_dir), "--port", str(port), "--served-model-name",
             name, "--kv-cache-size", str(kv_cache_size), "--log-level", log_level,
             *(("--elastic",) if elastic else ()), *extra]
+
+
+def healthy(url: str, timeout_s: float = 2.0) -> bool:
+    """``GET url/health`` answers 200 (straight to the address: no proxy, stdlib only)."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(f"{url}/health", timeout=timeout_s) as reply:
+            return bool(reply.status == 200)
+    except (OSError, http.client.HTTPException):
+        return False
+
+
+def wait_healthy(popen: subprocess.Popen[bytes], url: str, name: str, deadline: float,
+                 logs: Callable[[], str] = lambda: "", poll_s: float = 0.2) -> None:
+    """Return once the server ``popen`` at ``url`` is :func:`healthy`; raise
+    :class:`ChildStartError` (ending with ``logs()``) if it exits first or the
+    ``time.monotonic()`` ``deadline`` passes."""
+    while not healthy(url):
+        if popen.poll() is not None:
+            raise ChildStartError(f"{name} exited with code {popen.returncode}:\n{logs()}")
+        if time.monotonic() > deadline:
+            raise ChildStartError(f"{name} not healthy in time:\n{logs()}")
+        time.sleep(poll_s)
 
 
 def spawn_process(argv: Sequence[str], log: Path | None = None,

@@ -79,3 +79,26 @@ def test_the_serve_command_line_names_the_model_port_and_kv_size():
     assert argv[4:] == ["/m", "--port", "8001", "--served-model-name", "a", "--kv-cache-size",
                         "4MiB", "--log-level", "warning", "--elastic", "--max-model-len", "512"]
     assert "--elastic" not in launch.serve_argv("/m", port=1, name="a", kv_cache_size=1)
+
+
+def test_wait_healthy_returns_once_a_server_answers_and_reports_one_that_exits(tmp_path):
+    import time
+
+    from kvpool.demo.cluster import free_port
+
+    (tmp_path / "health").write_text("ok")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = launch.spawn_process([sys.executable, "-m", "http.server", str(port), "--bind",
+                                   "127.0.0.1", "--directory", str(tmp_path)],
+                                  tmp_path / "server.log")
+    try:
+        launch.wait_healthy(server, url, "http.server", time.monotonic() + 60)
+        assert launch.healthy(url)
+    finally:
+        launch.stop(server)
+    assert not launch.healthy(url)
+    gone = launch.spawn_process([sys.executable, "-c", "print('bye')"], tmp_path / "gone.log")
+    with pytest.raises(launch.ChildStartError, match="exited with code 0"):
+        launch.wait_healthy(gone, f"http://127.0.0.1:{free_port()}", "gone",
+                            time.monotonic() + 60, lambda: "the log")

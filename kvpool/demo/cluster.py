@@ -8,34 +8,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import httpx
 
 from kvpool import launch
 
 
 class ClusterError(RuntimeError):
     """A process of the run failed to start or died; the message says which and why."""
-
-
-def wait_healthy(popen: subprocess.Popen, url: str, name: str, deadline: float,
-                 logs: Callable[[], str], poll_s: float = 0.2) -> None:
-    """Return once ``GET url/health`` answers 200; :class:`ClusterError` (with ``logs()``)
-    if ``popen`` exits first or the ``time.monotonic()`` ``deadline`` passes."""
-    while True:
-        if popen.poll() is not None:
-            raise ClusterError(f"{name} exited with code {popen.returncode}:\n{logs()}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise ClusterError(f"{name} not healthy in time:\n{logs()}")
-        time.sleep(poll_s)
 
 
 def free_port() -> int:
@@ -139,7 +119,10 @@ class Cluster:
         deadline = time.monotonic() + timeout_s
         for proc in self.procs:
             if proc.url is not None:
-                wait_healthy(proc.popen, proc.url, proc.name, deadline, proc.tail)
+                try:
+                    launch.wait_healthy(proc.popen, proc.url, proc.name, deadline, proc.tail)
+                except launch.ChildStartError as e:
+                    raise ClusterError(str(e)) from None
 
     def _check(self, proc: Proc) -> None:
         if proc.popen.poll() is not None:

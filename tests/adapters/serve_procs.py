@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 
 from kvpool import launch
-from kvpool.demo.cluster import free_port, wait_healthy
+from kvpool.demo.cluster import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -70,10 +70,10 @@ class Servers:
         return s
 
     def wait_healthy(self, timeout: float = 60.0) -> None:
-        """Every server answers /health (:func:`kvpool.demo.cluster.wait_healthy`)."""
+        """Every server answers /health (:func:`kvpool.launch.wait_healthy`)."""
         deadline = time.monotonic() + timeout
         for s in self.all:
-            wait_healthy(s.proc, s.base, f"kvpool serve {s.name}", deadline, s.logs, 0.1)
+            launch.wait_healthy(s.proc, s.base, f"kvpool serve {s.name}", deadline, s.logs, 0.1)
 
     def close(self) -> None:
         for s in self.all:
