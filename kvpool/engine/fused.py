@@ -63,15 +63,16 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 def rotary_(q: torch.Tensor, k: torch.Tensor, rope: tuple[torch.Tensor, ...]
             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Non-interleaved rotary on q [T, H, D] and k [T, Hkv, D]. ``rope`` is
-    ``(cos_rows, sin_rows)`` [T, 1, D] (torch path) plus, for the native path, ``(cos_table,
-    sin_table, index)``: tables [n, 1, D] and each token's row. Native: q and k are rotated
-    in place (they may be views into one packed qkv buffer); returns the rotated q, k."""
-    cos, sin = rope[0], rope[1]
-    lib = _native(q) if len(rope) == 5 else None
-    if lib is None or q.stride()[1:] != (q.shape[2], 1) or k.stride()[1:] != (k.shape[2], 1):
+    """Non-interleaved rotary on q [T, H, D] and k [T, Hkv, D]. ``rope`` is ``(cos_table,
+    sin_table, index)``: tables [n, 1, D] and each token's row in them. Native: q and k are
+    rotated in place (they may be views into one packed qkv buffer); returns the rotated
+    q, k (new tensors on the torch path)."""
+    cos_t, sin_t, idx = rope
+    lib = _native(q)
+    if lib is None or q.stride()[1:] != (q.shape[2], 1) or k.stride()[1:] != (k.shape[2], 1) \
+            or not (cos_t.is_contiguous() and sin_t.is_contiguous()):
+        cos, sin = cos_t[idx], sin_t[idx]
         return _rotary_torch(q, cos, sin), _rotary_torch(k, cos, sin)
-    cos_t, sin_t, idx = rope[2], rope[3], rope[4]
     t, h, d = q.shape
     with _label("kvpool::rotary"):
         if q.stride(0) == k.stride(0) and k.data_ptr() > q.data_ptr():  # one buffer: one pass

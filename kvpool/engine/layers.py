@@ -68,12 +68,14 @@ class RotaryEmbedding:
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype, max_position: int
              ) -> tuple[torch.Tensor, ...]:
-        """What :func:`kvpool.engine.fused.rotary_` takes: (cos, sin) rows [T, 1, D], then
-        (cos_table, sin_table, index) with ``table[index[t]]`` the row of token t."""
-        cos, sin = self.cos_sin(positions, dtype, max_position)
-        if max_position < self.TABLE_MAX and self._table is not None:
-            return cos, sin, self._table[0], self._table[1], positions
-        return cos, sin, cos, sin, torch.arange(positions.shape[0], device=positions.device)
+        """What :func:`kvpool.engine.fused.rotary_` takes: (cos_table, sin_table, index),
+        tables [n, 1, D] with ``table[index[t]]`` the row of token t (no per-token copy)."""
+        if max_position < self.TABLE_MAX:
+            self.cos_sin(positions[:1], dtype, max_position)  # builds or grows the table
+            assert self._table is not None
+            return self._table[0], self._table[1], positions
+        cos, sin = self._compute(positions, dtype)
+        return cos, sin, torch.arange(positions.shape[0], device=positions.device)
 
     TABLE_MAX = 1 << 16
     _table: tuple[torch.Tensor, torch.Tensor] | None = None

@@ -118,7 +118,8 @@ class LlamaForCausalLM(nn.Module):
         for i, (layer, kv) in enumerate(zip(self.model.layers, kv_layers)):
             x, residual = layer(x, residual, fb, kv, i == n - 1 and fb.varlen_last is not None)
         assert residual is not None
-        if fb.varlen_last is None:  # rows that get sampled only
+        if fb.varlen_last is None and fb.logits_indices.shape[0] != x.shape[0]:
+            # rows that get sampled only (all rows sampled: logits_indices is 0..T-1)
             x, residual = x[fb.logits_indices], residual[fb.logits_indices]
         norm = self.model.norm
         return fused.rmsnorm(x, norm.weight, norm.eps, residual)[0]

@@ -56,15 +56,16 @@ def test_rotary_in_place_on_packed_qkv(d: int) -> None:
     rope = RotaryEmbedding(d, 10000.0, {}, torch.device("cpu"))
     pos = torch.tensor([0, 5, 17, 3, 200, 201, 202, 9, 1000, 4, 2], dtype=torch.long)
     r = rope.rope(pos, torch.float32, int(pos.max()))
-    ref_q = fused._rotary_torch(q.clone(), r[0], r[1])
-    ref_k = fused._rotary_torch(k.clone(), r[0], r[1])
+    cos, sin = r[0][r[2]], r[1][r[2]]
+    ref_q = fused._rotary_torch(q.clone(), cos, sin)
+    ref_k = fused._rotary_torch(k.clone(), cos, sin)
     q2, k2 = fused.rotary_(q, k, r)
     assert q2.data_ptr() == qkv.data_ptr()  # rotated where they are
     _close(q, ref_q)
     _close(k, ref_k)
     assert torch.equal(qkv[:, (h + hkv) * d:], v_before)  # v untouched
     qs, ks = torch.randn(t, h, d), torch.randn(t, hkv, d)  # separate tensors
-    ref_qs, ref_ks = fused._rotary_torch(qs, r[0], r[1]), fused._rotary_torch(ks, r[0], r[1])
+    ref_qs, ref_ks = fused._rotary_torch(qs, cos, sin), fused._rotary_torch(ks, cos, sin)
     fused.rotary_(qs, ks, r)
     _close(qs, ref_qs)
     _close(ks, ref_ks)
@@ -85,3 +86,27 @@ def test_argmax_first_maximum() -> None:
     x[4, 0] = 100.0
     assert fused.argmax(x) == x.argmax(dim=-1).tolist()
     assert fused.argmax(x[:, :5]) == x[:, :5].argmax(dim=-1).tolist()  # V < 8, strided rows
+
+
+def test_torch_fallback_matches_native() -> None:
+    """The non-native path (CUDA, other dtypes) computes the same values: float64 inputs
+    take it on CPU."""
+    torch.manual_seed(4)
+    t, h, hkv, d = 5, 4, 2, 64
+    rope = RotaryEmbedding(d, 10000.0, {}, torch.device("cpu"))
+    pos = torch.tensor([3, 0, 9, 1, 4])
+    q, k = torch.randn(t, h, d), torch.randn(t, hkv, d)
+    r32 = rope.rope(pos, torch.float32, 9)
+    q32, k32 = fused.rotary_(q.clone(), k.clone(), r32)
+    q64, k64 = fused.rotary_(q.double(), k.double(), rope.rope(pos, torch.float64, 9))
+    _close(q64.float(), q32)
+    _close(k64.float(), k32)
+    x, res, w = torch.randn(t, 512), torch.randn(t, 512), torch.randn(512)
+    o32, r32_ = fused.rmsnorm(x, w, 1e-6, res.clone())
+    o64, r64 = fused.rmsnorm(x.double(), w.double(), 1e-6, res.double())
+    _close(o64.float(), o32)
+    _close(r64.float(), r32_)
+    gu = torch.randn(t, 2048)
+    _close(fused.silu_mul(gu.double()).float(), fused.silu_mul(gu))
+    lg = torch.randn(t, 1000)
+    assert fused.argmax(lg.double()) == fused.argmax(lg)
