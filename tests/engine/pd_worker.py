@@ -9,8 +9,8 @@ Commands:
            ``settled`` (state, the group's mapped units); a request whose ticket did not
            get claimed runs on here and prints ``done``.
   decode   {handover, hold}: claim the request and print ``claimed`` (the units it mapped
-           the pages at), or ``refused``; with ``hold`` stop there (to be killed), else
-           decode to the end and print ``done``.
+           the pages at), or ``refused``; with ``hold`` stop there (to be killed), with
+           ``pause`` wait for a line on stdin; then decode to the end and print ``done``.
   check    engine and pool integrity; prints ``ok`` with the used block count.
   run      {id, prompt, params}: run a request here to the end; ``done`` (with its
            prefix-cache hit tokens).
@@ -82,6 +82,8 @@ def decode(engine, msg) -> None:
     if msg.get("hold"):
         while True:
             time.sleep(1)
+    if msg.get("pause"):
+        sys.stdin.readline()  # the test looks at the daemon's map first
     emit(event="done", id=h.request_id, tokens=finish(engine, h.request_id))
 
 

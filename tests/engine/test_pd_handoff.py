@@ -109,7 +109,7 @@ def test_pair_equals_single_engine_and_the_pages_change_hands(start_daemon, tiny
         h, given = ho["handover"], ho["units"]
         assert len(given) == -(-n // 64), "one unit per started 64 tokens: request-aligned"
         before = pages(d, "prefill")
-        send(b, cmd="decode", handover=h)
+        send(b, cmd="decode", handover=h, pause=True)  # it decodes on "go"
         claimed = read_event(b, "claimed")
         settled = read_event(a, "settled")
         assert settled["state"] == "claimed"
@@ -121,6 +121,7 @@ def test_pair_equals_single_engine_and_the_pages_change_hands(start_daemon, tiny
         # the receiver's block table: same offsets inside the units it mapped them at
         per = h["blocks_per_chunk"]
         assert [x % per for x in claimed["block_ids"]] == [x % per for x in h["block_ids"]]
+        send(b, cmd="go")
         done = read_event(b, "done")
         assert done["tokens"] == reference[n], f"prompt of {n} tokens"
     for p in (a, b):
