@@ -14,7 +14,7 @@ import click
 
 #: the modules each extra provides that its commands import (pyproject.toml's extras)
 EXTRAS: dict[str, tuple[str, ...]] = {
-    "engine": ("torch", "safetensors", "tokenizers", "fastapi", "uvicorn"),
+    "engine": ("torch", "safetensors", "tokenizers", "fastapi", "uvicorn", "httpx"),
     "demo": ("torch", "safetensors", "tokenizers", "fastapi", "uvicorn", "httpx",
              "matplotlib"),
 }
