@@ -13,6 +13,8 @@ with a weight prepacked once (``prepack``) for decode-sized batches, torch's own
 from __future__ import annotations
 
 import contextlib
+import ctypes
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -24,14 +26,14 @@ SMALL_M = 4  # rows handled by kvpool_linear_small
 PACKED_MAX_M = 256  # rows up to which the oneDNN prepacked weight beats F.linear (measured)
 
 
-def _native(x: torch.Tensor):  # noqa: ANN202
+def _native(x: torch.Tensor) -> ctypes.CDLL | None:
     """The kernel library when ``x`` is a CPU float32 tensor and the kernels are built."""
     if x.device.type != "cpu" or x.dtype != torch.float32:
         return None
     return native.load()
 
 
-def _label(name: str) -> contextlib.AbstractContextManager:
+def _label(name: str) -> contextlib.AbstractContextManager[Any]:
     """A profiler range for a native call (ctypes calls are invisible to torch.profiler);
     free when no profiler runs."""
     if torch.autograd.profiler._is_profiler_enabled:
@@ -122,7 +124,7 @@ def prepack(model: nn.Module) -> int:
     """Gives every ``nn.Linear`` of a CPU float32 model a oneDNN-prepacked copy of its
     weight (``_kvpool_packed``; the original stays for the other paths). Returns how many;
     0 where oneDNN is unavailable. Costs one more copy of the linear weights in memory."""
-    if not torch.backends.mkldnn.is_available():
+    if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
         return 0
     n = 0
     for mod in model.modules():
@@ -153,5 +155,7 @@ def linear(mod: nn.Linear, x: torch.Tensor) -> torch.Tensor:
             return y
     packed = getattr(mod, "_kvpool_packed", None)
     if packed is not None and 0 < m <= PACKED_MAX_M and x.dtype == torch.float32:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, mod.bias, "none", [], "")
+        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, mod.bias, "none",
+                                                               [], "")
+        return out
     return F.linear(x, mod.weight, mod.bias)
