@@ -63,6 +63,12 @@ run_dir_option = click.option(
 json_option = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 
 
+def query_command(fn):
+    """A command that asks the daemon one question: ``--run-dir`` and ``--json`` options,
+    the name of ``fn`` (what ``ps`` and ``check`` share)."""
+    return click.command()(run_dir_option(json_option(fn)))
+
+
 # configuration keys set by `kvpool daemon` flags (named so in error messages)
 DAEMON_FLAGS = {"backend": "--backend", "device": "--device", "budget": "--budget",
                 "page_size": "--page-size", "warm_min": "--warm-min", "warm_max": "--warm-max",
@@ -142,9 +148,7 @@ def daemon(backend, device, budget, page_size, warm_min, warm_max, run_dir, sock
         raise click.ClickException(str(e)) from None
 
 
-@click.command()
-@run_dir_option
-@json_option
+@query_command
 def ps(run_dir, as_json):
     """List tenants: name, pid, kind, mapped, in use, reserve, limit."""
     reply = _call(run_dir, lambda m: m.ps())
@@ -310,9 +314,7 @@ def stop(run_dir):
     click.echo("stopping")
 
 
-@click.command()
-@run_dir_option
-@json_option
+@query_command
 def check(run_dir, as_json):
     """Run the daemon's invariant check (exit status 1 if it finds problems)."""
     problems = _call(run_dir, lambda m: m.check())

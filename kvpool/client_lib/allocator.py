@@ -28,7 +28,7 @@ import logging
 import math
 import threading
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable, overload
 
 from kvpool.client_lib.chunk_book import ChunkBook
 from kvpool.client_lib.errors import KvpoolError
@@ -54,6 +54,23 @@ class Holdings:
     chunk: int
     mapped_chunks: int
     reserve_chunks: int
+
+
+class _BookCount:
+    """A read-only count of the allocator read from its chunk book without the lock (one
+    read of the book, as a plain property would do)."""
+
+    def __init__(self, read: Callable[[ChunkBook], int], doc: str) -> None:
+        self.read, self.__doc__ = read, doc
+
+    @overload
+    def __get__(self, obj: None, owner: type | None = None) -> _BookCount: ...
+    @overload
+    def __get__(self, obj: ElasticBlockAllocator, owner: type | None = None) -> int: ...
+    def __get__(
+        self, obj: ElasticBlockAllocator | None, owner: type | None = None
+    ) -> int | _BookCount:
+        return self if obj is None else self.read(obj.book)
 
 
 class ElasticBlockAllocator(WholeChunks):
@@ -289,32 +306,12 @@ class ElasticBlockAllocator(WholeChunks):
         """Whether ``block`` is allocated (between ``alloc`` and ``free``)."""
         return self.book.is_held(block)
 
-    @property
-    def ops(self) -> int:
-        """A counter of alloc/free calls: unchanged means no activity in between."""
-        return self.book.ops
-
-    @property
-    def unmapped_chunks(self) -> int:
-        """Chunks of the virtual capacity with no memory behind them now."""
-        return self.book.unmapped_size
-
-    @property
-    def free_blocks(self) -> int:
-        """Blocks allocatable without a message (mapped and free)."""
-        return self.book.free_count
-
-    @property
-    def used_blocks(self) -> int:
-        return self.book.in_use
-
-    @property
-    def reserve_chunks(self) -> int:
-        return self.book.reserve_size
-
-    @property
-    def mapped_chunks(self) -> int:
-        return len(self.book.mapped_chunks())
+    ops = _BookCount(lambda b: b.ops, "alloc/free calls so far: unchanged means no activity.")
+    unmapped_chunks = _BookCount(lambda b: b.unmapped_size, "Chunks with no memory behind them.")
+    free_blocks = _BookCount(lambda b: b.free_count, "Blocks allocatable without a message.")
+    used_blocks = _BookCount(lambda b: b.in_use, "Blocks held (between alloc and free).")
+    reserve_chunks = _BookCount(lambda b: b.reserve_size, "Empty mapped chunks in reserve.")
+    mapped_chunks = _BookCount(lambda b: len(b.mapped_chunks()), "Chunks with memory mapped.")
 
     def block_offset(self, block: int) -> int:
         """Byte offset of ``block`` inside each region."""

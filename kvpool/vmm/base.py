@@ -235,6 +235,36 @@ class Backend(abc.ABC):
         if page.released:
             raise InvalidArgument(op, f"page {page.handle!r} was already released")
 
+    def _check_page(self, op: str, page: Page) -> None:
+        """Raise unless ``page`` may be used by ``op`` (backends add their own rules)."""
+        self._check_live(op, page)
+
+    def _check_map(self, rng: Range, offset: int, pages: Sequence[Page]) -> list[int]:
+        """The slots ``pages`` take from ``offset``; raise before any lock if the range,
+        the offset or a page is not valid for ``map_pages``."""
+        slots = self._check_slots("map", rng, offset, len(pages))
+        for page in pages:
+            self._check_page("map", page)
+        return slots
+
+    @staticmethod
+    def _check_unmapped(rng: Range, slots: Sequence[int]) -> None:
+        """Raise unless no slot of ``slots`` is mapped (caller holds ``rng.lock``)."""
+        taken = [s for s in slots if s in rng.mapped]
+        if taken:
+            raise InvalidArgument(
+                "map", f"slot offset {taken[0]} of range {rng.base:#x} is already mapped"
+            )
+
+    @staticmethod
+    def _check_mapped(rng: Range, slots: Sequence[int]) -> None:
+        """Raise unless every slot of ``slots`` is mapped (caller holds ``rng.lock``)."""
+        missing = [s for s in slots if s not in rng.mapped]
+        if missing:
+            raise InvalidArgument(
+                "unmap", f"slot offset {missing[0]} of range {rng.base:#x} is not mapped"
+            )
+
     def _check_slots(self, op: str, rng: Range, offset: int, npages: int) -> list[int]:
         if not isinstance(rng, Range) or rng.freed or rng.freeing:
             raise InvalidArgument(op, "range is not a live reserved Range")

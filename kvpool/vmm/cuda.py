@@ -270,19 +270,13 @@ class CudaBackend(Backend):
         self, rng: Range, offset: int, pages: Sequence[Page], populate: bool = False
     ) -> None:
         # `populate` is a no-op: cuMemCreate commits the physical memory up front.
-        slots = self._check_slots("map", rng, offset, len(pages))
-        for page in pages:
-            self._check_page("map", page)
+        slots = self._check_map(rng, offset, pages)
         ps = self.page_size
         self._make_current("map")
         with rng.lock:
             if rng.freed or rng.freeing:
                 raise InvalidArgument("map", "range is not a live reserved Range")
-            taken = [s for s in slots if s in rng.mapped]
-            if taken:
-                raise InvalidArgument(
-                    "map", f"slot offset {taken[0]} of range {rng.base:#x} is already mapped"
-                )
+            self._check_unmapped(rng, slots)
             done: list[int] = []
             try:
                 for slot, page in zip(slots, pages):
@@ -315,11 +309,7 @@ class CudaBackend(Backend):
         ps = self.page_size
         self._make_current("unmap")
         with rng.lock:
-            missing = [s for s in slots if s not in rng.mapped]
-            if missing:
-                raise InvalidArgument(
-                    "unmap", f"slot offset {missing[0]} of range {rng.base:#x} is not mapped"
-                )
+            self._check_mapped(rng, slots)
             self._synchronize("unmap")
             # Each slot is its own mapping; one cuMemUnmap may cover several adjacent
             # whole mappings, so unmap per contiguous run.

@@ -247,17 +247,11 @@ class HostBackend(Backend):
     def map_pages(
         self, rng: Range, offset: int, pages: Sequence[Page], populate: bool = False
     ) -> None:
-        slots = self._check_slots("map", rng, offset, len(pages))
-        for page in pages:
-            self._check_live("map", page)
+        slots = self._check_map(rng, offset, pages)
         use_madvise = populate and self._madvise_populate
         flags = MAP_SHARED | MAP_FIXED | (MAP_POPULATE if populate and not use_madvise else 0)
         with rng.lock:
-            taken = [s for s in slots if s in rng.mapped]
-            if taken:
-                raise InvalidArgument(
-                    "map", f"slot offset {taken[0]} of range {rng.base:#x} is already mapped"
-                )
+            self._check_unmapped(rng, slots)
             self._reserve_map_count(len(pages))
             done: list[int] = []
             try:
@@ -283,11 +277,7 @@ class HostBackend(Backend):
     def unmap(self, rng: Range, offset: int, npages: int = 1) -> None:
         slots = self._check_slots("unmap", rng, offset, npages)
         with rng.lock:
-            missing = [s for s in slots if s not in rng.mapped]
-            if missing:
-                raise InvalidArgument(
-                    "unmap", f"slot offset {missing[0]} of range {rng.base:#x} is not mapped"
-                )
+            self._check_mapped(rng, slots)
             self._protect(rng, slots)
             for slot in slots:
                 del rng.mapped[slot]
