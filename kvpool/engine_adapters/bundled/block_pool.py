@@ -16,7 +16,8 @@ held in the allocator (``check_integrity`` verifies both sides).
 
 Request-aligned mode (:meth:`ElasticBlockPool.align_requests`, ``KVPOOL_REQUEST_ALIGNED``):
 each request's blocks come from whole chunks only it uses (:mod:`.aligned`), so its KV is
-whole units that can change hands (:mod:`.handoff`); the prefix cache is off then.
+whole units that can change hands (:mod:`.handoff`); the prefix cache is off then. That
+part of the pool is :class:`~.aligned_pool.AlignedPoolMixin`.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from collections import defaultdict
 from kvpool.engine.block_pool import NULL_BLOCK, FixedBlockPool
 from kvpool.engine.errors import PoolExhausted
 from kvpool.engine_adapters.bundled.aligned import RequestChunks
+from kvpool.engine_adapters.bundled.aligned_pool import AlignedPoolMixin
 from kvpool.engine_adapters.bundled.settings import AdapterError
 
 log = logging.getLogger("kvpool.adapter")
@@ -37,7 +39,7 @@ log = logging.getLogger("kvpool.adapter")
 SHRINK_STEP_WAIT_S = 0.3  # a shrink waits this long for the engine's step (x3 when urgent)
 
 
-class ElasticBlockPool(FixedBlockPool):
+class ElasticBlockPool(AlignedPoolMixin, FixedBlockPool):
     """The engine's block pool with elastic memory behind it.
 
     Capacity is the *virtual* block count; free blocks are whatever the allocator can hand
@@ -68,10 +70,6 @@ class ElasticBlockPool(FixedBlockPool):
         null = allocator.alloc(1)
         if null != [NULL_BLOCK]:
             raise AdapterError(f"expected the allocator's first block to be 0, got {null}")
-
-    def align_requests(self) -> None:
-        """Give each request its own chunks from now on (before any request runs)."""
-        self.aligned = RequestChunks(self.allocator.blocks_per_chunk)
 
     def bind_engine(self, engine) -> None:
         """Serialize the engine's steps with preemption requested by :meth:`shrink`."""
@@ -178,56 +176,12 @@ class ElasticBlockPool(FixedBlockPool):
             ref[b] = 1
         return out
 
-    def get_blocks_for(self, owner: str, n: int) -> list[int]:
-        aligned = self.aligned
-        if aligned is None:
-            return self.get_new_blocks(n)
-        if n <= 0:
-            return []
-        # Only the engine's thread allocates for ``owner``, so its spares cannot change
-        # between the count and the take; the daemon call runs without ``lock``.
-        with self.lock:
-            k = aligned.chunks_needed(owner, n)
-        fresh = self.allocator.alloc_chunks(k, wait=False) if k else []
-        if fresh is None:
-            raise PoolExhausted(f"kvpool has no memory for {k} more KV chunk(s) now")
-        with self.lock:
-            out = aligned.take(owner, n, fresh)
-            for b in out:
-                self._ref[b] = 1
-            return out
-
     def _release(self, blocks: list[int], recent: bool) -> None:
         if self.aligned is not None:
             loose, whole = self.aligned.release(blocks)
             blocks = loose + whole
         if blocks:
             self.allocator.free(blocks)
-
-    # ---- handing a request's KV over (request-aligned mode) -------------------------
-    def request_chunks(self, rid: str) -> list[int]:
-        """The chunks request ``rid`` owns, in the order its blocks fill them."""
-        with self.lock:
-            return list(self.aligned.chunks.get(rid, []))
-
-    def forget_request(self, rid: str, block_ids: list[int]) -> list[int]:
-        """Another tenant claimed ``rid``'s chunks (the group unmapped them): its blocks
-        lose their reference, the chunks leave the books unmapped. Returns them."""
-        with self.lock:
-            for b in block_ids:
-                assert self._ref[b] == 1, f"handed-over block {b} is shared"
-                self._ref[b] = 0
-            chunks = self.aligned.forget(rid)
-            self.allocator.forget_chunks(chunks)
-            return chunks
-
-    def adopt_request(self, rid: str, chunks: list[int], block_ids: list[int]) -> None:
-        """``chunks`` (adopted by the allocator, wholly held) now belong to ``rid``,
-        which uses ``block_ids`` of them (ref 1 each)."""
-        with self.lock:
-            self.aligned.adopt(rid, chunks, block_ids)
-            for b in block_ids:
-                self._ref[b] = 1
 
     def free_blocks(self, block_ids) -> None:
         with self.lock:
