@@ -8,6 +8,7 @@ their request's outputs from an ``asyncio.Queue`` that the step thread feeds thr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -67,6 +68,16 @@ class AsyncEngine:
         q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._inbox.put(_Add(request_id, prompt, params, asyncio.get_running_loop(), q,
                              time.perf_counter()))
+        async with contextlib.aclosing(self._relay(request_id, q)) as outs:
+            async for out in outs:
+                yield out
+
+    async def _relay(self, request_id: str, q: asyncio.Queue[RequestOutput | BaseException]
+                     ) -> AsyncIterator[RequestOutput]:
+        """Yield what the step thread puts in ``q`` for ``request_id`` until it finishes
+        (re-raising an exception put there); abort the request if the consumer stops
+        early. Callers close it at once (``contextlib.aclosing``) so the abort is not
+        left to garbage collection."""
         finished = False
         try:
             while True:

@@ -132,21 +132,30 @@ def take(engine, h: Handover) -> str:
         raise AdapterError("the handover's block table is not in its chunks")
     params = SamplingParams(**h.params)
     with pool.step_lock:
-        mine = alloc.pick_unmapped_chunks(len(h.chunks))
-        if mine is None:
-            raise AdapterError(f"no {len(h.chunks)} unmapped chunks to claim into")
-        try:
-            wire.claim(alloc.group, h.ticket, alloc.units_of(mine), populate=alloc.populate)
-        except BaseException:
-            alloc.return_chunks(mine)
-            raise
-        alloc.adopt_chunks(mine)
+        mine = claim_chunks(alloc, h.ticket, len(h.chunks))
         at = dict(zip(h.chunks, mine))
         blocks = [at[b // per] * per + b % per for b in h.block_ids]
         pool.adopt_request(h.request_id, mine, blocks)
         engine.add_prefilled(h.request_id, h.token_ids, h.num_prompt_tokens, params, blocks,
                              h.output_text, h.detok_offsets, _unstate(h.generator_state))
     return h.request_id
+
+
+def claim_chunks(alloc, ticket: str, count: int) -> list[int]:
+    """(the pool's ``step_lock`` held) Claim ticket ``ticket``'s units into ``count``
+    unmapped chunks of ``alloc`` (units in order) and adopt them as wholly held; returns
+    those chunks, in the order of the giver's. Raises, changing nothing, when there are
+    not enough unmapped chunks or the claim is refused."""
+    mine = alloc.pick_unmapped_chunks(count)
+    if mine is None:
+        raise AdapterError(f"no {count} unmapped chunks to claim into")
+    try:
+        wire.claim(alloc.group, ticket, alloc.units_of(mine), populate=alloc.populate)
+    except BaseException:
+        alloc.return_chunks(mine)
+        raise
+    alloc.adopt_chunks(mine)
+    return mine
 
 
 def _state(req) -> str | None:

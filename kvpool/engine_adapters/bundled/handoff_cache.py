@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 
 from kvpool.client_lib import handoff as wire
 from kvpool.engine.block_pool import NULL_BLOCK, CachedBlock
+from kvpool.engine_adapters.bundled.handoff import claim_chunks
 from kvpool.engine_adapters.bundled.settings import AdapterError
 
 
@@ -118,15 +119,7 @@ def adopt_cache(engine, c: CacheHandover) -> int:
         raise AdapterError("block layout differs from the old engine's")
     per = c.blocks_per_chunk
     with pool.step_lock:
-        mine = alloc.pick_unmapped_chunks(len(c.chunks))
-        if mine is None:
-            raise AdapterError(f"no {len(c.chunks)} unmapped chunks to claim into")
-        try:
-            wire.claim(alloc.group, c.ticket, alloc.units_of(mine), populate=alloc.populate)
-        except BaseException:
-            alloc.return_chunks(mine)
-            raise
-        alloc.adopt_chunks(mine)
+        mine = claim_chunks(alloc, c.ticket, len(c.chunks))
         at = dict(zip(c.chunks, mine))
 
         def rename(b: int) -> int:

@@ -20,6 +20,7 @@ Both run elastic and request-aligned, each as its own kvpool tenant
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -154,19 +155,9 @@ class DecodeEngine(AsyncEngine):
                             finished=False, finish_reason=None)
         q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._inbox.put(_Adopt(h, prompt, params, asyncio.get_running_loop(), q))
-        finished = False
-        try:
-            while True:
-                item = await q.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finished:
-                    finished = True
-                    return
-        finally:
-            if not finished:
-                self._inbox.put(_abort(request_id))
+        async with contextlib.aclosing(self._relay(request_id, q)) as outs:
+            async for out in outs:
+                yield out
 
     def _handle(self, cmd: Any) -> None:
         if not isinstance(cmd, _Adopt):
@@ -189,12 +180,6 @@ class DecodeEngine(AsyncEngine):
     def stats(self) -> dict[str, Any]:
         return {**super().stats(), "pd": {"adopted": self.adopted,
                                           "recomputed": self.recomputed}}
-
-
-def _abort(rid: str) -> Any:
-    from kvpool.engine.async_engine import _Abort
-
-    return _Abort(rid)
 
 
 def _output_json(o: RequestOutput) -> dict[str, Any]:
@@ -282,7 +267,7 @@ def serve_pair(config: EngineConfig, argv: list[str], host: str = "127.0.0.1",
     import subprocess
     import sys
 
-    import httpx
+    from kvpool.launch import wait_healthy
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -292,18 +277,7 @@ def serve_pair(config: EngineConfig, argv: list[str], host: str = "127.0.0.1",
     child = subprocess.Popen(cmd, preexec_fn=_die_with_parent)
     url = f"http://127.0.0.1:{child_port}"
     try:
-        deadline = time.monotonic() + start_timeout_s
-        while True:
-            if child.poll() is not None:
-                raise RuntimeError(f"the prefill server exited ({child.returncode})")
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("the prefill server did not become healthy")
-            time.sleep(0.2)
+        wait_healthy(child, url, "the prefill server", time.monotonic() + start_timeout_s)
         serve_role(config, "decode", host, port, log_level, prefill_url=url)
     finally:
         child.terminate()
