@@ -26,6 +26,7 @@ from pathlib import Path
 
 SOURCES = [Path(__file__).with_name("csrc") / n for n in ("paged_attention.cpp", "cpu_ops.cpp")]
 SOURCE = SOURCES[0]
+HEADERS = [Path(__file__).with_name("csrc") / "vec8.h"]  # part of the build's identity
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17",
          "-fno-math-errno"]
 _lock = threading.Lock()
@@ -42,7 +43,7 @@ def cache_dir() -> Path:
 
 def _target() -> Path:
     h = hashlib.sha256()
-    for src in SOURCES:
+    for src in (*SOURCES, *HEADERS):
         h.update(src.read_bytes())
     h.update(" ".join(FLAGS).encode())
     h.update(platform.machine().encode())

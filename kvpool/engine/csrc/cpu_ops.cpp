@@ -14,41 +14,9 @@
 #include <cmath>
 #include <cstdint>
 
-typedef float cvf __attribute__((vector_size(32)));
-typedef float cvfu __attribute__((vector_size(32), aligned(4)));
-typedef int32_t cvi __attribute__((vector_size(32)));
+#include "vec8.h"
 
 namespace {
-
-inline cvf ld(const float* p) { return *reinterpret_cast<const cvfu*>(p); }
-inline void st(float* p, cvf v) { *reinterpret_cast<cvfu*>(p) = v; }
-inline cvf bc(float x) { return cvf{x, x, x, x, x, x, x, x}; }
-inline float hadd(cvf v) {
-  float s = 0.f;
-  for (int i = 0; i < 8; ++i) s += v[i];
-  return s;
-}
-
-// Cephes-style expf on 8 lanes (as in paged_attention.cpp).
-inline cvf cexp(cvf x) {
-  const cvf hi = bc(88.3762626647949f), lo = bc(-87.3365447504019f);
-  x = x > hi ? hi : x;
-  x = x < lo ? lo : x;
-  cvf fx = x * bc(1.44269504088896341f) + bc(0.5f);
-  cvi t = __builtin_convertvector(fx, cvi);
-  cvf tf = __builtin_convertvector(t, cvf);
-  tf = tf > fx ? tf - bc(1.f) : tf;
-  x = x - tf * bc(0.693359375f) - tf * bc(-2.12194440e-4f);
-  cvf y = bc(1.9875691500E-4f);
-  y = y * x + bc(1.3981999507E-3f);
-  y = y * x + bc(8.3334519073E-3f);
-  y = y * x + bc(4.1665795894E-2f);
-  y = y * x + bc(1.6666665459E-1f);
-  y = y * x + bc(5.0000001201E-1f);
-  y = y * x * x + x + bc(1.f);
-  cvi e = (__builtin_convertvector(tf, cvi) + 127) << 23;
-  return y * reinterpret_cast<cvf&>(e);
-}
 
 // Work (elements) below which a pass stays on the calling thread: a fork/join costs a few
 // microseconds on an idle machine and up to a scheduler time slice on a busy one, more than
@@ -61,19 +29,19 @@ constexpr int64_t kSerialWeights = 1 << 15;
 template <int M, int R>
 inline void dot_block(const float* x, int64_t x_row, const float* w, int64_t K, int n0,
                       float out[M][R]) {
-  cvf acc[M][R];
+  vf acc[M][R];
   for (int m = 0; m < M; ++m)
-    for (int r = 0; r < R; ++r) acc[m][r] = bc(0.f);
+    for (int r = 0; r < R; ++r) acc[m][r] = splat(0.f);
   for (int64_t k = 0; k < K; k += 8) {
-    cvf wv[R];
-    for (int r = 0; r < R; ++r) wv[r] = ld(w + (int64_t)(n0 + r) * K + k);
+    vf wv[R];
+    for (int r = 0; r < R; ++r) wv[r] = vload(w + (int64_t)(n0 + r) * K + k);
     for (int m = 0; m < M; ++m) {
-      const cvf xv = ld(x + m * x_row + k);
+      const vf xv = vload(x + m * x_row + k);
       for (int r = 0; r < R; ++r) acc[m][r] += xv * wv[r];
     }
   }
   for (int m = 0; m < M; ++m)
-    for (int r = 0; r < R; ++r) out[m][r] = hadd(acc[m][r]);
+    for (int r = 0; r < R; ++r) out[m][r] = hsum(acc[m][r]);
 }
 
 template <int M, int R>
@@ -121,17 +89,17 @@ void kvpool_rmsnorm(const float* x, int64_t x_row, float* res, int64_t res_row,
     const float* src = x + (int64_t)t * x_row;
     if (res != nullptr) {
       float* r = res + (int64_t)t * res_row;
-      for (int c = 0; c < D; c += 8) st(r + c, ld(r + c) + ld(src + c));
+      for (int c = 0; c < D; c += 8) vstore(r + c, vload(r + c) + vload(src + c));
       src = r;
     }
-    cvf ss = bc(0.f);
+    vf ss = splat(0.f);
     for (int c = 0; c < D; c += 8) {
-      const cvf v = ld(src + c);
+      const vf v = vload(src + c);
       ss += v * v;
     }
-    const float inv = 1.f / std::sqrt(hadd(ss) / (float)D + eps);
+    const float inv = 1.f / std::sqrt(hsum(ss) / (float)D + eps);
     float* dst = out + (int64_t)t * out_row;
-    for (int c = 0; c < D; c += 8) st(dst + c, ld(w + c) * (ld(src + c) * bc(inv)));
+    for (int c = 0; c < D; c += 8) vstore(dst + c, vload(w + c) * (vload(src + c) * splat(inv)));
   }
 }
 
@@ -149,9 +117,9 @@ void kvpool_rotary(float* qkv, int64_t row, int64_t k_off, int nq, int nk, int D
     for (int h = 0; h < nq + nk; ++h) {
       float* x = base + (h < nq ? (int64_t)h * D : k_off + (int64_t)(h - nq) * D);
       for (int i = 0; i < half; i += 8) {
-        const cvf a = ld(x + i), b = ld(x + half + i);
-        st(x + i, a * ld(c + i) - b * ld(s + i));
-        st(x + half + i, b * ld(c + half + i) + a * ld(s + half + i));
+        const vf a = vload(x + i), b = vload(x + half + i);
+        vstore(x + i, a * vload(c + i) - b * vload(s + i));
+        vstore(x + half + i, b * vload(c + half + i) + a * vload(s + half + i));
       }
     }
   }
@@ -166,8 +134,8 @@ void kvpool_silu_mul(const float* gu, int64_t gu_row, float* out, int64_t out_ro
     const float* u = g + I;
     float* o = out + (int64_t)t * out_row;
     for (int i = 0; i < I; i += 8) {
-      const cvf x = ld(g + i);
-      st(o + i, x / (bc(1.f) + cexp(-x)) * ld(u + i));
+      const vf x = vload(g + i);
+      vstore(o + i, x / (splat(1.f) + vexp(-x)) * vload(u + i));
     }
   }
 }
@@ -181,9 +149,9 @@ void kvpool_argmax(const float* x, int64_t row, int S, int V, int64_t* idx) {
     float best = r[0];
     int j = 0;
     if (V >= 8) {
-      cvf m = ld(r);
+      vf m = vload(r);
       for (j = 8; j + 8 <= V; j += 8) {
-        const cvf v = ld(r + j);
+        const vf v = vload(r + j);
         m = v > m ? v : m;
       }
       for (int i = 0; i < 8; ++i) best = m[i] > best ? m[i] : best;
