@@ -65,6 +65,12 @@ class Connection:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._unsolicited: list[p.Reply] = []
+        # What wait_message() sleeps on without the lock: the socket's ZMQ_FD (read only,
+        # never a socket operation) and a pipe that says "look": written when a call()
+        # queues an unsolicited message or leaves input behind, and by wake().
+        self._zmq_fd = int(self.sock.getsockopt(zmq.FD))
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._wake_lock = threading.Lock()  # wake() never writes to a closed pipe
         self.closed = False
         self.daemon_gone = False
 
@@ -185,6 +191,8 @@ class Connection:
                 fds = self._recv_fds(reply.id, reply.nfds)
             elif isinstance(reply, p.Error) and self.fdsock is not None:
                 self._drain_fds()
+            if self._unsolicited or self.sock.poll(0):
+                self.wake()  # poll() has something: ZMQ_FD may not say so again
         if isinstance(reply, p.Error):
             raise from_reply(reply)
         if not isinstance(reply, expect):
@@ -217,6 +225,7 @@ class Connection:
                 return msg
             if msg.id == 0:
                 self._unsolicited.append(msg)
+                self.wake()
             # else: the late reply of a request that timed out; dropped
 
     def _check_eof(self) -> None:
@@ -285,6 +294,28 @@ class Connection:
                 self._lock.release()
         return not self.daemon_gone
 
+    def wait_message(self, timeout_s: float) -> None:
+        """Sleep until a message may be there for :meth:`poll`, :meth:`wake` is called
+        or ``timeout_s`` passes (wakes may be spurious; none is lost). Takes no lock and
+        does no socket operation: ZMQ_FD is edge-triggered, readable when the socket has
+        news after its last operation, and every call() leaves pending input signalled."""
+        if self.closed:
+            time.sleep(timeout_s)
+            return
+        poller = select.poll()
+        poller.register(self._zmq_fd, select.POLLIN)
+        poller.register(self._wake_r, select.POLLIN)
+        poller.poll(max(0, int(timeout_s * 1000)))
+        with contextlib.suppress(OSError):
+            while os.read(self._wake_r, 64):
+                pass
+
+    def wake(self) -> None:
+        """End a :meth:`wait_message` now (or make the next one return at once)."""
+        with self._wake_lock, contextlib.suppress(BlockingIOError):  # full: one is pending
+            if self._wake_w >= 0:
+                os.write(self._wake_w, b"\0")
+
     def poll(self) -> list[p.Reply]:
         """Unsolicited messages (``id`` 0) received so far, without blocking."""
         with self._lock:
@@ -306,6 +337,10 @@ class Connection:
             if self.fdsock is not None:
                 self._drain_fds_quietly()
                 self.fdsock.close()
+            with self._wake_lock:
+                os.close(self._wake_r)
+                os.close(self._wake_w)
+                self._wake_w = -1
 
     def _drain_fds_quietly(self) -> None:
         with contextlib.suppress(OSError):

@@ -6,8 +6,9 @@ the daemon's kind and page size. Closing (or leaving the ``with`` block) release
 unit of every group and ends the session; if the process dies instead, the daemon sees
 the fd channel close and takes everything back itself.
 
-A background thread (the *keeper*) looks for the daemon's unsolicited messages every
-``POLL_S``, so reclaim requests reach even a tenant whose own threads do nothing:
+A background thread (the *keeper*) sleeps until the daemon's unsolicited messages arrive
+(:meth:`Connection.wait_message`, at most ``POLL_S``), so reclaim requests reach even a
+tenant whose own threads do nothing, at once:
 
 * ``Reclaim(mode="reserve")`` — release empty chunks of the allocators' reserves;
 * ``Reclaim(mode="shrink")`` — the same, then the shrink callback (see
@@ -45,7 +46,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvpool.client")
 
-POLL_S = 0.02  # the keeper's period: reclaims reach an idle tenant this fast
+POLL_S = 0.1  # the keeper's longest sleep: it looks for the daemon's death this often
 SHRINK_ROUNDS = 4  # shrink callback calls per reclaim at most
 ShrinkCallback = Callable[[int, bool], None]
 R = TypeVar("R", bound=p.Reply)
@@ -217,13 +218,14 @@ class Tenant:
     # ---- the keeper thread: messages, daemon liveness, reconnect ------------------------
     def _keep(self) -> None:
         next_probe = 0.0
-        while not self._stop.wait(POLL_S):
-            if self.closed:
+        while not self._stop.is_set():
+            self.conn.wait_message(POLL_S)  # returns early for a message or close()
+            if self._stop.is_set() or self.closed:
                 return
             try:
                 now = time.monotonic()
                 if now >= next_probe:
-                    next_probe = now + 0.1
+                    next_probe = now + POLL_S
                     self.conn.daemon_alive()
                 if self.conn.daemon_gone:
                     self._reconnect()
@@ -302,6 +304,7 @@ class Tenant:
         if self.closed:
             return
         self._stop.set()
+        self.conn.wake()
         if self._keeper is not None and self._keeper is not threading.current_thread():
             self._keeper.join()
         try:
