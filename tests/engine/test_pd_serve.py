@@ -18,9 +18,9 @@ import pytest
 
 from daemon.conftest import start_daemon  # noqa: F401  (fixture)
 from daemon.helpers import REPO
-from kvpool.engine import Engine, EngineConfig, SamplingParams
+from kvpool import launch
 
-from .test_pd_handoff import GREEDY, KV, LENGTHS, prompt
+from .test_pd_handoff import GREEDY, KV, LENGTHS, prompt, reference  # noqa: F401 (fixture)
 
 
 def free_port() -> int:
@@ -43,29 +43,7 @@ def serve(d, model, log, *args: str) -> tuple[subprocess.Popen, str]:
 
 
 def healthy(proc, base: str, log) -> None:
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"server exited: {log.read_text()}"
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError(f"not healthy: {log.read_text()}")
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_dir) -> dict[int, list[int]]:
-    e = Engine(EngineConfig(model=str(tiny_dir), kv_cache_size=KV))
-    for n in LENGTHS:
-        e.add_request(prompt(n), SamplingParams(**GREEDY), str(n))
-    out: dict[int, list[int]] = {}
-    while e.has_unfinished():
-        for o in e.step():
-            if o.finished:
-                out[int(o.request_id)] = o.output_token_ids
-    return out
+    launch.wait_healthy(proc, base, "server", time.monotonic() + 120, logs=log.read_text)
 
 
 def body(n: int, **kw) -> dict:
