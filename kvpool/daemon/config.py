@@ -7,6 +7,7 @@ TOML layout (see ``systemd/kvpool.toml``)::
     device = 0
     budget = "80%"            # bytes, a size ("24GiB") or a share of device memory
     page_size = "2MiB"
+    huge_pages = false        # host: pages on hugetlb memory (needs vm.nr_hugepages)
     run_dir = "/run/kvpool"
     socket_group = "kvpool"   # group owning the run directory (0750) and sockets (0660)
     admin_group = "kvpool-admin"  # members may change others' knobs and stop the daemon
@@ -31,6 +32,15 @@ field's annotated type (``Meta`` bounds: timers finite and positive, counts at l
 one line of :class:`ConfigError`. What needs the device's memory (the budget against
 the device, tenants' ``min`` against the budget) is :meth:`Config.check_budget`, called
 where the backend is opened. A loaded :class:`Config` never makes the daemon raise later.
+
+``huge_pages`` (host backend): pages are hugetlb memfds, one page-table entry per huge
+page instead of 512 (a handoff's unmap and the receiver's first touches stop costing
+about a copy). Load refuses it with ``backend = "cuda"`` or a page size that is not a
+multiple of the kernel's huge page size; :meth:`check_budget` then measures the budget
+against the huge page pool (``vm.nr_hugepages``, or the ``hugepages=`` kernel
+argument) and refuses a pool too small for the pages the daemon pre-creates
+(``warm_min``). Pages are allocated when created, so an exhausted pool refuses a grant
+(NO_MEMORY) and never makes a process's first touch SIGBUS.
 """
 
 from __future__ import annotations
@@ -92,6 +102,7 @@ class Config:
     device: Annotated[int, Meta(ge=0, le=4096)] = 0
     budget: Size = "80%"
     page_size: Size | None = None  # None: the backend's default
+    huge_pages: bool = False  # host backend: back pages with hugetlb memory (see above)
     run_dir: str | None = None
     socket_mode: Annotated[int, Meta(ge=0, le=0o777)] = 0o660  # TOML 0o660, or "0660"
     socket_group: str | None = None
@@ -180,18 +191,26 @@ class Config:
         for key in ("socket_group", "admin_group"):
             if isinstance(out.get(key), str) and not values_.group_exists(out[key]):
                 problems.append(f"{where.get(key, key)} = {out[key]!r}: no such group")
+        if out.get("huge_pages") and not problems:
+            problem = values_.huge_pages_problem(out.get("backend", "auto"), out.get("page_size"))
+            if problem:
+                problems.append(f"{where.get('huge_pages', 'huge_pages')} = true: {problem}")
         if problems:
             raise ConfigError(problems)
         return cls(**out)
 
-    def check_budget(self, total: int, page_size: int) -> int:
-        """The budget in bytes (whole pages) given the device's ``total`` memory; raises
-        :class:`ConfigError` when the budget exceeds the device or is under one page, or
-        the configured tenants' ``min`` add up to more than the budget."""
+    def check_budget(self, total: int, page_size: int, free: int | None = None) -> int:
+        """The budget in bytes (whole pages) given the device's ``total`` memory (the huge
+        page pool with ``huge_pages``, whose ``free`` bytes must then hold ``warm_min``);
+        raises :class:`ConfigError` when the budget exceeds the device or is under one
+        page, or the configured tenants' ``min`` add up to more than the budget."""
         problems: list[str] = []
+        if self.huge_pages and total < page_size:
+            raise ConfigError([values_.no_huge_pages(page_size, total)])
         budget = parse_size(self.budget, total)
+        device = "hugetlb pool's (vm.nr_hugepages)" if self.huge_pages else "device's"
         if budget > total:
-            problems.append(f"budget = {values_.show_size(self.budget)}: more than the device's "
+            problems.append(f"budget = {values_.show_size(self.budget)}: more than the {device} "
                             f"{format_size(total)}")
         elif budget < page_size:
             problems.append(f"budget = {values_.show_size(self.budget)}: less than one page "
@@ -204,6 +223,10 @@ class Config:
             if policy.max is not None and mins[name] > parse_size(policy.max, budget):
                 problems.append(f"tenants.{name}: min {format_size(mins[name])} is above "
                                 f"its max {format_size(parse_size(policy.max, budget))}")
+        if self.huge_pages and free is not None:
+            warm = min(self.resolve_pages(self.warm_min, page_size, budget), budget // page_size)
+            if warm * page_size > free:  # (none free is fine: a restart's tenants hold them)
+                problems.append(values_.few_huge_pages(warm, page_size, free))
         if sum(mins.values()) > budget:
             problems.append(f"tenants: the guaranteed min add up to "
                             f"{format_size(sum(mins.values()))}, more than the budget "

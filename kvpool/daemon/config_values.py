@@ -75,6 +75,35 @@ def _page_size_problem(n: int) -> str | None:
     return None
 
 
+def huge_pages_problem(backend: str, page_size: int | str | None) -> str | None:
+    """Why ``huge_pages = true`` cannot work with this backend and page size, or None."""
+    from kvpool.vmm import hugetlb
+    from kvpool.vmm.host import DEFAULT_PAGE_SIZE
+
+    if backend == "cuda":
+        return "hugetlb backs host pages only (a CUDA page is one mapping already)"
+    size = parse_size(page_size) if page_size is not None else DEFAULT_PAGE_SIZE
+    huge = hugetlb.huge_page_size()
+    if huge is None:
+        return "this kernel has no hugetlb support (no Hugepagesize in /proc/meminfo)"
+    if size % huge:
+        return (f"page_size {format_size(size)} is not a multiple of the huge page size "
+                f"{format_size(huge)}")
+    return None
+
+
+def no_huge_pages(page_size: int, total: int) -> str:
+    return (f"huge_pages = true: the hugetlb pool holds {format_size(total)}, less than one "
+            f"{format_size(page_size)} page; reserve huge pages first (sysctl "
+            f"vm.nr_hugepages=N, or the hugepages=N kernel argument)")
+
+
+def few_huge_pages(warm: int, page_size: int, free: int) -> str:
+    return (f"huge_pages = true: {format_size(free)} of huge pages free (HugePages_Free), "
+            f"the daemon must pre-create {warm} pages of {format_size(page_size)} "
+            f"(warm_min); free huge pages or raise vm.nr_hugepages")
+
+
 def group_exists(name: str) -> bool:
     try:
         grp.getgrnam(name)

@@ -75,11 +75,11 @@ class Server:
         self.cfg = cfg
         self.run_dir = cfg.run_path
         page_size = parse_size(cfg.page_size) if cfg.page_size is not None else None
-        self.backend = open_backend(cfg.backend, cfg.device, page_size)
+        self.backend = open_backend(cfg.backend, cfg.device, page_size, cfg.huge_pages)
         ps = self.backend.page_size
-        _, total = self.backend.mem_info()
+        free, total = self.backend.mem_info()
         try:  # budget vs the device, tenants' min vs the budget (ConfigError)
-            budget_pages = cfg.check_budget(total, ps) // ps
+            budget_pages = cfg.check_budget(total, ps, free) // ps
         except ValueError:
             self.backend.close()
             raise

@@ -27,8 +27,10 @@ def cuda_available(device: int = 0) -> bool:
     return probe(device) is None
 
 
-def open_backend(kind: str = "auto", device: int = 0, page_size: int | None = None) -> Backend:
-    """Open a backend by name: ``auto``, ``host`` or ``cuda``."""
+def open_backend(kind: str = "auto", device: int = 0, page_size: int | None = None,
+                 huge_pages: bool = False) -> Backend:
+    """Open a backend by name: ``auto``, ``host`` or ``cuda``. ``huge_pages`` backs host
+    pages with hugetlb memory (a CUDA page is one mapping already: ignored there)."""
     if kind not in BACKENDS:
         raise InvalidArgument("open_backend", f"unknown backend {kind!r}; choose one of {BACKENDS}")
     if kind == "auto":
@@ -39,7 +41,7 @@ def open_backend(kind: str = "auto", device: int = 0, page_size: int | None = No
         return CudaBackend(device=device, page_size=page_size)
     from kvpool.vmm.host import HostBackend
 
-    return HostBackend(device=device, page_size=page_size)
+    return HostBackend(device=device, page_size=page_size, huge_pages=huge_pages)
 
 
 __all__ = [

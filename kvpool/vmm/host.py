@@ -20,6 +20,11 @@
   processes' ``/proc`` (``st_nlink``/``st_blocks`` say nothing about references).
 
 Memory is back when the last fd and the last mapping (in any process) are gone.
+
+With ``huge_pages`` the memfds are hugetlb, allocated when created (an empty pool is
+:class:`OutOfMemory` there, never a SIGBUS at a first touch: :mod:`kvpool.vmm.hugetlb`).
+Reservations are aligned to ``page_size`` in either mode, so a hugetlb page maps at
+any slot, in the daemon or in a client that does not know the mode.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import stat
 import threading
 from typing import Sequence
 
+from kvpool.vmm import hugetlb
 from kvpool.vmm.base import (
     Backend,
     InvalidArgument,
@@ -108,7 +114,11 @@ class HostBackend(Backend):
         device: int = 0,
         page_size: int | None = None,
         max_map_count: int | None = None,
+        huge_pages: bool = False,
     ):
+        self.huge_pages = huge_pages
+        if huge_pages and (problem := hugetlb.shortage(page_size or DEFAULT_PAGE_SIZE)):
+            raise InvalidArgument("open", f"huge_pages: {problem}")
         super().__init__(device, page_size or DEFAULT_PAGE_SIZE)
         self.max_map_count = max_map_count or read_max_map_count()
         self._lock = threading.Lock()
@@ -119,24 +129,32 @@ class HostBackend(Backend):
         self._probe_warned = False  # referenced() logged that it cannot probe
 
     def min_page_size(self) -> int:
-        """The OS page (``mmap.PAGESIZE``): ``mmap`` maps no less."""
-        return mmap.PAGESIZE
+        """The OS page (``mmap.PAGESIZE``): ``mmap`` maps no less; the huge page size
+        with ``huge_pages``."""
+        return (self.huge_pages and hugetlb.huge_page_size()) or mmap.PAGESIZE
 
     def mem_info(self) -> tuple[int, int]:
-        info = {}
-        with open("/proc/meminfo") as f:
-            for line in f:
-                key, value = line.split(":", 1)
-                info[key] = int(value.split()[0]) * 1024
+        """(available, total) bytes: of RAM, or of the huge page pool with huge pages."""
+        if self.huge_pages:
+            return hugetlb.pool_bytes()
+        info = hugetlb.meminfo()
         return info.get("MemAvailable", info["MemFree"]), info["MemTotal"]
 
     # ---- virtual ranges -----------------------------------------------------------
     def reserve(self, nbytes: int) -> Range:
+        """A PROT_NONE range whose base is aligned to ``page_size`` (hugetlb mappings
+        need huge-page-aligned addresses): ``page_size`` more is reserved, the ends
+        trimmed."""
         self._check_size("reserve", nbytes)
         flags = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE
-        addr = _libc.mmap(None, nbytes, PROT_NONE, flags, -1, 0)
-        if addr in (None, MAP_FAILED):
+        extra = self.page_size if self.page_size > mmap.PAGESIZE else 0
+        raw = _libc.mmap(None, nbytes + extra, PROT_NONE, flags, -1, 0)
+        if raw in (None, MAP_FAILED):
             raise _errno_error("reserve", f"mmap of {nbytes} bytes of address space")
+        addr = -(-raw // self.page_size) * self.page_size if extra else raw
+        for start, size in ((raw, addr - raw), (addr + nbytes, raw + extra - addr - nbytes)):
+            if size:  # trim the slack (munmap of part of our own reservation: no failure)
+                _libc.munmap(start, size)
         with self._lock:
             self._ranges += 1
         return Range(base=addr, size=nbytes, page_size=self.page_size)
@@ -151,16 +169,22 @@ class HostBackend(Backend):
 
     # ---- physical pages -----------------------------------------------------------
     def create_page(self) -> Page:
+        flags = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING
         try:
-            fd = os.memfd_create("kvpool-page", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+            fd = (hugetlb.create_fd if self.huge_pages else os.memfd_create)("kvpool-page", flags)
         except OSError as e:
             raise ResourceLimit("create_page", f"memfd_create: {e.strerror}") from e
         try:
             os.ftruncate(fd, self.page_size)
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, REQUIRED_SEALS)
+            if self.huge_pages:
+                hugetlb.allocate(fd, self.page_size, _libc, "create_page")
         except OSError as e:
             os.close(fd)
             raise OutOfMemory("create_page", f"sizing memfd to {self.page_size}: {e}") from e
+        except VmmError:
+            os.close(fd)
+            raise
         try:
             counted = _reopen(fd)  # memfd_create's own description is not counted
         except OSError:
@@ -200,6 +224,12 @@ class HostBackend(Backend):
         mode = FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
         if _libc.fallocate(page.handle, mode, 0, page.size) != 0:
             raise _errno_error("zero", f"punch hole in page fd {page.handle}")
+        if self.huge_pages:  # the hole gave the huge pages back: take fresh (zeroed) ones
+            try:
+                hugetlb.allocate(page.handle, page.size, _libc, "zero")
+            except VmmError:  # leave no partial page behind: release it, do not map it
+                _libc.fallocate(page.handle, mode, 0, page.size)
+                raise
 
     def release(self, page: Page) -> None:
         self._check_live("release", page)
