@@ -67,15 +67,30 @@ def register(cli: click.Group) -> None:
                   "take over the prefix cache of the elastic server at URL (warm restart)")
     @click.option("--pd", is_flag=True, help="run a prefill/decode pair: a --role prefill "
                   "child process, and the decode front here")
+    @click.option("--cpus", default=None, metavar="LIST", help="pin the server to these "
+                  "CPUs (e.g. 0-1) with one torch thread each")
+    @click.option("--prefill-cpus", default=None, metavar="LIST",
+                  help="--pd / --role prefill: the prefill half's CPUs [default: --cpus]")
+    @click.option("--decode-cpus", default=None, metavar="LIST",
+                  help="--pd / --role decode: the decode half's CPUs [default: --cpus]")
     def serve(model_dir: str, host: str, port: int, kv_cache_size: str | None,
               num_kv_blocks: int | None, block_size: int, kv_layout: str,
               max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int | None,
               served_model_name: str | None, device: str, dtype: str,
               no_prefix_caching: bool, elastic: bool, log_level: str, role: str = "both",
               prefill_url: str | None = None, handoff_to: str | None = None,
-              handoff_from: str | None = None, pd: bool = False) -> None:
+              handoff_from: str | None = None, pd: bool = False, cpus: str | None = None,
+              prefill_cpus: str | None = None, decode_cpus: str | None = None) -> None:
         """Serve MODEL_DIR with an OpenAI-compatible HTTP API."""
         require("engine", "serve")
+        from kvpool.engine import cpus as pinning
+
+        try:  # --cpus (a --pd front pins itself once its prefill child has started)
+            pin_to = pinning.choose(role, pd, cpus, prefill_cpus, decode_cpus)
+            if pin_to and not pd:
+                pinning.pin_and_say(pin_to, f"kvpool serve ({role})")
+        except (ValueError, RuntimeError) as e:
+            raise click.ClickException(str(e)) from None
         from kvpool.engine.config import EngineConfig
         from kvpool.engine.errors import CheckpointError
         from kvpool.engine.server import serve as run_server
@@ -98,7 +113,7 @@ def register(cli: click.Group) -> None:
             try:
                 if pd:
                     argv = [a for a in sys.argv[1:] if a != "--pd"]
-                    pd_server.serve_pair(config, argv, host, port, log_level)
+                    pd_server.serve_pair(config, argv, host, port, log_level, cpus=pin_to)
                 else:
                     pd_server.serve_role(config, role, host, port, log_level, prefill_url,
                                          handoff_to)

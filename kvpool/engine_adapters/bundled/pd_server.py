@@ -258,11 +258,14 @@ def serve_role(config: EngineConfig, role: str, host: str = "127.0.0.1", port: i
 
 
 def serve_pair(config: EngineConfig, argv: list[str], host: str = "127.0.0.1",
-               port: int = 8000, log_level: str = "info", start_timeout_s: float = 300.0
-               ) -> None:
+               port: int = 8000, log_level: str = "info", start_timeout_s: float = 300.0,
+               cpus: list[int] | None = None) -> None:
     """``kvpool serve MODEL --pd``: start the prefill half as a child process (the same
     command line ``argv`` with ``--role prefill`` on a free loopback port), then serve the
-    decode half here as the front; the child ends with this process."""
+    decode half here as the front; the child ends with this process. ``cpus`` (the
+    front's ``--decode-cpus`` or ``--cpus``): the CPUs this process is pinned to once the
+    child has started, so the child (which pins itself to its ``--prefill-cpus``) may
+    still choose any of this process's CPUs."""
     import socket
     import subprocess
     import sys
@@ -277,6 +280,10 @@ def serve_pair(config: EngineConfig, argv: list[str], host: str = "127.0.0.1",
     child = subprocess.Popen(cmd, preexec_fn=_die_with_parent)
     url = f"http://127.0.0.1:{child_port}"
     try:
+        if cpus:
+            from kvpool.engine.cpus import pin_and_say
+
+            pin_and_say(cpus, "kvpool serve --pd (decode)")
         wait_healthy(child, url, "the prefill server", time.monotonic() + start_timeout_s)
         serve_role(config, "decode", host, port, log_level, prefill_url=url)
     finally:
