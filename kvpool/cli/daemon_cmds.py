@@ -150,7 +150,8 @@ def daemon(backend, device, budget, page_size, warm_min, warm_max, run_dir, sock
 
 @query_command
 def ps(run_dir, as_json):
-    """List tenants: name, pid, kind, mapped, in use, reserve, limit."""
+    """List tenants: name, pid, kind, mapped, in use, reserve, limit (and the endpoint
+    a tenant says it serves on, when one does)."""
     reply = _call(run_dir, lambda m: m.ps())
     if as_json:
         _json({"tenants": reply.tenants, "pool": reply.pool})
@@ -161,6 +162,8 @@ def ps(run_dir, as_json):
     table = Table(box=None)
     cols = ("ID", "NAME", "PID", "KIND", "MAPPED", "IN USE", "RESERVE", "LEASE", "SHARE",
             "MIN", "LIMIT", "WEIGHT", "GROUPS", "STATE")
+    serving = any(t.endpoint for t in reply.tenants)  # (tenant-supplied: Register.endpoint)
+    cols += ("ENDPOINT",) if serving else ()
     for col in cols:
         table.add_column(col, justify="left" if col in ("NAME", "KIND", "STATE") else "right")
     for t in reply.tenants:
@@ -178,7 +181,8 @@ def ps(run_dir, as_json):
         table.add_row(str(t.id), t.name or "(unregistered)", str(t.pid), t.kind,
                       format_size(t.mapped), format_size(t.in_use), format_size(t.reserve),
                       format_size(t.lease), format_size(t.share), format_size(t.min),
-                      format_size(t.max), f"{t.weight:g}", str(t.groups), ", ".join(state))
+                      format_size(t.max), f"{t.weight:g}", str(t.groups), ", ".join(state),
+                      *((t.endpoint or "-",) if serving else ()))
     Console(width=None if sys.stdout.isatty() else 200).print(table)
 
 

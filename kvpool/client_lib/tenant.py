@@ -55,11 +55,12 @@ R = TypeVar("R", bound=p.Reply)
 class Tenant:
     def __init__(self, name: str, device: int = 0, run_dir: str | os.PathLike[str] | None = None,
                  kind: str = "engine", timeout_s: float = 10.0, *, min: int | None = None,
-                 max: int | None = None, weight: float | None = None, keeper: bool = True):
+                 max: int | None = None, weight: float | None = None, keeper: bool = True,
+                 endpoint: str | None = None):
         self.run_dir = paths.run_dir(run_dir)
         self.timeout_s = timeout_s
         self._register = p.Register(name=name, kind=kind, device=device, min=min, max=max,
-                                    weight=weight)
+                                    weight=weight, endpoint=endpoint)
         raise_fd_limit()  # host tenants keep one descriptor per mapped page
         self.conn = Connection(Path(self.run_dir), timeout_s=timeout_s)
         self.closed = False
@@ -96,7 +97,7 @@ class Tenant:
     def _fresh_register(self) -> p.Register:
         r = self._register
         return p.Register(name=r.name, kind=r.kind, device=r.device, min=r.min, max=r.max,
-                          weight=r.weight)
+                          weight=r.weight, endpoint=r.endpoint)
 
     @property
     def connected(self) -> bool:
@@ -300,6 +301,11 @@ class Tenant:
     def ping(self) -> None:
         self.conn.call(p.Ping(), p.Done)
 
+    def locate(self, name: str) -> p.Located:
+        """The live tenant ``name`` (pid, endpoint), if it may hand pages to this one
+        (kvpool.daemon.locate); else raises ``KvpoolError`` (``NOT_FOUND``)."""
+        return self.conn.call(p.Locate(name=name), p.Located)[0]
+
     def close(self) -> None:
         if self.closed:
             return
@@ -331,9 +337,11 @@ class Tenant:
 
 def connect(name: str, device: int = 0, run_dir: str | os.PathLike[str] | None = None,
             kind: str = "engine", timeout_s: float = 10.0, *, min: int | None = None,
-            max: int | None = None, weight: float | None = None) -> Tenant:
+            max: int | None = None, weight: float | None = None,
+            endpoint: str | None = None) -> Tenant:
     """Register with the daemon serving ``run_dir`` (see :mod:`kvpool.paths`). ``min``,
     ``max`` (bytes) and ``weight`` are this tenant's own knobs, used unless the daemon's
-    config names it (the config and live admin changes win)."""
+    config names it (the config and live admin changes win); ``endpoint`` is where it
+    serves (loopback http, :mod:`kvpool.protocol.endpoint`), for ``locate``."""
     return Tenant(name, device=device, run_dir=run_dir, kind=kind, timeout_s=timeout_s,
-                  min=min, max=max, weight=weight)
+                  min=min, max=max, weight=weight, endpoint=endpoint)

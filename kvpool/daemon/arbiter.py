@@ -12,7 +12,8 @@ The arbiter owns the state (tenants, groups, pool, counters, recovery); each con
 handlers live in their own file and reach the state through ``self.arbiter``:
 :mod:`~kvpool.daemon.registry` (sessions, register, knobs, set_limit, drop),
 :mod:`~kvpool.daemon.grants` (groups, grant, release, report, lease, reclaimed),
-:mod:`~kvpool.daemon.adoption` (Adopt after a restart), :mod:`~kvpool.daemon.views`
+:mod:`~kvpool.daemon.adoption` (Adopt after a restart), :mod:`~kvpool.daemon.locate`
+(locate a tenant by name), :mod:`~kvpool.daemon.views`
 (ps, stats, map, check) and :mod:`~kvpool.daemon.integrity` (the self-check). Reclaim
 policy lives in :mod:`kvpool.daemon.reclaim`, the weighted shares in
 :mod:`kvpool.daemon.fairshare`.
@@ -40,6 +41,7 @@ from kvpool.daemon.config import Config
 from kvpool.daemon.grants import Grants
 from kvpool.daemon.handoff import Handoff
 from kvpool.daemon.integrity import check_integrity
+from kvpool.daemon.locate import Locator
 from kvpool.daemon.outcome import Fail, Handler, Outcome
 from kvpool.daemon.pool import Pool
 from kvpool.daemon.reclaim import Ask, Reclaimer
@@ -97,6 +99,7 @@ class Arbiter:
             p.Offer: self.handoff.offer,
             p.Claim: self.handoff.claim,
             p.Cancel: self.handoff.cancel,
+            p.Locate: Locator(self).locate,
         }
 
     # ---- entry points -----------------------------------------------------------------

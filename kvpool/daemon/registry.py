@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvpool import protocol as p
 from kvpool.daemon.auth import may_claim, peer_groups
+from kvpool.protocol import endpoint
 from kvpool.daemon.outcome import Fail
 from kvpool.daemon.tenants import NO_MEMORY_KINDS, TenantRecord
 from kvpool.sizes import parse_size
@@ -105,6 +106,12 @@ class Registry:
             raise Fail(p.VERSION_MISMATCH, f"client speaks protocol {r.version}, daemon {p.VERSION}")
         if t.registered:
             raise Fail(p.BAD_REQUEST, "session already registered")
+        if r.endpoint is not None:
+            why = endpoint.why_not(r.endpoint)
+            if why is None and r.kind in NO_MEMORY_KINDS:
+                why = f"a {r.kind} session serves nothing: it registers no endpoint"
+            if why:
+                raise Fail(p.BAD_REQUEST, why)
         if r.device != device and r.kind not in NO_MEMORY_KINDS:
             raise Fail(p.NOT_FOUND, f"device {r.device} is not served (this daemon serves "
                                     f"device {device})")
@@ -119,6 +126,7 @@ class Registry:
                 raise Fail(p.OVER_LIMIT, f"min of {mn} pages would make the guaranteed "
                                          f"minimums ({floors} pages) exceed the budget")
         t.name, t.kind, t.identity, t.registered = r.name, r.kind, identity, True
+        t.endpoint = r.endpoint or ""
         t.min_pages, t.max_pages, t.weight = mn, mx, weight
         log.info("tenant %d registered: %s (%s), pid %d uid %d, limit %d pages",
                  t.id, t.name, t.kind, t.pid, t.uid, t.max_pages)

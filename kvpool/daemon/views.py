@@ -35,7 +35,7 @@ class Views:
             weight=t.weight, lease=t.lease_pages * ps, share=share,
             asked=max(0, t.ask.pages) * ps if t.ask is not None else 0,
             ignored=t.ignored, unresponsive=t.unresponsive, waiting=t.waiting_pages * ps,
-            retained=a.pool.retained_pages(t.id) * ps,
+            retained=a.pool.retained_pages(t.id) * ps, endpoint=t.endpoint,
         )
 
     def pool_info(self) -> p.PoolInfo:

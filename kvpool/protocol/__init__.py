@@ -39,7 +39,7 @@ Every reply carries ``ok``; failures are :class:`Error` with a stable ``code`` f
 Layout: :mod:`~kvpool.protocol.bounds` (version, bounds, error codes),
 :mod:`~kvpool.protocol.requests` (what clients send), :mod:`~kvpool.protocol.replies`
 (what the daemon answers, and the view structs), :mod:`~kvpool.protocol.fd` (fd-channel
-messages), :mod:`~kvpool.protocol.codec` (encode/decode). Every name is re-exported
+messages), :mod:`~kvpool.protocol.endpoint` (the endpoints tenants may register), :mod:`~kvpool.protocol.codec` (encode/decode). Every name is re-exported
 here: use ``from kvpool import protocol as p`` and ``p.Grant``, ``p.encode`` ...
 A new request type is defined in ``requests.py`` (its reply in ``replies.py``) and
 handled through the dispatch table in ``kvpool/daemon/arbiter.py``.
@@ -57,14 +57,15 @@ from kvpool.protocol.requests import (
     Request, Register, CreateGroup, DestroyGroup, Grant, Release, Report, Lease,
     Reclaimed, AdoptGroup, Adopt, Bye, Ping, Ps, Stats, MapReq, SetLimit, Shutdown,
     Check, EVENTS_LIMIT, Events, REQUESTS, AnyRequest, MONITOR_OPS, ADMIN_OPS,
-    TicketId, MAX_TTL_MS, Offer, Claim, Cancel,
+    TicketId, MAX_TTL_MS, Offer, Claim, Cancel, Locate,
 )
 from kvpool.protocol.replies import (
     Reply, Error, Registered, GroupCreated, Granted, Done, TenantInfo, PoolInfo, Run,
     GroupInfo, PsReply, StatsReply, MapReply, CheckReply, Reclaim, LimitSet, Leased,
     Adopted, EventInfo, EventsReply, REPLIES, AnyReply, SETTLED_STATES, Offered, Claimed,
-    Settled,
+    Settled, Located,
 )
+from kvpool.protocol.endpoint import MAX_ENDPOINT, Endpoint
 from kvpool.protocol.fd import (
     FdHello, FdHeader,
 )
@@ -88,5 +89,6 @@ __all__ = [
     "EventInfo", "EventsReply", "REPLIES", "AnyReply", "FdHello", "FdHeader", "encode",
     "DecodeError", "decode_request", "decode_reply", "decode_hello", "decode_header",
     "error", "to_builtins", "TicketId", "MAX_TTL_MS", "Offer", "Claim", "Cancel",
-    "SETTLED_STATES", "Offered", "Claimed", "Settled",
+    "SETTLED_STATES", "Offered", "Claimed", "Settled", "Locate", "Located",
+    "MAX_ENDPOINT", "Endpoint",
 ]

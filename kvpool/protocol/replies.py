@@ -70,6 +70,7 @@ class TenantInfo(Struct, kw_only=True):
     unresponsive: bool = False  # capped at its min until it answers a reclaim
     waiting: int = 0  # bytes of this tenant's requests waiting for reclaim
     retained: int = 0  # bytes of pages it released but still references (charged to it)
+    endpoint: str = ""  # where it says it serves (Register.endpoint; tenant-supplied)
 
 
 class PoolInfo(Struct, kw_only=True):
@@ -255,8 +256,19 @@ class Settled(Reply, tag="settled"):
     reason: str = ""
 
 
+class Located(Reply, tag="located"):
+    """The tenant a ``Locate`` named: its id, pid (from ``SO_PEERCRED``) and the
+    endpoint it registered (``""``: none; tenant-supplied, loopback http only)."""
+
+    tenant: int
+    name: str
+    pid: int
+    endpoint: str = ""
+
+
 REPLIES = (
     Error, Registered, GroupCreated, Granted, Done, PsReply, StatsReply, MapReply,
     CheckReply, Reclaim, LimitSet, Leased, Adopted, EventsReply, Offered, Claimed, Settled,
+    Located,
 )
 AnyReply = Union[REPLIES]  # type: ignore[valid-type]  # built from the tuple for msgspec

@@ -18,6 +18,7 @@ from kvpool.protocol.bounds import (
     MAP_GROUPS, MAX_BYTES, MAX_GROUPS, MAX_ID, MAX_NAME, MAX_REGIONS, MAX_UNITS, VERSION,
     Bytes, Id, Kind, Name, Seq, Token, Unit, Units, Weight,
 )
+from kvpool.protocol.endpoint import Endpoint
 
 
 # ====================================================================== requests
@@ -39,6 +40,8 @@ class Register(Request, tag="register"):
     min: Optional[Bytes] = None
     max: Optional[Bytes] = None
     weight: Optional[Weight] = None
+    # where it serves (kvpool.protocol.endpoint: loopback http only), for Locate
+    endpoint: Optional[Endpoint] = None
 
 
 class CreateGroup(Request, tag="create_group"):
@@ -221,10 +224,19 @@ class Cancel(Request, tag="cancel"):
     ticket: TicketId
 
 
+class Locate(Request, tag="locate"):
+    """Find the live tenant called ``name`` (its pid and registered endpoint), answered
+    ``Located`` only when it may hand pages to the asker (same uid, or the config pairs
+    it with the asker: the handoff rule); otherwise ``NOT_FOUND``, the same as for a
+    name nobody holds (kvpool.daemon.locate)."""
+
+    name: Name
+
+
 REQUESTS = (
     Register, CreateGroup, DestroyGroup, Grant, Release, Report, Bye, Ping,
     Ps, Stats, MapReq, SetLimit, Check, Lease, Reclaimed, Adopt, Shutdown, Events,
-    Offer, Claim, Cancel,
+    Offer, Claim, Cancel, Locate,
 )
 AnyRequest = Union[REQUESTS]  # type: ignore[valid-type]  # built from the tuple for msgspec
 MONITOR_OPS = frozenset({"ps", "stats", "map", "ping", "check", "events"})

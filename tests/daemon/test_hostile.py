@@ -1,5 +1,5 @@
-"""Ten thousand hostile control messages over all 21 request types (forged and foreign
-handoff tickets among them), while two hostile
+"""Ten thousand hostile control messages over all 22 request types (forged and foreign
+handoff tickets, hostile endpoints and locates among them), while two hostile
 fd-channel peers misbehave (one never reads its descriptors, one announces Adopt
 descriptors it never sends): each message gets an error reply, a live tenant keeps being
 served, and afterwards the daemon is alive, no page has leaked, its invariants hold, and
@@ -25,14 +25,15 @@ N_MESSAGES = 10_000
 BUDGET_PAGES = 1024
 SINK_PAGES = 400  # more fd messages than a socket buffer holds
 TENANT_OPS = ["grant", "release", "report", "create_group", "destroy_group", "bye",
-              "lease", "reclaimed", "adopt", "offer", "claim", "cancel"]
+              "lease", "reclaimed", "adopt", "offer", "claim", "cancel", "locate"]
 ALL_OPS = ["register", *TENANT_OPS, "ping", "ps", "stats", "map", "set_limit", "check", "events",
            "shutdown"]
 assert sorted(ALL_OPS) == sorted(t.__struct_config__.tag for t in p.REQUESTS)  # all covered
 
 # A field spec per op: name -> kind ("int", "list", "str", "bool", "oint", "olist", "ostr")
 FIELDS = {
-    "register": {"name": "str", "kind": "str", "device": "int", "version": "int"},
+    "register": {"name": "str", "kind": "str", "device": "int", "version": "int",
+                 "endpoint": "ostr"},
     "create_group": {"n_regions": "int", "capacity": "int", "bases": "list", "label": "str"},
     "destroy_group": {"group": "int"},
     "grant": {"group": "int", "units": "list", "in_use": "oint", "reserve": "olist"},
@@ -47,6 +48,7 @@ FIELDS = {
     "offer": {"group": "int", "units": "list", "to": "str", "ttl_ms": "ttl"},
     "claim": {"ticket": "ticket", "group": "int", "units": "list"},
     "cancel": {"ticket": "ticket"},
+    "locate": {"name": "str"},
 }
 for op in ALL_OPS:
     FIELDS.setdefault(op, {})
@@ -177,7 +179,7 @@ def hostile(env: Env):
                   "lease": {"bytes": PAGE}, "reclaimed": {"seq": 1}, "adopt": {},
                   "offer": {"group": env.attacker_group, "units": [0], "to": "victim"},
                   "claim": {"ticket": env.ticket, "group": env.attacker_group, "units": [3]},
-                  "cancel": {"ticket": env.ticket}}[op]
+                  "cancel": {"ticket": env.ticket}, "locate": {"name": "victim"}}[op]
         return ("anon", [p.encode({"op": op, **with_header(fields, rid, token)})], rid)
 
     @st.composite
@@ -211,7 +213,8 @@ def hostile(env: Env):
     @st.composite
     def bad_values(draw):
         rid = draw(ids)
-        case = draw(st.sampled_from(["capacity", "regions", "limit", "map", "register", "huge_bases"]))
+        case = draw(st.sampled_from(["capacity", "regions", "limit", "map", "register", "huge_bases",
+                                     "locate", "endpoint"]))
         tok = env.attacker_token
         if case == "capacity":
             cap = draw(st.integers(0, 64)) * PAGE + draw(st.integers(1, PAGE - 1))
@@ -226,6 +229,11 @@ def hostile(env: Env):
             req = {"op": "map", "tenant": draw(st.sampled_from(["nobody", "999999", "ghost"]))}
         elif case == "register":
             req = {"op": "register", "name": "again", "version": draw(st.integers(0, 10))}
+        elif case == "locate":  # names nobody it may receive from holds (or its own)
+            req = {"op": "locate", "name": draw(st.sampled_from(["nobody", "ghost", "attacker"]))}
+        elif case == "endpoint":  # hostile endpoints (and a second register)
+            req = {"op": "register", "name": "again", "endpoint": draw(st.sampled_from(
+                ["http://10.0.0.1:80", "http://127.0.0.1:0", "file:///x", "http://127.0.0.1:80"]))}
         else:
             req = {"op": "create_group", "n_regions": 2, "capacity": PAGE,
                    "bases": draw(st.lists(st.integers(0, 2**40), min_size=3, max_size=5))}
