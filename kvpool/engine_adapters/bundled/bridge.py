@@ -53,7 +53,7 @@ class Bridge:
         name = s.name or self.config.served_model_name or os.path.basename(
             os.path.normpath(self.config.model))
         self.tenant = connect(name=name, device=s.device, run_dir=s.run_dir, kind="engine",
-                              min=s.min_bytes, weight=s.weight)
+                              min=s.min_bytes, weight=s.weight, endpoint=s.endpoint)
         try:
             per_region = spec.buffer_block_bytes
             chunk = math.lcm(self.tenant.page_size, per_region)

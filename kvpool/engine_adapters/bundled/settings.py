@@ -20,3 +20,6 @@ class Settings(TenantSettings):
     # each request's KV in its own allocation units, so it can be handed to another
     # engine (prefill/decode pairs); turns the prefix cache off
     request_aligned: bool = False
+    # where the server this engine runs in listens (loopback http; kvpool.protocol.endpoint),
+    # registered with the tenant so a successor can find it by name (.locate.announce)
+    endpoint: str | None = None

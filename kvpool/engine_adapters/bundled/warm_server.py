@@ -1,5 +1,6 @@
 """Warm restart of an elastic bundled server (``kvpool serve MODEL --elastic
---handoff-from URL``): the new server asks the running one (``POST URL/pd/retire``) for
+--handoff-from TENANT`` — located through the daemon, :mod:`.locate` — or ``URL``): the
+new server asks the running one (``POST URL/pd/retire``) for
 its prefix cache, which comes over as pages (:mod:`.handoff_cache`), then serves.
 
 The old server (:class:`RetiringEngine`, every ``--elastic`` server) on ``/pd/retire``:
@@ -136,14 +137,15 @@ def serve_elastic(config: EngineConfig, host: str = "127.0.0.1", port: int = 800
 
     from kvpool.engine.engine import Engine
     from kvpool.engine.server import create_app
-    from kvpool.engine_adapters.bundled import bridge_of
+    from kvpool.engine_adapters.bundled import bridge_of, locate
 
+    locate.announce(config, host, port)  # our tenant registers where it serves
     engine = Engine(config)
     if handoff_from:
         bridge = bridge_of(config)
         name = bridge.tenant.name if bridge is not None and bridge.tenant else ""
-        try:
-            n = take_over(engine, handoff_from, name)
+        try:  # a tenant name is located through the daemon (locate.resolve)
+            n = take_over(engine, locate.resolve(bridge, handoff_from), name)
             log.warning("took over %d cached blocks from %s", n, handoff_from)
         except Exception:
             close = getattr(engine, "close", None)
