@@ -63,8 +63,9 @@ def register(cli: click.Group) -> None:
                   help="--role decode: the prefill server (this server is the front)")
     @click.option("--handoff-to", default=None, help="--role prefill: the decode "
                   "engine's tenant [default: <model>-decode]")
-    @click.option("--handoff-from", default=None, metavar="URL", help="--elastic: first "
-                  "take over the prefix cache of the elastic server at URL (warm restart)")
+    @click.option("--handoff-from", default=None, metavar="TENANT|URL", help="--elastic: "
+                  "first take over the prefix cache of the elastic server of that tenant "
+                  "(found through the daemon) or at that URL (warm restart)")
     @click.option("--pd", is_flag=True, help="run a prefill/decode pair: a --role prefill "
                   "child process, and the decode front here")
     @click.option("--cpus", default=None, metavar="LIST", help="pin the server to these "
