@@ -1,9 +1,10 @@
-"""Handing a request between engines (prefill/decode): the :class:`Engine` methods that
-take a running request out of scheduling with its blocks, put it back, drop it, or adopt
-one another engine prefilled.
+"""Handing requests between engines (prefill/decode, warm restart): the :class:`Engine`
+methods that take requests out of scheduling with their blocks, put them back, drop them,
+or adopt one another engine computed (part of).
 
 Invariant: a detached request is in ``engine.detached`` only (not in ``requests`` nor
-the scheduler) and still holds its blocks (ref counted by ``check_integrity``).
+the scheduler) and still holds its blocks (ref counted by ``check_integrity``); a
+detached waiting request holds none.
 """
 
 from __future__ import annotations
@@ -47,11 +48,28 @@ class DetachMixin:
         self.detached[request_id] = req
         return req
 
+    def detach_all(self) -> list[Request]:
+        """(just after a step) Take every request out of scheduling, running ones first
+        (mid-prefill too: they keep the blocks of their computed tokens), then the
+        waiting ones (no blocks), each list in its scheduling order; returns them in that
+        order. :meth:`reattach` them in the same order to restore the queues."""
+        reqs = [*self.scheduler.running, *self.scheduler.waiting]
+        self.scheduler.running.clear()
+        self.scheduler.waiting.clear()
+        for req in reqs:
+            del self.requests[req.request_id]
+            self.detached[req.request_id] = req
+        return reqs
+
     def reattach(self, request_id: str) -> None:
-        """A detached request whose handoff failed runs here again (its KV is intact)."""
+        """A detached request whose handoff failed runs (or waits) here again, at the end
+        of its queue (its KV is intact)."""
         req = self.detached.pop(request_id)
         self.requests[request_id] = req
-        self.scheduler.running.append(req)
+        if req.status is RequestStatus.WAITING:
+            self.scheduler.waiting.append(req)
+        else:
+            self.scheduler.running.append(req)
 
     def drop_detached(self, request_id: str) -> Request:
         """A detached request's blocks now belong elsewhere (the pool forgot them): it is
@@ -71,11 +89,29 @@ class DetachMixin:
         it runs at once and its next step decodes; ``generator_state`` continues a seeded
         request's random stream where the other engine left it. Raises RequestError on a duplicate id
         or a block table that does not cover the tokens."""
+        return self.add_adopted(request_id, token_ids, num_prompt_tokens, params, block_ids,
+                                len(token_ids) - 1, output_text, detok_offsets,
+                                generator_state)
+
+    def add_adopted(self, request_id: str, token_ids: list[int], num_prompt_tokens: int,
+                    params: SamplingParams, block_ids: list[int], num_computed_tokens: int,
+                    output_text: str = "", detok_offsets: tuple[int, int] | None = None,
+                    generator_state: torch.Tensor | None = None, num_cached_blocks: int = 0,
+                    num_preemptions: int = 0) -> str:
+        """Adopt a request at any point another engine left it (:meth:`add_prefilled`
+        generalised, for a warm restart): K/V of its first ``num_computed_tokens`` tokens
+        in ``block_ids`` (held, ref counted by the caller), the first
+        ``num_cached_blocks`` of them in the prefix cache. With K/V it runs at once (its
+        next step decodes, or goes on prefilling); without (``num_computed_tokens == 0``,
+        no blocks: it was waiting) it queues. Raises RequestError on a duplicate id or a
+        block table that does not fit the tokens."""
         if request_id in self.requests or request_id in self.detached:
             raise RequestError(f"duplicate request id {request_id!r}")
-        computed = len(token_ids) - 1
-        if not 0 < num_prompt_tokens <= computed + 1 or \
-                len(block_ids) * self.config.block_size < computed:
+        computed, bs = num_computed_tokens, self.config.block_size
+        if not (0 < num_prompt_tokens <= len(token_ids) and 0 <= computed < len(token_ids)
+                and len(block_ids) * bs >= computed and (computed > 0) == bool(block_ids)
+                and len(block_ids) <= -(-len(token_ids) // bs)
+                and 0 <= num_cached_blocks <= computed // bs):
             raise RequestError(f"request {request_id!r}: block table does not cover it")
         gen = None
         if params.seed is not None:
@@ -84,14 +120,21 @@ class DetachMixin:
                 gen.set_state(generator_state)
         req = Request(request_id, token_ids[:num_prompt_tokens], params, gen)
         req.token_ids = list(token_ids)
-        req.block_ids = list(block_ids)
-        req.num_computed_tokens = computed
-        req.status = RequestStatus.RUNNING
         req.output_text = output_text
         if detok_offsets is not None:
             req.detok_offsets = tuple(detok_offsets)
-        now = time.perf_counter()
-        req.metrics.first_scheduled_time = req.metrics.first_token_time = now
+        req.num_preemptions = num_preemptions
         self.requests[request_id] = req
+        if not block_ids:
+            self.scheduler.add(req)  # waiting: it computes (or recomputes) here
+            return request_id
+        req.block_ids = list(block_ids)
+        req.num_computed_tokens = computed
+        req.num_cached_blocks = num_cached_blocks
+        req.status = RequestStatus.RUNNING
+        now = time.perf_counter()
+        req.metrics.first_scheduled_time = now
+        if req.num_output_tokens:
+            req.metrics.first_token_time = now
         self.scheduler.running.append(req)
         return request_id
