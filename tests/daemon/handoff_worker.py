@@ -12,16 +12,13 @@ Modes:
 
 from __future__ import annotations
 
-import argparse
 import ctypes
-import json
 import sys
-import time
-import traceback
 
-
-def emit(**kw) -> None:
-    print(json.dumps(kw), flush=True)
+if __package__:  # imported by the tests
+    from .worker_cli import emit, parser, run, sleep_forever
+else:  # run as a script
+    from worker_cli import emit, parser, run, sleep_forever
 
 
 def pattern(unit: int, region: int, size: int) -> bytes:
@@ -54,8 +51,7 @@ def give(args) -> None:
     ticket = handoff.offer(g, offered, to=args.to, ttl_s=args.ttl)
     emit(event="ticket", ticket=ticket.id, pid=__import__("os").getpid(), group=g.id)
     if not args.touch_after:
-        while True:
-            time.sleep(1)
+        sleep_forever()
     state = ticket.wait(60)
     kept = sorted(set(range(args.units)) - set(offered))
     emit(event="settled", state=state, mapped=sorted(g.mapped))
@@ -81,17 +77,11 @@ def take(args) -> None:
     ok = all(read(g, a, r) == pattern(s, r, g.page_size)
              for a, s in zip(at, src) for r in range(g.n_regions))
     emit(event="claimed", ok=ok, mapped=sorted(g.mapped))
-    while True:
-        time.sleep(1)
+    sleep_forever()
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["give", "take"])
-    ap.add_argument("--name", default="prefill")
-    ap.add_argument("--run-dir", required=True)
-    ap.add_argument("--regions", type=int, default=2)
-    ap.add_argument("--capacity", type=int, default=8 << 16)
+    ap = parser(["give", "take"], name="prefill", capacity=8 << 16)
     ap.add_argument("--units", type=int, default=3)
     ap.add_argument("--offer", default="1,2")
     ap.add_argument("--to", default="decode")
@@ -99,12 +89,7 @@ def main() -> None:
     ap.add_argument("--touch-after", action="store_true")
     ap.add_argument("--at", default="0,1")
     ap.add_argument("--from-units", default="1,2")
-    args = ap.parse_args()
-    try:
-        {"give": give, "take": take}[args.mode](args)
-    except Exception as e:
-        emit(event="error", error=f"{type(e).__name__}: {e}", trace=traceback.format_exc())
-        sys.exit(1)
+    run(ap, {"give": give, "take": take})
 
 
 if __name__ == "__main__":

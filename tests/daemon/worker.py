@@ -8,18 +8,12 @@ Modes:
 
 from __future__ import annotations
 
-import argparse
 import ctypes
-import json
 import random
-import sys
 import time
-import traceback
 from pathlib import Path
 
-
-def emit(**kw) -> None:
-    print(json.dumps(kw), flush=True)
+from worker_cli import emit, parser, run, sleep_forever  # (run as a script only)
 
 
 def churn(args) -> None:
@@ -88,17 +82,11 @@ def hold(args) -> None:
     for r in g.ranges:
         ctypes.memset(r.base, args.fill, size)
     emit(event="ready", pid=__import__("os").getpid(), pages=args.units * args.regions)
-    while True:
-        time.sleep(1)
+    sleep_forever()
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["churn", "hold"])
-    ap.add_argument("--name", default="worker")
-    ap.add_argument("--run-dir", required=True)
-    ap.add_argument("--regions", type=int, default=2)
-    ap.add_argument("--capacity", type=int, default=4 << 20)
+    ap = parser(["churn", "hold"], name="worker", capacity=4 << 20)
     ap.add_argument("--block", type=int, default=16 << 10)
     ap.add_argument("--low", type=int, default=1)
     ap.add_argument("--high", type=int, default=4)
@@ -110,12 +98,7 @@ def main() -> None:
     ap.add_argument("--until-file", default=None, help="churn: stop early once this exists")
     ap.add_argument("--units", type=int, default=8)
     ap.add_argument("--fill", type=lambda s: int(s, 0), default=0xAB)
-    args = ap.parse_args()
-    try:
-        {"churn": churn, "hold": hold}[args.mode](args)
-    except Exception as e:
-        emit(event="error", error=f"{type(e).__name__}: {e}", trace=traceback.format_exc())
-        sys.exit(1)
+    run(ap, {"churn": churn, "hold": hold})
 
 
 if __name__ == "__main__":
