@@ -18,12 +18,21 @@ one per layer and K/V, 2 KiB per token per region, 1,024 tokens per unit of 64 p
   CUDA (``torch.cuda.is_available()``) a device-to-device ``Tensor.copy_`` as well.
 
 Repetitions are interleaved (every size, kvpool then copies, order alternating) in one
-run against one daemon (host backend, 2 MiB pages). Both tenants live in this process
-(two sessions); the giver polls its own connection for the daemon's word instead of
-waiting for its keeper thread's 20 ms tick.
+run against one daemon per layout and backing (host backend, 2 MiB pages, started by
+:mod:`kvpool.launch`). Both tenants live in this process (two sessions); the giver polls
+its own connection for the daemon's word instead of waiting for its keeper thread's
+20 ms tick. ``giver_unmap`` is the giver's own unmap calls on their own (timed inside
+its backend), the part of ``kvpool`` (done) that the page tables cost.
+
+Backings (``--backing``): ``shmem`` — the default memfd pages, 512 4 KiB PTEs per 2 MiB
+page (unless THP for shmem is on); ``hugetlb`` — the daemon's ``huge_pages = true``,
+one PMD per page. For ``hugetlb`` the huge pages must be free: those free are used, or
+(as root) ``vm.nr_hugepages`` is raised for the run and always restored; otherwise the
+backing is skipped with the reason printed.
 
     .venv/bin/python benchmarks/handoff_bench.py [--reps 7] [--tokens 256,2048,16384]
-        [--layouts per_layer,block_major] [--out benchmarks/results/handoff.json]
+        [--layouts per_layer,block_major] [--backing shmem,hugetlb]
+        [--out benchmarks/results/handoff.json]
 
 Prints a table and writes benchmarks/results/handoff.json.
 """
@@ -31,22 +40,25 @@ Prints a table and writes benchmarks/results/handoff.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import os
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Iterator
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from common import summarize, write_result  # noqa: E402
+
+from kvpool import launch  # noqa: E402
+from kvpool.vmm import hugetlb  # noqa: E402
 
 PAGE = 2 << 20
 LAYERS, KV_HEADS, HEAD_DIM, DTYPE_BYTES = 32, 8, 128, 2
@@ -60,19 +72,39 @@ def layout(name: str) -> tuple[int, int]:
     return 1, PAGE // TOKEN_BYTES
 
 
-def start_daemon(budget: int) -> tuple[subprocess.Popen, Path]:
+@contextlib.contextmanager
+def daemon(budget: int, backing: str) -> Iterator[Path]:
+    """A host daemon (``huge_pages = true`` for ``hugetlb``) on a fresh run dir."""
     run_dir = Path(tempfile.mkdtemp(prefix="kvp-handoff-", dir="/tmp"))
-    log = open(run_dir.with_suffix(".log"), "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvpool.cli.main", "daemon", "--backend", "host",
-         "--run-dir", str(run_dir), "--budget", str(budget), "--page-size", str(PAGE),
-         "--warm-max", "0"], stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
-    deadline = time.monotonic() + 30
-    while not (run_dir / "control.sock").exists() or not (run_dir / "pages.sock").exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit(f"the daemon did not start: {run_dir.with_suffix('.log').read_text()}")
-        time.sleep(0.05)
-    return proc, run_dir
+    config = run_dir.with_suffix(".toml")
+    config.write_text(f"huge_pages = {'true' if backing == 'hugetlb' else 'false'}\n")
+    log = run_dir.with_suffix(".log")
+    try:
+        d = launch.start_daemon(run_dir, "--warm-max", "0", budget=budget, page_size=PAGE,
+                                config=config, log=log, cwd=REPO)
+    except launch.DaemonStartError as e:
+        raise SystemExit(f"the daemon did not start: {e}") from None
+    try:
+        yield run_dir
+    finally:
+        d.stop()
+        shutil.rmtree(run_dir, ignore_errors=True)
+        log.unlink(missing_ok=True)
+        config.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def backing_pages(backing: str, budget: int) -> Iterator[str | None]:
+    """Yields None when ``backing`` can run (huge pages free for ``budget``, borrowed
+    as root if need be and given back after), else the reason it cannot."""
+    if backing != "hugetlb":
+        yield None
+        return
+    try:
+        with hugetlb.borrowed(budget):
+            yield None
+    except hugetlb.NoHugePages as e:
+        yield str(e)
 
 
 class Pair:
@@ -88,6 +120,19 @@ class Pair:
         self.rg = self.receiver.region_group(regions, cap, label="decode-kv")
         self.regions = regions
         self.touch_ns: list[int] = []  # the receiver's first read of every 4 KiB, after
+        self.unmap_ns: list[int] = []  # the giver's unmap calls, per handoff
+        self._unmapping = 0
+        backend = self.gg.backend
+        unmap = backend.unmap
+
+        def timed_unmap(*args, **kw):  # the giver's page-table teardown, on its own
+            t0 = time.perf_counter_ns()
+            try:
+                return unmap(*args, **kw)
+            finally:
+                self._unmapping += time.perf_counter_ns() - t0
+
+        backend.unmap = timed_unmap  # type: ignore[method-assign]
 
     def prepare(self, units: int, stamp: int) -> None:
         """The giver holds ``units`` fresh units written end to end (a prefilled KV)."""
@@ -103,6 +148,7 @@ class Pair:
         until the giver has unmapped them too (the giver's side runs after the claim)."""
         from kvpool.client_lib import handoff
 
+        self._unmapping = 0
         t0 = time.perf_counter_ns()
         ticket = handoff.offer(self.gg, range(units), to="decode", ttl_s=60)
         at = list(range(units))
@@ -116,6 +162,7 @@ class Pair:
         while not ticket.settled:
             self.giver.poll()
         done = time.perf_counter_ns() - t0
+        self.unmap_ns.append(self._unmapping)
         self.touch_ns.append(touch_every_os_page(
             [(self.rg.unit_address(r, 0), kv_bytes) for r in range(self.regions)]))
         if ticket.state != "claimed" or self.gg.mapped:
@@ -183,44 +230,28 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def measure(name: str, sizes: list[int], reps: int, cuda: bool) -> dict:
+def measure(name: str, sizes: list[int], reps: int, cuda: bool, backing: str) -> dict:
     """Every size of one layout, ``reps`` interleaved repetitions, one daemon."""
     regions, per_unit = layout(name)
     units_of = {n: -(-n // per_unit) for n in sizes}
     most = max(units_of.values())
-    proc, run_dir = start_daemon(budget=(most * regions + 8) * PAGE)
-    kinds = ["kvpool_ready", "kvpool", "host_copy", "kvpool_touch", "copy_touch"]
+    budget = (most * regions + 8) * PAGE
+    kinds = ["kvpool_ready", "kvpool", "giver_unmap", "host_copy", "kvpool_touch",
+             "copy_touch"]
     kinds += ["cuda_copy"] if cuda else []
-    samples = {n: {k: [] for k in kinds} for n in sizes}
-    try:
-        pair = Pair(run_dir, regions, most)
-        for rep in range(reps):
-            for n in sizes:
-                units, nbytes = units_of[n], n * TOKEN_BYTES
-                copies: dict = {"host_copy": HostCopy(nbytes)}
-                if cuda:
-                    copies["cuda_copy"] = CudaCopy(nbytes)
-                stamp = rep * 1000 + n % 997
-                pair.prepare(units, stamp)
-                order = ["kvpool", *copies] if rep % 2 == 0 else [*copies, "kvpool"]
-                for what in order:
-                    if what == "kvpool":  # (the request's KV bytes, per region, touched)
-                        ready, done = pair.handoff(units, stamp, nbytes // regions)
-                        samples[n]["kvpool_ready"].append(ready)
-                        samples[n]["kvpool"].append(done)
-                    else:
-                        samples[n][what].append(copies[what].run())
-                        if what == "host_copy":
-                            samples[n]["copy_touch"].append(copies[what].touch_ns)
-                samples[n]["kvpool_touch"].append(pair.touch_ns.pop())
-                del copies
-            print(f"{name}: rep {rep + 1}/{reps} done", file=sys.stderr)
-        pair.close()
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(30)
-        shutil.rmtree(run_dir, ignore_errors=True)
-        run_dir.with_suffix(".log").unlink(missing_ok=True)
+    samples: dict[int, dict[str, list[int]]] = {n: {k: [] for k in kinds} for n in sizes}
+    with backing_pages(backing, budget) as skip:
+        if skip:
+            print(f"{name}/{backing}: skipped: {skip}", file=sys.stderr)
+            return {"layout": name, "backing": backing, "skipped": skip}
+        with daemon(budget, backing) as run_dir:
+            pair = Pair(run_dir, regions, most)
+            try:
+                for rep in range(reps):
+                    one_rep(pair, sizes, units_of, rep, cuda, samples)
+                    print(f"{name}/{backing}: rep {rep + 1}/{reps} done", file=sys.stderr)
+            finally:
+                pair.close()
     rows = []
     for n in sizes:
         units = units_of[n]
@@ -228,37 +259,68 @@ def measure(name: str, sizes: list[int], reps: int, cuda: bool) -> dict:
                      "pages": units * regions, "unit_bytes_mapped": units * regions * PAGE}
         for what, xs in samples[n].items():
             row[what] = summarize(xs)
-        kv = statistics.median(samples[n]["kvpool"])
-        ready = statistics.median(samples[n]["kvpool_ready"])
-        host = statistics.median(samples[n]["host_copy"])
-        row["host_copy_over_kvpool"] = host / kv
-        row["host_copy_over_kvpool_ready"] = host / ready
+        med = {k: statistics.median(xs) for k, xs in samples[n].items()}
+        row["host_copy_over_kvpool"] = med["host_copy"] / med["kvpool"]
+        row["host_copy_over_kvpool_ready"] = med["host_copy"] / med["kvpool_ready"]
+        row["giver_unmap_share_of_kvpool"] = med["giver_unmap"] / med["kvpool"]
         if cuda:
-            row["cuda_copy_over_kvpool"] = statistics.median(samples[n]["cuda_copy"]) / kv
-        row["kvpool_us_per_page"] = kv / 1e3 / row["pages"]
-        row["kvpool_ready_us_per_page"] = ready / 1e3 / row["pages"]
+            row["cuda_copy_over_kvpool"] = med["cuda_copy"] / med["kvpool"]
+        for what in ("kvpool", "kvpool_ready", "giver_unmap", "kvpool_touch"):
+            row[f"{what}_us_per_page"] = med[what] / 1e3 / row["pages"]
         rows.append(row)
-    return {"layout": name, "regions": regions, "tokens_per_unit": per_unit, "rows": rows}
+    return {"layout": name, "backing": backing, "regions": regions,
+            "tokens_per_unit": per_unit, "rows": rows}
+
+
+def one_rep(pair: Pair, sizes: list[int], units_of: dict[int, int], rep: int, cuda: bool,
+            samples: dict[int, dict[str, list[int]]]) -> None:
+    """One repetition of every size: the handoff and the copies, order alternating."""
+    for n in sizes:
+        units, nbytes = units_of[n], n * TOKEN_BYTES
+        copies: dict = {"host_copy": HostCopy(nbytes)}
+        if cuda:
+            copies["cuda_copy"] = CudaCopy(nbytes)
+        stamp = rep * 1000 + n % 997
+        pair.prepare(units, stamp)
+        order = ["kvpool", *copies] if rep % 2 == 0 else [*copies, "kvpool"]
+        for what in order:
+            if what == "kvpool":  # (the request's KV bytes, per region, touched)
+                ready, done = pair.handoff(units, stamp, nbytes // pair.regions)
+                samples[n]["kvpool_ready"].append(ready)
+                samples[n]["kvpool"].append(done)
+                samples[n]["giver_unmap"].append(pair.unmap_ns[-1])
+            else:
+                samples[n][what].append(copies[what].run())
+                if what == "host_copy":
+                    samples[n]["copy_touch"].append(copies[what].touch_ns)
+        samples[n]["kvpool_touch"].append(pair.touch_ns[-1])
+        del copies
 
 
 def show(result: dict, reps: int, cuda: bool) -> None:
-    print(f"\nlayout {result['layout']}: {result['regions']} regions, "
-          f"{result['tokens_per_unit']} tokens per unit, {TOKEN_BYTES >> 10} KiB KV per "
-          f"token; medians of {reps} interleaved reps")
-    print(f"{'tokens':>7} {'KV MiB':>8} {'pages':>6} {'ready ms':>9} {'done ms':>8} "
-          f"{'host copy ms':>13} {'copy/ready':>11} {'copy/done':>10} "
-          f"{'touch ms kvpool/copy':>21}" + (f" {'cuda copy ms':>13} {'cuda/done':>10}"
-                                             if cuda else ""))
+    if "skipped" in result:
+        print(f"\nlayout {result['layout']}, {result['backing']}: skipped ({result['skipped']})")
+        return
+    print(f"\nlayout {result['layout']}, {result['backing']} pages: {result['regions']} "
+          f"regions, {result['tokens_per_unit']} tokens per unit, {TOKEN_BYTES >> 10} KiB KV "
+          f"per token; medians of {reps} interleaved reps (ms; us/page: per 2 MiB page)")
+    print(f"{'tokens':>7} {'KV MiB':>7} {'pages':>6} {'ready':>8} {'done':>8} "
+          f"{'unmap':>8} {'copy':>8} {'copy/ready':>10} {'copy/done':>9} "
+          f"{'us/page ready/done/unmap':>25} {'touch kvpool/copy':>18}"
+          + (f" {'cuda copy':>9} {'cuda/done':>9}" if cuda else ""))
     for r in result["rows"]:
-        line = (f"{r['tokens']:>7} {r['kv_bytes'] / 2**20:>8.0f} {r['pages']:>6} "
-                f"{r['kvpool_ready']['median_us'] / 1e3:>9.2f} "
-                f"{r['kvpool']['median_us'] / 1e3:>8.2f} {r['host_copy']['median_us'] / 1e3:>13.2f} "
-                f"{r['host_copy_over_kvpool_ready']:>10.2f}x {r['host_copy_over_kvpool']:>9.2f}x "
-                f"{r['kvpool_touch']['median_us'] / 1e3:>12.2f} / "
-                f"{r['copy_touch']['median_us'] / 1e3:<6.2f}")
+        ms = {k: r[k]["median_us"] / 1e3 for k in ("kvpool_ready", "kvpool", "giver_unmap",
+                                                    "host_copy", "kvpool_touch", "copy_touch")}
+        per_page = (f"{r['kvpool_ready_us_per_page']:.1f} / {r['kvpool_us_per_page']:.1f} / "
+                    f"{r['giver_unmap_us_per_page']:.1f}")
+        line = (f"{r['tokens']:>7} {r['kv_bytes'] / 2**20:>7.0f} {r['pages']:>6} "
+                f"{ms['kvpool_ready']:>8.2f} {ms['kvpool']:>8.2f} {ms['giver_unmap']:>8.2f} "
+                f"{ms['host_copy']:>8.2f} {r['host_copy_over_kvpool_ready']:>9.2f}x "
+                f"{r['host_copy_over_kvpool']:>8.2f}x {per_page:>25} "
+                f"{ms['kvpool_touch']:>8.2f} / {ms['copy_touch']:<7.2f}")
         if cuda:
-            line += (f" {r['cuda_copy']['median_us'] / 1e3:>13.2f} "
-                     f"{r['cuda_copy_over_kvpool']:>9.2f}x")
+            line += (f" {r['cuda_copy']['median_us'] / 1e3:>9.2f} "
+                     f"{r['cuda_copy_over_kvpool']:>8.2f}x")
         print(line)
 
 
@@ -267,29 +329,51 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--tokens", default="256,2048,16384")
     ap.add_argument("--layouts", default="per_layer,block_major")
+    ap.add_argument("--backing", default="shmem,hugetlb",
+                    help="page memory: shmem (memfd, 4 KiB PTEs), hugetlb (huge_pages = true)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    sizes = [int(x) for x in args.tokens.split(",")]
+    try:
+        sizes = [int(x) for x in args.tokens.split(",")]
+    except ValueError:
+        raise SystemExit(f"--tokens: expected numbers separated by commas, got {args.tokens!r}")
     names = [x for x in args.layouts.split(",") if x]
     bad = [x for x in names if x not in ("per_layer", "block_major")]
     if bad:
         raise SystemExit(f"unknown layout {bad[0]!r} (per_layer, block_major)")
+    backings = [x for x in args.backing.split(",") if x]
+    bad = [x for x in backings if x not in ("shmem", "hugetlb")] or ([] if backings else [""])
+    if bad:
+        raise SystemExit(f"--backing: unknown backing {bad[0]!r} (shmem, hugetlb)")
     cuda = cuda_available()
-    results = [measure(name, sizes, args.reps, cuda) for name in names]
+    results = [measure(name, sizes, args.reps, cuda, b) for name in names for b in backings]
     for result in results:
         show(result, args.reps, cuda)
     path = write_result("handoff", {
         "what": "request KV handed from one tenant to another through kvpool (ready: "
                 "offer + claim + the receiver reads a word of every page; done: the giver "
-                "has unmapped them too) vs copying the KV bytes (host memcpy floor; CUDA "
-                "device-to-device when present); touch: the receiver's first read of every "
-                "4 KiB afterwards (minor faults on host) vs the same reads of the copy",
+                "has unmapped them too; giver_unmap: the giver's unmap calls alone) vs "
+                "copying the KV bytes (host memcpy floor; CUDA device-to-device when "
+                "present); touch: the receiver's first read of every 4 KiB afterwards "
+                "(minor faults on host: 512 per page on shmem, 1 on hugetlb) vs the same "
+                "reads of the copy; per backing: shmem memfd pages (4 KiB PTEs) or hugetlb "
+                "(daemon huge_pages = true)",
         "model": {"like": "Llama-3-8B", "layers": LAYERS, "kv_heads": KV_HEADS,
                   "head_dim": HEAD_DIM, "dtype_bytes": DTYPE_BYTES, "token_bytes": TOKEN_BYTES,
                   "page_size": PAGE},
-        "backend": "host", "reps": args.reps, "cuda": cuda, "layouts": results,
+        "backend": "host", "backings": backings, "reps": args.reps, "cuda": cuda,
+        "thp_shmem_enabled": thp_shmem(), "layouts": results,
     }, args.out)
     print(f"wrote {os.path.relpath(path)}")
+
+
+def thp_shmem() -> str:
+    """The kernel's shmem THP policy (``never``: shmem pages are mapped 4 KiB at a time)."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/shmem_enabled") as f:
+            return f.read().strip()
+    except OSError:
+        return "unknown"
 
 
 if __name__ == "__main__":
