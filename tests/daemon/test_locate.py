@@ -44,8 +44,7 @@ def test_a_tenant_of_the_same_uid_is_located_with_its_endpoint(daemon):
             new.locate("new")
         assert err.value.code == p.NOT_FOUND
         # ps shows it: the JSON and the table
-        by_name = {t["name"]: t for t in d.cli_json("ps")["tenants"]}
-        assert by_name["old"]["endpoint"] == OLD_URL and by_name["new"]["endpoint"] == ""
+        assert endpoints_of(d) == {"old": OLD_URL, "new": ""}
         table = d.cli("ps").stdout
         assert "ENDPOINT" in table and OLD_URL in table, table
     assert d.check() == []
@@ -198,3 +197,24 @@ def test_another_uid_locates_only_with_a_pairing(start_daemon, tmp_path, paired)
             assert got["ok"] is False and got["code"] == p.NOT_FOUND, got
             assert "no tenant 'prefill'" in got["message"], got
     assert d.check() == []
+
+
+def test_the_endpoint_survives_a_daemon_restart(daemon):
+    """A tenant re-registers with its endpoint after the daemon restarts (the client keeps
+    the whole Register), so a successor still finds it."""
+    from .policy_helpers import restart
+    from .test_handoff import wait_for
+
+    d = daemon
+    with d.connect("old", endpoint=OLD_URL) as old:
+        restart(d, os.getpid())
+        wait_for(lambda: old.reconnects == 1, "the tenant re-registered")
+        with d.connect("new") as new:
+            assert new.locate("old").endpoint == OLD_URL
+        assert endpoints_of(d) == {"old": OLD_URL}
+    assert d.check() == []
+
+
+def endpoints_of(d) -> dict[str, str]:
+    """tenant -> endpoint, as `kvpool ps --json` shows them."""
+    return {t["name"]: t["endpoint"] for t in d.cli_json("ps")["tenants"]}

@@ -11,16 +11,12 @@ import httpx
 import pytest
 
 from daemon.conftest import start_daemon  # noqa: F401  (fixture)
+from daemon.test_locate import endpoints_of as endpoints  # tenant -> endpoint (ps --json)
 from kvpool import launch
 
 from .test_pd_handoff import accounted
 from .test_pd_serve import free_port
 from .test_warm_serve import complete, serve
-
-
-def endpoints(d) -> dict[str, str]:
-    """tenant -> endpoint, as `kvpool ps --json` shows them."""
-    return {t["name"]: t["endpoint"] for t in d.cli_json("ps")["tenants"]}
 
 
 def test_a_new_server_takes_over_by_tenant_name(start_daemon, tiny_dir, tmp_path):

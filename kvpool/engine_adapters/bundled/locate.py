@@ -26,6 +26,7 @@ import psutil
 
 from kvpool.engine.config import EngineConfig
 from kvpool.engine_adapters.bundled.bridge import Bridge, bridge_of
+from kvpool import protocol as p
 from kvpool.protocol import endpoint
 
 log = logging.getLogger("kvpool.warm")
@@ -61,7 +62,7 @@ def resolve(bridge: Bridge | None, source: str) -> str:
     from kvpool.client_lib import KvpoolError
 
     try:
-        found = tenant.locate(source)
+        found: p.Located = tenant.locate(source)
     except KvpoolError as e:
         raise RuntimeError(f"--handoff-from {source}: {e.message}") from None
     if not found.endpoint:
