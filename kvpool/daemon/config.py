@@ -39,8 +39,8 @@ about a copy). Load refuses it with ``backend = "cuda"`` or a page size that is 
 multiple of the kernel's huge page size; :meth:`check_budget` then measures the budget
 against the huge page pool (``vm.nr_hugepages``, or the ``hugepages=`` kernel
 argument) and refuses a pool too small for the pages the daemon pre-creates
-(``warm_min``). Pages are allocated when created, so an exhausted pool refuses a grant
-(NO_MEMORY) and never makes a process's first touch SIGBUS.
+(``warm_min``). Pages' huge pages are reserved when created, so an exhausted pool
+refuses a grant (NO_MEMORY) and never makes a process's first touch SIGBUS.
 """
 
 from __future__ import annotations

@@ -21,8 +21,9 @@
 
 Memory is back when the last fd and the last mapping (in any process) are gone.
 
-With ``huge_pages`` the memfds are hugetlb, allocated when created (an empty pool is
-:class:`OutOfMemory` there, never a SIGBUS at a first touch: :mod:`kvpool.vmm.hugetlb`).
+With ``huge_pages`` the memfds are hugetlb, their huge pages reserved when created (an
+empty pool is :class:`OutOfMemory` there, never a SIGBUS at a first touch:
+:mod:`kvpool.vmm.hugetlb`).
 Reservations are aligned to ``page_size`` in either mode, so a hugetlb page maps at
 any slot, in the daemon or in a client that does not know the mode.
 """
@@ -178,7 +179,7 @@ class HostBackend(Backend):
             os.ftruncate(fd, self.page_size)
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, REQUIRED_SEALS)
             if self.huge_pages:
-                hugetlb.allocate(fd, self.page_size, _libc, "create_page")
+                hugetlb.reserve(fd, self.page_size, "create_page")
         except OSError as e:
             os.close(fd)
             raise OutOfMemory("create_page", f"sizing memfd to {self.page_size}: {e}") from e
@@ -224,12 +225,8 @@ class HostBackend(Backend):
         mode = FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
         if _libc.fallocate(page.handle, mode, 0, page.size) != 0:
             raise _errno_error("zero", f"punch hole in page fd {page.handle}")
-        if self.huge_pages:  # the hole gave the huge pages back: take fresh (zeroed) ones
-            try:
-                hugetlb.allocate(page.handle, page.size, _libc, "zero")
-            except VmmError:  # leave no partial page behind: release it, do not map it
-                _libc.fallocate(page.handle, mode, 0, page.size)
-                raise
+        if self.huge_pages:  # the hole dropped the pages and their reservation: again
+            hugetlb.reserve(page.handle, page.size, "zero")  # (failed: release, never map)
 
     def release(self, page: Page) -> None:
         self._check_live("release", page)

@@ -7,12 +7,18 @@ hugetlb memfd is one PMD per huge page — one entry to remove, one fault to tak
 
 Invariants:
 
-* a page memfd created here (:func:`create_fd`) has its memory *allocated* before it is
-  returned (:func:`allocate`, ``fallocate``): hugetlb reserves at mmap or fault time, and
-  a fault that finds the pool empty is SIGBUS in whatever process touched the page. An
-  allocated page is in the file's page cache, so mapping and touching it later needs
-  nothing from the pool; when the pool is empty, the allocation fails with ENOSPC here,
-  in the daemon, and becomes :class:`OutOfMemory` (a grant refused with NO_MEMORY);
+* every huge page of a page memfd is *reserved* before the page is handed out
+  (:func:`reserve`): a fault that finds no free huge page is SIGBUS in whatever process
+  touched the page, so it must never need one from the pool. The daemon maps the new
+  memfd shared once and unmaps it: the kernel reserves the file's huge pages at that
+  mmap and keeps the reservation in the file (a shared mapping's reservations belong
+  to the inode, not the mapping) until the file is gone or a hole is punched; each
+  first fault, in any process, then consumes its reservation. When the pool cannot
+  reserve them the mmap fails with ENOMEM here, in the daemon, and becomes
+  :class:`OutOfMemory` (a grant refused with NO_MEMORY). Reserving costs no clearing:
+  the first toucher clears each huge page in its one fault, as with shmem;
+* "free" means ``HugePages_Free - HugePages_Rsvd`` (free pages include the reserved
+  ones not faulted in yet);
 * the size of every huge page memfd is a multiple of :func:`huge_page_size` (the
   kernel's default huge page size), and every address it is mapped at is aligned to it
   (the host backend aligns its reservations to the page size);
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import ctypes.util
 import errno
 import os
 from typing import Iterator
@@ -30,6 +37,16 @@ from typing import Iterator
 from kvpool.vmm.base import OutOfMemory, VmmError
 
 MEMINFO = "/proc/meminfo"
+PROT_READ_WRITE, MAP_SHARED = 3, 0x1
+MAP_FAILED = ctypes.c_void_p(-1).value
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [
+    ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long
+]
+_libc.munmap.restype = ctypes.c_int
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 
 
 def meminfo() -> dict[str, int]:
@@ -53,12 +70,18 @@ def huge_page_size() -> int | None:
         return None
 
 
+def free_pages() -> int:
+    """Huge pages (default size) neither in use nor reserved."""
+    info = meminfo()
+    return max(0, info.get("HugePages_Free", 0) - info.get("HugePages_Rsvd", 0))
+
+
 def pool_bytes() -> tuple[int, int]:
-    """(free, total) bytes of the default-size huge page pool (``HugePages_Free`` and
-    ``HugePages_Total`` times ``Hugepagesize``); (0, 0) without hugetlb support."""
+    """(free, total) bytes of the default-size huge page pool (:func:`free_pages` and
+    ``HugePages_Total``, times ``Hugepagesize``); (0, 0) without hugetlb support."""
     info = meminfo()
     size = info.get("Hugepagesize", 0)
-    return info.get("HugePages_Free", 0) * size, info.get("HugePages_Total", 0) * size
+    return free_pages() * size, info.get("HugePages_Total", 0) * size
 
 
 def create_fd(name: str, flags: int) -> int:
@@ -66,19 +89,21 @@ def create_fd(name: str, flags: int) -> int:
     return os.memfd_create(name, flags | os.MFD_HUGETLB)
 
 
-def allocate(fd: int, size: int, libc: ctypes.CDLL, op: str) -> None:
-    """Put real huge pages behind bytes ``[0, size)`` of ``fd`` now. Raises
-    :class:`OutOfMemory` when the pool has too few free pages (ENOSPC/ENOMEM), and
-    :class:`VmmError` for anything else. After an error the file may hold some of the
-    pages (hugetlbfs keeps a partial fallocate): the caller releases it or punches it."""
-    if libc.fallocate(fd, 0, 0, size) == 0:
+def reserve(fd: int, size: int, op: str) -> None:
+    """Reserve huge pages for bytes ``[0, size)`` of the hugetlb file ``fd`` (see the
+    module invariants). Raises :class:`OutOfMemory` when the pool has too few free
+    pages, :class:`VmmError` for anything else; nothing is reserved then."""
+    addr = _libc.mmap(None, size, PROT_READ_WRITE, MAP_SHARED, fd, 0)
+    if addr not in (None, MAP_FAILED):
+        _libc.munmap(addr, size)  # the reservation stays with the file
         return
     err = ctypes.get_errno()
-    if err in (errno.ENOSPC, errno.ENOMEM):
+    if err == errno.ENOMEM:
         free, total = pool_bytes()
         raise OutOfMemory(op, f"no free huge pages for {size} bytes ({free >> 20} MiB of "
                               f"{total >> 20} MiB free in the hugetlb pool, vm.nr_hugepages)")
-    raise VmmError(op, f"fallocate of {size} huge page bytes: {os.strerror(err)} (errno {err})")
+    raise VmmError(op, f"reserving {size} bytes of huge pages: {os.strerror(err)} "
+                       f"(errno {err})")
 
 
 def shortage(page_size: int) -> str | None:
@@ -109,7 +134,7 @@ def borrowed(nbytes: int) -> Iterator[None]:
     if size is None:
         raise NoHugePages("this kernel has no hugetlb support")
     need = -(-nbytes // size)
-    have = meminfo().get("HugePages_Free", 0)
+    have = free_pages()
     if have >= need:
         yield
         return
@@ -122,7 +147,7 @@ def borrowed(nbytes: int) -> Iterator[None]:
         raise NoHugePages(f"{need} huge pages needed, {have} free, and {NR_HUGEPAGES} "
                           f"cannot be raised ({e.strerror}; run as root or reserve them)") from e
     try:
-        got = meminfo().get("HugePages_Free", 0)
+        got = free_pages()
         if got < need:
             raise NoHugePages(f"{need} huge pages needed, the kernel found only {got} "
                               "(memory too fragmented?)")

@@ -32,7 +32,8 @@ WORKER = Path(__file__).with_name("handoff_worker.py")
 
 
 def free_huge() -> int:
-    return hugetlb.meminfo().get("HugePages_Free", 0)
+    """Huge pages neither in use nor reserved."""
+    return hugetlb.free_pages()
 
 
 @pytest.fixture
@@ -58,18 +59,20 @@ def hugeon(huge, start_daemon, tmp_path):
 
 
 class Hog:
-    """Huge pages taken from the pool by this test process (allocated memfds)."""
+    """Huge pages taken from the pool by this test process (reserved memfds)."""
 
     def __init__(self):
         self.fds: list[int] = []
 
+    def take(self) -> None:
+        fd = hugetlb.create_fd("hog", os.MFD_CLOEXEC)
+        self.fds.append(fd)
+        os.ftruncate(fd, HUGE)
+        hugetlb.reserve(fd, HUGE, "hog")
+
     def take_all(self) -> None:
-        libc = ctypes.CDLL(None, use_errno=True)
         while free_huge():
-            fd = hugetlb.create_fd("hog", os.MFD_CLOEXEC)
-            os.ftruncate(fd, HUGE)
-            hugetlb.allocate(fd, HUGE, libc, "hog")
-            self.fds.append(fd)
+            self.take()
 
     def give_back(self) -> None:
         for fd in self.fds:
@@ -160,11 +163,7 @@ def test_a_page_size_not_a_multiple_of_the_huge_page_is_refused(tmp_path):
 def test_too_few_free_huge_pages_for_the_warm_pool_is_refused(huge, tmp_path):
     hog = Hog()
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fd = hugetlb.create_fd("hog", os.MFD_CLOEXEC)  # one huge page in use elsewhere
-        os.ftruncate(fd, HUGE)
-        hugetlb.allocate(fd, HUGE, libc, "hog")
-        hog.fds.append(fd)
+        hog.take()  # one huge page in use elsewhere
         cfg = toml(tmp_path, 'huge_pages = true\nwarm_min = "100%"\n')
         line = refused(daemon_command(tmp_path / "run", "--config", cfg, budget="100%",
                                       page_size=PAGE))

@@ -1,5 +1,6 @@
 """The host backend on hugetlb memory (``huge_pages``): real hugetlb memfds, real child
-processes. Pages are sealed and allocated when created, map at aligned slots in a
+processes. Pages are sealed and their huge pages reserved when created, map at aligned
+slots in a
 process that does not know the mode, zero really zeroes, retirement still sees who
 holds a page, and an exhausted huge page pool refuses ``create_page`` without any
 process taking SIGBUS.
@@ -28,7 +29,8 @@ NEED = 8  # kvpool pages the tests below use at most
 
 
 def free_huge() -> int:
-    return hugetlb.meminfo().get("HugePages_Free", 0)
+    """Huge pages neither in use nor reserved."""
+    return hugetlb.free_pages()
 
 
 @pytest.fixture
@@ -58,18 +60,24 @@ def child(code: str, *fds: int) -> subprocess.CompletedProcess:
                           pass_fds=fds, capture_output=True, text=True, timeout=60)
 
 
-def test_pages_are_sealed_allocated_hugetlb_memfds(backend):
+def test_pages_are_sealed_reserved_hugetlb_memfds(backend):
     before = free_huge()
     page = backend.create_page()
+    rng = backend.reserve(PAGE)
     try:
-        assert free_huge() == before - PAGE // HUGE  # allocated now, not at first touch
+        assert free_huge() == before - PAGE // HUGE  # reserved now, not at first touch
+        backend.map(rng, 0, page)
+        ctypes.memset(rng.base, 1, PAGE)
+        assert free_huge() == before - PAGE // HUGE  # the faults consumed the reservation
         assert backend.resident_bytes(page) == PAGE
+        backend.unmap(rng, 0)
         assert fcntl.fcntl(page.handle, fcntl.F_GET_SEALS) & REQUIRED_SEALS == REQUIRED_SEALS
         with pytest.raises(OSError):
             os.ftruncate(page.handle, PAGE // 2)
         assert os.fstatvfs(page.handle).f_bsize == HUGE  # hugetlbfs, not shmem
         backend.release(backend.import_(page.handle))  # what it makes, it accepts
     finally:
+        backend.free_range(rng)
         backend.release(page)
     assert free_huge() == before  # the last reference gone: back to the pool
 
@@ -126,7 +134,7 @@ def test_another_process_maps_writes_and_the_first_reads(backend):
         backend.release(page)
 
 
-def test_zero_really_zeroes_and_keeps_the_page_backed(backend):
+def test_zero_really_zeroes_and_keeps_the_page_reserved(backend):
     page = backend.create_page()
     rng = backend.reserve(PAGE)
     try:
@@ -135,8 +143,8 @@ def test_zero_really_zeroes_and_keeps_the_page_backed(backend):
         backend.unmap(rng, 0)
         free = free_huge()
         backend.zero(page)
-        assert free_huge() == free  # punched and allocated again: still backed
-        assert backend.resident_bytes(page) == PAGE
+        assert backend.resident_bytes(page) == 0  # the hole gave the memory back
+        assert free_huge() == free  # and the page's huge pages are reserved again
         backend.map(rng, 0, page)
         assert ctypes.string_at(rng.base, PAGE) == bytes(PAGE)
         backend.unmap(rng, 0)
