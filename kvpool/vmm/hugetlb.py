@@ -1,5 +1,5 @@
 """hugetlb pages for the host backend: what the kernel's huge page pool holds, and how a
-page memfd is created and filled on it.
+page memfd is created and reserved on it.
 
 Why: a 2 MiB shmem memfd is mapped with 512 4 KiB PTEs (unless THP for shmem is on), so
 every unmap tears down 512 entries and every first touch takes 512 minor faults; a
@@ -22,7 +22,9 @@ Invariants:
 * the size of every huge page memfd is a multiple of :func:`huge_page_size` (the
   kernel's default huge page size), and every address it is mapped at is aligned to it
   (the host backend aligns its reservations to the page size);
-* nothing here changes the pool's size (``vm.nr_hugepages``): that is the operator's.
+* the backend never changes the pool's size (``vm.nr_hugepages``): that is the
+  operator's; only :func:`borrowed` (tests and benchmarks) raises it for a block and
+  always writes the old value back.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -183,3 +184,33 @@ def test_no_huge_pages_at_all_is_refused(tmp_path):
 def test_huge_pages_with_the_cuda_backend_is_refused():
     with pytest.raises(ConfigError, match="host pages only"):
         Config.from_dict({"huge_pages": True, "backend": "cuda"})
+
+
+def test_a_restarted_daemon_adopts_the_tenants_huge_pages(hugeon):
+    """SIGKILL the daemon while a tenant process maps 4 hugetlb pages: the next daemon
+    (same config) starts although no huge page is free then, and adopts them."""
+    from .helpers import respawn
+
+    d = hugeon
+    holder = d.worker("hold", "--name", "h0", "--units", "4", "--regions", "1",
+                      "--capacity", str(4 * PAGE))
+    assert read_event(holder, "ready")["pages"] == 4
+    d.proc.kill()
+    d.proc.wait(30)
+    hog = Hog()
+    try:
+        hog.take_all()
+        respawn(d)
+    finally:
+        hog.give_back()
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            after = {t.name: t.mapped for t in d.stats().tenants}
+        except Exception:  # noqa: BLE001 - the new daemon may not answer yet
+            after = {}
+        if after == {"h0": 4 * PAGE}:
+            break
+        assert time.monotonic() < deadline, (after, d.logs()[-2000:])
+        time.sleep(0.1)
+    assert holder.poll() is None and d.check() == []
