@@ -92,6 +92,7 @@ class Handoffs:
         self.tickets: dict[str, Ticket] = {}
         self._lock = threading.Lock()
         self._early: dict[str, p.Settled] = {}  # a Settled read before its Offered returned
+        self._next_giver = 0  # the tenant id the next claim must come from (0: any)
 
     def offer(self, group: "RegionGroup", units: Sequence[int], to: str,
               ttl_s: float = 10.0) -> Ticket:
@@ -129,14 +130,25 @@ class Handoffs:
         self._finish(tid, "cancelled", "cancelled by the giver")
         return True
 
+    def expect_giver(self, tenant_id: int) -> None:
+        """The next :meth:`claim` of this tenant (whoever makes it) must be of an offer by
+        tenant ``tenant_id`` (a daemon tenant id, e.g. ``Located.tenant``): the daemon
+        refuses it otherwise, nothing moving. Consumed by that claim, refused or not."""
+        with self._lock:
+            self._next_giver = tenant_id
+
     def claim(self, group: "RegionGroup", ticket: Ticket | str, at_units: Sequence[int],
-              populate: bool = False) -> list[int]:
+              populate: bool = False, giver: int = 0) -> list[int]:
         """Map the ticket's pages at ``at_units`` (unmapped) of ``group``; returns them.
-        The pages hold the giver's bytes (not zeroed). All or nothing."""
+        The pages hold the giver's bytes (not zeroed). All or nothing. ``giver`` (or, if
+        0, the one :meth:`expect_giver` set): the tenant id whose offer this must be —
+        else ``KvpoolError`` (``UNAUTHORIZED``) and nothing is claimed."""
         tid = ticket.id if isinstance(ticket, Ticket) else ticket
         at = list(at_units)
+        with self._lock:
+            giver, self._next_giver = giver or self._next_giver, 0
         reply, fds = self.tenant.conn.call(
-            p.Claim(ticket=tid, group=group.id, units=at), p.Claimed)
+            p.Claim(ticket=tid, group=group.id, units=at, giver=giver), p.Claimed)
         group.map_granted(at, fds, populate)
         return at
 
@@ -193,8 +205,8 @@ def offer(group: "RegionGroup", units: Sequence[int], to: str, ttl_s: float = 10
 
 
 def claim(group: "RegionGroup", ticket: Ticket | str, at_units: Sequence[int],
-          populate: bool = False) -> list[int]:
-    return of(group.tenant).claim(group, ticket, at_units, populate)
+          populate: bool = False, giver: int = 0) -> list[int]:
+    return of(group.tenant).claim(group, ticket, at_units, populate, giver)
 
 
 def cancel(tenant: "Tenant", ticket: Ticket | str) -> bool:

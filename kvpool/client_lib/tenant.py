@@ -301,10 +301,11 @@ class Tenant:
     def ping(self) -> None:
         self.conn.call(p.Ping(), p.Done)
 
-    def locate(self, name: str) -> p.Located:
-        """The live tenant ``name`` (pid, endpoint), if it may hand pages to this one
-        (kvpool.daemon.locate); else raises ``KvpoolError`` (``NOT_FOUND``)."""
-        return self.conn.call(p.Locate(name=name), p.Located)[0]
+    def locate(self, name: str, as_giver: bool = False) -> p.Located:
+        """The live tenant ``name`` (pid, uid, endpoint), if it may hand pages to this
+        one — with ``as_giver``: if this one may hand pages to it — (kvpool.daemon.locate);
+        else raises ``KvpoolError`` (``NOT_FOUND``)."""
+        return self.conn.call(p.Locate(name=name, as_giver=as_giver), p.Located)[0]
 
     def close(self) -> None:
         if self.closed:

@@ -4,11 +4,12 @@ pool's ownership.
 
 * ``offer``: units of the giver's group go in escrow (the giver keeps them: they stay in
   its table, charged to it, until a claim succeeds).
-* ``claim``: all checks first (the ticket, who may claim it, the layout, the receiver's
-  room under its cap, its fair share while others wait, its target units), then in one
-  step the pages leave the giver's table and enter the receiver's, the pool's owner of
-  each pfn changes, the pages' descriptors are queued for the receiver (before the
-  reply, as for a grant) and the giver is told (:class:`~kvpool.protocol.replies.Settled`,
+* ``claim``: all checks first (the ticket, who may claim it, the giver the claimant
+  expects if it names one (``Claim.giver``), the layout, the receiver's room under its
+  cap, its fair share while others wait, its target units), then in one step the pages
+  leave the giver's table and enter the receiver's, the pool's owner of each pfn
+  changes, the pages' descriptors are queued for the receiver (before the reply, as for
+  a grant) and the giver is told (:class:`~kvpool.protocol.replies.Settled`,
   unsolicited) to drop its mappings. A refused claim changes nothing: the giver keeps
   the pages and the ticket stays claimable by its receiver.
 * tickets expire on the arbiter's tick; a giver's session that ends cancels its tickets
@@ -101,6 +102,11 @@ class Handoff:
                                            room, now, self.pairs)
         except Refused as e:
             raise Fail(e.code, str(e)) from None
+        if r.giver and ticket.giver.tenant != r.giver:
+            raise Fail(p.UNAUTHORIZED, f"ticket {escrow.short(ticket.id)} was offered by "
+                                       f"tenant {ticket.giver.name!r} (id "
+                                       f"{ticket.giver.tenant}), not by tenant id {r.giver} "
+                                       f"the claimant expected; not claimed")
         n = ticket.pages
         if t.ask is not None:
             raise Fail(p.NO_MEMORY, f"{t.name} is being asked to give memory back; "
@@ -122,7 +128,8 @@ class Handoff:
         log.info("tenant %d (%s) claimed ticket %s: %d pages from %s", t.id, t.name,
                  escrow.short(ticket.id), n, ticket.giver.name)
         reply = p.Claimed(id=r.id, group=g.id, units=list(r.units), nfds=n,
-                             ticket=ticket.id, giver=ticket.giver.name)
+                             ticket=ticket.id, giver=ticket.giver.name,
+                             giver_tenant=ticket.giver.tenant)
         return Outcome(reply, pfns_to_send=pfns, tenant=t)
 
     def _move(self, giver: TenantRecord, gg: GroupRecord, t: TenantRecord, g: GroupRecord,

@@ -237,10 +237,12 @@ class Offered(Reply, tag="offered"):
 
 class Claimed(Granted, tag="claimed"):
     """The ticket's pages are the receiver's now (``units`` of ``group``; ``nfds``
-    descriptors already on its fd channel, as for a grant). ``giver`` handed them."""
+    descriptors already on its fd channel, as for a grant). ``giver`` (its name) and
+    ``giver_tenant`` (its tenant id, the daemon's) handed them."""
 
     ticket: str = ""
     giver: str = ""
+    giver_tenant: int = 0
 
 
 class Settled(Reply, tag="settled"):
@@ -257,13 +259,14 @@ class Settled(Reply, tag="settled"):
 
 
 class Located(Reply, tag="located"):
-    """The tenant a ``Locate`` named: its id, pid (from ``SO_PEERCRED``) and the
+    """The tenant a ``Locate`` named: its id, pid and uid (from ``SO_PEERCRED``) and the
     endpoint it registered (``""``: none; tenant-supplied, loopback http only)."""
 
     tenant: int
     name: str
     pid: int
     endpoint: str = ""
+    uid: int = -1
 
 
 REPLIES = (

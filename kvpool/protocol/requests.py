@@ -211,11 +211,16 @@ class Offer(Request, tag="offer"):
 class Claim(Request, tag="claim"):
     """Take ticket ``ticket`` into ``group`` at ``units`` (unmapped there, as many as the
     ticket holds: ``units[i]`` gets the ticket's ``i``-th unit); answered ``Claimed``
-    (a ``Granted``: the descriptors precede it). The giver is told ``Settled``."""
+    (a ``Granted``: the descriptors precede it). The giver is told ``Settled``.
+    ``giver`` (a tenant id; 0: any): the claimant expects the ticket to be that tenant's
+    offer, and the daemon refuses (``UNAUTHORIZED``, nothing moves, the ticket stays
+    pending for its giver) when it is another's — a successor that located its
+    predecessor by name claims only what that tenant offered."""
 
     ticket: TicketId
     group: Id
     units: SomeUnits
+    giver: Id = 0
 
 
 class Cancel(Request, tag="cancel"):
@@ -228,9 +233,11 @@ class Locate(Request, tag="locate"):
     """Find the live tenant called ``name`` (its pid and registered endpoint), answered
     ``Located`` only when it may hand pages to the asker (same uid, or the config pairs
     it with the asker: the handoff rule); otherwise ``NOT_FOUND``, the same as for a
-    name nobody holds (kvpool.daemon.locate)."""
+    name nobody holds (kvpool.daemon.locate). With ``as_giver`` the direction turns: the
+    asker would hand pages to ``name`` (a retiring server checks who asks it to retire)."""
 
     name: Name
+    as_giver: bool = False
 
 
 REQUESTS = (

@@ -46,9 +46,9 @@ FIELDS = {
     "reclaimed": {"seq": "int", "freed": "oint"},
     "adopt": {"groups": "groups", "lease": "huge", "nfds": "zero"},
     "offer": {"group": "int", "units": "list", "to": "str", "ttl_ms": "ttl"},
-    "claim": {"ticket": "ticket", "group": "int", "units": "list"},
+    "claim": {"ticket": "ticket", "group": "int", "units": "list", "giver": "oint"},
     "cancel": {"ticket": "ticket"},
-    "locate": {"name": "str"},
+    "locate": {"name": "str", "as_giver": "bool"},
 }
 for op in ALL_OPS:
     FIELDS.setdefault(op, {})

@@ -167,6 +167,57 @@ def test_across_uids_only_a_configured_pairing_locates(paired):
         close()
 
 
+@pytest.mark.parametrize("paired", [False, True])
+def test_as_giver_the_direction_turns(paired):
+    """``Locate(as_giver=True)``: the asker is the giver (a retiring server checking who
+    asks it): "old" finds "new" with its pid and uid only when it may hand pages to it,
+    and the pairing old -> new does not let "new" find "old" that way."""
+    policy = {"old": TenantPolicy(handoff_to=["new"])} if paired else {}
+    session, close = _sessions(policy)
+    try:
+        old = session("old", uid=1000, endpoint=OLD_URL)
+        new = session("new", uid=2000)
+        got = old(p.Locate(name="new", as_giver=True))
+        if paired:
+            assert isinstance(got, p.Located) and (got.name, got.uid) == ("new", 2000), got
+            assert got.pid > 4000, got  # the session's pid (SO_PEERCRED; here made up)
+        else:
+            assert isinstance(got, p.Error) and got.code == p.NOT_FOUND, got
+            assert "that 'old' may hand pages to" in got.message, got
+        back = new(p.Locate(name="old", as_giver=True))  # new may not give to old
+        assert isinstance(back, p.Error) and back.code == p.NOT_FOUND, back
+    finally:
+        close()
+
+
+def test_a_claim_naming_its_giver_takes_only_that_tenants_offer(daemon):
+    """``Claim.giver``: a ticket another tenant offered is refused (UNAUTHORIZED), nothing
+    moves and the ticket stays claimable; naming the real giver (or none) claims it."""
+    from kvpool.client_lib import handoff
+
+    d = daemon
+    with d.connect("real") as real, d.connect("other") as other, d.connect("new") as new:
+        gr, go = real.region_group(1, 4 * PAGE), other.region_group(1, 4 * PAGE)
+        gr.grant([0])
+        go.grant([0])
+        ticket = handoff.offer(go, [0], to="new", ttl_s=60)
+        gn = new.region_group(1, 4 * PAGE)
+        handoff.of(new).expect_giver(real.id)  # as a successor that located "real"
+        with pytest.raises(KvpoolError, match="offered by tenant 'other'") as err:
+            handoff.claim(gn, ticket, [0])
+        assert err.value.code == p.UNAUTHORIZED
+        assert not ticket.settled and 0 in go.mapped and 0 not in gn.mapped
+        mapped = {t.name: t.mapped for t in d.stats().tenants}
+        assert mapped == {"real": PAGE, "other": PAGE, "new": 0}, mapped
+        with pytest.raises(KvpoolError, match="offered by tenant 'other'"):
+            handoff.claim(gn, ticket, [0], giver=real.id)  # explicit, same
+        assert handoff.claim(gn, ticket, [0], giver=other.id) == [0]  # the real giver
+        assert ticket.wait(30) == "claimed" and 0 in gn.mapped
+        mapped = {t.name: t.mapped for t in d.stats().tenants}
+        assert mapped == {"real": PAGE, "other": 0, "new": PAGE}, mapped
+    assert d.check() == []
+
+
 LOCATE = """
 import json, sys
 from kvpool.client_lib import KvpoolError, connect
