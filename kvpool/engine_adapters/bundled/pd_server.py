@@ -126,6 +126,17 @@ class DecodeEngine(AsyncEngine):
         self.prefill_url = prefill_url.rstrip("/")
         self.timeout_s = timeout_s
         self.adopted = self.recomputed = 0
+        self._client: Any = None  # one httpx.AsyncClient, made in the serving loop
+
+    def _prefill_client(self) -> Any:
+        """The client for the prefill server, made once: an ``httpx.AsyncClient`` costs
+        ~25 ms of CPU to build (its TLS context), which per request would hold the GIL
+        and stall this server's decode steps."""
+        import httpx
+
+        if self._client is None:
+            self._client = httpx.AsyncClient(timeout=self.timeout_s)
+        return self._client
 
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams
                        ) -> AsyncIterator[RequestOutput]:
@@ -134,8 +145,8 @@ class DecodeEngine(AsyncEngine):
         body = {"request_id": request_id, "prompt": prompt,
                 "params": dataclasses.asdict(params)}
         try:
-            async with httpx.AsyncClient(timeout=self.timeout_s) as client:
-                reply = await client.post(f"{self.prefill_url}/pd/prefill", json=body)
+            reply = await self._prefill_client().post(f"{self.prefill_url}/pd/prefill",
+                                                      json=body)
         except httpx.TransportError as e:  # no prefill server: compute it here
             log.warning("prefill server unreachable (%s); computing %s here", e, request_id)
             self.recomputed += 1
