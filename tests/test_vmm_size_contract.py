@@ -10,16 +10,13 @@ import pytest
 
 from kvpool.vmm import Backend, InvalidArgument
 from kvpool.vmm.host import HostBackend
+from vmm.fixtures import host_backend
 
 OS_PAGE = mmap.PAGESIZE
 PAGE = 2 << 20
 
 
-@pytest.fixture
-def backend():
-    b = HostBackend(page_size=PAGE)
-    yield b
-    b.close()
+backend = host_backend(PAGE)
 
 
 def test_the_one_unit_is_page_size(backend):

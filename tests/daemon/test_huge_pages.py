@@ -22,6 +22,8 @@ import pytest
 from kvpool.client_lib import NoMemory, handoff
 from kvpool.daemon.config import Config, ConfigError
 from kvpool.vmm import hugetlb
+from kvpool.vmm.hugetlb import free_pages as free_huge  # neither in use nor reserved
+from vmm.fixtures import borrowed_huge_pages
 
 from .handoff_worker import fill, pattern, read
 from .helpers import REPO, daemon_command, read_event
@@ -32,18 +34,7 @@ POOL = 12  # huge pages the tests need free
 WORKER = Path(__file__).with_name("handoff_worker.py")
 
 
-def free_huge() -> int:
-    """Huge pages neither in use nor reserved."""
-    return hugetlb.free_pages()
-
-
-@pytest.fixture
-def huge():
-    try:
-        with hugetlb.borrowed(POOL * HUGE):
-            yield
-    except hugetlb.NoHugePages as e:
-        pytest.skip(f"no huge pages for the test: {e}")
+huge = borrowed_huge_pages(POOL * HUGE)
 
 
 def toml(tmp_path: Path, text: str = "huge_pages = true\n") -> str:

@@ -8,16 +8,12 @@ import os
 import pytest
 
 from kvpool.daemon.pool import PoolExhausted, Pool
-from kvpool.vmm.host import HostBackend
+from vmm.fixtures import host_backend
 
 PAGE = 64 << 10
 
 
-@pytest.fixture
-def backend():
-    b = HostBackend(page_size=PAGE)
-    yield b
-    b.close()
+backend = host_backend(PAGE)
 
 
 def inode(pool: Pool, pfn: int) -> int:

@@ -21,14 +21,12 @@ from kvpool.client_lib.tensors import live_views, tensor_view
 from kvpool.vmm import InvalidArgument, ResourceLimit, open_backend
 from kvpool.vmm.host import HostBackend, count_maps
 
+from .fixtures import host_backend
+
 PAGE = 1 << 20
 
 
-@pytest.fixture
-def backend():
-    b = HostBackend(page_size=PAGE)
-    yield b
-    b.close()
+backend = host_backend(PAGE)
 
 
 def assert_usable(b: HostBackend) -> None:

@@ -22,32 +22,17 @@ import pytest
 
 from kvpool.vmm import InvalidArgument, OutOfMemory, hugetlb
 from kvpool.vmm.host import REQUIRED_SEALS, HostBackend
+from kvpool.vmm.hugetlb import free_pages as free_huge  # neither in use nor reserved
+
+from .fixtures import borrowed_huge_pages, host_backend
 
 HUGE = hugetlb.huge_page_size() or 2 << 20
 PAGE = 2 * HUGE  # two huge pages per kvpool page: multi-huge-page pages work too
 NEED = 8  # kvpool pages the tests below use at most
 
 
-def free_huge() -> int:
-    """Huge pages neither in use nor reserved."""
-    return hugetlb.free_pages()
-
-
-@pytest.fixture
-def huge():
-    """``NEED`` pages' worth of huge pages free for the test (see the module doc)."""
-    try:
-        with hugetlb.borrowed(NEED * PAGE):
-            yield
-    except hugetlb.NoHugePages as e:
-        pytest.skip(f"no huge pages for the test: {e}")
-
-
-@pytest.fixture
-def backend(huge):
-    b = HostBackend(page_size=PAGE, huge_pages=True)
-    yield b
-    b.close()
+huge = borrowed_huge_pages(NEED * PAGE)  # NEED pages' worth free (see the module doc)
+backend = host_backend(PAGE, huge_pages=True, after=("huge",))
 
 
 def child(code: str, *fds: int) -> subprocess.CompletedProcess:

@@ -15,16 +15,14 @@ import pytest
 
 from kvpool import fdchannel
 from kvpool.vmm import InvalidArgument
-from kvpool.vmm.host import REQUIRED_SEALS, HostBackend
+from kvpool.vmm.host import REQUIRED_SEALS
+
+from .fixtures import host_backend
 
 PAGE = 1 << 20
 
 
-@pytest.fixture
-def backend():
-    b = HostBackend(page_size=PAGE)
-    yield b
-    b.close()
+backend = host_backend(PAGE)
 
 
 def memfd(size: int = PAGE, seals: int = 0, sealing: bool = True) -> int:
