@@ -33,51 +33,19 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from common import summarize, write_result  # noqa: E402
+from common import write_result  # noqa: E402
+from grant_phases import against_baseline, print_phases, time_grants  # noqa: E402
 
 from kvpool import fdchannel, paths  # noqa: E402
 from kvpool import protocol as p  # noqa: E402
+from tests.daemon.rawpeer import RawPeer  # noqa: E402
 
 PAGE = 64 << 10
 BUDGET_PAGES = 4096
 ATTACKS = ["adopt_unregistered", "adopt_missing", "nonreader", "frames", "conn_flood"]
 
 
-# ---- the attacker process ---------------------------------------------------------------
-class Peer:
-    def __init__(self, run_dir: Path, name: str | None = None):
-        import zmq
-
-        self.fd = fdchannel.connect(str(paths.pages_path(run_dir)))
-        self.fd.settimeout(10)
-        self.token = p.decode_hello(self.fd.recv(fdchannel.MAX_DATA)).token
-        self.sock = zmq.Context.instance().socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(paths.control_endpoint(run_dir))
-        self.ids = itertools.count(1)
-        if name:
-            self.call(p.Register(name=name))
-
-    def send(self, req: p.Request) -> int:
-        req.id, req.token = next(self.ids), self.token
-        self.sock.send(p.encode(req))
-        return req.id
-
-    def call(self, req: p.Request, timeout_s: float = 10) -> p.Reply | None:
-        rid = self.send(req)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.sock.poll(100):
-                reply = p.decode_reply(self.sock.recv())
-                if reply.id == rid:
-                    return reply
-        return None
-
-    def close(self) -> None:
-        self.sock.close(linger=0)
-        self.fd.close()
-
-
+# ---- the attacker process (a raw peer: tests/daemon/rawpeer.py) ---------------------
 def attack(kind: str, run_dir: Path) -> None:
     """Run one attack until SIGTERM."""
     import zmq
@@ -89,21 +57,25 @@ def attack(kind: str, run_dir: Path) -> None:
         if kind == "idle":
             time.sleep(0.05)
         elif kind == "adopt_unregistered":
-            peers = [Peer(run_dir) for _ in range(8)]
+            peers = [RawPeer(run_dir) for _ in range(8)]
             for peer in peers:
-                peer.call(p.Adopt(nfds=7), timeout_s=5)
+                peer.send(p.Adopt(nfds=7))
+                peer.sock.poll(5000)  # its refusal, or 5 s
             for peer in peers:
                 peer.close()
         elif kind == "adopt_missing":
-            peers = [Peer(run_dir, f"adopter{next(n)}") for _ in range(8)]
+            peers = [RawPeer(run_dir) for _ in range(8)]
+            for peer in peers:
+                peer.call(p.Register(name=f"adopter{next(n)}"))
             for peer in peers:
                 peer.send(p.Adopt(nfds=5))
             for peer in peers:
                 peer.sock.poll(5000)
                 peer.close()
         elif kind == "nonreader":
-            peer = Peer(run_dir, f"sink{next(n)}")
-            gid = peer.call(p.CreateGroup(n_regions=1, capacity=300 * PAGE)).group
+            peer = RawPeer(run_dir)
+            peer.register(f"sink{next(n)}")
+            gid = peer.group(300, PAGE)
             for u in range(300):
                 peer.send(p.Grant(group=gid, units=[u]))
             deadline = time.monotonic() + 3  # past send_timeout_s: the daemon drops it
@@ -124,18 +96,6 @@ def attack(kind: str, run_dir: Path) -> None:
 
 
 # ---- the honest tenant ------------------------------------------------------------------
-def measure(g, seconds: float) -> list[int]:
-    samples = []
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        t0 = time.perf_counter_ns()
-        g.grant([0])
-        samples.append(time.perf_counter_ns() - t0)
-        g.release([0])
-        time.sleep(0.001)
-    return samples
-
-
 def run(args) -> dict:
     from kvpool.client_lib import connect
     from kvpool.demo.cluster import Cluster
@@ -147,13 +107,14 @@ def run(args) -> dict:
         run_dir = cluster.run_dir
         with connect(name="honest", run_dir=run_dir, timeout_s=60) as t:
             g = t.region_group(1, 4 * PAGE)
-            measure(g, 0.5)  # warm up
+            time_grants(g, 0.5)  # warm up
             for _ in range(args.reps):
                 for kind in [*attacks, "idle"]:
                     proc = subprocess.Popen([sys.executable, __file__, "--attacker", kind,
                                              "--run-dir", str(run_dir)])
                     time.sleep(0.5)  # the attack is under way
-                    samples["baseline" if kind == "idle" else kind] += measure(g, args.seconds)
+                    samples["baseline" if kind == "idle" else kind] += time_grants(
+                        g, args.seconds)
                     proc.send_signal(signal.SIGTERM)
                     try:
                         proc.wait(30)
@@ -161,16 +122,7 @@ def run(args) -> dict:
                         proc.kill()
                         proc.wait()
             cluster.check_alive()
-    base = summarize(samples["baseline"])
-    base["max_us"] = max(samples["baseline"]) / 1e3
-    out = {"baseline": base}
-    for kind in attacks:
-        s = summarize(samples[kind])
-        s["max_us"] = max(samples[kind]) / 1e3
-        s["p50_ratio"] = s["median_us"] / base["median_us"]
-        s["p99_ratio"] = s["p99_us"] / base["p99_us"]
-        out[kind] = s
-    return out
+    return against_baseline(samples)
 
 
 def main() -> None:
@@ -186,12 +138,7 @@ def main() -> None:
         attack(args.attacker, args.run_dir)
         return
     results = run(args)
-    print(f"{'phase':<20} {'n':>6} {'p50 us':>9} {'p99 us':>10} {'max us':>10} {'p50 x':>7} "
-          f"{'p99 x':>7}")
-    for kind, s in results.items():
-        print(f"{kind:<20} {s['n']:>6} {s['median_us']:>9.0f} {s['p99_us']:>10.0f} "
-              f"{s['max_us']:>10.0f} "
-              f"{s.get('p50_ratio', 1.0):>7.2f} {s.get('p99_ratio', 1.0):>7.2f}")
+    print_phases(results, width=20)
     path = write_result("attack_bench", {
         "page_size": PAGE, "budget_pages": BUDGET_PAGES, "reps": args.reps,
         "seconds_per_phase": args.seconds, "results": results}, args.out)

@@ -26,7 +26,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from common import summarize, write_result  # noqa: E402
+from common import write_result  # noqa: E402
+from grant_phases import against_baseline, print_phases, time_grants  # noqa: E402
 
 from kvpool import protocol as p  # noqa: E402
 
@@ -35,18 +36,6 @@ BUDGET = 64  # pages
 SILENT = 56  # pages the silent tenant holds (above its fair share): the budget is full
 HONEST = 8
 ASK = 8  # the waiter's grant: does not fit until reclaim frees pages
-
-
-def measure(g, seconds: float) -> list[int]:
-    samples = []
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        g.release([0])
-        t0 = time.perf_counter_ns()
-        g.grant([0])
-        samples.append(time.perf_counter_ns() - t0)
-        time.sleep(0.001)
-    return samples
 
 
 def waiting(mon) -> int:
@@ -71,7 +60,7 @@ def run(args) -> dict:
         with connect(name="honest", run_dir=run_dir, timeout_s=60) as t, Monitor(run_dir) as mon:
             g = t.region_group(1, HONEST * PAGE)
             g.grant(list(range(HONEST)))  # the budget is full now
-            measure(g, 0.3)  # warm up
+            time_grants(g, 0.3, held=True)  # warm up
             for _ in range(args.reps):
                 for phase in ("waiter", "baseline"):
                     waiter = None
@@ -85,7 +74,7 @@ def run(args) -> dict:
                         while not waiting(mon) and time.monotonic() < deadline:
                             time.sleep(0.01)
                         assert waiting(mon), "the waiter's grant never queued"
-                    samples[phase] += measure(g, args.seconds)
+                    samples[phase] += time_grants(g, args.seconds, held=True)
                     if waiter is not None:
                         assert waiting(mon), "the waiter stopped waiting during the phase"
                         waiter.close()  # its session ends: the queued grant goes with it
@@ -95,13 +84,7 @@ def run(args) -> dict:
             assert mon.check() == []
         silent.close()
         cluster.check_alive()
-    base = summarize(samples["baseline"])
-    base["max_us"] = max(samples["baseline"]) / 1e3
-    w = summarize(samples["waiter"])
-    w["max_us"] = max(samples["waiter"]) / 1e3
-    w["p50_ratio"] = w["median_us"] / base["median_us"]
-    w["p99_ratio"] = w["p99_us"] / base["p99_us"]
-    return {"baseline": base, "waiter": w}
+    return against_baseline(samples)
 
 
 def main() -> None:
@@ -111,11 +94,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     results = run(args)
-    print(f"{'phase':<10} {'n':>6} {'p50 us':>9} {'p99 us':>10} {'max us':>10} {'p50 x':>7} "
-          f"{'p99 x':>7}")
-    for phase, s in results.items():
-        print(f"{phase:<10} {s['n']:>6} {s['median_us']:>9.0f} {s['p99_us']:>10.0f} "
-              f"{s['max_us']:>10.0f} {s.get('p50_ratio', 1.0):>7.2f} {s.get('p99_ratio', 1.0):>7.2f}")
+    print_phases(results, width=10)
     path = write_result("hol_bench", {
         "page_size": PAGE, "budget_pages": BUDGET, "reps": args.reps,
         "seconds_per_phase": args.seconds, "results": results}, args.out)
