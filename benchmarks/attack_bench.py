@@ -33,11 +33,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from common import write_result  # noqa: E402
-from grant_phases import against_baseline, print_phases, time_grants  # noqa: E402
+from grant_phases import against_baseline, arguments, report, time_grants  # noqa: E402
 
 from kvpool import fdchannel, paths  # noqa: E402
 from kvpool import protocol as p  # noqa: E402
+from kvpool import launch  # noqa: E402
 from tests.daemon.rawpeer import RawPeer  # noqa: E402
 
 PAGE = 64 << 10
@@ -115,34 +115,22 @@ def run(args) -> dict:
                     time.sleep(0.5)  # the attack is under way
                     samples["baseline" if kind == "idle" else kind] += time_grants(
                         g, args.seconds)
-                    proc.send_signal(signal.SIGTERM)
-                    try:
-                        proc.wait(30)
-                    except subprocess.TimeoutExpired:
-                        proc.kill()
-                        proc.wait()
+                    launch.stop(proc, grace_s=30)  # SIGTERM ends the attack; SIGKILL after 30 s
             cluster.check_alive()
     return against_baseline(samples)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--seconds", type=float, default=3.0, help="per phase")
+    ap = arguments(__doc__, seconds=3.0)
     ap.add_argument("--attacker", choices=["idle", *ATTACKS], help=argparse.SUPPRESS)
     ap.add_argument("--run-dir", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--attacks", default=",".join(ATTACKS), help="comma-separated subset")
-    ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.attacker:
         attack(args.attacker, args.run_dir)
         return
     results = run(args)
-    print_phases(results, width=20)
-    path = write_result("attack_bench", {
-        "page_size": PAGE, "budget_pages": BUDGET_PAGES, "reps": args.reps,
-        "seconds_per_phase": args.seconds, "results": results}, args.out)
-    print(f"wrote {path}")
+    report("attack_bench", results, args, PAGE, BUDGET_PAGES, width=20)
 
 
 if __name__ == "__main__":

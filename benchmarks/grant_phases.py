@@ -1,12 +1,13 @@
 """An honest tenant's grant latency per phase, as ratios to a baseline phase measured
 in the same run (``attack_bench``, ``hol_bench``): the timing loop, the summary and
-the printed table they share."""
+the printed table and the recorded JSON they share."""
 
 from __future__ import annotations
 
+import argparse
 import time
 
-from common import summarize
+from common import summarize, write_result
 
 
 def time_grants(group, seconds: float, held: bool = False) -> list[int]:
@@ -53,3 +54,23 @@ def print_phases(results: dict, width: int) -> None:
         print(f"{phase:<{width}} {s['n']:>6} {s['median_us']:>9.0f} {s['p99_us']:>10.0f} "
               f"{s['max_us']:>10.0f} {s.get('p50_ratio', 1.0):>7.2f} "
               f"{s.get('p99_ratio', 1.0):>7.2f}")
+
+
+def arguments(doc: str, seconds: float) -> argparse.ArgumentParser:
+    """The options every phase benchmark takes: ``--reps``, ``--seconds`` (per phase),
+    ``--out`` (default ``benchmarks/results/NAME.json``)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--seconds", type=float, default=seconds, help="per phase")
+    ap.add_argument("--out", default=None)
+    return ap
+
+
+def report(name: str, results: dict, args: argparse.Namespace, page_size: int,
+           budget_pages: int, width: int) -> None:
+    """Print the table and write ``results`` with the run's parameters (``write_result``)."""
+    print_phases(results, width)
+    path = write_result(name, {
+        "page_size": page_size, "budget_pages": budget_pages, "reps": args.reps,
+        "seconds_per_phase": args.seconds, "results": results}, args.out)
+    print(f"wrote {path}")

@@ -15,7 +15,6 @@ Writes benchmarks/results/hol_bench.json.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import tempfile
@@ -26,8 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from common import write_result  # noqa: E402
-from grant_phases import against_baseline, print_phases, time_grants  # noqa: E402
+from grant_phases import against_baseline, arguments, report, time_grants  # noqa: E402
 
 from kvpool import protocol as p  # noqa: E402
 
@@ -88,17 +86,8 @@ def run(args) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--seconds", type=float, default=2.0, help="per phase")
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
-    results = run(args)
-    print_phases(results, width=10)
-    path = write_result("hol_bench", {
-        "page_size": PAGE, "budget_pages": BUDGET, "reps": args.reps,
-        "seconds_per_phase": args.seconds, "results": results}, args.out)
-    print(f"wrote {path}")
+    args = arguments(__doc__, seconds=2.0).parse_args()
+    report("hol_bench", run(args), args, PAGE, BUDGET, width=10)
 
 
 if __name__ == "__main__":
