@@ -31,7 +31,6 @@ any slot, in the daemon or in a client that does not know the mode.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import fcntl
 import logging
@@ -52,13 +51,14 @@ from kvpool.vmm.base import (
     VmmError,
     contiguous_runs,
 )
+from kvpool.vmm.libc import MAP_FAILED
+from kvpool.vmm.libc import libc as _libc
 
 PROT_NONE, PROT_READ, PROT_WRITE = 0, 1, 2
 MAP_SHARED, MAP_PRIVATE, MAP_FIXED, MAP_ANONYMOUS = 0x1, 0x2, 0x10, 0x20
 MAP_NORESERVE, MAP_POPULATE = 0x4000, 0x8000
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault pages in writable, no later write faults
 FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 1, 2
-MAP_FAILED = ctypes.c_void_p(-1).value
 DEFAULT_PAGE_SIZE = 2 << 20
 log = logging.getLogger("kvpool.vmm.host")
 # Seals every page carries: its size is fixed for good, and no one can add or drop seals.
@@ -66,17 +66,6 @@ REQUIRED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 # Mappings the rest of the process (Python, torch, libraries) may add after we looked.
 MAP_COUNT_HEADROOM = 4096
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [
-    ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long
-]
-_libc.munmap.restype = ctypes.c_int
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.madvise.restype = ctypes.c_int
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_libc.fallocate.restype = ctypes.c_int
-_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
 
 
 def _errno_error(op: str, what: str) -> VmmError:

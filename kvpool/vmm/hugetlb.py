@@ -31,24 +31,16 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import errno
 import os
 from typing import Iterator
 
 from kvpool.vmm.base import OutOfMemory, VmmError
+from kvpool.vmm.libc import MAP_FAILED
+from kvpool.vmm.libc import libc as _libc
 
 MEMINFO = "/proc/meminfo"
 PROT_READ_WRITE, MAP_SHARED = 3, 0x1
-MAP_FAILED = ctypes.c_void_p(-1).value
-
-_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [
-    ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long
-]
-_libc.munmap.restype = ctypes.c_int
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 
 
 def meminfo() -> dict[str, int]:
