@@ -7,10 +7,18 @@ ends the new server with one line and a nonzero exit, the old one untouched."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
 import httpx
 import pytest
 
 from daemon.conftest import start_daemon  # noqa: F401  (fixture)
+from daemon.helpers import PAGE, REPO
 from daemon.test_locate import endpoints_of as endpoints  # tenant -> endpoint (ps --json)
 from kvpool import launch
 
@@ -77,3 +85,103 @@ def test_a_name_that_cannot_be_taken_over_ends_the_new_server(start_daemon, tiny
     assert complete(old_url, 130) == first
     assert httpx.get(f"{old_url}/v1/stats").json()["prefix_hit_tokens"] >= 128 - 16
     assert sorted(accounted(d)) == ["tiny"] and d.check() == []
+
+
+# ---- who may ask a server to retire (kvpool.engine_adapters.bundled.retire_auth) ------
+HOLDER = """
+import sys
+from kvpool.client_lib import connect
+with connect(name=sys.argv[2], run_dir=sys.argv[1]):
+    print("ready", flush=True)
+    sys.stdin.read()
+"""
+
+
+def hold_tenant(d, name: str) -> subprocess.Popen:
+    """A tenant called ``name`` in a process of its own (not this test's)."""
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(d.run_dir), name],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    d.workers.append(proc)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+def retire(url: str, to: str, **kw) -> httpx.Response:
+    return httpx.post(f"{url}/pd/retire", json={"to": to, "in_flight": False, **kw},
+                      timeout=60)
+
+
+def test_only_the_named_tenant_may_ask_a_server_to_retire(start_daemon, tiny_dir, tmp_path):
+    d = start_daemon(budget="8MiB")
+    old, old_url = serve(d, tiny_dir, tmp_path / "old.log", tenant="tiny")
+    first = complete(old_url, 130)
+    hold_tenant(d, "other")  # a real tenant, in another process than the one asking
+    with d.connect("asker"):  # this test's own process is tenant "asker"
+        refused = {"other": "did not come from tenant 'other'",
+                   "ghost": "no tenant 'ghost' that 'tiny' may hand pages to"}
+        for to, why in refused.items():
+            r = retire(old_url, to)
+            assert r.status_code == 403 and why in r.text, r.text
+        for ttl in (0.5, 61, 3600):  # even from the right process: the ttl is bounded
+            r = retire(old_url, "asker", ttl_s=ttl)
+            assert r.status_code == 400 and "is not in 1..60 s" in r.text, r.text
+        # untouched: it serves new requests at once, from its cache
+        assert httpx.get(f"{old_url}/health").status_code == 200
+        assert complete(old_url, 130) == first
+        assert httpx.get(f"{old_url}/v1/stats").json()["prefix_hit_tokens"] >= 128 - 16
+        # the named tenant's own process is let through: an offer to it, which expires
+        r = retire(old_url, "asker", ttl_s=1)
+        assert r.status_code == 200 and r.json()["cache"]["ticket"], r.text
+        assert complete(old_url, 130) == first  # (waits for the expiry, then serves on)
+    assert httpx.get(f"{old_url}/health").status_code == 200
+    assert sorted(accounted(d)) == ["other", "tiny"] and d.check() == []
+
+
+def test_a_cache_offered_by_another_tenant_than_the_located_one_is_refused(
+        start_daemon, tiny_dir, tmp_path):
+    """Tenant "liar" serves its registered endpoint itself (this test's process), so the
+    listener check passes, and answers /pd/retire with a ticket tenant "other" offered
+    to the new server: the claim is refused (it names liar's tenant id), nothing is
+    adopted, other keeps its pages and its ticket."""
+    from kvpool.client_lib import handoff
+
+    d = start_daemon(budget="8MiB")
+    port = free_port()
+    with d.connect("liar", endpoint=f"http://127.0.0.1:{port}"), d.connect("other") as other:
+        g = other.region_group(1, 4 * PAGE)  # the tiny engine's layout on CPU: one region,
+        g.grant([0])  # 16-token blocks of 16 KiB, 4 blocks in a 64 KiB page
+        ticket = handoff.offer(g, [0], to="tiny-next", ttl_s=120)
+        cache = {"ticket": ticket.id, "chunks": [0], "blocks_per_chunk": PAGE // (16 << 10),
+                 "pages_per_chunk": 1, "entries": [], "requests": []}
+        server = answer_retire({"cache": cache}, port)
+        try:
+            line = failed_start(d, tiny_dir, tmp_path / "new.log", "liar")
+        finally:
+            server.shutdown()
+        assert "cannot be claimed" in line and "offered by tenant 'other'" in line, line
+        assert "tiny-next" not in accounted(d)
+        assert not ticket.settled and 0 in g.mapped  # other's offer stands, its pages too
+        assert handoff.cancel(other, ticket) and 0 in g.mapped
+        assert accounted(d) == {"liar": 0, "other": PAGE} and d.check() == []
+
+
+def answer_retire(reply: dict, port: int) -> ThreadingHTTPServer:
+    """A loopback HTTP server in this process answering POST /pd/retire with ``reply``."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            data = json.dumps(reply).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server

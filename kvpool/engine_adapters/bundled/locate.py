@@ -15,6 +15,12 @@ the located tenant's pid — refused (it would be asking someone else to retire)
 listener whose pid this user cannot see (another uid) — allowed, the escrow's claim
 rules still decide what may move. Every refusal is a ``RuntimeError`` with one line
 (``kvpool serve`` prints it and exits nonzero); nothing has been adopted by then.
+
+Whatever answers there, the cache it hands over must be the located tenant's: resolve
+makes this tenant's next claim name that tenant's id (``Claim.giver``,
+:meth:`~kvpool.client_lib.handoff.Handoffs.expect_giver`), and the daemon refuses a
+ticket another tenant offered — nothing is claimed or adopted, the new server exits
+with that one line.
 """
 
 from __future__ import annotations
@@ -72,6 +78,9 @@ def resolve(bridge: Bridge | None, source: str) -> str:
     if why:
         raise RuntimeError(f"--handoff-from {source}: {why}")
     check_listener(source, found.pid, endpoint.port_of(found.endpoint))
+    from kvpool.client_lib import handoff
+
+    handoff.of(tenant).expect_giver(found.tenant)  # what we claim next must be its offer
     log.warning("tenant %s (pid %d) serves at %s", source, found.pid, found.endpoint)
     return found.endpoint
 
