@@ -76,7 +76,7 @@ def workload(args) -> list[dict]:
     rng = random.Random(0)
     reqs = []
     for i in range(args.requests):
-        kind = "long" if i % args.long_every == 0 else "chat"
+        kind = "long" if args.long_every and i % args.long_every == 0 else "chat"
         n, out = (longs if kind == "long" else chats)[i]
         reqs.append({"kind": kind, "prompt": [rng.randrange(8, 500) for _ in range(n)],
                      "max_tokens": out, "at": i / args.rate})
@@ -184,7 +184,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=72)
     ap.add_argument("--rate", type=float, default=2.4, help="requests per second")
-    ap.add_argument("--long-every", type=int, default=8, help="every Nth request is long")
+    ap.add_argument("--long-every", type=int, default=8, help="every Nth request is long (0: none, chat only)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--long-min", type=int, default=2048, help="code-trace rows used")
     ap.add_argument("--long-scale", type=float, default=0.5)
@@ -219,7 +219,7 @@ def main() -> None:
                           run_dir, tmp / "daemon.log", cwd=REPO)
     reqs = workload(args)
     warm = [r | {"at": 0.0, "prompt": [t + 1 for t in r["prompt"]]}  # no cache hits
-            for r in (reqs[0], reqs[1])]  # one long, one chat
+            for r in (reqs[0], reqs[1])]  # one long (if any), one chat
     samples: dict[str, list[dict]] = {s: [] for s in setups}
     wall: dict[str, float] = {s: 0.0 for s in setups}
     per_round: list[dict] = []
@@ -259,10 +259,12 @@ def main() -> None:
     pairs = [s for s in setups if s != "single"]
     print(f"\n{'metric':<15}{'single':>11}" + "".join(f"{s:>13}{'/single':>9}" for s in pairs))
     for k, a in rows["single"].items():
+        if a is None:  # no long requests
+            continue
         scale, unit = (1.0, "") if k in ("tokens_per_s", "wall_s") else (1e3, " ms")
         line = f"{k:<15}{a * scale:>9.1f}{unit:<3}"
         for s in pairs:
-            b = rows[s][k]
+            b = rows[s][k] or 0.0
             line += f"{b * scale:>10.1f}{unit:<3}{ratios[s][k] or 0:>8.2f}x"
         print(line)
     single = rows["single"]
