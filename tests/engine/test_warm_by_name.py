@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -185,3 +187,46 @@ def answer_retire(reply: dict, port: int) -> ThreadingHTTPServer:
     server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server
+
+
+PEEK = """
+import json, sys
+from kvpool.engine_adapters.bundled import retire_auth
+pid, cport, sport = map(int, sys.argv[1:4])
+try:
+    retire_auth.check_connection("new", pid, ("127.0.0.1", cport), ("127.0.0.1", sport))
+    print(json.dumps({"ok": True}))
+except retire_auth.Refused as e:
+    print(json.dumps({"ok": False, "status": e.status, "line": e.line}))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"),
+                    reason="needs root and setpriv")
+def test_a_server_that_cannot_see_the_askers_sockets_refuses():
+    """The connection check as root (it sees this process's sockets: the real connection
+    passes, another port does not) and as uid 65534 (it cannot: refused, one line, never
+    guessed)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(listener.getsockname())
+    accepted, _ = listener.accept()
+    sport, cport = listener.getsockname()[1], client.getsockname()[1]
+
+    def peek(*prefix: str, port: int = cport) -> dict:
+        out = subprocess.run([*prefix, sys.executable, "-c", PEEK, str(os.getpid()),
+                              str(port), str(sport)], capture_output=True, text=True,
+                             timeout=120, cwd=REPO,
+                             env={**os.environ, "PYTHONPATH": str(REPO), "HOME": "/tmp"})
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)
+
+    try:
+        assert peek() == {"ok": True}
+        other = peek(port=free_port())
+        assert other["status"] == 403 and "did not come from tenant 'new'" in other["line"]
+        blind = peek("setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--")
+        assert blind["status"] == 403 and "runs as another user" in blind["line"], blind
+        assert "\n" not in blind["line"]
+    finally:
+        for s in (accepted, client, listener):
+            s.close()

@@ -67,7 +67,14 @@ def check_peer(engine: Any, to: str, peer: tuple[str, int] | None,
     if not _loopback(peer[0]):
         raise Refused(403, f"retire to {to!r} refused: the request came from {peer[0]}, "
                            f"not from this machine's loopback")
-    pid = _pid_of(engine, to)
+    check_connection(to, _pid_of(engine, to), peer, server)
+
+
+def check_connection(to: str, pid: int, peer: tuple[str, int],
+                     server: tuple[str, int]) -> None:
+    """The TCP connection ``peer`` -> ``server`` is open in process ``pid`` (tenant
+    ``to``'s); else :class:`Refused` (403), also when this process cannot see its
+    sockets (another uid, this one not root)."""
     try:
         conns = psutil.Process(pid).net_connections(kind="tcp")
     except psutil.NoSuchProcess:
