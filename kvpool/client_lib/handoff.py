@@ -18,6 +18,10 @@ Rules the caller keeps:
 * a claimed ticket's units are unmapped here by this module when the daemon's
   :class:`~kvpool.protocol.replies.Settled` arrives (the keeper thread delivers it):
   the memory now belongs to, and is charged to, the receiver; nothing is released;
+* a receiver that knows whose offer it expects (a successor that located its
+  predecessor by name) names that tenant's id: ``claim(..., giver=ID)`` or, for the
+  next claim whoever makes it, :meth:`Handoffs.expect_giver`; the daemon then refuses
+  any other tenant's ticket (``UNAUTHORIZED``, nothing moves);
 * units handed over must be units nothing else of this process manages: when an
   :class:`~kvpool.client_lib.allocator.ElasticBlockAllocator` sits on the group, the
   engine side forgets them in its own books (request-aligned units).
