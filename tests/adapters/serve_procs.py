@@ -30,7 +30,7 @@ class Server:
         return f"http://127.0.0.1:{self.port}"
 
     def logs(self) -> str:
-        return self.log.read_text() if self.log.exists() else ""
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         """Signal the server's whole process group (it runs in its own session)."""
@@ -43,6 +43,17 @@ class Server:
     def stop(self) -> None:
         """SIGTERM to the group, SIGKILL after 10 s (:func:`kvpool.launch.stop`)."""
         launch.stop(self.proc, 10.0, group=True)
+
+
+def kill_all(servers: list[Server], wait_s: float) -> None:
+    """SIGKILL every server's process group, then wait up to ``wait_s`` for each."""
+    for s in servers:
+        s.kill(signal.SIGKILL)
+    for s in servers:
+        try:
+            s.proc.wait(wait_s)
+        except subprocess.TimeoutExpired:
+            pass
 
 
 class Servers:
@@ -76,13 +87,7 @@ class Servers:
             launch.wait_healthy(s.proc, s.base, f"kvpool serve {s.name}", deadline, s.logs, 0.1)
 
     def close(self) -> None:
-        for s in self.all:
-            s.kill(signal.SIGKILL)
-        for s in self.all:
-            try:
-                s.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                pass
+        kill_all(self.all, 10.0)
 
 
 def prompt(seed: int, n: int = 64, vocab: int = 512) -> list[int]:

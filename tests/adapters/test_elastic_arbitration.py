@@ -20,16 +20,9 @@ import pytest
 
 from daemon.helpers import PAGE
 
-from .serve_procs import Servers, complete, prompt
+from .serve_procs import complete, prompt
 
 BUDGET = 64 * PAGE  # 4 MiB; one engine's demand below is about 4 MiB on its own
-
-
-@pytest.fixture
-def servers(tiny_model, tmp_path):
-    s = Servers(tiny_model, tmp_path)
-    yield s
-    s.close()
 
 
 class Load:

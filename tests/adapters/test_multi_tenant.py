@@ -20,20 +20,13 @@ import pytest
 
 from daemon.helpers import PAGE
 
-from .serve_procs import Servers, complete, prompt
+from .serve_procs import complete, prompt
 
 BUDGET = 4 << 20
 # One burst: 16 requests at once of 64 + 128 tokens = 12 blocks of 16 KiB each, about
 # 3 MiB at the peak: more than half the budget, and two peaks do not fit in it.
 BURST_SEQS, BURST_REQS, PROMPT_LEN, MAX_TOKENS = 16, 32, 64, 128
 IDLE_FOOTPRINT = 4 * PAGE  # an idle engine keeps one unit (null block) + a little reserve
-
-
-@pytest.fixture
-def servers(tiny_model, tmp_path):
-    s = Servers(tiny_model, tmp_path)
-    yield s
-    s.close()
 
 
 class Sampler:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -19,6 +18,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+from kvpool import launch
+from kvpool.demo.cluster import free_port
+
+from .serve_procs import Server, kill_all
 
 REPO = Path(__file__).resolve().parents[2]
 VLLM_ARGS = ("--enforce-eager", "--max-model-len", "512", "--dtype", "float32",
@@ -51,13 +55,7 @@ class Daemon:
         return next((t for t in self.ps() if t["name"] == name), None)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        launch.stop(self.proc, 15.0)  # SIGTERM, SIGKILL after 15 s
 
 
 def start_daemon(budget: str = "4MiB", page_size: int = 65536, run_dir: Path | None = None
@@ -97,35 +95,12 @@ def remove_daemon(d: Daemon) -> None:
     d.log.unlink(missing_ok=True)
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclass
-class VllmServer:
-    name: str
-    proc: subprocess.Popen
-    port: int
-    log: Path
+class VllmServer(Server):
+    """A vLLM server in its own session (``base``, ``logs``, ``kill`` as for
+    ``kvpool serve``) and the environment it was started with."""
+
     env: dict = field(default_factory=dict)
-
-    @property
-    def base(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def logs(self) -> str:
-        return self.log.read_text(errors="replace") if self.log.exists() else ""
-
-    def kill(self, sig: int = signal.SIGKILL) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                pass
 
     def engine_pids(self) -> list[int]:
         import psutil
@@ -193,13 +168,7 @@ class VllmServers:
                 time.sleep(0.5)
 
     def close(self) -> None:
-        for s in self.all:
-            s.kill(signal.SIGKILL)
-        for s in self.all:
-            try:
-                s.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                pass
+        kill_all(self.all, 15.0)
 
 
 def run_fails(cmd: list[str], env: dict, timeout: float = 300) -> subprocess.CompletedProcess:
