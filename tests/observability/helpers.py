@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import urllib.request
@@ -10,14 +9,10 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvpool.demo.cluster import free_port  # noqa: F401  (re-exported for the tests here)
+
 WORKER = Path(__file__).resolve().parents[1] / "arbitration" / "worker.py"
 REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def scrape(port: int, path: str = "/metrics") -> dict[tuple[str, tuple], float]:
