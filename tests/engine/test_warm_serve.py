@@ -1,24 +1,46 @@
 """`kvpool serve --elastic --handoff-from URL` as real processes: the new server takes the
 running one's prefix cache over as pages, serves the repeated prompts with cache hits and
 the same tokens; the old one is retired (refuses requests, /health 503) and the memory is
-accounted once."""
+accounted once.
+
+With generations in flight (streaming and not, and one sent during the handover): every
+client, still connected to the old server, gets exactly an uninterrupted engine's greedy
+tokens and text, computed on the new server; a new server killed while the offer is out
+loses nothing: the old one serves everything on.
+
+The old server is held with SIGSTOP while the new one starts, so the takeover surely
+comes mid-generation (no timing is assumed): the new server's connection to it shows
+that /pd/retire is on its way."""
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 
 import httpx
+import psutil
+import pytest
 
 from daemon.conftest import start_daemon  # noqa: F401  (fixture)
 from daemon.helpers import REPO
+from kvpool.engine import Engine, EngineConfig, SamplingParams
 
-from .test_pd_handoff import KV, accounted, prompt
+from .test_pd_handoff import GREEDY, KV, accounted, prompt, wait_for
 from .test_pd_serve import body, free_port, healthy
 
 
 def serve(d, model, log, *args: str, tenant: str = "tiny") -> tuple[subprocess.Popen, str]:
+    proc, url = launch(d, model, log, *args, tenant=tenant)
+    healthy(proc, url, log)
+    return proc, url
+
+
+def launch(d, model, log, *args: str, tenant: str = "tiny") -> tuple[subprocess.Popen, str]:
+    """Start an elastic server without waiting for it."""
     port = free_port()
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")},
            "KVPOOL_RUN_DIR": str(d.run_dir), "KVPOOL_IDLE_TIMEOUT": "600",  # keep the cache
@@ -30,7 +52,6 @@ def serve(d, model, log, *args: str, tenant: str = "tiny") -> tuple[subprocess.P
              "--log-level", "warning", *args],
             stdout=f, stderr=subprocess.STDOUT, cwd=REPO, env=env)
     d.workers.append(proc)
-    healthy(proc, f"http://127.0.0.1:{port}", log)
     return proc, f"http://127.0.0.1:{port}"
 
 
@@ -61,4 +82,160 @@ def test_a_new_server_takes_over_the_cache(start_daemon, tiny_dir, tmp_path):
     old.terminate()
     old.wait(30)
     assert complete(url, 130) == first  # nothing of the new one's went with the old
+    assert d.check() == []
+
+
+# --- in-flight requests ----------------------------------------------------------------
+
+LONG_TOKENS = 160
+CLIENTS = [("stream", 130), ("stream", 70), ("whole", 200)]  # (how, prompt length)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_dir) -> dict[int, tuple[list[int], str]]:
+    """One engine, never interrupted: each prompt's greedy tokens and text."""
+    e = Engine(EngineConfig(model=str(tiny_dir), kv_cache_size=KV))
+    params = SamplingParams(max_tokens=LONG_TOKENS, temperature=0.0, ignore_eos=True)
+    for n in {n for _, n in CLIENTS} | {100}:
+        e.add_request(prompt(n), params, str(n))
+    out = {}
+    while e.has_unfinished():
+        for o in e.step():
+            if o.finished:
+                out[int(o.request_id)] = (o.output_token_ids, o.text)
+    return out
+
+
+class Client(threading.Thread):
+    """One long greedy completion against ``url``: streamed (``progress`` is set after
+    its second token) or whole; ``result`` is (token ids, text) or the failure."""
+
+    def __init__(self, url: str, n: int, stream: bool) -> None:
+        super().__init__(daemon=True)
+        self.url, self.n, self.stream = url, n, stream
+        self.progress = threading.Event()
+        self.result: tuple[list[int], str] | str | None = None
+
+    def run(self) -> None:
+        try:
+            self.result = self._streamed() if self.stream else self._whole()
+        except Exception as e:  # noqa: BLE001 - the test reports it
+            self.result = f"{type(e).__name__}: {e}"
+
+    def _whole(self) -> tuple[list[int], str]:
+        r = httpx.post(f"{self.url}/v1/completions",
+                       json=body(self.n, max_tokens=LONG_TOKENS), timeout=300)
+        assert r.status_code == 200, r.text
+        c = r.json()["choices"][0]
+        return c["token_ids"], c["text"]
+
+    def _streamed(self) -> tuple[list[int], str]:
+        tokens: list[int] = []
+        text = ""
+        with httpx.stream("POST", f"{self.url}/v1/completions",
+                          json=body(self.n, max_tokens=LONG_TOKENS, stream=True),
+                          timeout=300) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    chunk = json.loads(line[6:])
+                    assert "error" not in chunk, chunk
+                    for c in chunk["choices"]:
+                        tokens += c.get("token_ids", [])
+                        text += c["text"]
+                    if len(tokens) >= 2:
+                        self.progress.set()
+        return tokens, text
+
+    def outcome(self) -> tuple[list[int], str]:
+        self.join(200)
+        assert isinstance(self.result, tuple), f"prompt of {self.n}: {self.result}"
+        return self.result
+
+
+def start_clients(url: str) -> list[Client]:
+    clients = [Client(url, n, how == "stream") for how, n in CLIENTS]
+    for c in clients:
+        c.start()
+    for c in clients:
+        if c.stream:
+            assert c.progress.wait(120), f"prompt of {c.n}: no tokens"
+    return clients
+
+
+def connected_to(proc: subprocess.Popen, url: str) -> bool:
+    port = int(url.rsplit(":", 1)[1])
+    try:
+        conns = psutil.Process(proc.pid).net_connections(kind="tcp")
+    except psutil.NoSuchProcess:
+        return False
+    return any(c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED
+               for c in conns)
+
+
+def test_in_flight_requests_finish_on_the_new_server_as_if_uninterrupted(
+        start_daemon, tiny_dir, tmp_path, uninterrupted):
+    d = start_daemon(budget="8MiB")
+    old, old_url = serve(d, tiny_dir, tmp_path / "old.log")
+    clients = start_clients(old_url)
+    os.kill(old.pid, signal.SIGSTOP)  # mid-generation: it stays there until SIGCONT
+    try:
+        new, url = launch(d, tiny_dir, tmp_path / "new.log", "--handoff-from", old_url,
+                          tenant="tiny-next")
+        wait_for(lambda: connected_to(new, old_url), "the new server asks to take over",
+                 timeout=120)
+        late = Client(old_url, 100, stream=False)  # arrives during the handover
+        late.start()
+    finally:
+        os.kill(old.pid, signal.SIGCONT)
+    healthy(new, url, tmp_path / "new.log")
+    for c in [*clients, late]:
+        assert c.outcome() == uninterrupted[c.n], f"prompt of {c.n} ({c.stream=})"
+    # all of them were generated to their end by the new server, none by the old one
+    stats, old_stats = (httpx.get(f"{u}/v1/stats").json() for u in (url, old_url))
+    assert stats["finish_reasons"] == {"length": len(clients) + 1}, stats
+    assert old_stats["finished_requests"] == 0, old_stats
+    # the old server ends retired; the memory is accounted once
+    assert httpx.get(f"{old_url}/health").status_code == 503
+    r = httpx.post(f"{old_url}/v1/completions", json=body(5), timeout=60)
+    assert r.status_code == 400 and "retired" in r.text
+    assert sorted(accounted(d)) == ["tiny", "tiny-next"]
+    assert d.check() == []
+    old.terminate()
+    old.wait(30)
+    wait_for(lambda: "tiny" not in accounted(d), "the old tenant goes")
+    assert list(accounted(d)) == ["tiny-next"]
+    assert d.check() == []
+    assert complete(url, 130) == uninterrupted[130][0][:GREEDY["max_tokens"]]
+
+
+def test_a_new_server_killed_mid_handover_loses_nothing(start_daemon, tiny_dir, tmp_path,
+                                                        uninterrupted):
+    d = start_daemon(budget="8MiB")
+    old, old_url = serve(d, tiny_dir, tmp_path / "old.log")
+    clients = start_clients(old_url)
+    os.kill(old.pid, signal.SIGSTOP)
+    try:
+        new, _ = launch(d, tiny_dir, tmp_path / "new.log", "--handoff-from", old_url,
+                        tenant="tiny-next")
+        wait_for(lambda: connected_to(new, old_url), "the new server asks to take over",
+                 timeout=120)
+        os.kill(new.pid, signal.SIGSTOP)  # it will not claim
+    finally:
+        os.kill(old.pid, signal.SIGCONT)
+    # the offer is out: every request is detached from the old engine, waiting on it
+    wait_for(lambda: (lambda s: s["running"] + s["waiting"] == 0)(
+        httpx.get(f"{old_url}/v1/stats").json()), "the old server offers its requests")
+    assert all(c.result is None for c in clients), "they wait for the handover"
+    late = Client(old_url, 100, stream=False)  # arrives while the offer is out
+    late.start()
+    new.kill()
+    new.wait()
+    # the ticket expires: the old server takes everything back and serves on
+    for c in [*clients, late]:
+        assert c.outcome() == uninterrupted[c.n], f"prompt of {c.n} ({c.stream=})"
+    assert httpx.get(f"{old_url}/health").status_code == 200
+    assert httpx.get(f"{old_url}/v1/stats").json()["finish_reasons"] == {
+        "length": len(clients) + 1}
+    wait_for(lambda: list(accounted(d)) == ["tiny"], "the dead new server's tenant goes")
     assert d.check() == []

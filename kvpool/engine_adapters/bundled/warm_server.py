@@ -3,130 +3,75 @@
 new server asks the running one (``POST URL/pd/retire``) for
 its prefix cache, which comes over as pages (:mod:`.handoff_cache`), then serves.
 
-The old server (:class:`RetiringEngine`, every ``--elastic`` server) on ``/pd/retire``:
-refuses new requests, lets the running ones finish, offers its cache's units to the
-caller's tenant and answers with the :class:`~.handoff_cache.CacheHandover`; when the
-new server claims them it is *retired* (every request is refused, ``/health`` says 503;
-stop it). If nobody claims before the ticket expires it serves on with its cache.
+The old server (:class:`~.warm_engine.RetiringEngine`, every ``--elastic`` server) on
+``/pd/retire``: by default detaches every request at once and offers them with its
+cache's units to the caller's tenant, answering with the
+:class:`~.handoff_cache.CacheHandover`; the new server claims them and its engine goes on
+with the requests where they were, while the old one relays their streams from the new
+one's ``/pd/follow/{id}`` and forwards requests that arrive meanwhile to its
+``/pd/adopt`` (:mod:`.warm_relay`); the old one ends *retired* (requests refused,
+``/health`` 503; stop it). With ``{"in_flight": false}`` it drains first (new requests
+wait), then hands over the cache alone. If nobody claims before the ticket expires it
+serves on with its cache and requests.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import time
-from dataclasses import asdict, dataclass
 from typing import Any
 
+from fastapi import Request
 from pydantic import BaseModel
 
-from kvpool.engine.async_engine import AsyncEngine, _Add
 from kvpool.engine.config import EngineConfig
 from kvpool.engine.errors import RequestError
-from kvpool.engine_adapters.bundled import handoff_cache
+from kvpool.engine.sampling import SamplingParams
+from kvpool.engine_adapters.bundled import handoff_cache, retire_auth, warm_relay
+from kvpool.engine_adapters.bundled.warm_engine import RetiringEngine
 
 log = logging.getLogger("kvpool.warm")
 
 
-@dataclass
-class _Retire:
-    to: str
-    ttl_s: float
-    loop: asyncio.AbstractEventLoop
-    out: asyncio.Queue[Any]
-
-
 class RetireBody(BaseModel):
-    """``POST /pd/retire``: the tenant name of the engine taking over, the ticket's ttl."""
+    """``POST /pd/retire``: the tenant name of the engine taking over, the ticket's ttl,
+    whether the in-flight requests move too, and then where the new server serves."""
 
     to: str
     ttl_s: float = 10.0
+    in_flight: bool = True
+    url: str | None = None
 
 
-class RetiringEngine(AsyncEngine):
-    """An AsyncEngine that can hand its prefix cache to a successor and retire."""
+class AdoptBody(BaseModel):
+    """``POST /pd/adopt``: a request the old server forwards (token ids, its params)."""
 
-    def __init__(self, engine: Any) -> None:
-        super().__init__(engine)
-        self._retire: _Retire | None = None
-        self._offer: tuple[handoff_cache.CacheHandover, Any] | None = None
-        self.retired = False
-
-    async def retire(self, to: str, ttl_s: float) -> dict[str, Any]:
-        q: asyncio.Queue[Any] = asyncio.Queue()
-        self._inbox.put(_Retire(to, ttl_s, asyncio.get_running_loop(), q))
-        item = await q.get()
-        if isinstance(item, BaseException):
-            raise item
-        return {"cache": asdict(item)}
-
-    @property
-    def alive(self) -> bool:
-        return super().alive and not self.retired
-
-    def _handle(self, cmd: Any) -> None:
-        if isinstance(cmd, _Retire):
-            if self._retire is not None or self.retired:
-                cmd.loop.call_soon_threadsafe(
-                    cmd.out.put_nowait, RequestError("this server is retiring already"))
-            else:
-                self._retire = cmd
-            return
-        if isinstance(cmd, _Add) and (self._retire is not None or self.retired):
-            why = "retired" if self.retired else "retiring"
-            cmd.loop.call_soon_threadsafe(cmd.out.put_nowait, RequestError(
-                f"this server is {why}: its cache went to the engine that replaces it"))
-            return
-        super()._handle(cmd)
-
-    def _drain(self, block: bool) -> list[Any]:
-        if self._retire is not None:
-            self._step_retire()
-            if block and self._retire is not None:
-                time.sleep(0.002)
-                block = False
-        return super()._drain(block)
-
-    def _step_retire(self) -> None:
-        r = self._retire
-        assert r is not None
-        if self._offer is None:
-            if self.engine.has_unfinished():
-                return  # the running requests finish first (no new ones are admitted)
-            try:
-                with self._lock:
-                    self._offer = handoff_cache.offer_cache(self.engine, r.to, r.ttl_s)
-            except Exception as e:  # noqa: BLE001 - the caller hears of it
-                self._retire = None
-                r.loop.call_soon_threadsafe(r.out.put_nowait, RequestError(str(e)))
-                return
-            r.loop.call_soon_threadsafe(r.out.put_nowait, self._offer[0])
-            return
-        c, ticket = self._offer
-        if not ticket.settled:
-            return
-        with self._lock:
-            state = handoff_cache.settle_cache(self.engine, c, ticket, 0)
-        self._offer, self._retire = None, None
-        self.retired = state == "claimed"
-        log.warning("cache handoff to %s: %s%s", r.to, state,
-                    "; this server is retired" if self.retired else "")
+    id: str
+    prompt: list[int]
+    params: dict[str, Any]
 
 
-def take_over(engine: Any, url: str, to: str, timeout_s: float = 120.0) -> int:
+def take_over(engine: Any, url: str, to: str, timeout_s: float = 120.0,
+              follow_url: str | None = None) -> int:
     """Ask the server at ``url`` for its prefix cache and adopt it; returns the entries.
-    Raises RuntimeError (one line) when it cannot."""
+    With ``follow_url`` (where this server will serve) its in-flight requests come too
+    and run in ``engine`` (the old server relays their streams from there); without, it
+    drains them first. Raises RuntimeError (one line) when it cannot."""
     import httpx
 
+    body = {"to": to, "in_flight": follow_url is not None, "url": follow_url}
     try:
-        reply = httpx.post(f"{url.rstrip('/')}/pd/retire", json={"to": to},
-                           timeout=timeout_s)
+        reply = httpx.post(f"{url.rstrip('/')}/pd/retire", json=body, timeout=timeout_s)
     except httpx.HTTPError as e:
         raise RuntimeError(f"cannot reach {url} for its cache: {e}") from None
     if reply.status_code != 200:
         raise RuntimeError(f"{url} did not hand its cache over: {reply.text[:200]}")
     c = handoff_cache.CacheHandover.from_json(reply.json()["cache"])
-    return handoff_cache.adopt_cache(engine, c)
+    from kvpool.client_lib import KvpoolError
+
+    try:  # (a refused claim, e.g. not the located tenant's offer: one line, no trace)
+        return handoff_cache.adopt_cache(engine, c)
+    except KvpoolError as e:
+        raise RuntimeError(f"the cache {url} handed over cannot be claimed: {e}") from None
 
 
 def serve_elastic(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
@@ -145,18 +90,60 @@ def serve_elastic(config: EngineConfig, host: str = "127.0.0.1", port: int = 800
         bridge = bridge_of(config)
         name = bridge.tenant.name if bridge is not None and bridge.tenant else ""
         try:  # a tenant name is located through the daemon (locate.resolve)
-            n = take_over(engine, locate.resolve(bridge, handoff_from), name)
-            log.warning("took over %d cached blocks from %s", n, handoff_from)
+            n = take_over(engine, locate.resolve(bridge, handoff_from), name,
+                          follow_url=_own_url(host, port))
+            log.warning("took over %d cached blocks and %d requests from %s", n,
+                        len(engine.requests), handoff_from)
         except Exception:
             close = getattr(engine, "close", None)
             if close is not None:
                 close()
             raise
-    aengine = RetiringEngine(engine)
+    aengine = RetiringEngine(engine, adopted=list(engine.requests))
     app = create_app(aengine)
+    add_routes(app, aengine)
+    uvicorn.run(app, host=host, port=port, log_level=log_level)
+
+
+def add_routes(app: Any, aengine: RetiringEngine) -> None:
+    """``/pd/retire`` (as the old server), ``/pd/follow/{id}`` and ``/pd/adopt`` (as the
+    new one: the streams the old server relays, JSON lines of :mod:`.warm_relay`)."""
+    from fastapi.responses import JSONResponse, StreamingResponse
 
     @app.post("/pd/retire")
-    async def retire(body: RetireBody) -> dict[str, Any]:
-        return await aengine.retire(body.to, body.ttl_s)
+    async def retire(body: RetireBody, request: Request) -> Any:
+        refused = await retire_auth.refusal(aengine.engine, body.to, body.ttl_s, request)
+        if refused is not None:  # only tenant `to` itself, a bounded ttl (retire_auth)
+            return refused
+        return await aengine.retire(body.to, body.ttl_s, body.in_flight, body.url)
 
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
+    @app.get("/pd/follow/{rid}")
+    async def follow(rid: str) -> Any:
+        try:
+            outs = await aengine.follow(rid)
+        except LookupError as e:
+            return JSONResponse({"error": {"message": str(e), "type": "invalid_request_error",
+                                           "code": "not_found"}}, 404)
+        return StreamingResponse(warm_relay.lines(outs), media_type="application/x-ndjson")
+
+    @app.delete("/pd/follow/{rid}")
+    async def drop(rid: str) -> dict[str, Any]:
+        aengine.abort_soon(rid)
+        return {"dropped": rid}
+
+    @app.post("/pd/adopt")
+    async def adopt(body: AdoptBody) -> Any:
+        try:
+            params = SamplingParams(**body.params)
+        except (TypeError, ValueError) as e:
+            raise RequestError(f"sampling parameters: {e}") from None
+        ids = aengine.engine.encode(body.prompt)
+        return StreamingResponse(warm_relay.lines(aengine.generate(body.id, ids, params)),
+                                 media_type="application/x-ndjson")
+
+
+def _own_url(host: str, port: int) -> str:
+    """Where this server will listen, as a loopback client reaches it."""
+    if host in ("", "0.0.0.0", "::"):
+        host = "127.0.0.1"
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
