@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from daemon.helpers import PAGE
+from daemon.helpers import PAGE, wait_for
 
 from .serve_procs import complete, prompt
 
@@ -61,16 +61,6 @@ def sample(mon, seconds: float, every: float = 0.05) -> list[dict[str, int]]:
     return out
 
 
-def wait_until(pred, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        got = pred()
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"{what} not reached in {timeout} s"
-        time.sleep(0.05)
-
-
 @pytest.mark.timeout(900)
 def test_engine_weights_1_1_2_converge_to_25_25_50(start_daemon, servers):
     d = start_daemon(budget=str(BUDGET), extra=("--warm-max", "0"))
@@ -83,9 +73,9 @@ def test_engine_weights_1_1_2_converge_to_25_25_50(start_daemon, servers):
         with d.monitor() as m:
             # converged: everyone holds memory and the budget is (nearly) all granted
             # converging: all three hold memory and c has pulled ahead (generous deadline)
-            wait_until(lambda: (lambda s: len(s.tenants) == 3 and all(t.mapped for t in s.tenants)
+            wait_for(lambda: (lambda s: len(s.tenants) == 3 and all(t.mapped for t in s.tenants)
                                 and {t.name: t.mapped for t in s.tenants}["c"] >= 0.4 * BUDGET
-                                )(m.stats()), 180, "three engines sharing, c ahead")
+                                )(m.stats()), 180, what="three engines sharing, c ahead")
             sample(m, 3.0)  # let the shares settle
             samples = sample(m, 8.0)
     finally:
@@ -114,7 +104,7 @@ def test_an_idle_engines_min_is_never_reclaimed(start_daemon, servers):
 
         # guarded fills its prefix cache well past its min, then goes idle (it keeps it)
         warm = Load([guarded], clients=8, max_tokens=128)
-        wait_until(lambda: held("guarded") >= mn + 12 * PAGE, 120, "guarded above its min")
+        wait_for(lambda: held("guarded") >= mn + 12 * PAGE, 120, what="guarded above its min")
         warm.close()
         before = held("guarded")
         assert before >= mn + 12 * PAGE

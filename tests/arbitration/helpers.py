@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-from daemon.helpers import REPO, DaemonProc
+from daemon.helpers import REPO, DaemonProc, wait_for  # noqa: F401  (wait_for re-exported)
 
 WORKER = Path(__file__).with_name("worker.py")
 
@@ -24,13 +23,3 @@ def spawn(d: DaemonProc, *args: str, prefix: tuple[str, ...] = ()) -> subprocess
 def mapped(d: DaemonProc) -> dict[str, int]:
     with d.monitor() as m:
         return {t.name: t.mapped for t in m.ps().tenants}
-
-
-def wait_for(pred, timeout: float, every: float = 0.02, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(every)
-    raise AssertionError(f"{what} not reached in {timeout} s")

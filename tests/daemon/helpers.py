@@ -147,3 +147,16 @@ def wait_ready(d: DaemonProc, timeout: float = 15.0) -> None:
         launch.wait_serving(d.proc, d.run_dir, d.log, timeout)
     except launch.DaemonStartError as e:
         raise AssertionError(str(e)) from None
+
+
+def wait_for(pred, timeout: float = 30.0, every: float = 0.02, what: str = "condition"):
+    """Poll ``pred`` every ``every`` s until it returns something truthy and return that;
+    AssertionError naming ``what`` if it has not within ``timeout`` s (an outcome with a
+    generous deadline, never a latency assertion)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(every)
+    raise AssertionError(f"{what} not reached in {timeout} s")

@@ -12,14 +12,7 @@ from hypothesis import strategies as st
 
 from kvpool.client_lib import ElasticBlockAllocator
 
-from .helpers import PAGE
-
-
-def wait_for(cond, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.005)
+from .helpers import PAGE, wait_for
 
 
 @pytest.mark.parametrize("block,ppc,bpc", [

@@ -19,7 +19,7 @@ import zmq
 from kvpool import fdchannel, paths
 from kvpool import protocol as p
 
-from .helpers import PAGE, read_event
+from .helpers import PAGE, read_event, wait_for
 from .rawpeer import RawPeer, allow_fds, daemon_usage
 
 VICTIM_TIMEOUT_S = 5.0  # every blocking attack below would hold the loop far longer
@@ -62,16 +62,6 @@ class Victim:
         self._stop.set()
         self._thread.join(30)
         self.t.close()
-
-
-def wait_for(cond, timeout: float = 30.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"{what} not reached in {timeout} s")
 
 
 def tenants_named(d, prefix: str) -> list:

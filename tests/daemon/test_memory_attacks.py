@@ -8,7 +8,6 @@ import ctypes
 import mmap
 import os
 import threading
-import time
 
 import pytest
 
@@ -17,16 +16,9 @@ from kvpool.client_lib.errors import KvpoolError, NoMemory, OverLimit
 from kvpool.daemon.pool import Pool
 from kvpool.vmm.host import HostBackend
 
-from .helpers import PAGE
+from .helpers import PAGE, wait_for
 
 BUDGET = 32  # pages
-
-
-def wait_for(cond, timeout=20.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"{what} not reached in {timeout} s"
-        time.sleep(0.01)
 
 
 def tenant_row(d, name):
