@@ -236,6 +236,10 @@ def main() -> None:
                 try:
                     asyncio.run(drive(url, warm))
                     got, secs = asyncio.run(drive(url, reqs))
+                except Exception as e:  # noqa: BLE001 - say why, with the server's log
+                    log = (tmp / f"{setup}{rnd}.log").read_text()[-3000:]
+                    raise SystemExit(f"round {rnd} {setup} failed ({e!r}; server exit "
+                                     f"status {proc.poll()}); its log:\n{log}") from None
                 finally:
                     proc.terminate()
                     proc.wait(60)
