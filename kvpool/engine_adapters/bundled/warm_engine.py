@@ -274,14 +274,15 @@ class RetiringEngine(AsyncEngine):
         self._gone.clear()
         held, self._held = self._held, []
         for a in held:
-            self._forward(a)
+            self._forward(a, waited=True)
 
-    def _forward(self, a: _Add) -> None:
-        """A new request for a retired server: the new one computes it while any relay
-        runs (its stream relayed too); else it is refused."""
+    def _forward(self, a: _Add, waited: bool = False) -> None:
+        """A new request for a retired server: the new one computes it (its stream
+        relayed too) if it ``waited`` for the handover or while any relay runs; else it
+        is refused."""
         with self._relay_lock:
             relaying = bool(self._relays)
-        if self._target is None or not relaying:
+        if self._target is None or not (relaying or waited):
             _put(a.loop, a.out, RequestError(
                 "this server is retired: the engine that replaced it serves its requests"))
             return
