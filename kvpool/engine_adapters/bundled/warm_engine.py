@@ -223,18 +223,19 @@ class RetiringEngine(AsyncEngine):
             self._serve_on()
 
     def _make_offer(self, r: _Retire) -> None:
+        self._hold = getattr(self.engine.pool, "step_lock", None)
+        if self._hold is not None:
+            self._hold.acquire()  # from before the offer until it settles (this thread)
         try:
             with self._lock:
                 c, ticket = handoff_cache.offer_cache(self.engine, r.to, r.ttl_s,
                                                       in_flight=r.in_flight)
         except Exception as e:  # noqa: BLE001 - the caller hears of it
+            self._unhold()
             self._retire = None
             _put(r.loop, r.out, RequestError(str(e)))
             self._serve_on()
             return
-        self._hold = getattr(self.engine.pool, "step_lock", None)
-        if self._hold is not None:
-            self._hold.acquire()  # released at settle, by this same thread
         self._offer = (c, ticket)
         self._ttft = {m.request_id: self.engine.detached[m.request_id].metrics.ttft
                       for m in c.requests}
