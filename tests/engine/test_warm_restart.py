@@ -118,12 +118,14 @@ def test_an_unclaimed_cache_offer_expires_and_the_old_engine_keeps_it(start_daem
 WARM_WORKER = WORKER.with_name("warm_worker.py")
 SEQS, BATCH = 3, 64  # 3 running at most, 64 tokens a step: prefills take several steps
 LONG = {"max_tokens": 40, "temperature": 0.0, "ignore_eos": True}
+SEEDED = {"max_tokens": 40, "temperature": 0.8, "seed": 7, "ignore_eos": True}
 
 
 def in_flight_requests() -> list[dict]:
     """a and b share a 128-token prefix (b hits a's blocks); c's prefill takes 4 steps;
-    d waits for a seat (3 at most). After 5 steps: a, b decode, c prefills, d waits."""
-    return [{"id": "a", "prompt": prompt(130), "params": LONG},
+    d waits for a seat (3 at most). After 5 steps: a, b decode, c prefills, d waits. a
+    samples with its own seed: its generator's state moves mid-stream."""
+    return [{"id": "a", "prompt": prompt(130), "params": SEEDED},
             {"id": "b", "prompt": prompt(130)[:128] + prompt(22), "params": LONG},
             {"id": "c", "prompt": prompt(200), "params": LONG},
             {"id": "d", "prompt": prompt(40), "params": LONG}]
