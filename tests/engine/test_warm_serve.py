@@ -33,13 +33,15 @@ from .test_pd_handoff import GREEDY, KV, accounted, prompt, wait_for
 from .test_pd_serve import body, free_port, healthy
 
 
-def serve(d, model, log, *args: str, tenant: str = "tiny") -> tuple[subprocess.Popen, str]:
-    proc, url = launch(d, model, log, *args, tenant=tenant)
+def serve(d, model, log, *args: str, tenant: str = "tiny", kv: str = KV
+          ) -> tuple[subprocess.Popen, str]:
+    proc, url = launch(d, model, log, *args, tenant=tenant, kv=kv)
     healthy(proc, url, log)
     return proc, url
 
 
-def launch(d, model, log, *args: str, tenant: str = "tiny") -> tuple[subprocess.Popen, str]:
+def launch(d, model, log, *args: str, tenant: str = "tiny", kv: str = KV
+           ) -> tuple[subprocess.Popen, str]:
     """Start an elastic server without waiting for it."""
     port = free_port()
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")},
@@ -48,7 +50,7 @@ def launch(d, model, log, *args: str, tenant: str = "tiny") -> tuple[subprocess.
     with open(log, "w") as f:
         proc = subprocess.Popen(
             [sys.executable, "-m", "kvpool.cli.main", "serve", str(model), "--elastic",
-             "--port", str(port), "--kv-cache-size", KV, "--served-model-name", "tiny",
+             "--port", str(port), "--kv-cache-size", kv, "--served-model-name", "tiny",
              "--log-level", "warning", *args],
             stdout=f, stderr=subprocess.STDOUT, cwd=REPO, env=env)
     d.workers.append(proc)
@@ -87,14 +89,15 @@ def test_a_new_server_takes_over_the_cache(start_daemon, tiny_dir, tmp_path):
 
 # --- in-flight requests ----------------------------------------------------------------
 
-LONG_TOKENS = 160
+LONG_TOKENS = 400  # long enough that none ends before the takeover reaches the old
+LONG_KV = "4MiB"  # room for all of them at once (no preemption)
 CLIENTS = [("stream", 130), ("stream", 70), ("whole", 200)]  # (how, prompt length)
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(tiny_dir) -> dict[int, tuple[list[int], str]]:
     """One engine, never interrupted: each prompt's greedy tokens and text."""
-    e = Engine(EngineConfig(model=str(tiny_dir), kv_cache_size=KV))
+    e = Engine(EngineConfig(model=str(tiny_dir), kv_cache_size=LONG_KV))
     params = SamplingParams(max_tokens=LONG_TOKENS, temperature=0.0, ignore_eos=True)
     for n in {n for _, n in CLIENTS} | {100}:
         e.add_request(prompt(n), params, str(n))
@@ -175,13 +178,13 @@ def connected_to(proc: subprocess.Popen, url: str) -> bool:
 
 def test_in_flight_requests_finish_on_the_new_server_as_if_uninterrupted(
         start_daemon, tiny_dir, tmp_path, uninterrupted):
-    d = start_daemon(budget="8MiB")
-    old, old_url = serve(d, tiny_dir, tmp_path / "old.log")
+    d = start_daemon(budget="16MiB")
+    old, old_url = serve(d, tiny_dir, tmp_path / "old.log", kv=LONG_KV)
     clients = start_clients(old_url)
     os.kill(old.pid, signal.SIGSTOP)  # mid-generation: it stays there until SIGCONT
     try:
         new, url = launch(d, tiny_dir, tmp_path / "new.log", "--handoff-from", old_url,
-                          tenant="tiny-next")
+                          tenant="tiny-next", kv=LONG_KV)
         wait_for(lambda: connected_to(new, old_url), "the new server asks to take over",
                  timeout=120)
         late = Client(old_url, 100, stream=False)  # arrives during the handover
@@ -211,20 +214,20 @@ def test_in_flight_requests_finish_on_the_new_server_as_if_uninterrupted(
 
 def test_a_new_server_killed_mid_handover_loses_nothing(start_daemon, tiny_dir, tmp_path,
                                                         uninterrupted):
-    d = start_daemon(budget="8MiB")
-    old, old_url = serve(d, tiny_dir, tmp_path / "old.log")
+    d = start_daemon(budget="16MiB")
+    old, old_url = serve(d, tiny_dir, tmp_path / "old.log", kv=LONG_KV)
     clients = start_clients(old_url)
     os.kill(old.pid, signal.SIGSTOP)
     try:
         new, _ = launch(d, tiny_dir, tmp_path / "new.log", "--handoff-from", old_url,
-                        tenant="tiny-next")
+                        tenant="tiny-next", kv=LONG_KV)
         wait_for(lambda: connected_to(new, old_url), "the new server asks to take over",
                  timeout=120)
         os.kill(new.pid, signal.SIGSTOP)  # it will not claim
     finally:
         os.kill(old.pid, signal.SIGCONT)
     # the offer is out: every request is detached from the old engine, waiting on it
-    wait_for(lambda: (lambda s: s["running"] + s["waiting"] == 0)(
+    wait_for(lambda: (lambda s: s["running"] + s["waiting"] + s["finished_requests"] == 0)(
         httpx.get(f"{old_url}/v1/stats").json()), "the old server offers its requests")
     assert all(c.result is None for c in clients), "they wait for the handover"
     late = Client(old_url, 100, stream=False)  # arrives while the offer is out
