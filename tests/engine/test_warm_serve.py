@@ -14,6 +14,7 @@ that /pd/retire is on its way."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -28,6 +29,7 @@ import pytest
 from daemon.conftest import start_daemon  # noqa: F401  (fixture)
 from daemon.helpers import REPO
 from kvpool.engine import Engine, EngineConfig, SamplingParams
+from kvpool.engine_adapters.bundled import warm_relay
 
 from .test_pd_handoff import GREEDY, KV, accounted, prompt, wait_for
 from .test_pd_serve import body, free_port, healthy
@@ -241,4 +243,44 @@ def test_a_new_server_killed_mid_handover_loses_nothing(start_daemon, tiny_dir, 
     assert httpx.get(f"{old_url}/v1/stats").json()["finish_reasons"] == {
         "length": len(clients) + 1}
     wait_for(lambda: list(accounted(d)) == ["tiny"], "the dead new server's tenant goes")
+    assert d.check() == []
+
+
+def test_the_relay_endpoints_refuse_bad_input_and_stream_each_token_once(
+        start_daemon, tiny_dir, tmp_path, uninterrupted):
+    d = start_daemon(budget="8MiB")
+    _, url = serve(d, tiny_dir, tmp_path / "s.log", kv=LONG_KV)
+    r = httpx.get(f"{url}/pd/follow/nope", timeout=30)
+    assert r.status_code == 404 and "no adopted request" in r.text
+    params = dataclasses.asdict(SamplingParams(max_tokens=LONG_TOKENS, temperature=0.0,
+                                               ignore_eos=True))
+    for why, bad in {"bad max_tokens": {"id": "x", "prompt": [9], "params": {"max_tokens": -1}},
+                     "unknown parameter": {"id": "x", "prompt": [9], "params": {"bogus": 1}},
+                     "token outside the vocabulary": {"id": "x", "prompt": [10 ** 6],
+                                                      "params": params},
+                     "empty prompt": {"id": "x", "prompt": [], "params": params},
+                     "wrong types": {"id": 5, "prompt": "abc", "params": []}}.items():
+        r = httpx.post(f"{url}/pd/adopt", json=bad, timeout=30)
+        assert r.status_code == 400, (why, r.text)
+        assert "\n" not in r.json()["error"]["message"], why
+    # a forwarded request: its lines rebuild an uninterrupted engine's output, each token
+    # sent once; a drop for an id that is followed (or not adopted) changes nothing
+    dec = warm_relay.Decoder("fwd", prompt(100), [], None)
+    sent = 0
+    out = None
+    with httpx.stream("POST", f"{url}/pd/adopt", timeout=120,
+                      json={"id": "fwd", "prompt": prompt(100), "params": params}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line:
+                continue
+            msg = json.loads(line)
+            assert msg["at"] == sent, "a line repeats or skips tokens"
+            sent += len(msg["tokens"])
+            out = dec.output(msg) or out
+            if sent == 1:
+                assert httpx.delete(f"{url}/pd/follow/fwd", timeout=30).status_code == 200
+    assert out is not None and out.finished
+    assert (out.output_token_ids, out.text) == uninterrupted[100]
+    assert httpx.get(f"{url}/v1/stats").json()["finish_reasons"] == {"length": 1}
     assert d.check() == []

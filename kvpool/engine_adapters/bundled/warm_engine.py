@@ -66,6 +66,14 @@ class _Attach:
 
 
 @dataclass
+class _Drop:
+    """``DELETE /pd/follow/{id}``: an adopted request nobody will follow (its client
+    left the old server); only such a request can be dropped this way."""
+
+    request_id: str
+
+
+@dataclass
 class _Follow:
     deadline: float
     latest: RequestOutput | None = None  # cumulative: the latest is all there is to send
@@ -113,9 +121,10 @@ class RetiringEngine(AsyncEngine):
             raise first
         return self._relay(request_id, q)
 
-    def abort_soon(self, request_id: str) -> None:
-        """Abort a request (adopted and not followed yet, or running) between steps."""
-        self._inbox.put(_Abort(request_id))
+    def drop_soon(self, request_id: str) -> None:
+        """Abort an adopted request nobody follows yet (between steps); any other
+        request id is left alone."""
+        self._inbox.put(_Drop(request_id))
 
     @property
     def alive(self) -> bool:
@@ -131,6 +140,10 @@ class RetiringEngine(AsyncEngine):
                 self._retire = cmd
         elif isinstance(cmd, _Attach):
             self._attach(cmd)
+        elif isinstance(cmd, _Drop):
+            if self._follows.pop(cmd.request_id, None) is not None:
+                with self._lock:
+                    self.engine.abort(cmd.request_id)
         elif isinstance(cmd, _Add) and self._retire is not None:
             self._held.append(cmd)  # served once the handover settles, one way or other
         elif isinstance(cmd, _Add) and self.retired:

@@ -128,7 +128,7 @@ def add_routes(app: Any, aengine: RetiringEngine) -> None:
 
     @app.delete("/pd/follow/{rid}")
     async def drop(rid: str) -> dict[str, Any]:
-        aengine.abort_soon(rid)
+        aengine.drop_soon(rid)  # only an adopted request nobody follows
         return {"dropped": rid}
 
     @app.post("/pd/adopt")
