@@ -5,8 +5,10 @@ accounted once.
 
 With generations in flight (streaming and not, and one sent during the handover): every
 client, still connected to the old server, gets exactly an uninterrupted engine's greedy
-tokens and text, computed on the new server; a new server killed while the offer is out
-loses nothing: the old one serves everything on.
+tokens and text, computed on the new server; a client that hangs up on the old server
+stops its request on the new one; a new server killed while the offer is out loses
+nothing: the old one serves everything on. The relay endpoints refuse bad input in one
+line and send each token once.
 
 The old server is held with SIGSTOP while the new one starts, so the takeover surely
 comes mid-generation (no timing is assumed): the new server's connection to it shows
