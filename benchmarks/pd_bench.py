@@ -184,7 +184,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=72)
     ap.add_argument("--rate", type=float, default=2.4, help="requests per second")
-    ap.add_argument("--long-every", type=int, default=8, help="every Nth request is long (0: none, chat only)")
+    ap.add_argument("--long-every", type=int, default=8,
+                    help="every Nth request is long (0: none, chat only)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--long-min", type=int, default=2048, help="code-trace rows used")
     ap.add_argument("--long-scale", type=float, default=0.5)
