@@ -109,8 +109,8 @@ def hold_tenant(d, name: str) -> subprocess.Popen:
     return proc
 
 
-def retire(url: str, to: str, **kw) -> httpx.Response:
-    return httpx.post(f"{url}/pd/retire", json={"to": to, "in_flight": False, **kw},
+def retire(server: str, to: str, **kw) -> httpx.Response:
+    return httpx.post(f"{server}/pd/retire", json={"to": to, "in_flight": False, **kw},
                       timeout=60)
 
 
@@ -125,6 +125,9 @@ def test_only_the_named_tenant_may_ask_a_server_to_retire(start_daemon, tiny_dir
         for to, why in refused.items():
             r = retire(old_url, to)
             assert r.status_code == 403 and why in r.text, r.text
+        # even the right process may not have this server relay its clients elsewhere
+        r = retire(old_url, "asker", ttl_s=1, url="http://127.0.0.1:9")
+        assert r.status_code == 403 and "is not the endpoint" in r.text, r.text
         for ttl in (0.5, 61, 3600):  # even from the right process: the ttl is bounded
             r = retire(old_url, "asker", ttl_s=ttl)
             assert r.status_code == 400 and "is not in 1..60 s" in r.text, r.text

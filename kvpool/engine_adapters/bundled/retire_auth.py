@@ -13,7 +13,10 @@ caller says (docs/THREAT-MODEL.md "Who may ask a server to retire").
 3. the HTTP peer is that pid: the request's TCP connection (the client's address and
    port towards this server's) must be a loopback socket open in process ``pid``, seen
    through ``/proc`` (psutil). A socket of another uid cannot be seen by a non-root
-   server; then it refuses (403: it cannot tell who asks), it never guesses.
+   server; then it refuses (403: it cannot tell who asks), it never guesses;
+4. the ``url`` this server will relay its clients to (in-flight handover) is the endpoint
+   ``to`` registered with the daemon (else 403): even the right tenant cannot send this
+   server's clients' requests anywhere else.
 
 The identity is bound to the connection the request came on: a process that is not the
 tenant cannot borrow it by naming it, by sending from a port it chose, or by racing the
@@ -43,13 +46,13 @@ class Refused(Exception):
 
 
 async def admit(engine: Any, to: str, ttl_s: float, peer: tuple[str, int] | None,
-                server: tuple[str, int] | None) -> None:
+                server: tuple[str, int] | None, url: str | None = None) -> None:
     """Refuse (:class:`Refused`) unless tenant ``to`` itself, connected from ``peer`` to
     ``server`` (the request's TCP addresses), may have ``engine``'s server retire
-    towards it for ``ttl_s`` seconds. Changes nothing. (The daemon call and the /proc
-    scan run off the event loop.)"""
+    towards it for ``ttl_s`` seconds, relaying to ``url`` (its registered endpoint).
+    Changes nothing. (The daemon call and the /proc scan run off the event loop.)"""
     check_ttl(ttl_s)
-    await asyncio.to_thread(check_peer, engine, to, peer, server)
+    await asyncio.to_thread(check_peer, engine, to, peer, server, url)
 
 
 def check_ttl(ttl_s: float) -> None:
@@ -58,16 +61,21 @@ def check_ttl(ttl_s: float) -> None:
 
 
 def check_peer(engine: Any, to: str, peer: tuple[str, int] | None,
-               server: tuple[str, int] | None) -> None:
-    """Tenant ``to`` may receive this server's pages and the connection ``peer`` ->
-    ``server`` is open in its process; else :class:`Refused` (403)."""
+               server: tuple[str, int] | None, url: str | None = None) -> None:
+    """Tenant ``to`` may receive this server's pages, the connection ``peer`` ->
+    ``server`` is open in its process and ``url`` (if any) is its registered endpoint;
+    else :class:`Refused` (403)."""
     if peer is None or server is None:
         raise Refused(403, f"retire to {to!r} refused: the request came on no TCP "
                            f"connection this server can check")
     if not _loopback(peer[0]):
         raise Refused(403, f"retire to {to!r} refused: the request came from {peer[0]}, "
                            f"not from this machine's loopback")
-    check_connection(to, _pid_of(engine, to), peer, server)
+    pid, endpoint = _locate(engine, to)
+    if url is not None and url.rstrip("/") != (endpoint or "").rstrip("/"):
+        raise Refused(403, f"retire to {to!r} refused: url {url[:80]!r} is not the endpoint "
+                           f"tenant {to!r} registered ({endpoint or 'none'})")
+    check_connection(to, pid, peer, server)
 
 
 def check_connection(to: str, pid: int, peer: tuple[str, int],
@@ -89,8 +97,9 @@ def check_connection(to: str, pid: int, peer: tuple[str, int],
                            f"tenant {to!r}'s process {pid} (it came from port {peer[1]})")
 
 
-def _pid_of(engine: Any, to: str) -> int:
-    """The pid of live tenant ``to``, if this server's tenant may hand pages to it."""
+def _locate(engine: Any, to: str) -> tuple[int, str | None]:
+    """The pid and registered endpoint of live tenant ``to``, if this server's tenant
+    may hand pages to it."""
     from kvpool.client_lib import KvpoolError
 
     bridge = bridge_of(engine.config)
@@ -98,7 +107,8 @@ def _pid_of(engine: Any, to: str) -> int:
     if tenant is None:
         raise Refused(403, f"retire to {to!r} refused: this server has no kvpool tenant")
     try:
-        return int(tenant.locate(to, as_giver=True).pid)
+        found = tenant.locate(to, as_giver=True)
+        return int(found.pid), found.endpoint or None
     except KvpoolError as e:
         raise Refused(403, f"retire to {to!r} refused: {e.message}") from None
 
@@ -127,13 +137,15 @@ def _same(c: Any, peer: tuple[str, int], server: tuple[str, int]) -> bool:
             and _ip(c.laddr.ip) == _ip(peer[0]) and _ip(c.raddr.ip) == _ip(server[0]))
 
 
-async def refusal(engine: Any, to: str, ttl_s: float, request: Any) -> Any:
+async def refusal(engine: Any, to: str, ttl_s: float, request: Any,
+                  url: str | None = None) -> Any:
     """For the ``/pd/retire`` route: None when :func:`admit` lets the request through,
     else the JSON error response (``{"error": {"message", "type", "code"}}``)."""
     from fastapi.responses import JSONResponse
 
     try:
-        await admit(engine, to, ttl_s, _addr(request.client), _addr(request.scope.get("server")))
+        await admit(engine, to, ttl_s, _addr(request.client),
+                    _addr(request.scope.get("server")), url)
     except Refused as e:
         code = "forbidden" if e.status == 403 else "invalid_request"
         return JSONResponse({"error": {"message": e.line, "type": "invalid_request_error",

@@ -112,7 +112,8 @@ def add_routes(app: Any, aengine: RetiringEngine) -> None:
 
     @app.post("/pd/retire")
     async def retire(body: RetireBody, request: Request) -> Any:
-        refused = await retire_auth.refusal(aengine.engine, body.to, body.ttl_s, request)
+        refused = await retire_auth.refusal(aengine.engine, body.to, body.ttl_s, request,
+                                             body.url)
         if refused is not None:  # only tenant `to` itself, a bounded ttl (retire_auth)
             return refused
         return await aengine.retire(body.to, body.ttl_s, body.in_flight, body.url)
