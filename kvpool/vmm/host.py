@@ -23,9 +23,8 @@ Memory is back when the last fd and the last mapping (in any process) are gone.
 
 With ``huge_pages`` the memfds are hugetlb, their huge pages reserved when created (an
 empty pool is :class:`OutOfMemory` there, never a SIGBUS at a first touch:
-:mod:`kvpool.vmm.hugetlb`).
-Reservations are aligned to ``page_size`` in either mode, so a hugetlb page maps at
-any slot, in the daemon or in a client that does not know the mode.
+:mod:`kvpool.vmm.hugetlb`). Reservations are aligned to ``page_size`` in either mode,
+so a hugetlb page maps at any slot, in the daemon or in a client that knows no mode.
 """
 
 from __future__ import annotations
@@ -67,18 +66,23 @@ REQUIRED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 MAP_COUNT_HEADROOM = 4096
 
 
-
 def _errno_error(op: str, what: str) -> VmmError:
     err = ctypes.get_errno()
     text = f"{what}: {os.strerror(err)} (errno {err})"
-    if err == errno.ENOMEM:
-        return OutOfMemory(op, text)
-    return InvalidArgument(op, text)
+    return OutOfMemory(op, text) if err == errno.ENOMEM else InvalidArgument(op, text)
 
 
 def _reopen(fd: int) -> int:
     """A new open file description of the memfd behind ``fd`` (read-write)."""
     return os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+
+
+def _target(fd: int) -> str:
+    """What ``/proc/self/fd/<fd>`` names (``?`` when it cannot be read)."""
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return "?"
 
 
 def read_max_map_count() -> int:
@@ -117,6 +121,7 @@ class HostBackend(Backend):
         self._ranges = 0
         self._madvise_populate = True  # False once the kernel refused MADV_POPULATE_WRITE
         self._probe_warned = False  # referenced() logged that it cannot probe
+        self._memfd_devs: set[int] = set()  # st_dev of filesystems proven to hold memfds
 
     def min_page_size(self) -> int:
         """The OS page (``mmap.PAGESIZE``): ``mmap`` maps no less; the huge page size
@@ -187,27 +192,39 @@ class HostBackend(Backend):
         return os.dup(page.handle)
 
     def import_(self, fd: int) -> Page:
+        """A page of ``fd``: a regular file where memfds live (:meth:`_on_memfd_fs`),
+        sealed (:data:`REQUIRED_SEALS`), of ``page_size`` bytes; the handle is a dup."""
         try:
             st = os.fstat(fd)
-            target = os.readlink(f"/proc/self/fd/{fd}")
         except (OSError, TypeError) as e:
             raise InvalidArgument("import", f"fd {fd!r} is not an open descriptor: {e}") from e
-        if not stat.S_ISREG(st.st_mode) or not target.startswith("/memfd:"):
-            raise InvalidArgument("import", f"fd {fd} is not a memfd page ({target})")
+        if not stat.S_ISREG(st.st_mode) or not self._on_memfd_fs(fd, st.st_dev):
+            raise InvalidArgument("import", f"fd {fd} is not a memfd page ({_target(fd)})")
         try:
             seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
         except OSError as e:
             raise InvalidArgument("import", f"fd {fd}: cannot read its seals: {e}") from e
         if seals & REQUIRED_SEALS != REQUIRED_SEALS:
-            raise InvalidArgument(
-                "import", f"fd {fd} lacks seals {REQUIRED_SEALS & ~seals:#x} (has {seals:#x}): "
-                "a holder could resize it under the other mappings"
-            )
+            raise InvalidArgument("import", f"fd {fd} lacks seals {REQUIRED_SEALS & ~seals:#x} "
+                                  f"(has {seals:#x}): a holder could resize it under the "
+                                  "other mappings")
         if st.st_size != self.page_size:
-            raise InvalidArgument(
-                "import", f"fd {fd} holds {st.st_size} bytes, expected page size {self.page_size}"
-            )
+            raise InvalidArgument("import", f"fd {fd} holds {st.st_size} bytes, expected "
+                                  f"page size {self.page_size}")
         return Page(handle=os.dup(fd), size=self.page_size)
+
+    def _on_memfd_fs(self, fd: int, dev: int) -> bool:
+        """Whether ``fd`` (on device ``dev``) lives where memfds do: the first one of a
+        device by its ``/proc/self/fd`` name (``/memfd:``), the device then remembered.
+        memfds share their kernel-internal mounts (shmem; hugetlb per size) only with
+        kernel-made files (SysV shm, shared anonymous memory) sealed ``F_SEAL_SEAL`` alone
+        (the seal check refuses them); a tmpfs or hugetlbfs mount is another device."""
+        if dev in self._memfd_devs:
+            return True
+        if not _target(fd).startswith("/memfd:"):
+            return False
+        self._memfd_devs.add(dev)
+        return True
 
     def zero(self, page: Page) -> None:
         self._check_live("zero", page)
