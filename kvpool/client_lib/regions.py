@@ -101,20 +101,23 @@ class RegionGroup:
     def map_granted(self, units: list[int], fds: list[int], populate: bool = False) -> None:
         """Map the page descriptors the daemon just sent for ``units`` (a grant or a
         claim: unit-major, in the order of ``units``) in every region and record them;
-        closes ``fds``. All or nothing: on failure the units go back (``Release``)."""
-        with fdchannel.closing(fds):
-            try:
-                kept = self._map(units, fds, populate)
-            except BaseException:
-                log.exception("mapping granted units failed; giving them back")
-                self.tenant.call(p.Release(group=self.id, units=sorted(units)), p.Done)
-                raise
+        takes ``fds`` over (each becomes a page's handle or is closed; entries taken are
+        set to -1). All or nothing: on failure the units go back (``Release``)."""
+        try:
+            kept = self._map(units, fds, populate)
+        except BaseException:
+            log.exception("mapping granted units failed; giving them back")
+            self.tenant.call(p.Release(group=self.id, units=sorted(units)), p.Done)
+            raise
+        finally:
+            fdchannel.close_all([fd for fd in fds if fd >= 0])  # none taken over
         with self._lock:
             self.mapped.update(units)
             self.handles.update(kept)
 
     def _map(self, units: list[int], fds: list[int], populate: bool) -> dict[int, list[Page]]:
-        """Map the granted pages; returns the page handles kept per unit (host only)."""
+        """Map the granted pages; returns the page handles kept per unit (host only).
+        Each fd imported is taken over (``import_owned``) and its entry set to -1."""
         backend, ps, nr = self.backend, self.page_size, self.n_regions
         runs = unit_runs(units)
         done: list[tuple[Range, int, int]] = []
@@ -122,8 +125,11 @@ class RegionGroup:
         try:
             for r, rng in enumerate(self.ranges):
                 for first, idx, n in runs:
-                    pages = [backend.import_(fds[(idx + k) * nr + r]) for k in range(n)]
+                    pages: list[Page] = []
                     try:
+                        for i in range(idx * nr + r, (idx + n) * nr + r, nr):
+                            pages.append(backend.import_owned(fds[i]))
+                            fds[i] = -1
                         backend.map_pages(rng, first * ps, pages, populate)
                     finally:
                         for k, page in enumerate(pages):

@@ -25,6 +25,7 @@ Invariants every backend keeps:
 from __future__ import annotations
 
 import abc
+import os
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
@@ -177,6 +178,14 @@ class Backend(abc.ABC):
     def import_(self, fd: int) -> Page:
         """A page from a shareable fd sent by another process. ``fd`` stays the
         caller's: close it after import (an open fd pins the memory)."""
+
+    def import_owned(self, fd: int) -> Page:
+        """:meth:`import_` that takes ``fd`` over: once this returns the caller must not
+        close ``fd`` (the page may hold it as its handle); when it raises, ``fd`` is
+        still the caller's."""
+        page = self.import_(fd)
+        os.close(fd)
+        return page
 
     @abc.abstractmethod
     def zero(self, page: Page) -> None:

@@ -35,7 +35,6 @@ import fcntl
 import logging
 import mmap
 import os
-import stat
 import threading
 from typing import Sequence
 
@@ -52,6 +51,7 @@ from kvpool.vmm.base import (
 )
 from kvpool.vmm.libc import MAP_FAILED
 from kvpool.vmm.libc import libc as _libc
+from kvpool.vmm.page_check import REQUIRED_SEALS, PageCheck
 
 PROT_NONE, PROT_READ, PROT_WRITE = 0, 1, 2
 MAP_SHARED, MAP_PRIVATE, MAP_FIXED, MAP_ANONYMOUS = 0x1, 0x2, 0x10, 0x20
@@ -60,8 +60,6 @@ MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault pages in writable, no later wri
 FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 1, 2
 DEFAULT_PAGE_SIZE = 2 << 20
 log = logging.getLogger("kvpool.vmm.host")
-# Seals every page carries: its size is fixed for good, and no one can add or drop seals.
-REQUIRED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 # Mappings the rest of the process (Python, torch, libraries) may add after we looked.
 MAP_COUNT_HEADROOM = 4096
 
@@ -75,14 +73,6 @@ def _errno_error(op: str, what: str) -> VmmError:
 def _reopen(fd: int) -> int:
     """A new open file description of the memfd behind ``fd`` (read-write)."""
     return os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
-
-
-def _target(fd: int) -> str:
-    """What ``/proc/self/fd/<fd>`` names (``?`` when it cannot be read)."""
-    try:
-        return os.readlink(f"/proc/self/fd/{fd}")
-    except OSError:
-        return "?"
 
 
 def read_max_map_count() -> int:
@@ -121,7 +111,7 @@ class HostBackend(Backend):
         self._ranges = 0
         self._madvise_populate = True  # False once the kernel refused MADV_POPULATE_WRITE
         self._probe_warned = False  # referenced() logged that it cannot probe
-        self._memfd_devs: set[int] = set()  # st_dev of filesystems proven to hold memfds
+        self._page_check = PageCheck(self.page_size)  # what import_ takes for a page
 
     def min_page_size(self) -> int:
         """The OS page (``mmap.PAGESIZE``): ``mmap`` maps no less; the huge page size
@@ -192,39 +182,16 @@ class HostBackend(Backend):
         return os.dup(page.handle)
 
     def import_(self, fd: int) -> Page:
-        """A page of ``fd``: a regular file where memfds live (:meth:`_on_memfd_fs`),
-        sealed (:data:`REQUIRED_SEALS`), of ``page_size`` bytes; the handle is a dup."""
-        try:
-            st = os.fstat(fd)
-        except (OSError, TypeError) as e:
-            raise InvalidArgument("import", f"fd {fd!r} is not an open descriptor: {e}") from e
-        if not stat.S_ISREG(st.st_mode) or not self._on_memfd_fs(fd, st.st_dev):
-            raise InvalidArgument("import", f"fd {fd} is not a memfd page ({_target(fd)})")
-        try:
-            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-        except OSError as e:
-            raise InvalidArgument("import", f"fd {fd}: cannot read its seals: {e}") from e
-        if seals & REQUIRED_SEALS != REQUIRED_SEALS:
-            raise InvalidArgument("import", f"fd {fd} lacks seals {REQUIRED_SEALS & ~seals:#x} "
-                                  f"(has {seals:#x}): a holder could resize it under the "
-                                  "other mappings")
-        if st.st_size != self.page_size:
-            raise InvalidArgument("import", f"fd {fd} holds {st.st_size} bytes, expected "
-                                  f"page size {self.page_size}")
+        """A page of ``fd`` once :class:`~kvpool.vmm.page_check.PageCheck` passes it
+        (a memfd, sealed, of ``page_size``); the handle is a dup (``fd`` stays yours)."""
+        self._page_check.check(fd)
         return Page(handle=os.dup(fd), size=self.page_size)
 
-    def _on_memfd_fs(self, fd: int, dev: int) -> bool:
-        """Whether ``fd`` (on device ``dev``) lives where memfds do: the first one of a
-        device by its ``/proc/self/fd`` name (``/memfd:``), the device then remembered.
-        memfds share their kernel-internal mounts (shmem; hugetlb per size) only with
-        kernel-made files (SysV shm, shared anonymous memory) sealed ``F_SEAL_SEAL`` alone
-        (the seal check refuses them); a tmpfs or hugetlbfs mount is another device."""
-        if dev in self._memfd_devs:
-            return True
-        if not _target(fd).startswith("/memfd:"):
-            return False
-        self._memfd_devs.add(dev)
-        return True
+    def import_owned(self, fd: int) -> Page:
+        """:meth:`import_` keeping ``fd`` itself as the page's handle (no dup, no close);
+        when the check fails ``fd`` is still the caller's."""
+        self._page_check.check(fd)
+        return Page(handle=fd, size=self.page_size)
 
     def zero(self, page: Page) -> None:
         self._check_live("zero", page)
