@@ -1,20 +1,18 @@
 """The step loop of an elastic server that can hand over to a successor (warm restart,
 :mod:`.warm_server`): :class:`RetiringEngine`.
 
-As the old server, on ``/pd/retire`` (between two steps, in the step thread):
-
-* ``in_flight`` (the default): every request is detached and offered at once with the
-  prefix cache (:func:`~.handoff_cache.offer_cache`), and the step thread holds the
-  pool's ``step_lock`` until the ticket settles (no step, no shrink, no idle eviction
-  touches the offered units);
-* otherwise: no new request is admitted; the running ones finish first, then the cache
-  alone is offered.
-
+As the old server, on ``/pd/retire`` (between two steps, in the step thread): by default
+(``in_flight``) every request is detached and offered at once with the prefix cache
+(:func:`~.handoff_cache.offer_cache`), the step thread holding the pool's ``step_lock``
+until the ticket settles (no step, shrink or idle eviction touches the offered units);
+else no request is admitted, the running ones finish, then the cache alone is offered.
 Requests arriving meanwhile wait (none is refused). Claimed: the server is *retired*
 (``/health`` 503); each moved request's client is served by relaying the new server's
-``/pd/follow/{id}`` (:mod:`.warm_relay`), and the waiting and later requests are
-forwarded to its ``/pd/adopt`` while any relay runs; once none is left, requests are
-refused ("retired"). Expired or cancelled: everything runs here again, nothing lost.
+``/pd/follow/{id}`` (:mod:`.warm_relay`); the waiting and later requests are forwarded to
+its ``/pd/adopt`` while any relay runs, then refused ("retired"). Expired or cancelled:
+everything runs here again, nothing lost. Never held forever: a ticket still pending
+``SETTLE_GRACE_S`` past its ttl is cancelled here; a handover that raises releases the
+hold and fails its clients (the step thread lives on).
 
 As the new server: the requests it adopted (``adopted``) run before anyone follows
 them; each keeps its latest output (one, cumulative) until ``/pd/follow/{id}`` attaches,
@@ -32,51 +30,20 @@ import dataclasses
 import logging
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 from kvpool.engine.async_engine import AsyncEngine, _Abort, _Add
 from kvpool.engine.errors import RequestError
 from kvpool.engine.request import RequestOutput
 from kvpool.engine_adapters.bundled import handoff_cache, warm_relay
+from kvpool.engine_adapters.bundled import warm_commands as wc
 
 log = logging.getLogger("kvpool.warm")
 
 FOLLOW_WAIT_S = 120.0  # an adopted request nobody follows within this is aborted
+SETTLE_GRACE_S = 5.0  # a ticket not settled this long after its ttl is cancelled here
 ATTACHED = "attached"  # first item a follower gets
-
-
-@dataclass
-class _Retire:
-    to: str
-    ttl_s: float
-    in_flight: bool
-    url: str | None  # the new server, for the relays
-    loop: asyncio.AbstractEventLoop
-    out: asyncio.Queue[Any]
-
-
-@dataclass
-class _Attach:
-    """``/pd/follow/{id}``: a follower for an adopted request."""
-
-    request_id: str
-    loop: asyncio.AbstractEventLoop
-    out: asyncio.Queue[Any]
-
-
-@dataclass
-class _Drop:
-    """``DELETE /pd/follow/{id}``: an adopted request nobody will follow (its client
-    left the old server); only such a request can be dropped this way."""
-
-    request_id: str
-
-
-@dataclass
-class _Follow:
-    deadline: float
-    latest: RequestOutput | None = None  # cumulative: the latest is all there is to send
 
 
 class RetiringEngine(AsyncEngine):
@@ -85,9 +52,10 @@ class RetiringEngine(AsyncEngine):
 
     def __init__(self, engine: Any, adopted: list[str] = ()) -> None:
         super().__init__(engine)
-        self._retire: _Retire | None = None
+        self._retire: wc.Retire | None = None
         self._offer: tuple[handoff_cache.CacheHandover, Any] | None = None
         self._hold: Any = None  # the pool's step_lock, held while an offer is out
+        self._settle_by = 0.0  # when an offer still out is taken back (cancelled)
         self._held: list[_Add] = []  # requests that arrived while an offer was out
         self._gone: set[str] = set()  # offered requests whose client left meanwhile
         self._ttft: dict[str, float | None] = {}
@@ -96,7 +64,7 @@ class RetiringEngine(AsyncEngine):
         self._relay_lock = threading.Lock()
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._cancelled: set[str] = set()
-        self._follows = {rid: _Follow(time.monotonic() + FOLLOW_WAIT_S) for rid in adopted}
+        self._follows = {rid: wc.Follow(time.monotonic() + FOLLOW_WAIT_S) for rid in adopted}
         self.retired = False
 
     async def retire(self, to: str, ttl_s: float, in_flight: bool = True,
@@ -105,7 +73,7 @@ class RetiringEngine(AsyncEngine):
             raise RequestError("moving the in-flight requests needs 'url' (where the new "
                                "server will serve); or pass in_flight: false to drain")
         q: asyncio.Queue[Any] = asyncio.Queue()
-        self._inbox.put(_Retire(to, ttl_s, in_flight, url, asyncio.get_running_loop(), q))
+        self._inbox.put(wc.Retire(to, ttl_s, in_flight, url, asyncio.get_running_loop(), q))
         item = await q.get()
         if isinstance(item, BaseException):
             raise item
@@ -115,7 +83,7 @@ class RetiringEngine(AsyncEngine):
         """The adopted request's outputs (an async iterator) once attached; raises
         LookupError if there is no such request to follow."""
         q: asyncio.Queue[Any] = asyncio.Queue()
-        self._inbox.put(_Attach(request_id, asyncio.get_running_loop(), q))
+        self._inbox.put(wc.Attach(request_id, asyncio.get_running_loop(), q))
         first = await q.get()
         if isinstance(first, BaseException):
             raise first
@@ -124,7 +92,7 @@ class RetiringEngine(AsyncEngine):
     def drop_soon(self, request_id: str) -> None:
         """Abort an adopted request nobody follows yet (between steps); any other
         request id is left alone."""
-        self._inbox.put(_Drop(request_id))
+        self._inbox.put(wc.Drop(request_id))
 
     @property
     def alive(self) -> bool:
@@ -133,14 +101,14 @@ class RetiringEngine(AsyncEngine):
     # --- the step thread ------------------------------------------------------------
 
     def _handle(self, cmd: Any) -> None:
-        if isinstance(cmd, _Retire):
+        if isinstance(cmd, wc.Retire):
             if self._retire is not None or self.retired:
                 _put(cmd.loop, cmd.out, RequestError("this server is retiring already"))
             else:
                 self._retire = cmd
-        elif isinstance(cmd, _Attach):
+        elif isinstance(cmd, wc.Attach):
             self._attach(cmd)
-        elif isinstance(cmd, _Drop):
+        elif isinstance(cmd, wc.Drop):
             if self._follows.pop(cmd.request_id, None) is not None:
                 with self._lock:
                     self.engine.abort(cmd.request_id)
@@ -179,7 +147,7 @@ class RetiringEngine(AsyncEngine):
         else:
             super()._deliver(out)
 
-    def _attach(self, cmd: _Attach) -> None:
+    def _attach(self, cmd: wc.Attach) -> None:
         f = self._follows.pop(cmd.request_id, None)
         if f is None:
             return _put(cmd.loop, cmd.out, LookupError(
@@ -193,7 +161,10 @@ class RetiringEngine(AsyncEngine):
 
     def _drain(self, block: bool) -> list[Any]:
         if self._retire is not None:
-            self._step_retire()
+            try:
+                self._step_retire()
+            except Exception as e:  # noqa: BLE001 - the step thread must live on
+                self._abandon(e)
         if self._follows:
             self._expire_follows()
         if block and (self._retire is not None or self._follows):
@@ -220,8 +191,8 @@ class RetiringEngine(AsyncEngine):
             self._make_offer(r)
             return
         c, ticket = self._offer
-        if not ticket.settled:
-            return
+        if not ticket.settled and time.monotonic() < self._settle_by:
+            return  # (past the deadline settle_cache cancels it: never held forever)
         try:
             with self._lock:
                 state = handoff_cache.settle_cache(self.engine, c, ticket, 0)
@@ -235,7 +206,7 @@ class RetiringEngine(AsyncEngine):
         else:
             self._serve_on()
 
-    def _make_offer(self, r: _Retire) -> None:
+    def _make_offer(self, r: wc.Retire) -> None:
         self._hold = getattr(self.engine.pool, "step_lock", None)
         if self._hold is not None:
             self._hold.acquire()  # from before the offer until it settles (this thread)
@@ -250,9 +221,24 @@ class RetiringEngine(AsyncEngine):
             self._serve_on()
             return
         self._offer = (c, ticket)
+        self._settle_by = time.monotonic() + ticket.ttl_s + SETTLE_GRACE_S
         self._ttft = {m.request_id: self.engine.detached[m.request_id].metrics.ttft
                       for m in c.requests}
         _put(r.loop, r.out, c)
+
+    def _abandon(self, e: Exception) -> None:
+        """The handover broke (a bug; the daemon gone): the hold is released and every
+        client of it hears so at once (where its request is, is not known): none waits."""
+        r, self._retire, self._offer = self._retire, None, None
+        log.error("handoff to %s failed: %s", r.to if r else "?", e, exc_info=e)
+        self._unhold()
+        if r is not None:  # (nobody reads it if it was answered already)
+            _put(r.loop, r.out, RequestError(f"the handover failed: {e}"))
+        self._fail_all(RuntimeError(f"the warm restart failed: {e}"))
+        for a in self._held:
+            _put(a.loop, a.out, RuntimeError(f"engine error: the warm restart failed: {e}"))
+        self._held = []
+        self._gone.clear()
 
     def _unhold(self) -> None:
         if self._hold is not None:
@@ -270,7 +256,7 @@ class RetiringEngine(AsyncEngine):
         for a in held:
             super()._handle(a)
 
-    def _hand_over(self, c: handoff_cache.CacheHandover, r: _Retire) -> None:
+    def _hand_over(self, c: handoff_cache.CacheHandover, r: wc.Retire) -> None:
         """Claimed: relay each moved request's stream, forward the waiting ones."""
         self.retired, self._target = True, r.url
         for m in c.requests:

@@ -29,6 +29,7 @@ from kvpool.engine.errors import RequestError
 from kvpool.engine.request import RequestOutput
 
 CONNECT_S = 120.0  # how long the old server tries to reach a new one still starting
+READ_S = 300.0  # a new server silent this long (frozen) fails the relay: none waits forever
 
 
 class Encoder:
@@ -111,7 +112,7 @@ async def relay(url: str, dec: Decoder, put: Callable[[Any], None],
     loop = asyncio.get_running_loop()
     deadline = loop.time() + connect_s
     base = url.rstrip("/")
-    async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=None)) as client:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=READ_S)) as client:
         while True:
             req = (client.build_request("POST", f"{base}/pd/adopt", json=forward)
                    if forward is not None
