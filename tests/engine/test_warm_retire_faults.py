@@ -2,6 +2,8 @@
 wrong, and no client of it waits forever: a real engine in this process on a real daemon,
 each fault staged by order (a patched call), not by timing.
 
+* the ticket expires after the last request came: the step loop wakes and serves them
+  all on (it must not wait on its empty inbox with requests to run);
 * the daemon never tells the ticket's end: past its ttl (and a grace) the engine takes
   the offer back itself and serves on, every request (those that waited too) finishing
   exactly as before;
@@ -80,18 +82,32 @@ async def offer_mid_generation(aengine, ttl_s: float):
     return gen, first, late, reply["cache"]
 
 
+async def served_on(aengine, gen, first, late) -> None:
+    """The moved request finishes here as if never offered, the waiting one too."""
+    out = await within(rest(gen), "the moved request finishes here after all")
+    assert (await within(late, "the request that waited is served")).finished
+    again = await within(rest(aengine.generate("b", prompt(130), LONG)), "a rerun")
+    assert out.output_token_ids == again.output_token_ids, "as if never offered"
+    assert out.output_token_ids[:len(first.output_token_ids)] == first.output_token_ids
+
+
+def test_an_expired_offer_wakes_the_step_loop(aengine):
+    """Nothing is put on the inbox after the expiry (the waiting request came before):
+    the step loop must not block on it with the requests it took back."""
+    async def go():
+        gen, first, late, _ = await offer_mid_generation(aengine, 0.5)
+        await served_on(aengine, gen, first, late)
+
+    asyncio.run(go())
+
+
 def test_an_offer_whose_end_is_never_told_is_taken_back(aengine, monkeypatch):
     monkeypatch.setattr(wire.Handoffs, "settled", lambda self, m: None)  # the word is lost
     monkeypatch.setattr(warm_engine, "SETTLE_GRACE_S", 0.5)
 
     async def go():
         gen, first, late, _ = await offer_mid_generation(aengine, 0.5)
-        out = await within(rest(gen), "the moved request finishes here after all")
-        assert (await within(late, "the request that waited is served")).finished
-        monkeypatch.undo()
-        again = await within(rest(aengine.generate("b", prompt(130), LONG)), "a rerun")
-        assert out.output_token_ids == again.output_token_ids, "as if never offered"
-        assert out.output_token_ids[:len(first.output_token_ids)] == first.output_token_ids
+        await served_on(aengine, gen, first, late)
 
     asyncio.run(go())
     assert aengine.alive
