@@ -30,6 +30,7 @@ from .test_pd_handoff import KV, prompt
 LONG = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
 SHORT = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 DEADLINE_S = 90.0  # generous: a stuck step thread fails the test with a line, not a hang
+TTL_S = 2.0  # the offers that expire: ample for the waiting request to come first
 
 
 @pytest.fixture
@@ -95,7 +96,7 @@ def test_an_expired_offer_wakes_the_step_loop(aengine):
     """Nothing is put on the inbox after the expiry (the waiting request came before):
     the step loop must not block on it with the requests it took back."""
     async def go():
-        gen, first, late, _ = await offer_mid_generation(aengine, 0.5)
+        gen, first, late, _ = await offer_mid_generation(aengine, TTL_S)
         await served_on(aengine, gen, first, late)
 
     asyncio.run(go())
@@ -106,7 +107,7 @@ def test_an_offer_whose_end_is_never_told_is_taken_back(aengine, monkeypatch):
     monkeypatch.setattr(warm_engine, "SETTLE_GRACE_S", 0.5)
 
     async def go():
-        gen, first, late, _ = await offer_mid_generation(aengine, 0.5)
+        gen, first, late, _ = await offer_mid_generation(aengine, TTL_S)
         await served_on(aengine, gen, first, late)
 
     asyncio.run(go())
