@@ -61,6 +61,7 @@ if TYPE_CHECKING:
     from kvpool.client_lib.tenant import Tenant
 
 PENDING = "pending"
+NOTICE_WAIT_S = 1.0  # a cancel that finds its ticket over waits this for the Settled
 
 
 @dataclass
@@ -120,7 +121,8 @@ class Handoffs:
 
     def cancel(self, ticket: Ticket | str) -> bool:
         """Take a pending offer back: True when cancelled (the pages stay here); False
-        when the ticket is over already (its state says how: claimed, expired)."""
+        when the ticket is over already (its state says how: claimed, expired). Either
+        way the ticket is settled when this returns, even if its Settled was lost."""
         tid = ticket.id if isinstance(ticket, Ticket) else ticket
         try:
             self.tenant.conn.call(p.Cancel(ticket=tid), p.Done)
@@ -128,11 +130,24 @@ class Handoffs:
             if e.code != p.NOT_FOUND:
                 raise
             t = self.tickets.get(tid)
-            if t is not None:
-                t.wait(self.tenant.timeout_s)  # the Settled that ended it is on its way
+            if t is not None and t.wait(NOTICE_WAIT_S) == PENDING:
+                self._settle_from_map(t)  # its Settled is lost or late: ask the daemon
             return False
         self._finish(tid, "cancelled", "cancelled by the giver")
         return True
+
+    def _settle_from_map(self, t: Ticket) -> None:
+        """``t`` is over at the daemon, but its Settled has not come: the daemon's map of
+        ``t``'s group says how — every unit still granted here: it expired (the pages stay
+        ours); not: it was claimed, and the units are unmapped here as a Settled would
+        (never read or written again: they are the receiver's)."""
+        reply, _ = self.tenant.conn.call(
+            p.MapReq(tenant=self.tenant.name, after=t.group - 1, limit=1), p.MapReply)
+        held = {u for g in reply.groups if g.id == t.group
+                for r in g.runs for u in range(r.start, r.start + r.length)}
+        state = "expired" if all(u in held for u in t.units) else "claimed"
+        self.settled(p.Settled(ticket=t.id, state=state, group=t.group, units=list(t.units),
+                               reason="its notice was lost: the daemon's map says so"))
 
     def expect_giver(self, tenant_id: int) -> None:
         """The next :meth:`claim` of this tenant (whoever makes it) must be of an offer by

@@ -173,6 +173,31 @@ def test_a_reused_ticket_is_refused(daemon):
         assert d.check() == []
 
 
+@pytest.mark.parametrize("end", ["claimed", "expired"])
+def test_a_lost_settled_notice_is_recovered_from_the_daemons_map(daemon, monkeypatch, end):
+    """The daemon's word that a ticket is over never reaches the giver: its cancel
+    learns how it ended from the daemon's map (claimed: the giver's mapping goes, as a
+    Settled would have it; expired: the pages stay the giver's), never guessing."""
+    d = daemon
+    giver, gg = giver_with_data(d)
+    with giver, d.connect("decode") as receiver:
+        lost: list[p.Settled] = []
+        monkeypatch.setattr(handoff.of(giver), "settled", lost.append)  # never handled
+        rg = receiver.region_group(REGIONS, CAP)
+        ticket = handoff.offer(gg, [1, 2], to="decode", ttl_s=0.3 if end == "expired" else 60)
+        if end == "claimed":
+            handoff.claim(rg, ticket, [0, 1])
+        wait_for(lambda: lost, "the daemon's Settled (dropped here)")
+        assert lost[0].state == end and not ticket.settled and gg.mapped == {0, 1, 2}
+        monkeypatch.undo()  # the recovery goes through the real handler
+        assert handoff.cancel(giver, ticket) is False
+        assert ticket.state == end
+        assert gg.mapped == ({0} if end == "claimed" else {0, 1, 2})
+        if end == "expired":
+            assert read(gg, 2, 1) == pattern(2, 1, PAGE)
+        assert d.check() == []
+
+
 def test_an_expired_ticket_is_refused_and_the_giver_keeps_its_pages(daemon):
     d = daemon
     giver, gg = giver_with_data(d)
