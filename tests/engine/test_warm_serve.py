@@ -197,13 +197,30 @@ def start_clients(url: str, quitter: Client | None = None) -> list[Client]:
 
 
 def connected_to(proc: subprocess.Popen, url: str) -> bool:
+    """``proc`` has a connection to the (stopped) server at ``url`` and its request's
+    bytes are there, unread: /pd/retire is on its way whenever the server runs again."""
     port = int(url.rsplit(":", 1)[1])
     try:
         conns = psutil.Process(proc.pid).net_connections(kind="tcp")
     except psutil.NoSuchProcess:
         return False
-    return any(c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED
-               for c in conns)
+    mine = {c.laddr.port for c in conns
+            if c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED}
+    return any(unread_bytes(port, p) > 0 for p in mine)
+
+
+def unread_bytes(server_port: int, peer_port: int) -> int:
+    """The receive queue of the server's end of the loopback connection from
+    ``peer_port`` (/proc/net/tcp{,6}: rx_queue, hex)."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                local, remote, queues = cols[1], cols[2], cols[4]
+                if (int(local.rsplit(":", 1)[1], 16) == server_port
+                        and int(remote.rsplit(":", 1)[1], 16) == peer_port):
+                    return int(queues.split(":")[1], 16)
+    return 0
 
 
 def test_in_flight_requests_finish_on_the_new_server_as_if_uninterrupted(
