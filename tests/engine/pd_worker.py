@@ -29,11 +29,9 @@ import argparse
 import json
 import sys
 import time
-import traceback
 
 
-def emit(**kw) -> None:
-    print(json.dumps(kw), flush=True)
+from worker_loop import emit, serve  # noqa: E402 (a sibling module: run as a script)
 
 
 def finish(engine, rid: str) -> list[int]:
@@ -120,6 +118,14 @@ def adopt(engine, msg) -> None:
     emit(event="adopted", entries=n, cached=engine.pool.num_cached_blocks)
 
 
+def probe(engine, msg: dict) -> None:
+    from kvpool.engine import SamplingParams
+    from kvpool.engine.request import Request
+
+    req = Request("probe", msg["prompt"], SamplingParams(), None)
+    emit(event="hit", tokens=engine.kv_manager.get_computed_blocks(req)[1])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -135,33 +141,8 @@ def main() -> None:
     enable(cfg, Settings(run_dir=args.run_dir, name=args.name, request_aligned=args.aligned,
                          idle_timeout_s=600.0 if not args.aligned else 1.0))  # keep the cache
     engine = Engine(cfg)
-    emit(event="ready")
-    for line in sys.stdin:
-        msg = json.loads(line)
-        try:
-            if msg["cmd"] == "prefill":
-                prefill(engine, msg)
-            elif msg["cmd"] == "decode":
-                decode(engine, msg)
-            elif msg["cmd"] == "run":
-                run(engine, msg)
-            elif msg["cmd"] == "export":
-                export(engine, msg)
-            elif msg["cmd"] == "import":
-                adopt(engine, msg)
-            elif msg["cmd"] == "probe":
-                from kvpool.engine import SamplingParams
-                from kvpool.engine.request import Request
-
-                req = Request("probe", msg["prompt"], SamplingParams(), None)
-                emit(event="hit", tokens=engine.kv_manager.get_computed_blocks(req)[1])
-            elif msg["cmd"] == "check":
-                engine.check_integrity()
-                emit(event="ok", used=engine.pool.num_used_blocks)
-        except Exception as e:  # noqa: BLE001
-            emit(event="error", error=f"{type(e).__name__}: {e}",
-                 trace=traceback.format_exc())
-    engine.close()
+    serve(engine, {"prefill": prefill, "decode": decode, "run": run, "export": export,
+                   "import": adopt, "probe": probe})
 
 
 if __name__ == "__main__":

@@ -20,13 +20,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
-import traceback
 
 
-def emit(**kw) -> None:
-    print(json.dumps(kw), flush=True)
+from worker_loop import emit, serve  # noqa: E402 (a sibling module: run as a script)
 
 
 def finish_all(engine) -> dict[str, list[int]]:
@@ -105,23 +102,7 @@ def main() -> None:
                        max_num_batched_tokens=args.max_num_batched_tokens)
     enable(cfg, Settings(run_dir=args.run_dir, name=args.name, idle_timeout_s=600.0))
     engine = Engine(cfg)
-    emit(event="ready")
-    for line in sys.stdin:
-        msg = json.loads(line)
-        try:
-            if msg["cmd"] == "start":
-                start(engine, msg)
-            elif msg["cmd"] == "export":
-                export(engine, msg)
-            elif msg["cmd"] == "import":
-                adopt(engine, msg)
-            elif msg["cmd"] == "check":
-                engine.check_integrity()
-                emit(event="ok", used=engine.pool.num_used_blocks)
-        except Exception as e:  # noqa: BLE001
-            emit(event="error", error=f"{type(e).__name__}: {e}",
-                 trace=traceback.format_exc())
-    engine.close()
+    serve(engine, {"start": start, "export": export, "import": adopt})
 
 
 if __name__ == "__main__":
