@@ -51,17 +51,24 @@ def body(n: int, **kw) -> dict:
             "ignore_eos": True, "return_token_ids": True, **kw}
 
 
+def stream_choices(r: httpx.Response):
+    """The choices of each server-sent chunk of a streamed completion (none may be an
+    error)."""
+    assert r.status_code == 200
+    for line in r.iter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            yield chunk["choices"]
+
+
 def streamed(base: str, n: int) -> list[int]:
     tokens: list[int] = []
     with httpx.stream("POST", f"{base}/v1/completions", json=body(n, stream=True),
                       timeout=120) as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                chunk = json.loads(line[6:])
-                assert "error" not in chunk, chunk
-                for c in chunk["choices"]:
-                    tokens += c.get("token_ids", [])
+        for choices in stream_choices(r):
+            for c in choices:
+                tokens += c.get("token_ids", [])
     return tokens
 
 

@@ -36,7 +36,7 @@ from kvpool.engine import Engine, EngineConfig, SamplingParams
 from kvpool.engine_adapters.bundled import warm_relay
 
 from .test_pd_handoff import GREEDY, KV, accounted, prompt, wait_for
-from .test_pd_serve import body, free_port, healthy
+from .test_pd_serve import body, free_port, healthy, stream_choices
 
 
 def serve(d, model, log, *args: str, tenant: str = "tiny", kv: str = KV
@@ -147,18 +147,14 @@ class Client(threading.Thread):
         with httpx.stream("POST", f"{self.url}/v1/completions",
                           json=body(self.n, max_tokens=LONG_TOKENS, stream=True),
                           timeout=300) as r:
-            assert r.status_code == 200
-            for line in r.iter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    chunk = json.loads(line[6:])
-                    assert "error" not in chunk, chunk
-                    for c in chunk["choices"]:
-                        tokens += c.get("token_ids", [])
-                        text += c["text"]
-                    if len(tokens) >= 2:
-                        self.progress.set()
-                    if self.quit_after is not None and len(tokens) >= self.quit_after:
-                        break  # the client goes away mid-stream
+            for choices in stream_choices(r):
+                for c in choices:
+                    tokens += c.get("token_ids", [])
+                    text += c["text"]
+                if len(tokens) >= 2:
+                    self.progress.set()
+                if self.quit_after is not None and len(tokens) >= self.quit_after:
+                    break  # the client goes away mid-stream
         return tokens, text
 
     def outcome(self) -> tuple[list[int], str]:
