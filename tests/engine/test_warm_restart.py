@@ -44,6 +44,16 @@ def run(proc, n: int, rid: str) -> dict:
     return read_event(proc, "done")
 
 
+
+def assert_same_pages_moved(d, given, settled, before_old, before_new, granted) -> None:
+    """The old tenant's ``given`` units are gone from it (its own books and the daemon's);
+    the very same pages are the new tenant's now, and none was created for it."""
+    assert not set(given) & set(settled["mapped"]) and not set(given) & set(pages(d, "old"))
+    after_new = pages(d, "new")
+    moved = sorted(map(tuple, (after_new[u] for u in after_new if u not in before_new)))
+    assert moved == sorted(map(tuple, (before_old[u] for u in given)))
+    assert d.stats().pool.granted == granted
+
 def test_the_new_engine_takes_over_the_cache(start_daemon, tiny_dir):
     d = start_daemon(budget="8MiB")
     old = spawn(d, tiny_dir, "old")
@@ -65,17 +75,11 @@ def test_the_new_engine_takes_over_the_cache(start_daemon, tiny_dir):
     assert adopted["entries"] > 0 and adopted["cached"] == adopted["entries"]
     settled = read_event(old, "settled")
     assert settled["state"] == "claimed"
-    given = cache["units"]
-    assert not set(given) & set(settled["mapped"]) and not set(given) & set(pages(d, "old"))
-    # the very same pages, now the new tenant's, and none created for it
-    after_new = pages(d, "new")
-    moved = sorted(map(tuple, (after_new[u] for u in after_new if u not in before_new)))
-    assert moved == sorted(map(tuple, (before_old[u] for u in given)))
-    assert d.stats().pool.granted == granted
+    assert_same_pages_moved(d, cache["units"], settled, before_old, before_new, granted)
     now = tenants(d)
     page = d.page_size
-    assert now["old"]["mapped"] == held["old"]["mapped"] - len(given) * page
-    assert now["new"]["mapped"] == held["new"]["mapped"] + len(given) * page
+    assert now["old"]["mapped"] == held["old"]["mapped"] - len(cache["units"]) * page
+    assert now["new"]["mapped"] == held["new"]["mapped"] + len(cache["units"]) * page
     assert now["old"]["mapped"] + now["new"]["mapped"] == granted  # once, not twice
     # the new engine's cache answers every prompt as the old one's did
     for n in LENGTHS:
@@ -188,13 +192,7 @@ def test_in_flight_requests_move_and_finish_as_if_uninterrupted(start_daemon, ti
     settled = read_event(old, "settled")
     assert settled["state"] == "claimed"
     assert (settled["detached"], settled["requests"]) == (0, 0), "nothing left on the old"
-    given = cache["units"]
-    assert not set(given) & set(settled["mapped"]) and not set(given) & set(pages(d, "old"))
-    # the very same pages, now the new tenant's, and none created for it
-    after_new = pages(d, "new")
-    moved = sorted(map(tuple, (after_new[u] for u in after_new if u not in before_new)))
-    assert moved == sorted(map(tuple, (before_old[u] for u in given)))
-    assert d.stats().pool.granted == granted
+    assert_same_pages_moved(d, cache["units"], settled, before_old, before_new, granted)
     assert sum(accounted(d).values()) == granted  # once, not twice
     # every request's whole output equals the uninterrupted engine's, token for token
     done = read_event(new, "done", timeout=120)["tokens"]

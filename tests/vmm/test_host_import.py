@@ -26,18 +26,23 @@ def sealed_memfd() -> int:
     return fd
 
 
+def import_memfds(backend, n: int) -> None:
+    """Import (and release) ``n`` good pages: the backend has seen memfds."""
+    for _ in range(n):
+        fd = sealed_memfd()
+        try:
+            backend.release(backend.import_(fd))
+        finally:
+            os.close(fd)
+
+
 @pytest.mark.parametrize("where", ["/dev/shm", "/tmp"])
 def test_import_refuses_a_file_that_is_no_memfd_after_memfds_were_taken(backend, where):
     """A page-sized tmpfs (or disk) file, after memfds were imported: refused as no memfd
     page, not merely for its seals (``F_GET_SEALS`` alone would not say what it is)."""
     if not os.path.isdir(where):
         pytest.skip(f"no {where}")
-    for _ in range(3):
-        fd = sealed_memfd()
-        try:
-            backend.release(backend.import_(fd))
-        finally:
-            os.close(fd)
+    import_memfds(backend, 3)
     fd, path = tempfile.mkstemp(dir=where, prefix="kvpool-not-a-page-")
     try:
         os.unlink(path)
@@ -51,12 +56,7 @@ def test_import_refuses_a_file_that_is_no_memfd_after_memfds_were_taken(backend,
 def test_import_of_many_memfds_checks_the_seals_of_each(backend):
     """The place is remembered, the seals never: an unsealed memfd after sealed ones is
     refused."""
-    for _ in range(3):
-        fd = sealed_memfd()
-        try:
-            backend.release(backend.import_(fd))
-        finally:
-            os.close(fd)
+    import_memfds(backend, 3)
     fd = os.memfd_create("kvpool-page", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, PAGE)
