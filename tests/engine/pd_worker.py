@@ -25,13 +25,12 @@ Commands:
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
 
 
-from worker_loop import emit, serve  # noqa: E402 (a sibling module: run as a script)
+from worker_loop import arguments, emit, serve  # noqa: E402 (a sibling module: run as a script)
 
 
 def finish(engine, rid: str) -> list[int]:
@@ -127,11 +126,7 @@ def probe(engine, msg: dict) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--run-dir", required=True)
-    ap.add_argument("--name", required=True)
-    ap.add_argument("--kv", default="2MiB")
+    ap = arguments()
     ap.add_argument("--no-aligned", dest="aligned", action="store_false")
     args = ap.parse_args()
     from kvpool.engine import Engine, EngineConfig

@@ -29,8 +29,13 @@ LENGTHS = [70, 130, 200]
 
 
 def spawn(d, model, name: str) -> subprocess.Popen:
-    cmd = [sys.executable, str(WORKER), "--model", str(model), "--run-dir", str(d.run_dir),
-           "--name", name, "--kv", KV, "--no-aligned"]
+    return start_worker(d, WORKER, model, name, "--no-aligned")
+
+
+def start_worker(d, script, model, name: str, *args: str) -> subprocess.Popen:
+    """A worker process (``script``) of tenant ``name`` on daemon ``d``, once ready."""
+    cmd = [sys.executable, str(script), "--model", str(model), "--run-dir", str(d.run_dir),
+           "--name", name, "--kv", KV, *args]
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=REPO,
                             env={**os.environ, "PYTHONPATH": str(REPO)})
@@ -151,15 +156,8 @@ def uninterrupted(tiny_dir) -> dict[str, list[int]]:
 
 
 def spawn_warm(d, model, name: str) -> subprocess.Popen:
-    cmd = [sys.executable, str(WARM_WORKER), "--model", str(model), "--run-dir",
-           str(d.run_dir), "--name", name, "--kv", KV, "--max-num-seqs", str(SEQS),
-           "--max-num-batched-tokens", str(BATCH)]
-    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=REPO,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
-    d.workers.append(proc)
-    read_event(proc, "ready", timeout=120)
-    return proc
+    return start_worker(d, WARM_WORKER, model, name, "--max-num-seqs", str(SEQS),
+                        "--max-num-batched-tokens", str(BATCH))
 
 
 def start_mid_generation(old) -> dict:

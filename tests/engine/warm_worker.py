@@ -18,12 +18,11 @@ Commands:
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 
 
-from worker_loop import emit, serve  # noqa: E402 (a sibling module: run as a script)
+from worker_loop import arguments, emit, serve  # noqa: E402 (a sibling module: run as a script)
 
 
 def finish_all(engine) -> dict[str, list[int]]:
@@ -86,11 +85,7 @@ def adopt(engine, msg) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--run-dir", required=True)
-    ap.add_argument("--name", required=True)
-    ap.add_argument("--kv", default="2MiB")
+    ap = arguments()
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     args = ap.parse_args()

@@ -4,12 +4,23 @@ scripts as a sibling module (a script's own directory is first on ``sys.path``).
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import traceback
 from typing import Any, Callable
 
 Handler = Callable[[Any, dict], None]
+
+
+def arguments() -> argparse.ArgumentParser:
+    """The options every worker takes: the model, the daemon, its tenant name, KV size."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--run-dir", required=True)
+    ap.add_argument("--name", required=True)
+    ap.add_argument("--kv", default="2MiB")
+    return ap
 
 
 def emit(**kw) -> None:
