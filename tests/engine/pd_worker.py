@@ -30,7 +30,7 @@ import sys
 import time
 
 
-from worker_loop import arguments, emit, serve  # noqa: E402 (a sibling module: run as a script)
+from worker_loop import arguments, emit, serve  # noqa: E402 (a sibling module)
 
 
 def finish(engine, rid: str) -> list[int]:

@@ -22,6 +22,7 @@ from daemon.conftest import start_daemon  # noqa: F401  (fixture)
 from daemon.helpers import REPO, read_event
 from kvpool.engine import Engine, EngineConfig, SamplingParams
 
+from .worker_loop import finish_all
 from .test_pd_handoff import (GREEDY, KV, WORKER, accounted, pages, prompt, send, tenants,
                               wait_for)
 
@@ -147,12 +148,7 @@ def uninterrupted(tiny_dir) -> dict[str, list[int]]:
                             max_num_batched_tokens=BATCH))
     for r in in_flight_requests():
         e.add_request(r["prompt"], SamplingParams(**r["params"]), r["id"])
-    out: dict[str, list[int]] = {}
-    while e.has_unfinished():
-        for o in e.step():
-            if o.finished:
-                out[o.request_id] = o.output_token_ids
-    return out
+    return finish_all(e)
 
 
 def spawn_warm(d, model, name: str) -> subprocess.Popen:

@@ -22,16 +22,7 @@ import json
 import time
 
 
-from worker_loop import arguments, emit, serve  # noqa: E402 (a sibling module: run as a script)
-
-
-def finish_all(engine) -> dict[str, list[int]]:
-    out: dict[str, list[int]] = {}
-    while engine.has_unfinished():
-        for o in engine.step():
-            if o.finished:
-                out[o.request_id] = o.output_token_ids
-    return out
+from worker_loop import arguments, emit, finish_all, serve  # noqa: E402 (a sibling)
 
 
 def phase(req) -> str:

@@ -27,6 +27,16 @@ def emit(**kw) -> None:
     print(json.dumps(kw), flush=True)
 
 
+def finish_all(engine: Any) -> dict[str, list[int]]:
+    """Step ``engine`` until every request ends; each one's output tokens by id."""
+    out: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                out[o.request_id] = o.output_token_ids
+    return out
+
+
 def check(engine: Any, msg: dict) -> None:
     """``check``: engine and pool integrity; prints ``ok`` with the used block count."""
     engine.check_integrity()
