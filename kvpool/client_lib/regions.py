@@ -65,7 +65,7 @@ class RegionGroup:
         self.id: int = reply.group
         self.npages: int = reply.npages
         self.mapped: set[int] = set()
-        self.keep_handles = self.backend.name == "host"
+        self.keep_handles = self.backend.caps.handles_are_fds
         self.handles: dict[int, list[Page]] = {}  # unit -> Page per region (host backend)
         self.label = label
         #: an ElasticBlockAllocator registers itself here

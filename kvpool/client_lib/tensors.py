@@ -87,7 +87,7 @@ def live_views() -> int:
 
 
 def _byte_tensor(backend: Backend, rng: Range, offset: int, nbytes: int) -> torch.Tensor:
-    cuda = backend.name == "cuda"
+    cuda = backend.caps.tensor_device == "cuda"
     shape = (ctypes.c_int64 * 1)(nbytes)
     managed = _DLManagedTensor()
     managed.dl_tensor.data = rng.base + offset

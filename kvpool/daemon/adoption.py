@@ -40,7 +40,7 @@ def page_key(fd: int) -> tuple[int, int]:
 def pool_page_keys(pool: Pool) -> set[tuple[int, int]]:
     """The identity of every page ``pool`` holds (host backend only: CUDA handles are
     not files, and an imported CUDA fd is a new allocation handle anyway)."""
-    if pool.backend.name != "host":
+    if not pool.backend.caps.handles_are_fds:
         return set()
     return {page_key(page.handle) for page in pool.pages.values()}
 
@@ -123,7 +123,7 @@ class Adoption:
     def _import(self, fds: list[int]) -> list[Page]:
         """The pages behind ``fds`` (all or none); one the pool holds already is refused."""
         pool = self.arbiter.pool
-        host = pool.backend.name == "host"
+        host = pool.backend.caps.handles_are_fds
         known = pool_page_keys(pool)
         pages: list[Page] = []
         keys: set[tuple[int, int]] = set()

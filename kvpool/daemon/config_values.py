@@ -11,6 +11,7 @@ from typing import Any
 import msgspec
 
 from kvpool.sizes import format_size, parse_size
+from kvpool.vmm.registry import capabilities
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 MAX_BYTES = 1 << 62
@@ -80,8 +81,8 @@ def huge_pages_problem(backend: str, page_size: int | str | None) -> str | None:
     from kvpool.vmm import hugetlb
     from kvpool.vmm.host import DEFAULT_PAGE_SIZE
 
-    if backend == "cuda":
-        return "hugetlb backs host pages only (a CUDA page is one mapping already)"
+    if backend != "auto" and not capabilities(backend).huge_pages:
+        return f"hugetlb backs host pages only (the {backend} backend cannot use it)"
     size = parse_size(page_size) if page_size is not None else DEFAULT_PAGE_SIZE
     huge = hugetlb.huge_page_size()
     if huge is None:

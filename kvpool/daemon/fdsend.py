@@ -29,7 +29,7 @@ class FdSender:
     def __init__(self, server: Server):
         self.server = server
         self.queues: dict[int, fdqueue.Outbound] = {}  # tenant id -> messages still to send
-        self._handles_are_fds = server.backend.name == "host"
+        self._handles_are_fds = server.backend.caps.handles_are_fds
 
     def busy(self, t: TenantRecord) -> bool:
         """Something is still queued for ``t`` (its next request gets ``BUSY``)."""

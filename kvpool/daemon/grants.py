@@ -221,7 +221,7 @@ class Grants:
         except PoolExhausted as e:
             a.errors += 1
             return p.error(r.id, p.NO_MEMORY, str(e))
-        if a.pool.backend.name != "host":  # the device's real free memory decides too
+        if a.pool.backend.caps.device_memory_bounded:  # its real free memory decides too
             free, _ = a.pool.backend.mem_info()
             if free < n * a.page_size:
                 a.pool.unlease(n)

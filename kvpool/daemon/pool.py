@@ -219,7 +219,7 @@ class Pool:
     def _new_page(self) -> Page:
         """A fresh page, zeroed (a fresh memfd reads zeros; device memory may not)."""
         page = self.backend.create_page()
-        if self.backend.name != "host":
+        if not self.backend.caps.fresh_pages_zeroed:
             try:
                 self.backend.zero(page)
             except VmmError:

@@ -15,38 +15,28 @@ from kvpool.vmm.base import (
     VmmError,
 )
 
-BACKENDS = ("auto", "host", "cuda")
+from kvpool.vmm.capabilities import Capabilities
+from kvpool.vmm.registry import REGISTRY, capabilities, entry
+
+BACKENDS = ("auto", *REGISTRY)
 
 
 def cuda_available(device: int = 0) -> bool:
     """True when the CUDA driver loads and ``device`` supports VMM with POSIX-fd handles."""
-    try:
-        from kvpool.vmm.cuda import probe
-    except ImportError:
-        return False
-    return probe(device) is None
+    return REGISTRY["cuda"].available(device)
 
 
 def open_backend(kind: str = "auto", device: int = 0, page_size: int | None = None,
                  huge_pages: bool = False) -> Backend:
     """Open a backend by name: ``auto``, ``host`` or ``cuda``. ``huge_pages`` backs host
     pages with hugetlb memory (a CUDA page is one mapping already: ignored there)."""
-    if kind not in BACKENDS:
-        raise InvalidArgument("open_backend", f"unknown backend {kind!r}; choose one of {BACKENDS}")
-    if kind == "auto":
-        kind = "cuda" if cuda_available(device) else "host"
-    if kind == "cuda":
-        from kvpool.vmm.cuda import CudaBackend
-
-        return CudaBackend(device=device, page_size=page_size)
-    from kvpool.vmm.host import HostBackend
-
-    return HostBackend(device=device, page_size=page_size, huge_pages=huge_pages)
+    return entry(kind, device).open(device, page_size, huge_pages)
 
 
 __all__ = [
     "BACKENDS",
     "Backend",
+    "Capabilities",
     "DriverError",
     "InvalidArgument",
     "OutOfMemory",
@@ -55,6 +45,7 @@ __all__ = [
     "ResourceLimit",
     "Unsupported",
     "VmmError",
+    "capabilities",
     "cuda_available",
     "open_backend",
 ]

@@ -28,7 +28,10 @@ import abc
 import os
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Sequence
+
+if TYPE_CHECKING:
+    from kvpool.vmm.capabilities import Capabilities
 
 
 class VmmError(Exception):
@@ -107,6 +110,9 @@ class Backend(abc.ABC):
     """Device memory primitives. Thread-safe for calls on distinct pages and slots."""
 
     name: str = "abstract"
+    #: what callers may rely on (see :class:`~kvpool.vmm.capabilities.Capabilities`);
+    #: every concrete backend sets it, and :mod:`kvpool.vmm.registry` lists it
+    caps: ClassVar[Capabilities]
 
     def __init__(self, device: int = 0, page_size: int | None = None):
         self.device = device

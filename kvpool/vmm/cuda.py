@@ -44,6 +44,7 @@ import threading
 from typing import Any, Sequence
 
 from kvpool.vmm import cuda_driver as drv
+from kvpool.vmm.capabilities import CUDA_CAPS
 from kvpool.vmm.base import Backend, InvalidArgument, Page, Range, VmmError, contiguous_runs
 from kvpool.vmm.cuda_driver import probe
 
@@ -52,6 +53,7 @@ class CudaBackend(Backend):
     """Physical pages are ``cuMemCreate`` allocations on ``device`` (see module doc)."""
 
     name = "cuda"
+    caps = CUDA_CAPS
 
     def __init__(self, device: int = 0, page_size: int | None = None):
         cu, dev, attrs = drv.open_device(device)

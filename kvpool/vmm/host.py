@@ -39,6 +39,7 @@ import threading
 from typing import Sequence
 
 from kvpool.vmm import hugetlb
+from kvpool.vmm.capabilities import HOST_CAPS
 from kvpool.vmm.base import (
     Backend,
     InvalidArgument,
@@ -92,6 +93,7 @@ class HostBackend(Backend):
     """memfd + mmap backend. ``device`` is only a label: host memory is one device."""
 
     name = "host"
+    caps = HOST_CAPS
 
     def __init__(
         self,

@@ -1,0 +1,68 @@
+"""The registry of vmm backends: each name maps to its capabilities and a factory that
+imports the backend's module only when it is opened (the CUDA one needs cuda-python).
+
+Adding a backend: write a :class:`~kvpool.vmm.base.Backend` subclass with a ``caps``
+record, and add one :class:`BackendEntry` here (docs/ARCHITECTURE.md, "Adding a vmm
+backend")."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvpool.vmm.base import Backend, InvalidArgument
+from kvpool.vmm.capabilities import CUDA_CAPS, HOST_CAPS, Capabilities
+
+
+@dataclass(frozen=True)
+class BackendEntry:
+    """One backend: its capabilities (known without opening it), whether this machine
+    can open it (``available(device)``), and how to open it."""
+
+    name: str
+    caps: Capabilities
+    available: Callable[[int], bool]
+    open: Callable[[int, int | None, bool], Backend]  # (device, page_size, huge_pages)
+
+
+def _host_open(device: int, page_size: int | None, huge_pages: bool) -> Backend:
+    from kvpool.vmm.host import HostBackend
+
+    return HostBackend(device=device, page_size=page_size, huge_pages=huge_pages)
+
+
+def _cuda_open(device: int, page_size: int | None, huge_pages: bool) -> Backend:
+    from kvpool.vmm.cuda import CudaBackend
+
+    return CudaBackend(device=device, page_size=page_size)  # one mapping a page already
+
+
+def _cuda_available(device: int) -> bool:
+    try:
+        from kvpool.vmm.cuda import probe
+    except ImportError:
+        return False
+    return probe(device) is None
+
+
+#: every backend, in the order ``auto`` tries them (the last is always available)
+REGISTRY: dict[str, BackendEntry] = {
+    "cuda": BackendEntry("cuda", CUDA_CAPS, _cuda_available, _cuda_open),
+    "host": BackendEntry("host", HOST_CAPS, lambda device: True, _host_open),
+}
+
+
+def entry(kind: str, device: int = 0) -> BackendEntry:
+    """The entry for ``kind`` (``auto``: the first available one); one clear
+    InvalidArgument for an unknown name."""
+    if kind == "auto":
+        return next(e for e in REGISTRY.values() if e.available(device))
+    if kind not in REGISTRY:
+        raise InvalidArgument("open_backend", f"unknown backend {kind!r}; choose one of "
+                                              f"{('auto', *REGISTRY)}")
+    return REGISTRY[kind]
+
+
+def capabilities(kind: str, device: int = 0) -> Capabilities:
+    """The capabilities of backend ``kind`` without opening it."""
+    return entry(kind, device).caps
