@@ -78,7 +78,7 @@ def give(engine, request_id: str, to: str, ttl_s: float = 10.0
     """Detach ``request_id`` (just after a step) and offer its units to tenant ``to``."""
     pool = _aligned_pool(engine)
     alloc = pool.allocator
-    with pool.step_lock:
+    with engine.step_lock:
         req = engine.detach(request_id)
         try:
             chunks = pool.request_chunks(request_id)
@@ -105,7 +105,7 @@ def settle(engine, h: Handover, ticket: wire.Ticket, timeout_s: float | None = N
     if state == wire.PENDING:  # take it back; it may have settled meanwhile
         wire.cancel(pool.allocator.group.tenant, ticket)
         state = ticket.state
-    with pool.step_lock:
+    with engine.step_lock:
         if state == "claimed":
             pool.forget_request(h.request_id, h.block_ids)
             engine.drop_detached(h.request_id)
@@ -131,7 +131,7 @@ def take(engine, h: Handover) -> str:
                                                   for b in h.block_ids):
         raise AdapterError("the handover's block table is not in its chunks")
     params = SamplingParams(**h.params)
-    with pool.step_lock:
+    with engine.step_lock:
         mine = claim_chunks(alloc, h.ticket, len(h.chunks))
         at = dict(zip(h.chunks, mine))
         blocks = [at[b // per] * per + b % per for b in h.block_ids]
@@ -142,7 +142,7 @@ def take(engine, h: Handover) -> str:
 
 
 def claim_chunks(alloc, ticket: str, count: int) -> list[int]:
-    """(the pool's ``step_lock`` held) Claim ticket ``ticket``'s units into ``count``
+    """(the engine's ``step_lock`` held) Claim ticket ``ticket``'s units into ``count``
     unmapped chunks of ``alloc`` (units in order) and adopt them as wholly held; returns
     those chunks, in the order of the giver's. Raises, changing nothing, when there are
     not enough unmapped chunks or the claim is refused."""

@@ -30,7 +30,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from kvpool.engine.async_engine import AsyncEngine, _Add
+from kvpool.engine.async_engine import AddRequest, AsyncEngine
 from kvpool.engine.config import EngineConfig
 from kvpool.engine.errors import RequestError
 from kvpool.engine.request import RequestOutput
@@ -67,7 +67,7 @@ class PrefillEngine(AsyncEngine):
         first token ended the request."""
         q: asyncio.Queue[Any] = asyncio.Queue()
         self._prefills.add(request_id)
-        self._inbox.put(_Add(request_id, prompt, params, asyncio.get_running_loop(), q,
+        self.post(AddRequest(request_id, prompt, params, asyncio.get_running_loop(), q,
                              time.perf_counter()))
         item = await q.get()
         if isinstance(item, BaseException):
@@ -165,7 +165,7 @@ class DecodeEngine(AsyncEngine):
                             output_token_ids=first, new_token_ids=first, text="",
                             finished=False, finish_reason=None)
         q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self._inbox.put(_Adopt(h, prompt, params, asyncio.get_running_loop(), q))
+        self.post(_Adopt(h, prompt, params, asyncio.get_running_loop(), q))
         async with contextlib.aclosing(self._relay(request_id, q)) as outs:
             async for out in outs:
                 yield out

@@ -14,10 +14,13 @@ vLLM keeps every free block in one queue (LRU), cached or not, and its scheduler
   once; if the memory is not there yet it returns None, which vLLM's scheduler already
   treats as "keep the request waiting" (or preempts, for a running one). Nothing raises.
 
-Shrink (the daemon asks for memory back): between engine steps, evict cached blocks of
-chunks whose every held block is evictable (whole units empty), then any cached block,
-then preempt running requests newest first through vLLM's own ``_preempt_request`` (the
-same path ``reset_prefix_cache(reset_running_requests=True)`` uses).
+Shrink (the daemon asks for memory back) and idle release are the shared
+:class:`~kvpool.engine_adapters.elastic.ElasticPolicy` (between engine steps: cached
+blocks of chunks whose every held block is evictable, then any cached block, then
+running requests newest first); this pool is its :class:`~kvpool.engine_adapters.elastic.
+ElasticHooks`: vLLM's free queue is the evictable set, preemption is vLLM's own
+``_preempt_request`` (the path ``reset_prefix_cache(reset_running_requests=True)``
+uses), the step lock is the bridge's (held by the engine core's loop per step).
 
 Invariant: a block is in exactly one of {allocator free, stash, queue (ref 0, hashed),
 in use (ref > 0)}; block 0 is vLLM's null block and stays held.
@@ -26,19 +29,18 @@ in use (ref > 0)}; block 0 is vLLM's null block and stays held.
 from __future__ import annotations
 
 import logging
-import math
 import sys
 import threading
 import time
-from collections import defaultdict
+from collections.abc import Iterable
 
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue
 
+from kvpool.engine_adapters.elastic import ElasticPolicy, ShrinkOutcome
 from kvpool.engine_adapters.vllm.settings import AdapterError
 
 log = logging.getLogger("kvpool.vllm")
-SHRINK_STEP_WAIT_S = 0.3
 
 
 class ElasticBlockPool(BlockPool):
@@ -58,9 +60,7 @@ class ElasticBlockPool(BlockPool):
         self.free_block_queue = FreeKVCacheBlockQueue([])  # only evictable blocks live here
         self._stash: list[int] = []
         self.lock = threading.RLock()
-        self.shrinks = self.shrink_preemptions = self.shrink_evictions = 0
-        self.idle_evictions = 0
-        self._stopped = threading.Event()
+        self.policy = ElasticPolicy(self, b.allocator)
         b.pool = self
 
     # ---- allocation -----------------------------------------------------------------
@@ -175,7 +175,7 @@ class ElasticBlockPool(BlockPool):
         if gone:
             self.allocator.free([b.block_id for b in gone])
 
-    def evict_cached(self, n: int | None) -> int:
+    def evict_cached(self, n: int | None = None) -> int:
         """Evict up to ``n`` (None: all) cached blocks, LRU first, into the allocator."""
         with self.lock:
             q = self.free_block_queue
@@ -190,99 +190,62 @@ class ElasticBlockPool(BlockPool):
             self.allocator.free([b.block_id for b in blocks])
             return k
 
-    def evict_whole_chunks(self, want: int) -> int:
-        """Evict the cached blocks of up to ``want`` chunks that hold nothing else."""
-        with self.lock:
-            held = self.allocator.held_by_chunk()
-            by_chunk: dict[int, list] = defaultdict(list)
-            for b in self.free_block_queue.get_all_free_blocks():
-                by_chunk[self.allocator.chunk_of(b.block_id)].append(b)
-            null_chunk = self.allocator.chunk_of(0)
-            whole = sorted((held[c], c) for c, bl in by_chunk.items()
-                           if c != null_chunk and len(bl) == held.get(c, -1))[:want]
-            for _, c in whole:
-                for b in by_chunk[c]:
-                    self.free_block_queue.remove(b)
-                    self._reuse_watchers.pop(b.block_id, None)
-                    self._maybe_evict_cached_block(b)
-                self.allocator.free([b.block_id for b in by_chunk[c]])
-                self.shrink_evictions += len(by_chunk[c])
-            return len(whole)
+    # ---- the hooks of the shared policy (ElasticHooks) -------------------------------
+    @property
+    def step_lock(self) -> threading.RLock:
+        return self.bridge.step_lock
 
-    def held_chunks(self) -> int:
-        return len(self.allocator.held_by_chunk())
+    def evictable_blocks(self) -> Iterable[int]:
+        return [b.block_id for b in self.free_block_queue.get_all_free_blocks()]
+
+    def evict_listed(self, blocks: list[int]) -> None:
+        with self.lock:
+            gone = [self.blocks[i] for i in blocks]
+            for b in gone:
+                self.free_block_queue.remove(b)
+                self._reuse_watchers.pop(b.block_id, None)
+                self._maybe_evict_cached_block(b)
+            self.allocator.free(blocks)
+
+    def has_cache(self) -> bool:
+        return bool(self.free_block_queue.num_free_blocks or self._stash)
+
+    def release_stash(self) -> None:
+        self.stash_free()
+
+    def preempt_newest(self) -> int:
+        sched = self.bridge.scheduler
+        if sched is None or not sched.running:
+            return 0
+        req = sched.running.pop()
+        sched._preempt_request(req, time.monotonic(), drop_stale_output=True)
+        sched.prev_step_scheduled_req_ids.discard(req.request_id)
+        return 1
+
+    def activity(self) -> int | None:
+        sched = self.bridge.scheduler
+        if (sched is None or self.allocator.group.tenant.closed
+                or sched.has_unfinished_requests()):
+            return None
+        return self.allocator.ops
 
     # ---- giving memory back -----------------------------------------------------------
-    def shrink(self, nbytes: int, urgent: bool) -> None:
-        """The tenant's shrink callback: free blocks worth ``nbytes`` (see module doc)."""
-        self.shrinks += 1
-        b = self.bridge
-        want = max(1, math.ceil(nbytes / self.allocator.holdings().chunk))
-        if not b.step_lock.acquire(timeout=SHRINK_STEP_WAIT_S * (3 if urgent else 1)):
-            return  # the library asks again while it is still short
-        ev0, pre0 = self.shrink_evictions, self.shrink_preemptions
-        try:
-            self.stash_free()
-            before = self.held_chunks()
-            self.evict_whole_chunks(want)
-            if before - self.held_chunks() < want:
-                self.shrink_evictions += self.evict_cached(None)
-            target = max(before - want, 1)
-            sched = b.scheduler
-            if sched is None:
-                return
-            ts = time.monotonic()
-            while sched.running and self.held_chunks() > target:
-                req = sched.running.pop()
-                sched._preempt_request(req, ts, drop_stale_output=True)
-                sched.prev_step_scheduled_req_ids.discard(req.request_id)
-                self.shrink_preemptions += 1
-                self.shrink_evictions += self.evict_cached(None)
-        finally:
-            b.step_lock.release()
-        print(f"kvpool: shrink of {nbytes} B: evicted {self.shrink_evictions - ev0} cached "
-              f"block(s), preempted {self.shrink_preemptions - pre0} request(s)",
-              file=sys.stderr, flush=True)
+    def shrink(self, nbytes: int, urgent: bool) -> ShrinkOutcome | None:
+        """The tenant's shrink callback (:meth:`ElasticPolicy.shrink`), said on stderr."""
+        done = self.policy.shrink(nbytes, urgent)
+        if done is not None:
+            print(f"kvpool: shrink of {nbytes} B: evicted {done.evicted} cached block(s), "
+                  f"preempted {done.preempted} request(s)", file=sys.stderr, flush=True)
+        return done
 
     def start_idle_release(self, idle_timeout_s: float) -> None:
         """After ``idle_timeout_s`` with no request in the engine, evict the prefix cache so
         the allocator's idle trim returns the emptied chunks (an idle server keeps only
         the null block's chunk)."""
-        if idle_timeout_s <= 0:
-            return
-        threading.Thread(target=self._idle_loop, args=(idle_timeout_s,),
-                         name="kvpool-idle-cache", daemon=True).start()
+        self.policy.start_idle_release(idle_timeout_s)
 
     def stop(self) -> None:
-        self._stopped.set()
-
-    def _idle_loop(self, timeout_s: float) -> None:
-        tick = min(max(timeout_s / 4, 0.01), 0.5)
-        b = self.bridge
-        last, since = -1, time.monotonic()
-        while not self._stopped.wait(tick):
-            sched = b.scheduler
-            if sched is None or self.allocator.group.tenant.closed:
-                continue
-            ops = self.allocator.ops
-            busy = sched.has_unfinished_requests()
-            now = time.monotonic()
-            if ops != last or busy:
-                last, since = ops, now
-                continue
-            if now - since < timeout_s or not (self.free_block_queue.num_free_blocks
-                                              or self._stash):
-                continue
-            if not b.step_lock.acquire(blocking=False):
-                continue
-            try:
-                if not sched.has_unfinished_requests():
-                    self.stash_free()
-                    self.idle_evictions += self.evict_cached(None)
-            except Exception:
-                log.exception("kvpool: idle cache release failed")
-            finally:
-                b.step_lock.release()
+        self.policy.stop()
 
     def check_integrity(self) -> None:
         with self.lock:
