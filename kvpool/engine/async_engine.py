@@ -18,7 +18,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,7 +76,7 @@ class AsyncEngine:
         return self._thread.is_alive()
 
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams
-                       ) -> AsyncIterator[RequestOutput]:
+                       ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's outputs until it finishes; aborts it if the consumer stops
         early (client disconnect). Raises the engine's RequestError/exception if any."""
         q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
@@ -87,7 +87,7 @@ class AsyncEngine:
                 yield out
 
     async def _relay(self, request_id: str, q: asyncio.Queue[RequestOutput | BaseException]
-                     ) -> AsyncIterator[RequestOutput]:
+                     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield what the step thread puts in ``q`` for ``request_id`` until it finishes
         (re-raising an exception put there); abort the request if the consumer stops
         early. Callers close it at once (``contextlib.aclosing``) so the abort is not

@@ -192,7 +192,7 @@ class FixedBlockPool(BlockPool):
     def get_new_blocks(self, n: int) -> list[int]:
         if n > len(self._free) + len(self._evictable):
             raise PoolExhausted(f"need {n} KV blocks, {self.get_num_free_blocks()} free")
-        out = []
+        out: list[int] = []
         for _ in range(n):
             if self._free:
                 b = self._free.popleft()
@@ -251,7 +251,7 @@ class FixedBlockPool(BlockPool):
             parent = b
 
     def evict_cached_blocks(self, n: int | None = None) -> list[int]:
-        out = []
+        out: list[int] = []
         while self._evictable and (n is None or len(out) < n):
             b, _ = self._evictable.popitem(last=False)
             self._uncache(b)

@@ -64,7 +64,7 @@ class Engine(DetachMixin):
         self.kv_spec = KVCacheSpec(mc.num_layers, config.block_size, mc.num_kv_heads,
                                    mc.head_dim, self.dtype, layout)
         num_blocks = config.num_kv_blocks or max(
-            2, (config.kv_cache_size or DEFAULT_KV_CACHE_SIZE) // self.kv_spec.block_bytes)
+            2, int(config.kv_cache_size or DEFAULT_KV_CACHE_SIZE) // self.kv_spec.block_bytes)
         if block_pool is None:
             block_pool = (config.block_pool_factory or FixedBlockPool)(num_blocks)
         if kv_cache is None:

@@ -32,10 +32,11 @@ from kvpool.engine.block_pool import NULL_BLOCK, FixedBlockPool, PoolUser
 from kvpool.engine.errors import PoolExhausted
 from kvpool.engine_adapters.bundled.aligned import RequestChunks
 from kvpool.engine_adapters.bundled.settings import AdapterError
-from kvpool.engine_adapters.elastic import ElasticPolicy, ShrinkOutcome
+from kvpool.engine_adapters.elastic import ElasticPolicy
 
 if TYPE_CHECKING:
     from kvpool.client_lib import ElasticBlockAllocator
+    from kvpool.engine.engine import Engine
 
 
 class ElasticBlockPool(FixedBlockPool):
@@ -102,9 +103,9 @@ class ElasticBlockPool(FixedBlockPool):
         the emptied chunks back (:meth:`ElasticPolicy.start_idle_release`)."""
         self.policy.start_idle_release(idle_timeout_s)
 
-    def shrink(self, nbytes: int, urgent: bool) -> ShrinkOutcome | None:
+    def shrink(self, nbytes: int, urgent: bool) -> None:
         """The tenant's shrink callback (:meth:`ElasticPolicy.shrink`)."""
-        return self.policy.shrink(nbytes, urgent)
+        self.policy.shrink(nbytes, urgent)
 
     def stop(self) -> None:
         """End the idle watcher (joined unless called from it)."""
@@ -196,19 +197,21 @@ class ElasticBlockPool(FixedBlockPool):
         if blocks:
             self.allocator.free(blocks)
 
-    def free_blocks(self, block_ids) -> None:
+    def free_blocks(self, block_ids: Iterable[int]) -> None:
         with self.lock:
             super().free_blocks(block_ids)
 
-    def touch(self, block_ids) -> None:
+    def touch(self, block_ids: Iterable[int]) -> None:
         with self.lock:
             super().touch(block_ids)
 
-    def get_cached_block(self, block_hash, tokens, parent):
+    def get_cached_block(self, block_hash: int, tokens: Sequence[int], parent: int
+                         ) -> int | None:
         with self.lock:
             return super().get_cached_block(block_hash, tokens, parent)
 
-    def cache_full_blocks(self, block_ids, hashes, tokens, parent) -> None:
+    def cache_full_blocks(self, block_ids: Sequence[int], hashes: Sequence[int],
+                          tokens: Sequence[Sequence[int]], parent: int) -> None:
         with self.lock:
             super().cache_full_blocks(block_ids, hashes, tokens, parent)
 
@@ -317,3 +320,11 @@ class ElasticBlockPool(FixedBlockPool):
             for h, dups in self._by_hash.items():
                 for b in dups:
                     assert self._entry[b].block_hash == h, f"hash index wrong for block {b}"
+
+
+def elastic_pool(engine: Engine) -> ElasticBlockPool:
+    """``engine``'s pool, which must be this adapter's (AdapterError otherwise)."""
+    pool = engine.pool
+    if not isinstance(pool, ElasticBlockPool):
+        raise AdapterError("the engine does not allocate through kvpool (not enabled)")
+    return pool

@@ -34,14 +34,20 @@ import json
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
+from typing import TYPE_CHECKING, Any
+
 import msgspec
 
 from kvpool.client_lib import handoff as wire
 from kvpool.engine.block_pool import NULL_BLOCK
 from kvpool.engine_adapters.bundled import handoff_requests
+from kvpool.engine_adapters.bundled.block_pool import elastic_pool
 from kvpool.engine_adapters.bundled.handoff import claim_chunks
 from kvpool.engine_adapters.bundled.handoff_requests import MovingRequest
 from kvpool.engine_adapters.bundled.settings import AdapterError
+
+if TYPE_CHECKING:
+    from kvpool.engine.engine import Engine
 
 
 @dataclass
@@ -57,7 +63,7 @@ class CacheHandover:
         return json.dumps(asdict(self))
 
     @classmethod
-    def from_json(cls, text: str | dict) -> CacheHandover:
+    def from_json(cls, text: str | dict[str, Any]) -> CacheHandover:
         """Parse (and type-check) a handover; AdapterError ("bad handover: ...")."""
         try:
             d = json.loads(text) if isinstance(text, str) else text
@@ -66,14 +72,14 @@ class CacheHandover:
             raise AdapterError(f"bad handover: {e}") from None
 
 
-def offer_cache(engine, to: str, ttl_s: float = 10.0, in_flight: bool = False
+def offer_cache(engine: Engine, to: str, ttl_s: float = 10.0, in_flight: bool = False
                 ) -> tuple[CacheHandover, wire.Ticket]:
     """Offer the units holding ``engine``'s prefix cache to tenant ``to``; with
     ``in_flight`` every request is detached and goes too (its blocks' chunks with it),
     else the engine must be idle. Raises AdapterError (nothing changed) when it cannot."""
-    pool = engine.pool
+    pool = elastic_pool(engine)
     alloc = pool.allocator
-    if in_flight and getattr(pool, "aligned", None) is not None:
+    if in_flight and pool.aligned is not None:
         raise AdapterError("in-flight requests move only in the prefix-cache mode, "
                            "not request-aligned")
     with engine.step_lock:
@@ -103,12 +109,12 @@ def offer_cache(engine, to: str, ttl_s: float = 10.0, in_flight: bool = False
         requests=moving), ticket
 
 
-def settle_cache(engine, c: CacheHandover, ticket: wire.Ticket,
+def settle_cache(engine: Engine, c: CacheHandover, ticket: wire.Ticket,
                  timeout_s: float | None = None) -> str:
     """Wait for the ticket (cancel it at the timeout); on ``claimed`` the pool forgets
     the given chunks, every cache entry and block reference in them, and the moved
     requests are over here; otherwise the requests run here again. Returns the state."""
-    pool = engine.pool
+    pool = elastic_pool(engine)
     state = ticket.wait(timeout_s)
     if state == wire.PENDING:
         wire.cancel(pool.allocator.group.tenant, ticket)
@@ -126,16 +132,16 @@ def settle_cache(engine, c: CacheHandover, ticket: wire.Ticket,
     return state
 
 
-def adopt_cache(engine, c: CacheHandover) -> int:
+def adopt_cache(engine: Engine, c: CacheHandover) -> int:
     """Claim ``c``'s units into this engine's pool, register its entries as cached
     blocks and add its requests (running ones run at once); returns how many entries.
     Raises, changing nothing, on a bad handover or a refused claim."""
-    pool = engine.pool
+    pool = elastic_pool(engine)
     alloc = pool.allocator
     if (c.blocks_per_chunk, c.pages_per_chunk) != (alloc.blocks_per_chunk,
                                                    alloc.pages_per_chunk):
         raise AdapterError("block layout differs from the old engine's")
-    if c.requests and getattr(pool, "aligned", None) is not None:
+    if c.requests and pool.aligned is not None:
         raise AdapterError("in-flight requests move only in the prefix-cache mode, "
                            "not request-aligned")
     per = c.blocks_per_chunk

@@ -24,7 +24,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +35,7 @@ from kvpool.engine.config import EngineConfig
 from kvpool.engine.errors import RequestError
 from kvpool.engine.request import RequestOutput
 from kvpool.engine.sampling import SamplingParams
+from kvpool.client_lib import handoff as wire
 from kvpool.engine_adapters.bundled import handoff
 
 log = logging.getLogger("kvpool.pd")
@@ -58,7 +59,7 @@ class PrefillEngine(AsyncEngine):
         super().__init__(engine)
         self.to, self.ttl_s = to, ttl_s
         self._prefills: set[str] = set()
-        self._tickets: list[tuple[handoff.Handover, handoff.wire.Ticket]] = []
+        self._tickets: list[tuple[handoff.Handover, wire.Ticket]] = []
         self.handed = self.expired = 0
 
     async def prefill(self, request_id: str, prompt: list[int], params: SamplingParams
@@ -93,7 +94,8 @@ class PrefillEngine(AsyncEngine):
             s.loop.call_soon_threadsafe(s.out.put_nowait, e)
             return
         self._tickets.append((h, ticket))
-        s.loop.call_soon_threadsafe(s.out.put_nowait, h)
+        q: asyncio.Queue[Any] = s.out  # a prefill's queue takes the handover too
+        s.loop.call_soon_threadsafe(q.put_nowait, h)
 
     def _drain(self, block: bool) -> list[Any]:
         self._settle()
@@ -139,7 +141,7 @@ class DecodeEngine(AsyncEngine):
         return self._client
 
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams
-                       ) -> AsyncIterator[RequestOutput]:
+                       ) -> AsyncGenerator[RequestOutput, None]:
         import httpx
 
         body = {"request_id": request_id, "prompt": prompt,

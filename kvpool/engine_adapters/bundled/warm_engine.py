@@ -31,6 +31,7 @@ import logging
 import threading
 import time
 from dataclasses import asdict
+from collections.abc import Sequence
 from typing import Any
 
 from kvpool.engine.async_engine import AbortRequest, AddRequest, AsyncEngine
@@ -50,7 +51,7 @@ class RetiringEngine(AsyncEngine):
     """An AsyncEngine that can hand its cache and requests to a successor and retire,
     and, as the successor, serve the followers of the requests it adopted."""
 
-    def __init__(self, engine: Any, adopted: list[str] = ()) -> None:
+    def __init__(self, engine: Any, adopted: Sequence[str] = ()) -> None:
         super().__init__(engine)
         self._retire: wc.Retire | None = None
         self._offer: tuple[handoff_cache.CacheHandover, Any] | None = None

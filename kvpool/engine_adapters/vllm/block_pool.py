@@ -28,39 +28,54 @@ in use (ref > 0)}; block 0 is vLLM's null block and stays held.
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from vllm.v1.core.block_pool import BlockPool
-from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue
+from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 
-from kvpool.engine_adapters.elastic import ElasticPolicy, ShrinkOutcome
+from kvpool.engine_adapters.elastic import ElasticPolicy
 from kvpool.engine_adapters.vllm.settings import AdapterError
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.request import Request
+
+    from kvpool.client_lib import ElasticBlockAllocator
+    from kvpool.engine_adapters.vllm.bridge import Bridge
+
+AllocateSlots = Callable[..., "KVCacheBlocks | None"]
 
 log = logging.getLogger("kvpool.vllm")
 
 
 class ElasticBlockPool(BlockPool):
-    def __init__(self, num_gpu_blocks: int, *args, **kwargs) -> None:
+    """vLLM's block pool over kvpool memory (see the module); the adapter contract's
+    :class:`~kvpool.engine_adapters.elastic.ElasticHooks` for vLLM."""
+
+    def __init__(self, num_gpu_blocks: int, *args: Any, **kwargs: Any) -> None:
         from kvpool.engine_adapters.vllm.bridge import current
 
         super().__init__(num_gpu_blocks, *args, **kwargs)
         b = current()
-        if b is None or b.allocator is None:
+        allocator: ElasticBlockAllocator | None = None if b is None else b.allocator
+        if b is None or allocator is None:
             raise AdapterError("kvpool: vLLM's scheduler runs in a process without the KV "
                                "cache (a multi-process executor); kvpool needs one rank")
-        if b.allocator.num_blocks != num_gpu_blocks:
+        if allocator.num_blocks != num_gpu_blocks:
             raise AdapterError(f"kvpool: scheduler has {num_gpu_blocks} blocks, the KV cache "
-                               f"{b.allocator.num_blocks}")
-        self.bridge = b
-        self.allocator = b.allocator
+                               f"{allocator.num_blocks}")
+        self.bridge: Bridge = b
+        self.allocator: ElasticBlockAllocator = allocator
         self.free_block_queue = FreeKVCacheBlockQueue([])  # only evictable blocks live here
         self._stash: list[int] = []
-        self.lock = threading.RLock()
-        self.policy = ElasticPolicy(self, b.allocator)
+        self.lock: threading.RLock = threading.RLock()
+        self.policy: ElasticPolicy = ElasticPolicy(self, allocator)
         b.pool = self
 
     # ---- allocation -----------------------------------------------------------------
@@ -68,7 +83,7 @@ class ElasticBlockPool(BlockPool):
         return self.allocator.free_blocks + self.free_block_queue.num_free_blocks + len(
             self._stash)
 
-    def get_new_blocks(self, num_blocks: int) -> list:
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         if num_blocks <= 0:
             return []
         with self.lock:
@@ -102,9 +117,11 @@ class ElasticBlockPool(BlockPool):
                 self.metrics_collector.on_block_allocated(block)
         return ret
 
-    def free_blocks(self, ordered_blocks) -> None:
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         with self.lock:
-            cached, plain, other = [], [], {}
+            cached: list[KVCacheBlock] = []
+            plain: list[int] = []
+            other: dict[BlockPool, list[KVCacheBlock]] = {}
             for block in ordered_blocks:
                 if block.pool is not None and block.pool is not self:
                     other.setdefault(block.pool, []).append(block)
@@ -123,7 +140,7 @@ class ElasticBlockPool(BlockPool):
         for pool, blocks in other.items():
             pool.free_blocks(blocks)
 
-    def touch(self, blocks) -> None:
+    def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
         with self.lock:
             super().touch(blocks)
 
@@ -230,13 +247,12 @@ class ElasticBlockPool(BlockPool):
         return self.allocator.ops
 
     # ---- giving memory back -----------------------------------------------------------
-    def shrink(self, nbytes: int, urgent: bool) -> ShrinkOutcome | None:
+    def shrink(self, nbytes: int, urgent: bool) -> None:
         """The tenant's shrink callback (:meth:`ElasticPolicy.shrink`), said on stderr."""
         done = self.policy.shrink(nbytes, urgent)
         if done is not None:
             print(f"kvpool: shrink of {nbytes} B: evicted {done.evicted} cached block(s), "
                   f"preempted {done.preempted} request(s)", file=sys.stderr, flush=True)
-        return done
 
     def start_idle_release(self, idle_timeout_s: float) -> None:
         """After ``idle_timeout_s`` with no request in the engine, evict the prefix cache so
@@ -263,7 +279,7 @@ class ElasticBlockPool(BlockPool):
                     assert blk.block_hash is None, f"block {blk.block_id} free but hashed"
 
 
-def allocate_slots(original):
+def allocate_slots(original: AllocateSlots) -> AllocateSlots:
     """Wrap ``KVCacheManager.allocate_slots``: on a shortfall ask kvpool (without waiting)
     for the missing blocks and try once more; None still means "not now".
 
@@ -272,7 +288,9 @@ def allocate_slots(original):
     ``allocate_slots`` has changed nothing but idempotent skipped-block frees), so the
     shortfall asked of kvpool is exact."""
 
-    def allocate_slots(self, request, num_new_tokens, *args, **kwargs):
+    @functools.wraps(original)
+    def allocate_slots(self: KVCacheManager, request: Request, num_new_tokens: int,
+                       *args: Any, **kwargs: Any) -> KVCacheBlocks | None:
         out = original(self, request, num_new_tokens, *args, **kwargs)
         if out is not None:
             return out
@@ -283,20 +301,21 @@ def allocate_slots(original):
         count = coord.get_num_blocks_to_allocate
         needed = 0
 
-        def counted(*a, **k):
+        def counted(*a: Any, **k: Any) -> int:
             nonlocal needed
             n = count(*a, **k)
             needed = max(needed, n)
             return n
 
-        coord.get_num_blocks_to_allocate = counted  # this call only (instance attribute)
+        # this call only (an instance attribute over vLLM's own method)
+        coord.get_num_blocks_to_allocate = counted  # type: ignore[method-assign]
         try:
             out = original(self, request, num_new_tokens, *args, **kwargs)
         finally:
             del coord.get_num_blocks_to_allocate
         if out is not None:  # a shrink or grant landed in between
             return out
-        reserved = kwargs.get("reserved_blocks", 0)
+        reserved: int = kwargs.get("reserved_blocks", 0)
         short = needed + self.watermark_blocks + reserved - pool.get_num_free_blocks()
         if short <= 0 or not pool.grow(short):
             return None
@@ -305,5 +324,4 @@ def allocate_slots(original):
             pool.stash_free()
         return out
 
-    allocate_slots.__wrapped__ = original
     return allocate_slots
