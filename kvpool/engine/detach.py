@@ -87,8 +87,8 @@ class DetachMixin:
         """Adopt a request another engine prefilled: its K/V for all of ``token_ids`` but
         the last is in ``block_ids`` (blocks the pool already counts as held, ref 1), so
         it runs at once and its next step decodes; ``generator_state`` continues a seeded
-        request's random stream where the other engine left it. Raises RequestError on a duplicate id
-        or a block table that does not cover the tokens."""
+        request's random stream where the other engine left it. Raises RequestError on a
+        duplicate id or a block table that does not cover the tokens."""
         return self.add_adopted(request_id, token_ids, num_prompt_tokens, params, block_ids,
                                 len(token_ids) - 1, output_text, detok_offsets,
                                 generator_state)
