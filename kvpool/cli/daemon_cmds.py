@@ -1,5 +1,5 @@
-"""Daemon-side commands: ``kvpool daemon``, ``ps``, ``map``, ``limit``, ``check``, ``stop``
-and ``lease``.
+"""Daemon-side commands: ``kvpool daemon``, ``ps``, ``map``, ``limit``, ``check`` and
+``stop`` (``lease`` is :mod:`kvpool.cli.lease_cmds`).
 
 Heavy modules (zmq, the daemon, the vmm backends) are imported inside the commands so
 ``kvpool --help`` stays fast.
@@ -13,36 +13,12 @@ import sys
 
 import click
 
-from kvpool.cli.params import SizeParam
+from kvpool.cli.monitor import monitor_session
+from kvpool.cli.params import SizeParam, json_option, run_dir_option
 from kvpool.sizes import format_size, parse_size
 
 GLYPHS = {"#": "█", "+": "▒", ".": "·"}
 GRID_WIDTH = 64
-
-
-def _monitor(run_dir):
-    from kvpool.client_lib.admin import Monitor
-    from kvpool.client_lib.errors import KvpoolError
-
-    try:
-        return Monitor(run_dir)
-    except KvpoolError as e:
-        raise click.ClickException(e.message) from None
-
-
-@contextlib.contextmanager
-def monitor_session(run_dir):
-    """A monitor session for one command: the daemon's errors end it with one line
-    (``code: message``, exit status 1), and it is closed however the command ends."""
-    from kvpool.client_lib.errors import KvpoolError
-
-    mon = _monitor(run_dir)
-    try:
-        yield mon
-    except KvpoolError as e:
-        raise click.ClickException(f"{e.code}: {e.message}") from None
-    finally:
-        mon.close()
 
 
 def _call(run_dir, fn):
@@ -54,13 +30,6 @@ def _json(obj) -> None:
     from kvpool.protocol import to_builtins
 
     click.echo(json.dumps(to_builtins(obj), indent=2))
-
-
-run_dir_option = click.option(
-    "--run-dir", type=click.Path(file_okay=False), default=None,
-    help="Daemon run directory (default: $KVPOOL_RUN_DIR, /run/kvpool, "
-         "$XDG_RUNTIME_DIR/kvpool or /tmp/kvpool-$UID).")
-json_option = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 
 
 def query_command(fn):
@@ -331,7 +300,5 @@ def check(run_dir, as_json):
 
 
 def register(cli: click.Group) -> None:
-    from kvpool.cli.lease_cmds import lease
-
-    for cmd in (daemon, ps, map_cmd, limit, check, stop, lease):
+    for cmd in (daemon, ps, map_cmd, limit, check, stop):
         cli.add_command(cmd)

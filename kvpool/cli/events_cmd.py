@@ -11,7 +11,8 @@ import json
 
 import click
 
-from kvpool.cli.daemon_cmds import json_option, monitor_session, run_dir_option
+from kvpool.cli.monitor import monitor_session
+from kvpool.cli.params import json_option, run_dir_option
 from kvpool.sizes import format_size
 
 POLL_MS = 10_000  # a follow request the daemon leaves unanswered this long is sent again

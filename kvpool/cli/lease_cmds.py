@@ -15,7 +15,7 @@ import sys
 
 import click
 
-from kvpool.cli.daemon_cmds import run_dir_option
+from kvpool.cli.params import run_dir_option
 from kvpool.sizes import format_size, parse_size
 
 
@@ -58,3 +58,7 @@ def lease(size, command, name, device, timeout_s, run_dir):
     finally:
         tenant.close()
     sys.exit(rc if rc >= 0 else 128 - rc)
+
+
+def register(cli: click.Group) -> None:
+    cli.add_command(lease)

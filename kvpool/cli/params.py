@@ -1,4 +1,4 @@
-"""Click parameter types the commands share."""
+"""Click parameter types and options the commands share."""
 
 from __future__ import annotations
 
@@ -28,3 +28,10 @@ class SizeParam(click.ParamType):
             return parse_size(text)
         except ValueError as e:
             self.fail(str(e), param, ctx)
+
+
+run_dir_option = click.option(
+    "--run-dir", type=click.Path(file_okay=False), default=None,
+    help="Daemon run directory (default: $KVPOOL_RUN_DIR, /run/kvpool, "
+         "$XDG_RUNTIME_DIR/kvpool or /tmp/kvpool-$UID).")
+json_option = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 
 import click
 
-from kvpool.cli.daemon_cmds import monitor_session, run_dir_option
+from kvpool.cli.monitor import monitor_session
+from kvpool.cli.params import run_dir_option
 from kvpool.sizes import format_size
 
 BAR = 18
