@@ -27,7 +27,8 @@ from kvpool.sizes import format_size, parse_size
 @click.option("--timeout", "timeout_s", type=float, default=30.0,
               help="Seconds to wait for the grant.")
 @run_dir_option
-def lease(size, command, name, device, timeout_s, run_dir):
+def lease(size: str, command: tuple[str, ...], name: str | None, device: int,
+          timeout_s: float, run_dir: str | None) -> None:
     """Hold SIZE (4GiB, or 50% of the budget) while COMMAND runs; exit with its status."""
     from kvpool.client_lib import KvpoolError, connect
 
