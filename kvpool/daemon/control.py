@@ -5,8 +5,8 @@ Up to ``burst`` messages are read per loop turn, frame by frame: a message of mo
 :data:`MAX_FRAMES` frames is refused (``BAD_REQUEST``) and its rest discarded unread,
 ``drain_slice`` frames per turn. A REQ socket's empty delimiter is kept in the reply's
 envelope. Anything that does not decode gets its error reply here; a decoded request
-goes to the ``receive`` callback (``Server.receive``). Replies are sent non-blocking: a peer past its high-water
-mark loses the reply, the loop never waits for it.
+goes to the ``receive`` callback (``Server.receive``). Replies are sent non-blocking:
+a peer past its high-water mark loses the reply, the loop never waits for it.
 """
 
 from __future__ import annotations

@@ -12,8 +12,9 @@ pool's ownership.
   a grant) and the giver is told (:class:`~kvpool.protocol.replies.Settled`,
   unsolicited) to drop its mappings. A refused claim changes nothing: the giver keeps
   the pages and the ticket stays claimable by its receiver.
-* tickets expire on the arbiter's tick (:meth:`Handoff.tick`); a giver's session that ends cancels its tickets
-  (its pages return to the pool with everything else it held, :meth:`Handoff.dropped`).
+* tickets expire on the arbiter's tick (:meth:`Handoff.tick`); a giver's session that
+  ends cancels its tickets (its pages return to the pool with everything else it held,
+  :meth:`Handoff.dropped`).
 
 Transferred pages are not zeroed (their bytes are the point) and never reach anyone but
 the receiver: the descriptors go only to the receiver's fd channel, and the pool's owner
