@@ -60,26 +60,32 @@ def arb():
     from kvpool.daemon.pool import Pool
     from kvpool.vmm.host import HostBackend
 
+    class ArbiterWithSessions(Arbiter):
+        """The arbiter plus the two session helpers above."""
+
+        def __init__(self, *args, **kw):
+            super().__init__(*args, **kw)
+            self.socks: list[socket.socket] = []
+
+        def register(self, name: str, kind: str = "engine", pid: int | None = None):
+            x, y = socket.socketpair()
+            self.socks.extend((x, y))
+            t = self.open_session(x, pid if pid is not None else 1000 + len(self.socks),
+                                  0, 0, None)
+            ident = name.encode()
+            return t, ident, self.handle(ident, p.Register(id=1, token=t.token, name=name,
+                                                           kind=kind))
+
+        def tenant(self, name: str, kind: str = "engine", pid: int | None = None):
+            t, ident, out = self.register(name, kind, pid)
+            assert out.reply.ok, out.reply
+            return t, ident
+
     backend = HostBackend(page_size=PAGE)
     pool = Pool(backend, 16)
-    a = Arbiter(Config(budget=16 * PAGE), pool, 16 * PAGE)
-    socks: list[socket.socket] = []
-
-    def register(name: str, kind: str = "engine", pid: int | None = None):
-        x, y = socket.socketpair()
-        socks.extend((x, y))
-        t = a.open_session(x, pid if pid is not None else 1000 + len(socks), 0, 0, None)
-        ident = name.encode()
-        return t, ident, a.handle(ident, p.Register(id=1, token=t.token, name=name, kind=kind))
-
-    def tenant(name: str, kind: str = "engine", pid: int | None = None):
-        t, ident, out = register(name, kind, pid)
-        assert out.reply.ok, out.reply
-        return t, ident
-
-    a.register, a.tenant = register, tenant
+    a = ArbiterWithSessions(Config(budget=16 * PAGE), pool, 16 * PAGE)
     yield a
-    for s in socks:
+    for s in a.socks:
         s.close()
     pool.close()
     backend.close()
