@@ -50,6 +50,7 @@ from kvpool.daemon.hooks import ArbiterObserver, NoObserver
 from kvpool.daemon.integrity import Integrity
 from kvpool.daemon.locate import Locator
 from kvpool.daemon.outcome import Fail, Handler, Outbox, Outcome, Sender
+from kvpool.daemon.policy import POLICIES
 from kvpool.daemon.pool import Pool
 from kvpool.daemon.reclaim import Reclaimer
 from kvpool.daemon.regions import GroupIndex
@@ -77,7 +78,8 @@ class Arbiter:
         self.observer: ArbiterObserver = NoObserver()
         most, vmost = cfg.max_groups_per_tenant, cfg.max_virtual_pages_per_tenant
         self.reclaimer = Reclaimer(self.tenants, pool, budget, self.outbox,
-                                   cfg.reclaim_timeout_s, cfg.short_backoff_s)
+                                   cfg.reclaim_timeout_s, cfg.short_backoff_s,
+                                   POLICIES[cfg.reclaim_policy])
         self.registry = Registry(cfg, pool, budget, self.tenants, self.groups,
                                  self.reclaimer, self.recovery)
         self.grants = Grants(pool, self.groups, self.reclaimer, self.recovery,

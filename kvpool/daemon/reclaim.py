@@ -6,7 +6,8 @@ deadline and the daemon reclaims, cheapest first:
 a. its warm pool and dirty pages (already counted in ``Pool.available``: free for the taking);
 b. tenants' reserves — an :class:`Ask` in mode ``reserve`` for mapped-but-unused units,
    never below the tenant's ``min``;
-c. tenants above their weighted fair share (:func:`kvpool.daemon.fairshare.reclaim_plan`),
+c. tenants above their share under the reclaim policy (:mod:`kvpool.daemon.policy`;
+   the default ``fair_share`` is weighted max-min fairness),
    never below ``max(min, share)`` — an :class:`Ask` in mode ``shrink``: the tenant's shrink
    callback frees cached blocks so whole units empty, and the library releases them.
 
@@ -34,9 +35,10 @@ from dataclasses import dataclass
 from typing import AbstractSet
 
 from kvpool import protocol as p
-from kvpool.daemon.fairshare import Claim, fair_shares, may_grow, reclaim_plan
+from kvpool.daemon.fairshare import Claim
 from kvpool.daemon.hooks import NoObserver, ReclaimObserver
 from kvpool.daemon.outcome import Outbox
+from kvpool.daemon.policy import FairShare, ReclaimPolicy
 from kvpool.daemon.pool import Pool
 from kvpool.daemon.tenants import Ask, TenantRecord, Tenants
 
@@ -64,11 +66,14 @@ class Waiter:
 
 class Reclaimer:
     """Waiters and asks over ``tenants``, for pages of ``pool`` within ``budget`` bytes;
-    asks are queued in ``outbox``."""
+    asks are queued in ``outbox``; ``policy`` decides shares, who gives back and who
+    may grow by reclaim."""
 
     def __init__(self, tenants: Tenants, pool: Pool, budget: int, outbox: Outbox,
-                 timeout_s: float, short_backoff_s: float = 0.5):
+                 timeout_s: float, short_backoff_s: float = 0.5,
+                 policy: ReclaimPolicy | None = None):
         self.tenants = tenants
+        self.policy: ReclaimPolicy = policy or FairShare()
         self.pool = pool
         self.page_size = pool.page_size
         self.budget = budget
@@ -142,8 +147,8 @@ class Reclaimer:
         return out
 
     def shares(self) -> dict[int, int]:
-        """Each arbitrated tenant's weighted fair share now (bytes), by tenant id."""
-        got = fair_shares(self.budget, self.claims(), self.page_size)
+        """Each arbitrated tenant's share under the policy now (bytes), by tenant id."""
+        got = self.policy.shares(self.budget, self.claims(), self.page_size)
         return {int(k): v for k, v in got.items()}
 
     def may_grow(self, t: TenantRecord, pages: int, lease: bool = False) -> bool:
@@ -154,7 +159,8 @@ class Reclaimer:
             floors = sum(max(x.min_pages, x.lease_pages) for x in self.tenants
                          if x.arbitrated and x is not t)
             return t.held + t.waiting_pages + pages <= self.budget // ps - floors
-        return may_grow(self.budget, self.claims(extra=(t, pages)), str(t.id), pages * ps, ps)
+        return self.policy.may_grow(self.budget, self.claims(extra=(t, pages)), str(t.id),
+                                    pages * ps, ps)
 
     # ---- the step ---------------------------------------------------------------------
     def step(self, now: float) -> list[tuple[Waiter, p.Reply | None]]:
@@ -265,7 +271,7 @@ class Reclaimer:
         ps = self.page_size
         victims = {t.id: t for t in self._victims() if t.short_until <= now}
         protect = {t.id for t in self.tenants if t.id not in victims}
-        plan = reclaim_plan(self.budget, self.claims(protect=protect), need * ps, ps)
+        plan = self.policy.plan(self.budget, self.claims(protect=protect), need * ps, ps)
         urgent = any(w.deadline - now < self.timeout_s / 2 for w in self.waiters)
         asked: dict[int, int] = {}
         for name, nbytes in plan:

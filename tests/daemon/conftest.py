@@ -49,8 +49,9 @@ def daemon(start_daemon) -> DaemonProc:
 
 
 @pytest.fixture
-def arb():
-    """An :class:`Arbiter` over a 16-page host pool, without a daemon process.
+def make_arb():
+    """Makes :class:`Arbiter` s over a 16-page host pool, without a daemon process:
+    ``make_arb(cfg=None)`` (budget 16 pages unless ``cfg`` says otherwise).
     ``arb.register(name, kind, pid)`` opens a session (a socketpair stands in for the fd
     channel) and returns ``(tenant, identity, outcome of Register)``; ``arb.tenant(...)``
     does the same, asserts the registration, and returns ``(tenant, identity)``."""
@@ -81,11 +82,26 @@ def arb():
             assert out.reply.ok, out.reply
             return t, ident
 
-    backend = HostBackend(page_size=PAGE)
-    pool = Pool(backend, 16)
-    a = ArbiterWithSessions(Config(budget=16 * PAGE), pool, 16 * PAGE)
-    yield a
-    for s in a.socks:
-        s.close()
-    pool.close()
-    backend.close()
+    made: list[tuple[ArbiterWithSessions, Pool, HostBackend]] = []
+
+    def make(cfg: Config | None = None) -> ArbiterWithSessions:
+        cfg = cfg or Config(budget=16 * PAGE)
+        backend = HostBackend(page_size=PAGE)
+        pool = Pool(backend, 16)
+        a = ArbiterWithSessions(cfg, pool, 16 * PAGE)
+        made.append((a, pool, backend))
+        return a
+
+    yield make
+    for a, pool, backend in made:
+        for s in a.socks:
+            s.close()
+        pool.close()
+        backend.close()
+
+
+@pytest.fixture
+def arb(make_arb):
+    """An :class:`Arbiter` over a 16-page host pool with the default config (see
+    ``make_arb``)."""
+    return make_arb()
