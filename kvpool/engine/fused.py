@@ -63,7 +63,8 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return out, (x if residual is None else residual)
 
 
-def rotary_(q: torch.Tensor, k: torch.Tensor, rope: tuple[torch.Tensor, ...]
+def rotary_(q: torch.Tensor, k: torch.Tensor,
+            rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """Non-interleaved rotary on q [T, H, D] and k [T, Hkv, D]. ``rope`` is ``(cos_table,
     sin_table, index)``: tables [n, 1, D] and each token's row in them. Native: q and k are
