@@ -125,6 +125,7 @@ def prepack(model: nn.Module) -> int:
     """Gives every ``nn.Linear`` of a CPU float32 model a oneDNN-prepacked copy of its
     weight (``_kvpool_packed``; the original stays for the other paths). Returns how many;
     0 where oneDNN is unavailable. Costs one more copy of the linear weights in memory."""
+    # torch.backends.mkldnn.is_available is not annotated in torch
     if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
         return 0
     n = 0
