@@ -38,6 +38,7 @@ class Attention(nn.Module):
         """Stores every row's K/V; with ``last`` (the final layer, when the batch allows it:
         ``fb.varlen_last``) returns the output of the ``fb.logits_indices`` rows only."""
         t = x.shape[0]
+        # Tensor.split is not annotated in torch
         q, k, v = fused.linear(self.qkv_proj, x).split(  # type: ignore[no-untyped-call]
             [self.h * self.d, self.kvh * self.d, self.kvh * self.d], dim=-1)
         q = q.view(t, self.h, self.d)  # views into the packed qkv rows (no copies)

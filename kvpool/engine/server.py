@@ -19,7 +19,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, cast
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 from kvpool.engine.async_engine import AsyncEngine
+from kvpool.engine.config import EngineConfig
 from kvpool.engine.errors import RequestError
 from kvpool.engine.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from kvpool.engine.metrics import EngineMetrics
@@ -52,8 +53,11 @@ class _Common(BaseModel):
     stream_options: dict[str, Any] | None = None
 
 
+OpenAIPrompt = str | list[int] | list[str] | list[list[int]]
+
+
 class CompletionRequest(_Common):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: OpenAIPrompt
 
 
 class ChatRequest(_Common):
@@ -195,14 +199,14 @@ def create_app(aengine: AsyncEngine) -> FastAPI:
     return app
 
 
-def _prompt_list(prompt: Any) -> list[str | list[int]]:
+def _prompt_list(prompt: OpenAIPrompt) -> list[str | list[int]]:
     if isinstance(prompt, str):
         return [prompt]
     if not prompt:
         raise APIError(400, "prompt must not be empty")
     if all(isinstance(t, int) for t in prompt):
-        return [prompt]
-    return list(prompt)
+        return [cast(list[int], prompt)]  # mypy cannot narrow a list by its items
+    return list(cast(list[str] | list[list[int]], prompt))
 
 
 def _include_usage(body: _Common) -> bool:
@@ -280,7 +284,7 @@ async def _stream_chat(aengine: AsyncEngine, rid: str, name: str, ids: list[int]
                        "model": name, "choices": [], "usage": _usage([out])}
 
 
-def serve(engine_config: Any, host: str = "127.0.0.1", port: int = 8000,
+def serve(engine_config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
           log_level: str = "info") -> None:
     """Load the model, start the step thread and serve until interrupted."""
     import uvicorn

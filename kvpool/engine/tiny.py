@@ -8,11 +8,15 @@ so tests, demos and benchmarks run offline. ``initializer_range`` 0.2 (not the u
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from safetensors.torch import save_file
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 EOS, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 
@@ -48,7 +52,7 @@ for i in range(10):
 """
 
 
-def train_tokenizer(vocab_size: int, corpus: str = CORPUS):
+def train_tokenizer(vocab_size: int, corpus: str = CORPUS) -> Tokenizer:
     """A ByteLevel BPE (GPT-2 style) over ``corpus`` with <|endoftext|> and ChatML tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -110,7 +114,7 @@ def make_tiny_model(path: str | Path, *, layers: int = 2, hidden: int = 128,
     return path
 
 
-def random_weights(c: dict, seed: int, arch: str = "llama", dtype: torch.dtype = torch.float32,
+def random_weights(c: Mapping[str, Any], seed: int, arch: str = "llama", dtype: torch.dtype = torch.float32,
                    device: str = "cpu") -> dict[str, torch.Tensor]:
     """Random weights for config ``c`` (drawn on ``device``, returned on the CPU); the
     defaults give the tiny checkpoints' exact bytes."""
