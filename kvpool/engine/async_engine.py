@@ -3,6 +3,11 @@
 HTTP handlers never touch the Engine: they put commands on a thread-safe queue and read
 their request's outputs from an ``asyncio.Queue`` that the step thread feeds through
 ``loop.call_soon_threadsafe``.
+
+Extending it (the adapters' prefill/decode and warm-restart servers do): a subclass
+:meth:`~AsyncEngine.post`\ s commands of its own and handles them by overriding
+``_handle`` (passing :class:`AddRequest` / :class:`AbortRequest` and anything else it
+does not know to ``super()._handle``); everything in ``_handle`` runs on the step thread.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +30,10 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class _Add:
+class AddRequest:
+    """Command: start ``request_id``; its outputs (or the exception it raised) go to
+    ``out`` on ``loop``."""
+
     request_id: str
     prompt: list[int]
     params: SamplingParams
@@ -35,15 +43,17 @@ class _Add:
 
 
 @dataclass
-class _Abort:
+class AbortRequest:
+    """Command: abort ``request_id`` (its client went away)."""
+
     request_id: str
 
 
 class AsyncEngine:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self._inbox: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
-        self._streams: dict[str, _Add] = {}
+        self._inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._streams: dict[str, AddRequest] = {}
         self._lock = threading.Lock()  # guards engine state read by stats()
         self._thread = threading.Thread(target=self._run, name="kvpool-engine", daemon=True)
         self._stop = threading.Event()
@@ -57,23 +67,27 @@ class AsyncEngine:
         self._inbox.put(None)
         self._thread.join(timeout=10)
 
+    def post(self, cmd: object) -> None:
+        """Queue a command for the step thread (thread-safe); it reaches ``_handle``."""
+        self._inbox.put(cmd)
+
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
 
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams
-                       ) -> AsyncIterator[RequestOutput]:
+                       ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's outputs until it finishes; aborts it if the consumer stops
         early (client disconnect). Raises the engine's RequestError/exception if any."""
         q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self._inbox.put(_Add(request_id, prompt, params, asyncio.get_running_loop(), q,
+        self.post(AddRequest(request_id, prompt, params, asyncio.get_running_loop(), q,
                              time.perf_counter()))
         async with contextlib.aclosing(self._relay(request_id, q)) as outs:
             async for out in outs:
                 yield out
 
     async def _relay(self, request_id: str, q: asyncio.Queue[RequestOutput | BaseException]
-                     ) -> AsyncIterator[RequestOutput]:
+                     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield what the step thread puts in ``q`` for ``request_id`` until it finishes
         (re-raising an exception put there); abort the request if the consumer stops
         early. Callers close it at once (``contextlib.aclosing``) so the abort is not
@@ -90,7 +104,7 @@ class AsyncEngine:
                     return
         finally:
             if not finished:
-                self._inbox.put(_Abort(request_id))
+                self.post(AbortRequest(request_id))
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
@@ -106,7 +120,7 @@ class AsyncEngine:
                 break
             if not self.engine.has_unfinished():
                 continue
-            steps = self.engine.counters["steps"]
+            steps = self.engine.num_steps
             try:
                 with self._lock:
                     outputs = self.engine.step()
@@ -115,12 +129,12 @@ class AsyncEngine:
                 self.error = e
                 self._fail_all(e)
                 continue
-            if self.engine.counters["steps"] == steps:
+            if self.engine.num_steps == steps:
                 time.sleep(0.001)  # nothing schedulable (e.g. memory short): do not spin
             for out in outputs:
                 self._deliver(out)
 
-    def _drain(self, block: bool) -> list[_Add | _Abort]:
+    def _drain(self, block: bool) -> list[object]:
         """Every queued command; waits for one first when the engine is idle."""
         cmds = [self._inbox.get()] if block else []
         while True:
@@ -129,8 +143,8 @@ class AsyncEngine:
             except queue.Empty:
                 return [c for c in cmds if c is not None]  # None only wakes us up
 
-    def _handle(self, cmd: _Add | _Abort) -> None:
-        if isinstance(cmd, _Add):
+    def _handle(self, cmd: object) -> None:
+        if isinstance(cmd, AddRequest):
             try:
                 with self._lock:
                     self.engine.add_request(cmd.prompt, cmd.params, cmd.request_id,
@@ -139,10 +153,12 @@ class AsyncEngine:
                 cmd.loop.call_soon_threadsafe(cmd.out.put_nowait, e)
                 return
             self._streams[cmd.request_id] = cmd
-        else:
+        elif isinstance(cmd, AbortRequest):
             self._streams.pop(cmd.request_id, None)
             with self._lock:
                 self.engine.abort(cmd.request_id)
+        else:
+            raise TypeError(f"unknown step-thread command {cmd!r}")
 
     def _deliver(self, out: RequestOutput) -> None:
         s = self._streams.get(out.request_id)

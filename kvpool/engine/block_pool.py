@@ -15,10 +15,12 @@ assume an earlier ``get_num_free_blocks()`` guarantees it succeeds.
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from kvpool.engine.errors import PoolExhausted
 
@@ -35,6 +37,28 @@ class CachedBlock:
     tokens: tuple[int, ...]
     parent: int  # block id of the previous block, NULL_BLOCK for the first
     parent_epoch: int
+
+
+class PoolUser(Protocol):
+    """The engine as the pool it allocates from sees it (:meth:`BlockPool.bind_engine`):
+    a pool whose memory can be taken back at run time (an elastic pool) acts between the
+    engine's steps and may preempt its requests."""
+
+    @property
+    def step_lock(self) -> threading.RLock:
+        """Held by the engine for each whole step, admission and abort; hold it to act
+        between steps (never while waiting on something that waits for a step)."""
+
+    @property
+    def num_steps(self) -> int:
+        """Steps taken so far (changes whenever the engine did work)."""
+
+    def has_unfinished(self) -> bool:
+        """Whether a request is running or waiting."""
+
+    def preempt_until_free(self, num_blocks: int) -> int:
+        """(``step_lock`` held) Preempt the newest running requests until the pool reports
+        ``num_blocks`` free or nothing runs; returns how many were preempted."""
 
 
 class BlockPool(ABC):
@@ -133,6 +157,16 @@ class BlockPool(ABC):
         """Drop every evictable cache entry; returns how many."""
         return len(self.evict_cached_blocks(None))
 
+    def bind_engine(self, engine: PoolUser) -> None:
+        """Called once by the engine that allocates from this pool, at the end of its
+        construction. A pool that gives memory back at run time keeps ``engine`` (to act
+        between its steps, to preempt); others ignore it."""
+
+    def close(self) -> None:
+        """The engine is closing (``Engine.close``): give back what the pool holds beyond
+        the process (an elastic pool's memory and session). The engine does not allocate
+        from it again. Idempotent; nothing for a preallocated pool."""
+
 
 class FixedBlockPool(BlockPool):
     """A pool of ``num_blocks`` preallocated blocks (ids 1..num_blocks-1 usable).
@@ -158,7 +192,7 @@ class FixedBlockPool(BlockPool):
     def get_new_blocks(self, n: int) -> list[int]:
         if n > len(self._free) + len(self._evictable):
             raise PoolExhausted(f"need {n} KV blocks, {self.get_num_free_blocks()} free")
-        out = []
+        out: list[int] = []
         for _ in range(n):
             if self._free:
                 b = self._free.popleft()
@@ -217,7 +251,7 @@ class FixedBlockPool(BlockPool):
             parent = b
 
     def evict_cached_blocks(self, n: int | None = None) -> list[int]:
-        out = []
+        out: list[int] = []
         while self._evictable and (n is None or len(out) < n):
             b, _ = self._evictable.popitem(last=False)
             self._uncache(b)
@@ -239,6 +273,62 @@ class FixedBlockPool(BlockPool):
 
     def ref_count(self, block_id: int) -> int:
         return self._ref[block_id]
+
+    def is_cached(self, block_id: int) -> bool:
+        """Whether ``block_id`` has a prefix-cache entry (used or evictable)."""
+        return block_id in self._entry
+
+    # --- blocks changing hands (handoff between engines) ----------------------------
+
+    def cache_entries(self) -> list[tuple[int, CachedBlock]]:
+        """Every cache entry whose whole parent chain is valid, as (block, entry):
+        evictable ones first (LRU first), then those in use: what a warm restart hands to
+        the next engine (its pool registers them with :meth:`adopt_blocks`)."""
+        evictable = self._evictable
+        order = [*evictable, *(b for b in self._entry if b not in evictable)]
+        rank = {b: i for i, b in enumerate(order)}
+        valid: set[int] = set()
+        out: list[tuple[int, CachedBlock]] = []
+        pending = [(b, self._entry[b]) for b in order]
+        while pending:
+            rest = []
+            for b, e in pending:
+                if e.parent == NULL_BLOCK or (e.parent in valid
+                                              and e.parent_epoch == self._epoch[e.parent]):
+                    valid.add(b)
+                    out.append((b, e))
+                elif e.parent in self._entry and e.parent not in valid:
+                    rest.append((b, e))
+            if len(rest) == len(pending):
+                break
+            pending = rest
+        return sorted(out, key=lambda be: rank[be[0]])
+
+    def forget_blocks(self, block_ids: Iterable[int]) -> None:
+        """The memory of ``block_ids`` now belongs to another engine: their cache entries
+        and references go, and they are *not* released (neither free nor evictable
+        here). Only for a pool whose store can lose memory (an elastic one: its store
+        no longer holds them either); a preallocated pool would count them leaked."""
+        for b in block_ids:
+            if b in self._entry:
+                self._evictable.pop(b, None)
+                self._uncache(b)
+            self._ref[b] = 0
+
+    def adopt_blocks(self, refs: Mapping[int, int],
+                     entries: Iterable[tuple[int, int, Sequence[int], int]] = ()) -> None:
+        """Blocks that arrived with their memory (the store holds them; they are in no
+        free list here): block ``b`` takes ``refs[b]`` references, and each entry
+        ``(block, hash, tokens, parent)`` is registered in the prefix cache, in LRU
+        order (an entry's parent is an earlier entry or NULL_BLOCK); an entry block
+        without references becomes evictable."""
+        for b, n in refs.items():
+            self._ref[b] = n
+        for b, h, tokens, parent in entries:
+            self._entry[b] = CachedBlock(h, tuple(tokens), parent, self._epoch[parent])
+            self._by_hash.setdefault(h, {})[b] = None
+            if not refs.get(b):
+                self._evictable[b] = None
 
     def _uncache(self, b: int) -> None:
         e = self._entry.pop(b)

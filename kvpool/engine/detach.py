@@ -122,7 +122,7 @@ class DetachMixin:
         req.token_ids = list(token_ids)
         req.output_text = output_text
         if detok_offsets is not None:
-            req.detok_offsets = tuple(detok_offsets)
+            req.detok_offsets = (detok_offsets[0], detok_offsets[1])
         req.num_preemptions = num_preemptions
         self.requests[request_id] = req
         if not block_ids:

@@ -1,13 +1,16 @@
-"""Engine: the step-level API (add_request / step / abort / has_unfinished).
+"""Engine: the step-level API (add_request / step / abort / has_unfinished / close).
 
 Single-threaded by contract: one thread (the offline ``LLM`` or the server's step loop)
-owns an Engine and calls all of its methods.
+owns an Engine and calls all of its methods. The one exception is ``step_lock``: every
+step, admission and abort holds it, so another thread (an elastic pool giving memory
+back, a handoff) can act between two steps by holding it.
 """
 
 from __future__ import annotations
 
 import collections
 import itertools
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -36,12 +39,16 @@ class Engine(DetachMixin):
 
     ``block_pool`` / ``kv_cache`` override ``config.block_pool_factory`` /
     ``config.kv_cache_factory``; the KV storage must hold ``block_pool.capacity`` blocks.
-    Handing requests to another engine (detach, reattach, add_prefilled) is
-    :class:`~kvpool.engine.detach.DetachMixin`'s part.
+    Once built, the engine binds itself to its pool (:meth:`BlockPool.bind_engine`: the
+    pool sees it as a :class:`~kvpool.engine.block_pool.PoolUser`) and :meth:`close`
+    closes the pool. Handing requests to another engine (detach, reattach,
+    add_prefilled) is :class:`~kvpool.engine.detach.DetachMixin`'s part.
     """
 
     def __init__(self, config: EngineConfig, *, block_pool: BlockPool | None = None,
                  kv_cache: KVCache | None = None) -> None:
+        #: held for each step, admission and abort (see the module)
+        self.step_lock = threading.RLock()
         self.config = config
         self.device = resolve_device(config.device)
         path = Path(config.model)
@@ -57,7 +64,7 @@ class Engine(DetachMixin):
         self.kv_spec = KVCacheSpec(mc.num_layers, config.block_size, mc.num_kv_heads,
                                    mc.head_dim, self.dtype, layout)
         num_blocks = config.num_kv_blocks or max(
-            2, (config.kv_cache_size or DEFAULT_KV_CACHE_SIZE) // self.kv_spec.block_bytes)
+            2, int(config.kv_cache_size or DEFAULT_KV_CACHE_SIZE) // self.kv_spec.block_bytes)
         if block_pool is None:
             block_pool = (config.block_pool_factory or FixedBlockPool)(num_blocks)
         if kv_cache is None:
@@ -85,6 +92,12 @@ class Engine(DetachMixin):
         #: requests whose KV is being handed to another engine (they hold their blocks)
         self.detached: dict[str, Request] = {}
         self.counters = collections.Counter[str]()
+        block_pool.bind_engine(self)
+
+    def close(self) -> None:
+        """Give the KV memory back (the pool's :meth:`~BlockPool.close`: an elastic pool
+        ends its tenant and threads); the engine must not step again. Idempotent."""
+        self.pool.close()
 
     # --- requests ---------------------------------------------------------------------
 
@@ -96,6 +109,11 @@ class Engine(DetachMixin):
             RequestError: empty or too long prompt, token ids outside the vocabulary, text
                 without a tokenizer, or a duplicate request id.
         """
+        with self.step_lock:
+            return self._add_request(prompt, params, request_id, arrival_time)
+
+    def _add_request(self, prompt: str | list[int], params: SamplingParams | None,
+                     request_id: str | None, arrival_time: float | None) -> str:
         params = params or SamplingParams()
         ids = self.encode(prompt)
         if len(ids) >= self.max_model_len:
@@ -130,16 +148,22 @@ class Engine(DetachMixin):
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks; returns its final output (finish reason
         "abort"), or None if it is unknown or already finished."""
-        req = self.requests.pop(request_id, None)
-        if req is None:
-            return None
-        self.scheduler.finish(req, "abort")
-        self._finished.append(req)
-        self.counters["finished"] += 1
-        return self._output(req, [])
+        with self.step_lock:
+            req = self.requests.pop(request_id, None)
+            if req is None:
+                return None
+            self.scheduler.finish(req, "abort")
+            self._finished.append(req)
+            self.counters["finished"] += 1
+            return self._output(req, [])
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    @property
+    def num_steps(self) -> int:
+        """Steps that ran a batch so far."""
+        return self.counters["steps"]
 
     def preempt_until_free(self, num_blocks: int) -> int:
         """Preempt the newest running requests (they requeue and recompute later) until the
@@ -157,6 +181,10 @@ class Engine(DetachMixin):
         """Schedule, run the model once, sample; returns outputs for requests that got a
         token this step (finished ones included). Empty when nothing could be scheduled
         (e.g. an elastic pool with no memory right now)."""
+        with self.step_lock:
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return []

@@ -64,14 +64,14 @@ def test_cached_blocks_stay_evictable_and_shrink_empties_whole_chunks(pool):
     pool.free_blocks(blocks)
     assert pool.free_block_queue.num_free_blocks == 8  # cached: kept, still mapped
     pool.check_integrity()
-    held = pool.held_chunks()
-    emptied = pool.evict_whole_chunks(2)
-    assert emptied == 2 and pool.held_chunks() == held - 2
-    left = 8 - pool.shrink_evictions
+    held = pool.policy.held_chunks()
+    emptied = pool.policy.evict_whole_chunks(2)
+    assert emptied == 2 and pool.policy.held_chunks() == held - 2
+    left = 8 - pool.policy.shrink_evictions
     assert 0 < left < 8 and pool.free_block_queue.num_free_blocks == left
     assert pool.evict_cached(None) == left
     pool.check_integrity()
-    assert pool.held_chunks() == 1  # the null block's
+    assert pool.policy.held_chunks() == 1  # the null block's
 
 
 @pytest.fixture

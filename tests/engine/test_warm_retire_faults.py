@@ -135,7 +135,7 @@ def test_a_handover_that_raises_fails_its_clients_and_serves_on(aengine, monkeyp
 
     asyncio.run(go())
     assert aengine.alive
-    lock = aengine.engine.pool.step_lock
+    lock = aengine.engine.step_lock
     assert lock.acquire(timeout=DEADLINE_S), "the step lock is still held"
     lock.release()
     # where the moved request went is not known: it stays detached (its blocks kept,

@@ -11,16 +11,16 @@ its ``EngineConfig``:
   own prefix-cache bookkeeping, with free blocks coming from and going back to the
   client library's :class:`~kvpool.client_lib.ElasticBlockAllocator`.
 
-:mod:`.bridge` builds and owns the tenant, group, allocator and pool of one engine and
-gives the engine a ``close()`` that ends all of them; :mod:`.settings` holds the
-``KVPOOL_*`` settings.
+:mod:`.bridge` builds and owns the tenant, group, allocator and pool of one engine; the
+engine binds itself to the pool and ``engine.close()`` closes the pool, which ends all of
+them (no engine method is patched); :mod:`.settings` holds the ``KVPOOL_*`` settings.
 """
 
 from __future__ import annotations
 
 from kvpool.engine.config import EngineConfig
 from kvpool.engine_adapters.bundled.block_pool import ElasticBlockPool
-from kvpool.engine_adapters.bundled.bridge import ADAPTER_KEY, Bridge, bridge_of, patch_engine_init
+from kvpool.engine_adapters.bundled.bridge import ADAPTER_KEY, Bridge, bridge_of
 from kvpool.engine_adapters.bundled.checks import KNOWN_LAYOUTS, KNOWN_POOL_METHODS, check_engine
 from kvpool.engine_adapters.bundled.settings import AdapterError, Settings
 
@@ -36,7 +36,6 @@ def enable(config: EngineConfig, settings: Settings | None = None) -> None:
     config.block_pool_factory = bridge.make_pool
     config.kv_cache_factory = bridge.make_kv_cache
     config.extra[ADAPTER_KEY] = bridge
-    patch_engine_init()
 
 
 __all__ = ["ADAPTER_KEY", "AdapterError", "Bridge", "ElasticBlockPool", "KNOWN_LAYOUTS",

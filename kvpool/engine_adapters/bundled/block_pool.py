@@ -2,146 +2,160 @@
 
 :class:`ElasticBlockPool` keeps the engine's own prefix-cache bookkeeping (it subclasses
 :class:`FixedBlockPool`); free blocks come from and go back to the client library's
-:class:`~kvpool.client_lib.ElasticBlockAllocator`.
-
-When the daemon asks this tenant to shrink, :meth:`ElasticBlockPool.shrink` evicts cached
-prefix blocks page-aware (chunks whose every held block is evictable first, so whole
-units empty), and when that is not enough preempts running requests, newest first,
-through ``Engine.preempt_until_free`` (the daemon only asks for memory above the
-tenant's ``max(min, fair share)``); the library then releases the emptied units.
+:class:`~kvpool.client_lib.ElasticBlockAllocator`. It is the bundled engine's side of the
+adapter contract (:mod:`kvpool.engine_adapters.elastic`): it implements
+:class:`~kvpool.engine_adapters.elastic.ElasticHooks` (evictable blocks, preempting the
+newest request through ``Engine.preempt_until_free``, the engine's ``step_lock``) and the
+shared :class:`~kvpool.engine_adapters.elastic.ElasticPolicy` does the shrink (whole
+chunks of cache fewest-held first, then all of it, then preempt newest) and the idle
+release. The engine binds itself (``BlockPool.bind_engine``) and closes the pool
+(``Engine.close`` -> :meth:`ElasticBlockPool.close`, which ends the adapter's tenant).
 
 Invariants: block ids equal allocator block ids, block 0 (the engine's null block) is
 allocated at start and never freed, and every block the engine references or caches is
 held in the allocator (``check_integrity`` verifies both sides).
 
 Request-aligned mode (:meth:`ElasticBlockPool.align_requests`, ``KVPOOL_REQUEST_ALIGNED``):
-each request's blocks come from whole chunks only it uses (:mod:`.aligned`), so its KV is
-whole units that can change hands (:mod:`.handoff`); the prefix cache is off then. That
-part of the pool is :class:`~.aligned_pool.AlignedPoolMixin`.
+each request's blocks come from whole chunks only it uses (:class:`~.aligned.RequestChunks`
+keeps those books), so its KV is whole units that can change hands (:mod:`.handoff`);
+the prefix cache is off then. The daemon calls of that mode run without ``lock`` (a
+shrink of this tenant never waits behind them).
 """
 
 from __future__ import annotations
 
-import logging
-import math
 import threading
-import time
-from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING
 
-from kvpool.engine.block_pool import NULL_BLOCK, FixedBlockPool
+from kvpool.engine.block_pool import NULL_BLOCK, FixedBlockPool, PoolUser
 from kvpool.engine.errors import PoolExhausted
 from kvpool.engine_adapters.bundled.aligned import RequestChunks
-from kvpool.engine_adapters.bundled.aligned_pool import AlignedPoolMixin
 from kvpool.engine_adapters.bundled.settings import AdapterError
+from kvpool.engine_adapters.elastic import ElasticPolicy
 
-log = logging.getLogger("kvpool.adapter")
+if TYPE_CHECKING:
+    from kvpool.client_lib import ElasticBlockAllocator
+    from kvpool.engine.engine import Engine
 
-SHRINK_STEP_WAIT_S = 0.3  # a shrink waits this long for the engine's step (x3 when urgent)
 
-
-class ElasticBlockPool(AlignedPoolMixin, FixedBlockPool):
+class ElasticBlockPool(FixedBlockPool):
     """The engine's block pool with elastic memory behind it.
 
     Capacity is the *virtual* block count; free blocks are whatever the allocator can hand
     out (mapped blocks on the fast path, more pages from the daemon on the slow path).
     Thread safety: every method runs under ``lock`` (an RLock) so the daemon-driven
     :meth:`shrink` (on the client library's thread) can evict between engine calls;
-    preemption additionally takes ``step_lock``, which the bound engine holds per step.
+    preemption additionally takes ``step_lock`` (the bound engine's, held per step).
+    Lifetime: built with a provisional capacity, :meth:`bind` adopts the allocator (from
+    then on ``allocator`` and ``policy`` are set), the engine binds itself, and
+    :meth:`close` (the engine's ``close``) stops the idle watcher and calls ``on_close``.
     """
 
-    def __init__(self, provisional_capacity: int) -> None:
-        self.allocator = None
-        self.engine = None
+    def __init__(self, provisional_capacity: int,
+                 on_close: Callable[[], None] | None = None) -> None:
+        self._allocator: ElasticBlockAllocator | None = None
+        self._policy: ElasticPolicy | None = None
+        self.engine: PoolUser | None = None
         self._provisional = provisional_capacity
+        self._on_close = on_close
         self.lock = threading.RLock()
-        self.step_lock = threading.RLock()
-        self.shrinks = self.shrink_preemptions = self.shrink_evictions = 0
-        self.idle_evictions = 0
-        self._stopped = threading.Event()
-        self._idle_thread: threading.Thread | None = None
+        self._unbound_step_lock = threading.RLock()  # until an engine is bound
         self.aligned: RequestChunks | None = None  # request-aligned mode when set
 
     # ---- binding ------------------------------------------------------------------
-    def bind(self, allocator) -> None:
+    def bind(self, allocator: ElasticBlockAllocator) -> None:
         """Adopt ``allocator`` (its block ids become ours) and take block 0 as null."""
         super().__init__(allocator.num_blocks)
         self._free.clear()  # free blocks live in the allocator, not here
-        self.allocator = allocator
+        self._allocator = allocator
+        self._policy = ElasticPolicy(self, allocator)
         null = allocator.alloc(1)
         if null != [NULL_BLOCK]:
             raise AdapterError(f"expected the allocator's first block to be 0, got {null}")
 
-    def bind_engine(self, engine) -> None:
-        """Serialize the engine's steps with preemption requested by :meth:`shrink`."""
-        if self.engine is engine:
-            return
+    def bind_engine(self, engine: PoolUser) -> None:
+        """Preempt through ``engine`` and serialize with its steps (its ``step_lock``)."""
         self.engine = engine
-        for name in ("step", "add_request", "abort"):
-            method = getattr(engine, name)
-            setattr(engine, name, self._locked(method))
+
+    @property
+    def allocator(self) -> ElasticBlockAllocator:
+        if self._allocator is None:
+            raise AdapterError("the elastic pool has no allocator yet (not bound)")
+        return self._allocator
+
+    @property
+    def policy(self) -> ElasticPolicy:
+        """The shared shrink and idle-release policy (and its counters), once bound."""
+        if self._policy is None:
+            raise AdapterError("the elastic pool has no allocator yet (not bound)")
+        return self._policy
+
+    @property
+    def step_lock(self) -> threading.RLock:
+        """The bound engine's ``step_lock`` (a lock of the pool's own before that)."""
+        engine = self.engine
+        return self._unbound_step_lock if engine is None else engine.step_lock
 
     def start_idle_release(self, idle_timeout_s: float) -> None:
         """Once the bound engine has had no request and taken no step for
         ``idle_timeout_s``, evict its prefix cache so the allocator's own idle trim gives
-        the emptied chunks back: an idle engine keeps one unit (the null block's), the
-        rest flows to tenants that need it. Without this an idle engine's cache counts
-        as held memory and fair share protects it (an idle tenant could keep half the
-        budget). Eviction runs under ``step_lock`` with no request in the engine, so it
-        cannot race a prefix hit being taken."""
-        if self._idle_thread is not None or idle_timeout_s <= 0:
-            return
-        self._idle_thread = threading.Thread(
-            target=self._idle_loop, args=(idle_timeout_s,), name="kvpool-idle-cache",
-            daemon=True)
-        self._idle_thread.start()
+        the emptied chunks back (:meth:`ElasticPolicy.start_idle_release`)."""
+        self.policy.start_idle_release(idle_timeout_s)
+
+    def shrink(self, nbytes: int, urgent: bool) -> None:
+        """The tenant's shrink callback (:meth:`ElasticPolicy.shrink`)."""
+        self.policy.shrink(nbytes, urgent)
 
     def stop(self) -> None:
         """End the idle watcher (joined unless called from it)."""
-        self._stopped.set()
-        t = self._idle_thread
-        if t is not None and t is not threading.current_thread():
-            t.join()
-            self._idle_thread = None
+        if self._policy is not None:
+            self._policy.stop()
 
-    def _idle_loop(self, timeout_s: float) -> None:
-        tick = min(max(timeout_s / 4, 0.01), 0.5)
-        last_steps, since = -1, time.monotonic()
-        while not self._stopped.wait(tick):
-            engine, alloc = self.engine, self.allocator
-            if engine is None or alloc is None:
-                continue
-            if alloc.group.tenant.closed:
-                return
-            now = time.monotonic()
-            steps = engine.counters["steps"]
-            if steps != last_steps or engine.has_unfinished():
-                last_steps, since = steps, now
-                continue
-            if now - since < timeout_s or not self._evictable:
-                continue
-            if not self.step_lock.acquire(blocking=False):
-                continue  # a step or an add_request is under way: not idle
-            try:
-                if engine.has_unfinished():
-                    continue
-                with self.lock:
-                    self.idle_evictions += len(self.evict_cached_blocks(None))
-            except Exception:  # never let the watcher die on a transient error
-                log.exception("idle cache release failed")
-            finally:
-                self.step_lock.release()
-
-    def _locked(self, method):
-        def call(*args, **kwargs):
-            with self.step_lock:
-                return method(*args, **kwargs)
-
-        call.__wrapped__ = method
-        return call
+    def close(self) -> None:
+        """The engine closes: stop the idle watcher and end what ``on_close`` ends (the
+        bridge's tenant: the memory goes back). Idempotent."""
+        self.stop()
+        if self._on_close is not None:
+            self._on_close()
 
     @property
     def capacity(self) -> int:
-        return self._provisional if self.allocator is None else self._capacity
+        return self._provisional if self._allocator is None else self._capacity
+
+    # ---- the hooks of the shared policy (ElasticHooks; both locks held) -------------
+    def evictable_blocks(self) -> Iterable[int]:
+        return self._evictable
+
+    def evict_listed(self, blocks: list[int]) -> None:
+        for b in blocks:
+            del self._evictable[b]
+            self._uncache(b)
+        self._release(blocks, recent=False)
+
+    def evict_cached(self) -> int:
+        return len(self.evict_cached_blocks(None))
+
+    def has_cache(self) -> bool:
+        return bool(self._evictable)
+
+    def release_stash(self) -> None:
+        """(no stash: blocks are taken from the allocator only when handed out)"""
+
+    def preempt_newest(self) -> int:
+        """Preempt the newest running request, and more only while a preemption frees no
+        block (shared prefix blocks); 0 when nothing runs. Goes through
+        ``Engine.preempt_until_free``, the method ``check_engine`` verifies."""
+        engine = self.engine
+        if engine is None:
+            return 0
+        return engine.preempt_until_free(self.get_num_free_blocks() + 1)
+
+    def activity(self) -> int | None:
+        engine = self.engine
+        if engine is None or engine.has_unfinished():
+            return None
+        return engine.num_steps
 
     # ---- allocation ---------------------------------------------------------------
     def get_new_blocks(self, n: int) -> list[int]:
@@ -183,19 +197,21 @@ class ElasticBlockPool(AlignedPoolMixin, FixedBlockPool):
         if blocks:
             self.allocator.free(blocks)
 
-    def free_blocks(self, block_ids) -> None:
+    def free_blocks(self, block_ids: Iterable[int]) -> None:
         with self.lock:
             super().free_blocks(block_ids)
 
-    def touch(self, block_ids) -> None:
+    def touch(self, block_ids: Iterable[int]) -> None:
         with self.lock:
             super().touch(block_ids)
 
-    def get_cached_block(self, block_hash, tokens, parent):
+    def get_cached_block(self, block_hash: int, tokens: Sequence[int], parent: int
+                         ) -> int | None:
         with self.lock:
             return super().get_cached_block(block_hash, tokens, parent)
 
-    def cache_full_blocks(self, block_ids, hashes, tokens, parent) -> None:
+    def cache_full_blocks(self, block_ids: Sequence[int], hashes: Sequence[int],
+                          tokens: Sequence[Sequence[int]], parent: int) -> None:
         with self.lock:
             super().cache_full_blocks(block_ids, hashes, tokens, parent)
 
@@ -223,69 +239,57 @@ class ElasticBlockPool(AlignedPoolMixin, FixedBlockPool):
     def held_bytes(self, block_bytes: int) -> int:
         return self.allocator.holdings().mapped
 
-    # ---- giving memory back --------------------------------------------------------
-    def shrink(self, nbytes: int, urgent: bool) -> None:
-        """Free blocks worth ``nbytes`` so the library can release whole chunks.
+    # ---- request-aligned mode ---------------------------------------------------------
+    def align_requests(self) -> None:
+        """Give each request its own chunks from now on (before any request runs)."""
+        self.aligned = RequestChunks(self.allocator.blocks_per_chunk)
 
-        Page-aware: first the chunks whose held blocks are all evictable (fewest first),
-        then any evictable block (LRU); then, since the daemon asks only for memory above
-        this tenant's ``max(min, fair share)``, running requests (newest first: they
-        requeue and recompute) and their freshly cached blocks. ``urgent`` (deadline
-        near) only lets it wait longer for the engine's current step.
-        """
-        self.shrinks += 1
-        want = max(1, math.ceil(nbytes / self.allocator.holdings().chunk))
-        # Everything here runs between engine steps (``step_lock``): an eviction in the
-        # middle of a step could take a prefix hit the scheduler found but has not yet
-        # touched. Steps never wait on the daemon, so the wait is one step at most.
-        if not self.step_lock.acquire(timeout=SHRINK_STEP_WAIT_S * (3 if urgent else 1)):
-            return  # the library asks again if it is still short
-        try:
-            with self.lock:
-                before = self._held_chunks()
-                self._evict_whole_chunks(want)
-                if before - self._held_chunks() < want and self._evictable:
-                    self.evict_cached_blocks(None)
-                # The daemon only asks for memory above max(min, fair share): what the
-                # cache could not cover comes from running requests, newest first.
-                target = before - want
-                while self.engine is not None and self._held_chunks() > max(target, 1):
-                    if not self._preempt_newest():
-                        break
-                    self.evict_cached_blocks(None)
-        finally:
-            self.step_lock.release()
+    def get_blocks_for(self, owner: str, n: int) -> list[int]:
+        aligned = self.aligned
+        if aligned is None:
+            return self.get_new_blocks(n)
+        if n <= 0:
+            return []
+        # Only the engine's thread allocates for ``owner``, so its spares cannot change
+        # between the count and the take; the daemon call runs without ``lock``.
+        with self.lock:
+            k = aligned.chunks_needed(owner, n)
+        fresh = self.allocator.alloc_chunks(k, wait=False) if k else []
+        if fresh is None:
+            raise PoolExhausted(f"kvpool has no memory for {k} more KV chunk(s) now")
+        with self.lock:
+            out = aligned.take(owner, n, fresh)
+            for b in out:
+                self._ref[b] = 1
+            return out
 
-    def _preempt_newest(self) -> int:
-        """(both locks held) Preempt the newest running request, and more only while a
-        preemption frees no block (shared prefix blocks); 0 when nothing runs. Goes
-        through ``Engine.preempt_until_free``, the method ``check_engine`` verifies."""
-        n = self.engine.preempt_until_free(self.get_num_free_blocks() + 1)
-        self.shrink_preemptions += n
-        return n
+    def _aligned_books(self) -> RequestChunks:
+        if self.aligned is None:
+            raise AdapterError("the pool is not request-aligned")
+        return self.aligned
 
-    def _evict_whole_chunks(self, want: int) -> int:
-        held = self.allocator.held_by_chunk()
-        evictable_in: dict[int, list[int]] = defaultdict(list)
-        for b in self._evictable:
-            evictable_in[self.allocator.chunk_of(b)].append(b)
-        null_chunk = self.allocator.chunk_of(NULL_BLOCK)
-        whole = sorted(
-            (held[c], c) for c, blocks in evictable_in.items()
-            if c != null_chunk and len(blocks) == held.get(c, -1)
-        )
-        emptied = 0
-        for _, c in whole[:want]:
-            for b in evictable_in[c]:
-                del self._evictable[b]
-                self._uncache(b)
-            self._release(evictable_in[c], recent=False)
-            self.shrink_evictions += len(evictable_in[c])
-            emptied += 1
-        return emptied
+    def request_chunks(self, rid: str) -> list[int]:
+        """The chunks request ``rid`` owns, in the order its blocks fill them."""
+        with self.lock:
+            return list(self._aligned_books().chunks.get(rid, []))
 
-    def _held_chunks(self) -> int:
-        return len(self.allocator.held_by_chunk())
+    def forget_request(self, rid: str, block_ids: list[int]) -> list[int]:
+        """Another tenant claimed ``rid``'s chunks (the group unmapped them): its blocks
+        lose their reference, the chunks leave the books unmapped. Returns them."""
+        with self.lock:
+            for b in block_ids:
+                assert self._ref[b] == 1, f"handed-over block {b} is shared"
+            self.forget_blocks(block_ids)
+            chunks = self._aligned_books().forget(rid)
+            self.allocator.forget_chunks(chunks)
+            return chunks
+
+    def adopt_request(self, rid: str, chunks: list[int], block_ids: list[int]) -> None:
+        """``chunks`` (adopted by the allocator, wholly held) now belong to ``rid``,
+        which uses ``block_ids`` of them (ref 1 each)."""
+        with self.lock:
+            self._aligned_books().adopt(rid, chunks, block_ids)
+            self.adopt_blocks({b: 1 for b in block_ids})
 
     def check_integrity(self) -> None:
         with self.lock:
@@ -316,3 +320,11 @@ class ElasticBlockPool(AlignedPoolMixin, FixedBlockPool):
             for h, dups in self._by_hash.items():
                 for b in dups:
                     assert self._entry[b].block_hash == h, f"hash index wrong for block {b}"
+
+
+def elastic_pool(engine: Engine) -> ElasticBlockPool:
+    """``engine``'s pool, which must be this adapter's (AdapterError otherwise)."""
+    pool = engine.pool
+    if not isinstance(pool, ElasticBlockPool):
+        raise AdapterError("the engine does not allocate through kvpool (not enabled)")
+    return pool

@@ -1,21 +1,25 @@
 """The bridge between one bundled engine and kvpool: it builds the tenant, region group,
-allocator and pool when the engine builds its KV storage, binds the pool to the engine,
-and tears all of it down again on ``engine.close()``.
+allocator and pool when the engine builds its KV storage, and tears all of it down again
+on ``engine.close()``.
+
+The engine's own seams do the rest, nothing is patched: ``EngineConfig``'s
+``block_pool_factory`` / ``kv_cache_factory`` are :meth:`Bridge.make_pool` /
+:meth:`Bridge.make_kv_cache`; the built engine binds itself to the pool
+(``BlockPool.bind_engine``: the pool preempts through it and waits for its
+``step_lock``); ``Engine.close`` closes the pool, whose ``on_close`` is :meth:`Bridge.close`.
 
 Lifetime: connected in :meth:`Bridge.make_kv_cache` (during ``Engine(config)``); closed by
-:meth:`Bridge.close` — the ``close`` method the bridge gives the engine, or a failed
-start. After close the daemon no longer lists the tenant, its pages are back in the pool
-and the adapter's threads (the idle-cache watcher, the allocator's refill thread, the
-tenant's thread) have ended; the engine must not step again.
+:meth:`Bridge.close` (``engine.close()``, or a failed start). After close the daemon no
+longer lists the tenant, its pages are back in the pool and the adapter's threads (the
+idle-cache watcher, the allocator's refill thread, the tenant's thread) have ended; the
+engine must not step again.
 """
 
 from __future__ import annotations
 
-import inspect
 import math
 import os
-import threading
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,6 +28,9 @@ from kvpool.engine.kv_cache import KVCache, KVCacheSpec
 from kvpool.engine_adapters.bundled.block_pool import ElasticBlockPool
 from kvpool.engine_adapters.bundled.checks import KNOWN_LAYOUTS
 from kvpool.engine_adapters.bundled.settings import AdapterError, Settings
+
+if TYPE_CHECKING:
+    from kvpool.client_lib import RegionGroup, Tenant
 
 ADAPTER_KEY = "kvpool"
 
@@ -35,11 +42,12 @@ class Bridge:
         self.config = config
         self.settings = settings
         self.pool: ElasticBlockPool | None = None
-        self.tenant = None
-        self.group = None
+        self.tenant: Tenant | None = None
+        self.group: RegionGroup | None = None
 
     def make_pool(self, num_blocks: int) -> ElasticBlockPool:
-        self.pool = ElasticBlockPool(num_blocks)
+        """The engine's block pool (``block_pool_factory``): closing it closes this."""
+        self.pool = ElasticBlockPool(num_blocks, on_close=self.close)
         return self.pool
 
     def make_kv_cache(self, spec: KVCacheSpec, capacity: int, device: torch.device) -> KVCache:
@@ -79,23 +87,6 @@ class Bridge:
             self.close()
             raise
 
-    def attach(self, engine: Any) -> None:
-        """Bind the pool to the built ``engine`` and make ``engine.close()`` close this
-        bridge (after the engine's own ``close``, if it has one)."""
-        if self.pool is None:
-            return
-        self.pool.bind_engine(engine)
-        own_close = getattr(engine, "close", None)
-
-        def close() -> None:
-            try:
-                if own_close is not None:
-                    own_close()
-            finally:
-                self.close()
-
-        engine.close = close
-
     def close(self) -> None:
         """Stop the idle watcher, then close the tenant (its thread, the allocator's
         thread, the mappings, the daemon session). Idempotent."""
@@ -105,31 +96,6 @@ class Bridge:
             tenant, self.tenant = self.tenant, None
             tenant.close()
         self.group = None
-
-
-_patched = threading.Lock()
-
-
-def patch_engine_init() -> None:
-    """Once per process: after an Engine is built from an enabled config, attach it."""
-    from kvpool.engine.engine import Engine
-
-    with _patched:
-        if getattr(Engine.__init__, "_kvpool_patched", False):
-            return
-        original = Engine.__init__
-
-        def __init__(self, config: EngineConfig, *args: Any, **kwargs: Any) -> None:
-            original(self, config, *args, **kwargs)
-            bridge = bridge_of(config)
-            if bridge is not None and self.pool is bridge.pool:
-                bridge.attach(self)
-            elif isinstance(self.pool, ElasticBlockPool):
-                self.pool.bind_engine(self)
-
-        __init__._kvpool_patched = True  # type: ignore[attr-defined]
-        __init__.__signature__ = inspect.signature(original)  # type: ignore[attr-defined]
-        Engine.__init__ = __init__  # type: ignore[method-assign]
 
 
 def bridge_of(config: EngineConfig) -> Bridge | None:

@@ -31,12 +31,20 @@ import base64
 import dataclasses
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvpool.client_lib import handoff as wire
 from kvpool.engine.errors import RequestError
+from kvpool.engine.request import Request
 from kvpool.engine.sampling import SamplingParams
+from kvpool.engine_adapters.bundled.block_pool import ElasticBlockPool, elastic_pool
 from kvpool.engine_adapters.bundled.settings import AdapterError
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvpool.client_lib import ElasticBlockAllocator
+    from kvpool.engine.engine import Engine
 
 
 @dataclass
@@ -65,20 +73,20 @@ class Handover:
         return cls(**d)
 
 
-def _aligned_pool(engine):
-    pool = engine.pool
-    if getattr(pool, "aligned", None) is None:
+def _aligned_pool(engine: Engine) -> ElasticBlockPool:
+    pool = elastic_pool(engine)
+    if pool.aligned is None:
         raise AdapterError("page handoff needs a request-aligned kvpool engine "
                            "(Settings(request_aligned=True) / KVPOOL_REQUEST_ALIGNED=1)")
     return pool
 
 
-def give(engine, request_id: str, to: str, ttl_s: float = 10.0
+def give(engine: Engine, request_id: str, to: str, ttl_s: float = 10.0
          ) -> tuple[Handover, wire.Ticket]:
     """Detach ``request_id`` (just after a step) and offer its units to tenant ``to``."""
     pool = _aligned_pool(engine)
     alloc = pool.allocator
-    with pool.step_lock:
+    with engine.step_lock:
         req = engine.detach(request_id)
         try:
             chunks = pool.request_chunks(request_id)
@@ -92,11 +100,11 @@ def give(engine, request_id: str, to: str, ttl_s: float = 10.0
                  block_ids=list(req.block_ids), chunks=chunks,
                  blocks_per_chunk=alloc.blocks_per_chunk,
                  pages_per_chunk=alloc.pages_per_chunk, output_text=req.output_text,
-                 detok_offsets=tuple(req.detok_offsets), generator_state=_state(req))
+                 detok_offsets=(req.detok_offsets[0], req.detok_offsets[1]), generator_state=_state(req))
     return h, ticket
 
 
-def settle(engine, h: Handover, ticket: wire.Ticket, timeout_s: float | None = None) -> str:
+def settle(engine: Engine, h: Handover, ticket: wire.Ticket, timeout_s: float | None = None) -> str:
     """Wait for the ticket; ``claimed``: the pool forgets the request's chunks and the
     request is over here; otherwise (expired, cancelled, or still pending at the timeout,
     then cancelled) the request runs here again. Returns the final state."""
@@ -105,7 +113,7 @@ def settle(engine, h: Handover, ticket: wire.Ticket, timeout_s: float | None = N
     if state == wire.PENDING:  # take it back; it may have settled meanwhile
         wire.cancel(pool.allocator.group.tenant, ticket)
         state = ticket.state
-    with pool.step_lock:
+    with engine.step_lock:
         if state == "claimed":
             pool.forget_request(h.request_id, h.block_ids)
             engine.drop_detached(h.request_id)
@@ -114,7 +122,7 @@ def settle(engine, h: Handover, ticket: wire.Ticket, timeout_s: float | None = N
     return state
 
 
-def take(engine, h: Handover) -> str:
+def take(engine: Engine, h: Handover) -> str:
     """Claim ``h``'s units into chunks of this engine and run the request here (its next
     step decodes). Raises (changing nothing here) when the claim is refused."""
     pool = _aligned_pool(engine)
@@ -131,7 +139,7 @@ def take(engine, h: Handover) -> str:
                                                   for b in h.block_ids):
         raise AdapterError("the handover's block table is not in its chunks")
     params = SamplingParams(**h.params)
-    with pool.step_lock:
+    with engine.step_lock:
         mine = claim_chunks(alloc, h.ticket, len(h.chunks))
         at = dict(zip(h.chunks, mine))
         blocks = [at[b // per] * per + b % per for b in h.block_ids]
@@ -141,8 +149,8 @@ def take(engine, h: Handover) -> str:
     return h.request_id
 
 
-def claim_chunks(alloc, ticket: str, count: int) -> list[int]:
-    """(the pool's ``step_lock`` held) Claim ticket ``ticket``'s units into ``count``
+def claim_chunks(alloc: ElasticBlockAllocator, ticket: str, count: int) -> list[int]:
+    """(the engine's ``step_lock`` held) Claim ticket ``ticket``'s units into ``count``
     unmapped chunks of ``alloc`` (units in order) and adopt them as wholly held; returns
     those chunks, in the order of the giver's. Raises, changing nothing, when there are
     not enough unmapped chunks or the claim is refused."""
@@ -158,13 +166,13 @@ def claim_chunks(alloc, ticket: str, count: int) -> list[int]:
     return mine
 
 
-def _state(req) -> str | None:
+def _state(req: Request) -> str | None:
     if req.generator is None:
         return None
     return base64.b64encode(req.generator.get_state().numpy().tobytes()).decode()
 
 
-def _unstate(text: str | None):
+def _unstate(text: str | None) -> torch.Tensor | None:
     if text is None:
         return None
     import torch

@@ -34,14 +34,20 @@ import json
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
+from typing import TYPE_CHECKING, Any
+
 import msgspec
 
 from kvpool.client_lib import handoff as wire
-from kvpool.engine.block_pool import NULL_BLOCK, CachedBlock
+from kvpool.engine.block_pool import NULL_BLOCK
 from kvpool.engine_adapters.bundled import handoff_requests
+from kvpool.engine_adapters.bundled.block_pool import elastic_pool
 from kvpool.engine_adapters.bundled.handoff import claim_chunks
 from kvpool.engine_adapters.bundled.handoff_requests import MovingRequest
 from kvpool.engine_adapters.bundled.settings import AdapterError
+
+if TYPE_CHECKING:
+    from kvpool.engine.engine import Engine
 
 
 @dataclass
@@ -57,7 +63,7 @@ class CacheHandover:
         return json.dumps(asdict(self))
 
     @classmethod
-    def from_json(cls, text: str | dict) -> CacheHandover:
+    def from_json(cls, text: str | dict[str, Any]) -> CacheHandover:
         """Parse (and type-check) a handover; AdapterError ("bad handover: ...")."""
         try:
             d = json.loads(text) if isinstance(text, str) else text
@@ -66,46 +72,23 @@ class CacheHandover:
             raise AdapterError(f"bad handover: {e}") from None
 
 
-def _valid_entries(pool) -> list[tuple[int, CachedBlock]]:
-    """Entries whose whole parent chain is valid: evictable ones first (LRU first),
-    then those in use (by running requests)."""
-    order = [*pool._evictable, *(b for b in pool._entry if b not in pool._evictable)]
-    rank = {b: i for i, b in enumerate(order)}
-    valid: set[int] = set()
-    out: list[tuple[int, CachedBlock]] = []
-    pending = [(b, pool._entry[b]) for b in order]
-    while pending:
-        rest = []
-        for b, e in pending:
-            if e.parent == NULL_BLOCK or (e.parent in valid
-                                          and e.parent_epoch == pool._epoch[e.parent]):
-                valid.add(b)
-                out.append((b, e))
-            elif e.parent in pool._entry and e.parent not in valid:
-                rest.append((b, e))
-        if len(rest) == len(pending):
-            break
-        pending = rest
-    return sorted(out, key=lambda be: rank[be[0]])
-
-
-def offer_cache(engine, to: str, ttl_s: float = 10.0, in_flight: bool = False
+def offer_cache(engine: Engine, to: str, ttl_s: float = 10.0, in_flight: bool = False
                 ) -> tuple[CacheHandover, wire.Ticket]:
     """Offer the units holding ``engine``'s prefix cache to tenant ``to``; with
     ``in_flight`` every request is detached and goes too (its blocks' chunks with it),
     else the engine must be idle. Raises AdapterError (nothing changed) when it cannot."""
-    pool = engine.pool
+    pool = elastic_pool(engine)
     alloc = pool.allocator
-    if in_flight and getattr(pool, "aligned", None) is not None:
+    if in_flight and pool.aligned is not None:
         raise AdapterError("in-flight requests move only in the prefix-cache mode, "
                            "not request-aligned")
-    with pool.step_lock:
+    with engine.step_lock:
         if not in_flight and (engine.has_unfinished() or engine.detached):
             raise AdapterError("the engine still has requests: hand its cache over idle")
         reqs = engine.detach_all() if in_flight else []
         try:
             with pool.lock:
-                entries = _valid_entries(pool)
+                entries = pool.cache_entries()
                 live = {b for b, _ in entries} | {b for r in reqs for b in r.block_ids}
                 chunks = sorted({alloc.chunk_of(b) for b in live})
                 if not chunks and not in_flight:
@@ -126,49 +109,43 @@ def offer_cache(engine, to: str, ttl_s: float = 10.0, in_flight: bool = False
         requests=moving), ticket
 
 
-def settle_cache(engine, c: CacheHandover, ticket: wire.Ticket,
+def settle_cache(engine: Engine, c: CacheHandover, ticket: wire.Ticket,
                  timeout_s: float | None = None) -> str:
     """Wait for the ticket (cancel it at the timeout); on ``claimed`` the pool forgets
     the given chunks, every cache entry and block reference in them, and the moved
     requests are over here; otherwise the requests run here again. Returns the state."""
-    pool = engine.pool
+    pool = elastic_pool(engine)
     state = ticket.wait(timeout_s)
     if state == wire.PENDING:
         wire.cancel(pool.allocator.group.tenant, ticket)
         state = ticket.state
-    with pool.step_lock, pool.lock:
+    with engine.step_lock, pool.lock:
         if state != "claimed":
             for r in c.requests:
                 engine.reattach(r.request_id)
             return state
-        gone = set(c.chunks)
         per = pool.allocator.blocks_per_chunk
-        for b in [b for b in pool._entry if b // per in gone]:
-            pool._evictable.pop(b, None)
-            pool._uncache(b)
-        for ch in gone:
-            for b in range(ch * per, (ch + 1) * per):
-                pool._ref[b] = 0
+        pool.forget_blocks(b for ch in set(c.chunks) for b in range(ch * per, (ch + 1) * per))
         pool.allocator.forget_chunks(c.chunks)
         for r in c.requests:
             engine.drop_detached(r.request_id)
     return state
 
 
-def adopt_cache(engine, c: CacheHandover) -> int:
+def adopt_cache(engine: Engine, c: CacheHandover) -> int:
     """Claim ``c``'s units into this engine's pool, register its entries as cached
     blocks and add its requests (running ones run at once); returns how many entries.
     Raises, changing nothing, on a bad handover or a refused claim."""
-    pool = engine.pool
+    pool = elastic_pool(engine)
     alloc = pool.allocator
     if (c.blocks_per_chunk, c.pages_per_chunk) != (alloc.blocks_per_chunk,
                                                    alloc.pages_per_chunk):
         raise AdapterError("block layout differs from the old engine's")
-    if c.requests and getattr(pool, "aligned", None) is not None:
+    if c.requests and pool.aligned is not None:
         raise AdapterError("in-flight requests move only in the prefix-cache mode, "
                            "not request-aligned")
     per = c.blocks_per_chunk
-    with pool.step_lock:
+    with engine.step_lock:
         prepared = handoff_requests.check(engine, c)
         mine = claim_chunks(alloc, c.ticket, len(c.chunks))
         at = dict(zip(c.chunks, mine))
@@ -178,16 +155,10 @@ def adopt_cache(engine, c: CacheHandover) -> int:
 
         with pool.lock:
             refs = Counter(rename(b) for r in c.requests for b in r.block_ids)
-            for b, n in refs.items():
-                pool._ref[b] = n
-            for b, h, tokens, parent in c.entries:
-                nb, np_ = rename(b), rename(parent)
-                pool._entry[nb] = CachedBlock(h, tuple(tokens), np_, pool._epoch[np_])
-                pool._by_hash.setdefault(h, {})[nb] = None
-                if not refs[nb]:
-                    pool._evictable[nb] = None  # LRU order kept
+            pool.adopt_blocks(refs, [(rename(b), h, tokens, rename(parent))
+                                     for b, h, tokens, parent in c.entries])  # LRU order
             unused = [b for m in mine for b in range(m * per, (m + 1) * per)
-                      if b not in pool._entry and not refs[b]]
+                      if not pool.is_cached(b) and not refs[b]]
             if unused:
                 alloc.free(unused)
             handoff_requests.add(engine, prepared, rename)

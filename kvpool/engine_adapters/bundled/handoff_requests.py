@@ -20,13 +20,19 @@ import base64
 import binascii
 import dataclasses
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 from kvpool.engine.block_pool import NULL_BLOCK
 from kvpool.engine.request import Request
 from kvpool.engine.sampling import SamplingParams
 from kvpool.engine_adapters.bundled.settings import AdapterError
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvpool.engine.engine import Engine
 
 MAX_REQUESTS = 4096  # per handover; an engine runs far fewer at once
 
@@ -59,6 +65,22 @@ def describe(req: Request) -> MovingRequest:
         generator_state=state_of(req.generator), num_preemptions=req.num_preemptions)
 
 
+class Handover(Protocol):
+    """What :func:`check` reads of a :class:`~.handoff_cache.CacheHandover`."""
+
+    @property
+    def blocks_per_chunk(self) -> int: ...
+
+    @property
+    def chunks(self) -> Sequence[int]: ...
+
+    @property
+    def entries(self) -> Sequence[tuple[int, int, list[int], int]]: ...
+
+    @property
+    def requests(self) -> Sequence[MovingRequest]: ...
+
+
 @dataclass
 class Prepared:
     """A checked request, ready to add once the claim succeeded."""
@@ -68,7 +90,7 @@ class Prepared:
     generator_state: Any  # a torch uint8 tensor, or None
 
 
-def check(engine, c) -> list[Prepared]:
+def check(engine: Engine, c: Handover) -> list[Prepared]:
     """Check handover ``c`` (a :class:`~.handoff_cache.CacheHandover`) against this
     engine before claiming: chunks listed once, every block (entry or request) in one of
     them, parents among the entries, lengths consistent with the block size, requests
@@ -109,7 +131,8 @@ def check(engine, c) -> list[Prepared]:
     return out
 
 
-def _check_request(engine, r: MovingRequest, in_chunks) -> Prepared:
+def _check_request(engine: Engine, r: MovingRequest, in_chunks: Callable[[int], bool]
+                   ) -> Prepared:
     rid, n, bs = r.request_id, len(r.token_ids), engine.config.block_size
     where = f"request {rid!r}"
     if rid in engine.requests or rid in engine.detached:
@@ -147,7 +170,7 @@ def _check_request(engine, r: MovingRequest, in_chunks) -> Prepared:
     return Prepared(r, params, state)
 
 
-def add(engine, prepared: list[Prepared], rename) -> None:
+def add(engine: Engine, prepared: list[Prepared], rename: Callable[[int], int]) -> None:
     """(after the claim, the pool's locks held) Add each checked request to ``engine``
     with its block table renamed (the caller set the blocks' reference counts)."""
     for p in prepared:
@@ -158,18 +181,18 @@ def add(engine, prepared: list[Prepared], rename) -> None:
                            r.num_cached_blocks, r.num_preemptions)
 
 
-def state_of(generator) -> str | None:
+def state_of(generator: torch.Generator | None) -> str | None:
     if generator is None:
         return None
     return base64.b64encode(generator.get_state().numpy().tobytes()).decode()
 
 
-def unstate(text: str):
+def unstate(text: str) -> torch.Tensor:
     import torch
 
     return torch.frombuffer(bytearray(base64.b64decode(text, validate=True)),
                             dtype=torch.uint8)
 
 
-def _bad(why: str):
+def _bad(why: str) -> NoReturn:
     raise AdapterError(f"bad handover: {why}")

@@ -24,17 +24,18 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel
 
-from kvpool.engine.async_engine import AsyncEngine, _Add
+from kvpool.engine.async_engine import AddRequest, AsyncEngine
 from kvpool.engine.config import EngineConfig
 from kvpool.engine.errors import RequestError
 from kvpool.engine.request import RequestOutput
 from kvpool.engine.sampling import SamplingParams
+from kvpool.client_lib import handoff as wire
 from kvpool.engine_adapters.bundled import handoff
 
 log = logging.getLogger("kvpool.pd")
@@ -58,7 +59,7 @@ class PrefillEngine(AsyncEngine):
         super().__init__(engine)
         self.to, self.ttl_s = to, ttl_s
         self._prefills: set[str] = set()
-        self._tickets: list[tuple[handoff.Handover, handoff.wire.Ticket]] = []
+        self._tickets: list[tuple[handoff.Handover, wire.Ticket]] = []
         self.handed = self.expired = 0
 
     async def prefill(self, request_id: str, prompt: list[int], params: SamplingParams
@@ -67,7 +68,7 @@ class PrefillEngine(AsyncEngine):
         first token ended the request."""
         q: asyncio.Queue[Any] = asyncio.Queue()
         self._prefills.add(request_id)
-        self._inbox.put(_Add(request_id, prompt, params, asyncio.get_running_loop(), q,
+        self.post(AddRequest(request_id, prompt, params, asyncio.get_running_loop(), q,
                              time.perf_counter()))
         item = await q.get()
         if isinstance(item, BaseException):
@@ -93,7 +94,8 @@ class PrefillEngine(AsyncEngine):
             s.loop.call_soon_threadsafe(s.out.put_nowait, e)
             return
         self._tickets.append((h, ticket))
-        s.loop.call_soon_threadsafe(s.out.put_nowait, h)
+        q: asyncio.Queue[Any] = s.out  # a prefill's queue takes the handover too
+        s.loop.call_soon_threadsafe(q.put_nowait, h)
 
     def _drain(self, block: bool) -> list[Any]:
         self._settle()
@@ -139,7 +141,7 @@ class DecodeEngine(AsyncEngine):
         return self._client
 
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams
-                       ) -> AsyncIterator[RequestOutput]:
+                       ) -> AsyncGenerator[RequestOutput, None]:
         import httpx
 
         body = {"request_id": request_id, "prompt": prompt,
@@ -165,7 +167,7 @@ class DecodeEngine(AsyncEngine):
                             output_token_ids=first, new_token_ids=first, text="",
                             finished=False, finish_reason=None)
         q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self._inbox.put(_Adopt(h, prompt, params, asyncio.get_running_loop(), q))
+        self.post(_Adopt(h, prompt, params, asyncio.get_running_loop(), q))
         async with contextlib.aclosing(self._relay(request_id, q)) as outs:
             async for out in outs:
                 yield out

@@ -3,7 +3,7 @@
 
 As the old server, on ``/pd/retire`` (between two steps, in the step thread): by default
 (``in_flight``) every request is detached and offered at once with the prefix cache
-(:func:`~.handoff_cache.offer_cache`), the step thread holding the pool's ``step_lock``
+(:func:`~.handoff_cache.offer_cache`), the step thread holding the engine's ``step_lock``
 until the ticket settles (no step, shrink or idle eviction touches the offered units);
 else no request is admitted, the running ones finish, then the cache alone is offered.
 Requests arriving meanwhile wait (none is refused). Claimed: the server is *retired*
@@ -31,9 +31,10 @@ import logging
 import threading
 import time
 from dataclasses import asdict
+from collections.abc import Sequence
 from typing import Any
 
-from kvpool.engine.async_engine import AsyncEngine, _Abort, _Add
+from kvpool.engine.async_engine import AbortRequest, AddRequest, AsyncEngine
 from kvpool.engine.errors import RequestError
 from kvpool.engine.request import RequestOutput
 from kvpool.engine_adapters.bundled import handoff_cache, warm_relay
@@ -50,13 +51,13 @@ class RetiringEngine(AsyncEngine):
     """An AsyncEngine that can hand its cache and requests to a successor and retire,
     and, as the successor, serve the followers of the requests it adopted."""
 
-    def __init__(self, engine: Any, adopted: list[str] = ()) -> None:
+    def __init__(self, engine: Any, adopted: Sequence[str] = ()) -> None:
         super().__init__(engine)
         self._retire: wc.Retire | None = None
         self._offer: tuple[handoff_cache.CacheHandover, Any] | None = None
-        self._hold: Any = None  # the pool's step_lock, held while an offer is out
+        self._hold: Any = None  # the engine's step_lock, held while an offer is out
         self._settle_by = 0.0  # when an offer still out is taken back (cancelled)
-        self._held: list[_Add] = []  # requests that arrived while an offer was out
+        self._held: list[AddRequest] = []  # requests that arrived while an offer was out
         self._gone: set[str] = set()  # offered requests whose client left meanwhile
         self._ttft: dict[str, float | None] = {}
         self._target: str | None = None  # the server that took over
@@ -73,7 +74,7 @@ class RetiringEngine(AsyncEngine):
             raise RequestError("moving the in-flight requests needs 'url' (where the new "
                                "server will serve); or pass in_flight: false to drain")
         q: asyncio.Queue[Any] = asyncio.Queue()
-        self._inbox.put(wc.Retire(to, ttl_s, in_flight, url, asyncio.get_running_loop(), q))
+        self.post(wc.Retire(to, ttl_s, in_flight, url, asyncio.get_running_loop(), q))
         item = await q.get()
         if isinstance(item, BaseException):
             raise item
@@ -83,7 +84,7 @@ class RetiringEngine(AsyncEngine):
         """The adopted request's outputs (an async iterator) once attached; raises
         LookupError if there is no such request to follow."""
         q: asyncio.Queue[Any] = asyncio.Queue()
-        self._inbox.put(wc.Attach(request_id, asyncio.get_running_loop(), q))
+        self.post(wc.Attach(request_id, asyncio.get_running_loop(), q))
         first = await q.get()
         if isinstance(first, BaseException):
             raise first
@@ -92,7 +93,7 @@ class RetiringEngine(AsyncEngine):
     def drop_soon(self, request_id: str) -> None:
         """Abort an adopted request nobody follows yet (between steps); any other
         request id is left alone."""
-        self._inbox.put(wc.Drop(request_id))
+        self.post(wc.Drop(request_id))
 
     @property
     def alive(self) -> bool:
@@ -112,11 +113,11 @@ class RetiringEngine(AsyncEngine):
             if self._follows.pop(cmd.request_id, None) is not None:
                 with self._lock:
                     self.engine.abort(cmd.request_id)
-        elif isinstance(cmd, _Add) and self._retire is not None:
+        elif isinstance(cmd, AddRequest) and self._retire is not None:
             self._held.append(cmd)  # served once the handover settles, one way or other
-        elif isinstance(cmd, _Add) and self.retired:
+        elif isinstance(cmd, AddRequest) and self.retired:
             self._forward(cmd)
-        elif isinstance(cmd, _Abort):
+        elif isinstance(cmd, AbortRequest):
             if not self._abort(cmd.request_id):
                 super()._handle(cmd)
         else:
@@ -156,7 +157,7 @@ class RetiringEngine(AsyncEngine):
         if f.latest is not None:
             _put(cmd.loop, cmd.out, f.latest)
         if f.latest is None or not f.latest.finished:
-            self._streams[cmd.request_id] = _Add(cmd.request_id, [], None, cmd.loop,  # type: ignore[arg-type]
+            self._streams[cmd.request_id] = AddRequest(cmd.request_id, [], None, cmd.loop,  # type: ignore[arg-type]
                                                  cmd.out, 0.0)
 
     def _drain(self, block: bool) -> list[Any]:
@@ -207,7 +208,7 @@ class RetiringEngine(AsyncEngine):
             self._serve_on()
 
     def _make_offer(self, r: wc.Retire) -> None:
-        self._hold = getattr(self.engine.pool, "step_lock", None)
+        self._hold = self.engine.step_lock
         if self._hold is not None:
             self._hold.acquire()  # from before the offer until it settles (this thread)
         try:
@@ -276,7 +277,7 @@ class RetiringEngine(AsyncEngine):
         for a in held:
             self._forward(a, waited=True)
 
-    def _forward(self, a: _Add, waited: bool = False) -> None:
+    def _forward(self, a: AddRequest, waited: bool = False) -> None:
         """A new request for a retired server: the new one computes it (its stream
         relayed too) if it ``waited`` for the handover or while any relay runs; else it
         is refused."""

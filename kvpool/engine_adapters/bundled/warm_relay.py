@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 from kvpool.engine.errors import RequestError
@@ -52,7 +52,7 @@ class Encoder:
             "tpot": out.tpot}) + "\n"
 
 
-async def lines(outs: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
+async def lines(outs: AsyncGenerator[RequestOutput, None]) -> AsyncIterator[str]:
     """A stream of outputs as lines; an error as its last line. Closing this closes
     ``outs`` (which aborts the request if it had not finished)."""
     enc = Encoder()

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from fastapi import Request
+from fastapi import FastAPI, Request
 from pydantic import BaseModel
 
 from kvpool.engine.config import EngineConfig
@@ -95,9 +95,7 @@ def serve_elastic(config: EngineConfig, host: str = "127.0.0.1", port: int = 800
             log.warning("took over %d cached blocks and %d requests from %s", n,
                         len(engine.requests), handoff_from)
         except Exception:
-            close = getattr(engine, "close", None)
-            if close is not None:
-                close()
+            engine.close()
             raise
     aengine = RetiringEngine(engine, adopted=list(engine.requests))
     app = create_app(aengine)
@@ -105,7 +103,7 @@ def serve_elastic(config: EngineConfig, host: str = "127.0.0.1", port: int = 800
     uvicorn.run(app, host=host, port=port, log_level=log_level)
 
 
-def add_routes(app: Any, aengine: RetiringEngine) -> None:
+def add_routes(app: FastAPI, aengine: RetiringEngine) -> None:
     """``/pd/retire`` (as the old server), ``/pd/follow/{id}`` and ``/pd/adopt`` (as the
     new one: the streams the old server relays, JSON lines of :mod:`.warm_relay`)."""
     from fastapi.responses import JSONResponse, StreamingResponse

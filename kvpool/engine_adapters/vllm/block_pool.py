@@ -14,10 +14,13 @@ vLLM keeps every free block in one queue (LRU), cached or not, and its scheduler
   once; if the memory is not there yet it returns None, which vLLM's scheduler already
   treats as "keep the request waiting" (or preempts, for a running one). Nothing raises.
 
-Shrink (the daemon asks for memory back): between engine steps, evict cached blocks of
-chunks whose every held block is evictable (whole units empty), then any cached block,
-then preempt running requests newest first through vLLM's own ``_preempt_request`` (the
-same path ``reset_prefix_cache(reset_running_requests=True)`` uses).
+Shrink (the daemon asks for memory back) and idle release are the shared
+:class:`~kvpool.engine_adapters.elastic.ElasticPolicy` (between engine steps: cached
+blocks of chunks whose every held block is evictable, then any cached block, then
+running requests newest first); this pool is its :class:`~kvpool.engine_adapters.elastic.
+ElasticHooks`: vLLM's free queue is the evictable set, preemption is vLLM's own
+``_preempt_request`` (the path ``reset_prefix_cache(reset_running_requests=True)``
+uses), the step lock is the bridge's (held by the engine core's loop per step).
 
 Invariant: a block is in exactly one of {allocator free, stash, queue (ref 0, hashed),
 in use (ref > 0)}; block 0 is vLLM's null block and stays held.
@@ -25,42 +28,54 @@ in use (ref > 0)}; block 0 is vLLM's null block and stays held.
 
 from __future__ import annotations
 
+import functools
 import logging
-import math
 import sys
 import threading
 import time
-from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from vllm.v1.core.block_pool import BlockPool
-from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue
+from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 
+from kvpool.engine_adapters.elastic import ElasticPolicy
 from kvpool.engine_adapters.vllm.settings import AdapterError
 
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.request import Request
+
+    from kvpool.client_lib import ElasticBlockAllocator
+    from kvpool.engine_adapters.vllm.bridge import Bridge
+
+AllocateSlots = Callable[..., "KVCacheBlocks | None"]
+
 log = logging.getLogger("kvpool.vllm")
-SHRINK_STEP_WAIT_S = 0.3
 
 
 class ElasticBlockPool(BlockPool):
-    def __init__(self, num_gpu_blocks: int, *args, **kwargs) -> None:
+    """vLLM's block pool over kvpool memory (see the module); the adapter contract's
+    :class:`~kvpool.engine_adapters.elastic.ElasticHooks` for vLLM."""
+
+    def __init__(self, num_gpu_blocks: int, *args: Any, **kwargs: Any) -> None:
         from kvpool.engine_adapters.vllm.bridge import current
 
         super().__init__(num_gpu_blocks, *args, **kwargs)
         b = current()
-        if b is None or b.allocator is None:
+        allocator: ElasticBlockAllocator | None = None if b is None else b.allocator
+        if b is None or allocator is None:
             raise AdapterError("kvpool: vLLM's scheduler runs in a process without the KV "
                                "cache (a multi-process executor); kvpool needs one rank")
-        if b.allocator.num_blocks != num_gpu_blocks:
+        if allocator.num_blocks != num_gpu_blocks:
             raise AdapterError(f"kvpool: scheduler has {num_gpu_blocks} blocks, the KV cache "
-                               f"{b.allocator.num_blocks}")
-        self.bridge = b
-        self.allocator = b.allocator
+                               f"{allocator.num_blocks}")
+        self.bridge: Bridge = b
+        self.allocator: ElasticBlockAllocator = allocator
         self.free_block_queue = FreeKVCacheBlockQueue([])  # only evictable blocks live here
         self._stash: list[int] = []
-        self.lock = threading.RLock()
-        self.shrinks = self.shrink_preemptions = self.shrink_evictions = 0
-        self.idle_evictions = 0
-        self._stopped = threading.Event()
+        self.lock: threading.RLock = threading.RLock()
+        self.policy: ElasticPolicy = ElasticPolicy(self, allocator)
         b.pool = self
 
     # ---- allocation -----------------------------------------------------------------
@@ -68,7 +83,7 @@ class ElasticBlockPool(BlockPool):
         return self.allocator.free_blocks + self.free_block_queue.num_free_blocks + len(
             self._stash)
 
-    def get_new_blocks(self, num_blocks: int) -> list:
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         if num_blocks <= 0:
             return []
         with self.lock:
@@ -102,9 +117,11 @@ class ElasticBlockPool(BlockPool):
                 self.metrics_collector.on_block_allocated(block)
         return ret
 
-    def free_blocks(self, ordered_blocks) -> None:
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         with self.lock:
-            cached, plain, other = [], [], {}
+            cached: list[KVCacheBlock] = []
+            plain: list[int] = []
+            other: dict[BlockPool, list[KVCacheBlock]] = {}
             for block in ordered_blocks:
                 if block.pool is not None and block.pool is not self:
                     other.setdefault(block.pool, []).append(block)
@@ -123,7 +140,7 @@ class ElasticBlockPool(BlockPool):
         for pool, blocks in other.items():
             pool.free_blocks(blocks)
 
-    def touch(self, blocks) -> None:
+    def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
         with self.lock:
             super().touch(blocks)
 
@@ -175,7 +192,7 @@ class ElasticBlockPool(BlockPool):
         if gone:
             self.allocator.free([b.block_id for b in gone])
 
-    def evict_cached(self, n: int | None) -> int:
+    def evict_cached(self, n: int | None = None) -> int:
         """Evict up to ``n`` (None: all) cached blocks, LRU first, into the allocator."""
         with self.lock:
             q = self.free_block_queue
@@ -190,99 +207,61 @@ class ElasticBlockPool(BlockPool):
             self.allocator.free([b.block_id for b in blocks])
             return k
 
-    def evict_whole_chunks(self, want: int) -> int:
-        """Evict the cached blocks of up to ``want`` chunks that hold nothing else."""
-        with self.lock:
-            held = self.allocator.held_by_chunk()
-            by_chunk: dict[int, list] = defaultdict(list)
-            for b in self.free_block_queue.get_all_free_blocks():
-                by_chunk[self.allocator.chunk_of(b.block_id)].append(b)
-            null_chunk = self.allocator.chunk_of(0)
-            whole = sorted((held[c], c) for c, bl in by_chunk.items()
-                           if c != null_chunk and len(bl) == held.get(c, -1))[:want]
-            for _, c in whole:
-                for b in by_chunk[c]:
-                    self.free_block_queue.remove(b)
-                    self._reuse_watchers.pop(b.block_id, None)
-                    self._maybe_evict_cached_block(b)
-                self.allocator.free([b.block_id for b in by_chunk[c]])
-                self.shrink_evictions += len(by_chunk[c])
-            return len(whole)
+    # ---- the hooks of the shared policy (ElasticHooks) -------------------------------
+    @property
+    def step_lock(self) -> threading.RLock:
+        return self.bridge.step_lock
 
-    def held_chunks(self) -> int:
-        return len(self.allocator.held_by_chunk())
+    def evictable_blocks(self) -> Iterable[int]:
+        return [b.block_id for b in self.free_block_queue.get_all_free_blocks()]
+
+    def evict_listed(self, blocks: list[int]) -> None:
+        with self.lock:
+            gone = [self.blocks[i] for i in blocks]
+            for b in gone:
+                self.free_block_queue.remove(b)
+                self._reuse_watchers.pop(b.block_id, None)
+                self._maybe_evict_cached_block(b)
+            self.allocator.free(blocks)
+
+    def has_cache(self) -> bool:
+        return bool(self.free_block_queue.num_free_blocks or self._stash)
+
+    def release_stash(self) -> None:
+        self.stash_free()
+
+    def preempt_newest(self) -> int:
+        sched = self.bridge.scheduler
+        if sched is None or not sched.running:
+            return 0
+        req = sched.running.pop()
+        sched._preempt_request(req, time.monotonic(), drop_stale_output=True)
+        sched.prev_step_scheduled_req_ids.discard(req.request_id)
+        return 1
+
+    def activity(self) -> int | None:
+        sched = self.bridge.scheduler
+        if (sched is None or self.allocator.group.tenant.closed
+                or sched.has_unfinished_requests()):
+            return None
+        return self.allocator.ops
 
     # ---- giving memory back -----------------------------------------------------------
     def shrink(self, nbytes: int, urgent: bool) -> None:
-        """The tenant's shrink callback: free blocks worth ``nbytes`` (see module doc)."""
-        self.shrinks += 1
-        b = self.bridge
-        want = max(1, math.ceil(nbytes / self.allocator.holdings().chunk))
-        if not b.step_lock.acquire(timeout=SHRINK_STEP_WAIT_S * (3 if urgent else 1)):
-            return  # the library asks again while it is still short
-        ev0, pre0 = self.shrink_evictions, self.shrink_preemptions
-        try:
-            self.stash_free()
-            before = self.held_chunks()
-            self.evict_whole_chunks(want)
-            if before - self.held_chunks() < want:
-                self.shrink_evictions += self.evict_cached(None)
-            target = max(before - want, 1)
-            sched = b.scheduler
-            if sched is None:
-                return
-            ts = time.monotonic()
-            while sched.running and self.held_chunks() > target:
-                req = sched.running.pop()
-                sched._preempt_request(req, ts, drop_stale_output=True)
-                sched.prev_step_scheduled_req_ids.discard(req.request_id)
-                self.shrink_preemptions += 1
-                self.shrink_evictions += self.evict_cached(None)
-        finally:
-            b.step_lock.release()
-        print(f"kvpool: shrink of {nbytes} B: evicted {self.shrink_evictions - ev0} cached "
-              f"block(s), preempted {self.shrink_preemptions - pre0} request(s)",
-              file=sys.stderr, flush=True)
+        """The tenant's shrink callback (:meth:`ElasticPolicy.shrink`), said on stderr."""
+        done = self.policy.shrink(nbytes, urgent)
+        if done is not None:
+            print(f"kvpool: shrink of {nbytes} B: evicted {done.evicted} cached block(s), "
+                  f"preempted {done.preempted} request(s)", file=sys.stderr, flush=True)
 
     def start_idle_release(self, idle_timeout_s: float) -> None:
         """After ``idle_timeout_s`` with no request in the engine, evict the prefix cache so
         the allocator's idle trim returns the emptied chunks (an idle server keeps only
         the null block's chunk)."""
-        if idle_timeout_s <= 0:
-            return
-        threading.Thread(target=self._idle_loop, args=(idle_timeout_s,),
-                         name="kvpool-idle-cache", daemon=True).start()
+        self.policy.start_idle_release(idle_timeout_s)
 
     def stop(self) -> None:
-        self._stopped.set()
-
-    def _idle_loop(self, timeout_s: float) -> None:
-        tick = min(max(timeout_s / 4, 0.01), 0.5)
-        b = self.bridge
-        last, since = -1, time.monotonic()
-        while not self._stopped.wait(tick):
-            sched = b.scheduler
-            if sched is None or self.allocator.group.tenant.closed:
-                continue
-            ops = self.allocator.ops
-            busy = sched.has_unfinished_requests()
-            now = time.monotonic()
-            if ops != last or busy:
-                last, since = ops, now
-                continue
-            if now - since < timeout_s or not (self.free_block_queue.num_free_blocks
-                                              or self._stash):
-                continue
-            if not b.step_lock.acquire(blocking=False):
-                continue
-            try:
-                if not sched.has_unfinished_requests():
-                    self.stash_free()
-                    self.idle_evictions += self.evict_cached(None)
-            except Exception:
-                log.exception("kvpool: idle cache release failed")
-            finally:
-                b.step_lock.release()
+        self.policy.stop()
 
     def check_integrity(self) -> None:
         with self.lock:
@@ -300,7 +279,7 @@ class ElasticBlockPool(BlockPool):
                     assert blk.block_hash is None, f"block {blk.block_id} free but hashed"
 
 
-def allocate_slots(original):
+def allocate_slots(original: AllocateSlots) -> AllocateSlots:
     """Wrap ``KVCacheManager.allocate_slots``: on a shortfall ask kvpool (without waiting)
     for the missing blocks and try once more; None still means "not now".
 
@@ -309,7 +288,9 @@ def allocate_slots(original):
     ``allocate_slots`` has changed nothing but idempotent skipped-block frees), so the
     shortfall asked of kvpool is exact."""
 
-    def allocate_slots(self, request, num_new_tokens, *args, **kwargs):
+    @functools.wraps(original)
+    def allocate_slots(self: KVCacheManager, request: Request, num_new_tokens: int,
+                       *args: Any, **kwargs: Any) -> KVCacheBlocks | None:
         out = original(self, request, num_new_tokens, *args, **kwargs)
         if out is not None:
             return out
@@ -320,20 +301,21 @@ def allocate_slots(original):
         count = coord.get_num_blocks_to_allocate
         needed = 0
 
-        def counted(*a, **k):
+        def counted(*a: Any, **k: Any) -> int:
             nonlocal needed
             n = count(*a, **k)
             needed = max(needed, n)
             return n
 
-        coord.get_num_blocks_to_allocate = counted  # this call only (instance attribute)
+        # this call only (an instance attribute over vLLM's own method)
+        coord.get_num_blocks_to_allocate = counted  # type: ignore[method-assign]
         try:
             out = original(self, request, num_new_tokens, *args, **kwargs)
         finally:
             del coord.get_num_blocks_to_allocate
         if out is not None:  # a shrink or grant landed in between
             return out
-        reserved = kwargs.get("reserved_blocks", 0)
+        reserved: int = kwargs.get("reserved_blocks", 0)
         short = needed + self.watermark_blocks + reserved - pool.get_num_free_blocks()
         if short <= 0 or not pool.grow(short):
             return None
@@ -342,5 +324,4 @@ def allocate_slots(original):
             pool.stash_free()
         return out
 
-    allocate_slots.__wrapped__ = original
     return allocate_slots

@@ -1,0 +1,140 @@
+"""The shared elastic-pool policy (kvpool.engine_adapters.elastic) over a fake engine:
+the order of a shrink (whole chunks of cache fewest-held first, then the whole cache,
+then preempt newest), the null block's chunk, and the idle release."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from kvpool.client_lib import Holdings
+from kvpool.engine_adapters.elastic import ElasticPolicy, ShrinkOutcome
+
+PER = 4  # blocks per chunk
+CHUNK = 1 << 16  # bytes per chunk
+
+
+@dataclass
+class FakeEngine:
+    """An allocator's held blocks, a prefix cache and running requests, and a log of what
+    the policy asked for (the ElasticHooks and ChunkHoldings of one fake pool)."""
+
+    held: set[int] = field(default_factory=lambda: {0})  # block 0: the null block
+    cached: list[int] = field(default_factory=list)  # evictable blocks, LRU first
+    running: list[tuple[str, list[int]]] = field(default_factory=list)  # oldest first
+    stash: list[int] = field(default_factory=list)
+    log: list[tuple[str, object]] = field(default_factory=list)
+    busy: bool = False
+    steps: int = 0
+    step_lock: threading.RLock = field(default_factory=threading.RLock)
+    lock: threading.RLock = field(default_factory=threading.RLock)
+
+    # ChunkHoldings
+    def holdings(self) -> Holdings:
+        n = len(self.held_by_chunk())
+        return Holdings(mapped=n * CHUNK, in_use=0, free=0, reserve=0, chunk=CHUNK,
+                        mapped_chunks=n, reserve_chunks=0)
+
+    def held_by_chunk(self) -> Mapping[int, int]:
+        return Counter(b // PER for b in self.held)
+
+    def chunk_of(self, block: int) -> int:
+        return block // PER
+
+    # ElasticHooks
+    def evictable_blocks(self) -> Iterable[int]:
+        return list(self.cached)
+
+    def evict_listed(self, blocks: list[int]) -> None:
+        assert all(b in self.cached for b in blocks)
+        self.log.append(("chunk", sorted({b // PER for b in blocks})))
+        self.cached = [b for b in self.cached if b not in blocks]
+        self.held -= set(blocks)
+
+    def evict_cached(self) -> int:
+        n = len(self.cached)
+        self.log.append(("all", n))
+        self.held -= set(self.cached)
+        self.cached = []
+        return n
+
+    def has_cache(self) -> bool:
+        return bool(self.cached or self.stash)
+
+    def release_stash(self) -> None:
+        self.held -= set(self.stash)
+        self.stash = []
+
+    def preempt_newest(self) -> int:
+        if not self.running:
+            return 0
+        rid, blocks = self.running.pop()
+        self.log.append(("preempt", rid))
+        self.cached += blocks  # a preempted request's blocks stay cached (evictable)
+        return 1
+
+    def activity(self) -> int | None:
+        return None if self.busy or self.running else self.steps
+
+
+def _engine() -> FakeEngine:
+    """Chunk 0: the null block and cached block 1. Chunk 1: 3 cached blocks. Chunk 2: 1
+    cached block. Chunk 3: a cached block and one of request "old". Chunk 4: request
+    "new"'s 4 blocks."""
+    e = FakeEngine()
+    e.cached = [1, 4, 5, 6, 8, 12]
+    e.running = [("old", [13]), ("new", [16, 17, 18, 19])]
+    e.held |= set(e.cached) | {13, 16, 17, 18, 19}
+    return e
+
+
+def test_whole_chunks_go_first_fewest_held_first():
+    e = _engine()
+    done = ElasticPolicy(e, e).shrink(2 * CHUNK, urgent=False)
+    assert done == ShrinkOutcome(evicted=4, preempted=0)
+    assert e.log == [("chunk", [2]), ("chunk", [1])]  # 1 held block, then 3
+    assert 1 in e.cached and 12 in e.cached  # the null block's chunk and a mixed one stay
+
+
+def test_then_the_whole_cache_then_the_newest_requests():
+    e = _engine()
+    policy = ElasticPolicy(e, e)
+    done = policy.shrink(4 * CHUNK, urgent=True)
+    assert e.log == [("chunk", [2]), ("chunk", [1]),  # whole chunks, fewest held first
+                     ("all", 2),  # not enough: the whole cache
+                     ("preempt", "new"), ("all", 4),  # then running requests, newest first
+                     ("preempt", "old"), ("all", 1)]
+    assert e.held == {0}  # down to the null block's chunk, never below
+    assert done == ShrinkOutcome(evicted=4 + 2 + 4 + 1, preempted=2)
+    assert (policy.shrinks, policy.shrink_preemptions) == (1, 2)
+
+
+def test_preemption_stops_at_the_target():
+    e = _engine()
+    ElasticPolicy(e, e).shrink(3 * CHUNK, urgent=False)  # 5 chunks held, target 2
+    assert [x for x in e.log if x[0] == "preempt"] == [("preempt", "new")]
+    assert ("old", [13]) in e.running
+
+
+def test_the_stash_goes_back_before_anything_is_evicted():
+    e = _engine()
+    e.stash = [20, 21, 22, 23]  # a whole chunk taken ahead of need
+    e.held |= set(e.stash)
+    ElasticPolicy(e, e).shrink(CHUNK, urgent=False)
+    assert not e.stash and e.log == [("chunk", [2])]
+
+
+def test_idle_release_evicts_only_an_idle_engine_between_steps():
+    e = _engine()
+    policy = ElasticPolicy(e, e)
+    assert policy.release_idle() == 0 and e.log == []  # requests are running
+    e.running = []
+    with e.step_lock:  # another thread's step is under way: not idle
+        t = threading.Thread(target=lambda: policy.release_idle())
+        t.start()
+        t.join()
+    assert e.log == []
+    assert policy.release_idle() == 6 and e.log == [("all", 6)]
+    assert policy.idle_evictions == 6
