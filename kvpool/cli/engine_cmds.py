@@ -143,15 +143,36 @@ def register(cli: click.Group) -> None:
     @click.option("--max-tokens", default=32, show_default=True, type=int)
     @click.option("--temperature", default=0.0, show_default=True, type=float)
     @click.option("--seed", default=None, type=int)
+    @click.option("--chat", is_flag=True, help="each prompt is a user message, formatted "
+                  "with the model's chat template (ChatML when it has none)")
     def generate(model_dir: str, prompts: tuple[str, ...], max_tokens: int,
-                 temperature: float, seed: int | None) -> None:
+                 temperature: float, seed: int | None, chat: bool = False) -> None:
         """Generate completions for PROMPTS offline and print them."""
         require("engine", "generate")
         from kvpool.engine import LLM, SamplingParams
+        from kvpool.engine.chat_template import ChatTemplateError
+        from kvpool.engine.errors import CheckpointError
 
-        llm = LLM(model_dir, num_kv_blocks=max(64, 4 * len(prompts) * (max_tokens // 16 + 8)))
-        outs = llm.generate(list(prompts), SamplingParams(
-            max_tokens=max_tokens, temperature=temperature, seed=seed))
+        try:
+            llm = LLM(model_dir,
+                      num_kv_blocks=max(64, 4 * len(prompts) * (max_tokens // 16 + 8)))
+        except CheckpointError as e:
+            raise click.ClickException(str(e)) from None
+        sp = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
+        inputs: list[str] | list[list[int]] = list(prompts)
+        if chat:
+            tok = llm.tokenizer
+            if tok is None:
+                raise click.ClickException(f"{model_dir} has no tokenizer.json; --chat needs one")
+            if tok.chat_template.is_fallback:
+                click.echo(f"note: {model_dir} has no chat template; using ChatML", err=True)
+            try:
+                inputs = [tok.encode_chat([{"role": "user", "content": p}]) for p in prompts]
+            except ChatTemplateError as e:
+                raise click.ClickException(str(e)) from None
+            sp = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed,
+                                stop_token_ids=list(tok.chat_stop_ids))
+        outs = llm.generate(inputs, sp)
         for p, o in zip(prompts, outs):
             click.echo(f"{p!r} -> {o.text!r} ({o.finish_reason})")
 
