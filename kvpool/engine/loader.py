@@ -1,8 +1,17 @@
-"""Load a Hugging Face checkpoint folder: config.json + *.safetensors (sharded or not)."""
+"""Load a Hugging Face checkpoint folder: config.json + *.safetensors (sharded or not).
+
+Mixture-of-Experts checkpoints come in two namings, both accepted (per layer): the
+per-expert one transformers writes by default (``mlp.experts.{e}.gate_proj/up_proj/
+down_proj.weight``; Mixtral's ``block_sparse_moe.experts.{e}.w1/w3/w2.weight``) and the fused
+one of transformers 5's ``save_original_format=False`` (``mlp.experts.gate_up_proj``
+[E, 2I, H], ``mlp.experts.down_proj`` [E, H, I]).
+"""
 
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
@@ -12,6 +21,7 @@ from kvpool.engine.errors import CheckpointError
 from kvpool.engine.layers import PackedLinear
 from kvpool.engine.model import LlamaForCausalLM
 from kvpool.engine.model_config import ModelConfig
+from kvpool.engine.moe import Experts
 
 # Tensors some exporters write that carry no weights we need.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
@@ -40,15 +50,42 @@ def find_shards(path: Path) -> list[Path]:
     return shards
 
 
-def expected_tensors(model: LlamaForCausalLM) -> dict[str, tuple[torch.Tensor, int, int]]:
-    """Checkpoint tensor name -> (our parameter, row offset, rows) for every tensor the
-    model needs. A tied lm_head is absent: it shares the embedding's parameter."""
+_MIXTRAL_EXPERT = re.compile(r"\.experts\.(\d+)\.w([123])\.weight$")
+_MIXTRAL_PROJ = {"1": "gate_proj", "2": "down_proj", "3": "up_proj"}
+
+
+def canonical_name(key: str) -> str:
+    """A checkpoint tensor name as :func:`expected_tensors` spells it: Mixtral's original
+    ``block_sparse_moe`` / ``w1 w2 w3`` become ``mlp`` / ``gate_proj down_proj up_proj``;
+    every other name is unchanged."""
+    if ".block_sparse_moe." not in key:
+        return key
+    key = key.replace(".block_sparse_moe.", ".mlp.")
+    return _MIXTRAL_EXPERT.sub(
+        lambda m: f".experts.{m.group(1)}.{_MIXTRAL_PROJ[m.group(2)]}.weight", key)
+
+
+def expected_tensors(model: LlamaForCausalLM, present: Collection[str] = ()
+                     ) -> dict[str, tuple[torch.Tensor, int, int]]:
+    """Checkpoint tensor name (canonical, see :func:`canonical_name`) -> (destination,
+    row offset, rows) for every tensor the model needs; the destination is our parameter or
+    one expert's slice of it. A tied lm_head is absent: it shares the embedding's
+    parameter. Experts are named per expert unless ``present`` (the checkpoint's canonical
+    names) holds the fused ``experts.gate_up_proj`` of that layer."""
     modules = dict(model.named_modules())
     out: dict[str, tuple[torch.Tensor, int, int]] = {}
     for name, param in model.named_parameters():  # shared (tied) parameters listed once
         mod_name, _, leaf = name.rpartition(".")
         mod = modules[mod_name]
-        if isinstance(mod, PackedLinear):
+        if isinstance(mod, Experts) and f"{mod_name}.gate_up_proj" not in present:
+            for e in range(mod.num_experts):
+                if leaf == "gate_up_proj":
+                    rows = param.shape[1] // 2
+                    out[f"{mod_name}.{e}.gate_proj.weight"] = (param[e], 0, rows)
+                    out[f"{mod_name}.{e}.up_proj.weight"] = (param[e], rows, rows)
+                else:
+                    out[f"{mod_name}.{e}.{leaf}.weight"] = (param[e], 0, param.shape[1])
+        elif isinstance(mod, PackedLinear):
             parent = mod_name.rpartition(".")[0]
             offset = 0
             for part, rows in mod.parts:
@@ -74,16 +111,16 @@ def load_model(path: str | Path, device: torch.device, dtype: torch.dtype,
         model = LlamaForCausalLM(config)
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()  # to_empty replaced the shared parameter by two copies
-    expected = expected_tensors(model)
-    where: dict[str, Path] = {}
+    where: dict[str, tuple[Path, str]] = {}  # canonical name -> (shard, name in the shard)
     for shard in shards:
         try:
             with safe_open(shard, framework="pt") as f:
                 for key in f.keys():
-                    where[key] = shard
+                    where[canonical_name(key)] = (shard, key)
         except Exception as e:  # safetensors raises its own error types
             raise CheckpointError(f"cannot read {shard}: {e}") from None
     present = {k for k in where if not k.endswith(_IGNORED_SUFFIXES)}
+    expected = expected_tensors(model, present)
     if config.tie_word_embeddings:
         present.discard("lm_head.weight")  # some exporters keep the tied copy; it is redundant
     missing = sorted(set(expected) - present)
@@ -98,16 +135,17 @@ def load_model(path: str | Path, device: torch.device, dtype: torch.dtype,
                               f"(model_type={config.model_type}): " + "; ".join(parts))
     by_shard: dict[Path, list[str]] = {}
     for name in expected:
-        by_shard.setdefault(where[name], []).append(name)
+        by_shard.setdefault(where[name][0], []).append(name)
     with torch.no_grad():
         for shard, names in by_shard.items():
             with safe_open(shard, framework="pt") as f:
                 for name in names:
                     param, offset, rows = expected[name]
-                    t = f.get_tensor(name)
+                    key = where[name][1]
+                    t = f.get_tensor(key)
                     want = (rows, *param.shape[1:])
                     if tuple(t.shape) != want:
-                        raise CheckpointError(f"{shard.name}: tensor {name} has shape "
+                        raise CheckpointError(f"{shard.name}: tensor {key} has shape "
                                               f"{tuple(t.shape)}, config.json implies {want}")
                     param[offset:offset + rows].copy_(t.to(dtype))
     return model.eval()
