@@ -2,17 +2,19 @@
 
 Mixture-of-Experts checkpoints come in two namings, both accepted (per layer): the
 per-expert one transformers writes by default (``mlp.experts.{e}.gate_proj/up_proj/
-down_proj.weight``; Mixtral's ``block_sparse_moe.experts.{e}.w1/w3/w2.weight``) and the fused
-one of transformers 5's ``save_original_format=False`` (``mlp.experts.gate_up_proj``
-[E, 2I, H], ``mlp.experts.down_proj`` [E, H, I]).
+down_proj.weight``, which is also our module layout; Mixtral's
+``block_sparse_moe.experts.{e}.w1/w3/w2.weight``) and the fused one of transformers 5's
+``save_original_format=False`` (``mlp.experts.gate_up_proj`` [E, 2I, H],
+``mlp.experts.down_proj`` [E, H, I]), whose per-expert slices are read straight from the
+file.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Collection
 from pathlib import Path
+from typing import Any, NamedTuple, cast
 
 import torch
 from safetensors import safe_open
@@ -21,7 +23,6 @@ from kvpool.engine.errors import CheckpointError
 from kvpool.engine.layers import PackedLinear
 from kvpool.engine.model import LlamaForCausalLM
 from kvpool.engine.model_config import ModelConfig
-from kvpool.engine.moe import Experts
 
 # Tensors some exporters write that carry no weights we need.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
@@ -65,27 +66,50 @@ def canonical_name(key: str) -> str:
         lambda m: f".experts.{m.group(1)}.{_MIXTRAL_PROJ[m.group(2)]}.weight", key)
 
 
-def expected_tensors(model: LlamaForCausalLM, present: Collection[str] = ()
-                     ) -> dict[str, tuple[torch.Tensor, int, int]]:
-    """Checkpoint tensor name (canonical, see :func:`canonical_name`) -> (destination,
-    row offset, rows) for every tensor the model needs; the destination is our parameter or
-    one expert's slice of it. A tied lm_head is absent: it shares the embedding's
-    parameter. Experts are named per expert unless ``present`` (the checkpoint's canonical
-    names) holds the fused ``experts.gate_up_proj`` of that layer."""
+class Source(NamedTuple):
+    """Where a canonical tensor lies: ``key`` in ``shard``; for a fused expert tensor,
+    expert ``expert``'s rows ``rows`` of it (None: the whole tensor)."""
+
+    shard: Path
+    key: str
+    expert: int | None = None
+    rows: slice | None = None
+
+    def read(self, f: Any) -> torch.Tensor:
+        if self.expert is None:
+            return cast(torch.Tensor, f.get_tensor(self.key))
+        return cast(torch.Tensor, f.get_slice(self.key)[self.expert, self.rows or slice(None)])
+
+
+def sources(shard: Path, key: str, shape: list[int]) -> dict[str, Source]:
+    """The canonical tensors ``key`` (of ``shape``) holds: itself, or for transformers 5's
+    fused ``experts.gate_up_proj`` [E, 2I, H] / ``experts.down_proj`` [E, H, I], every
+    expert's ``gate_proj``/``up_proj``/``down_proj`` weight."""
+    prefix, _, leaf = key.rpartition(".")
+    if not prefix.endswith(".experts") or leaf not in ("gate_up_proj", "down_proj") \
+            or len(shape) != 3:
+        return {canonical_name(key): Source(shard, key)}
+    out = {}
+    for e in range(shape[0]):
+        if leaf == "down_proj":
+            out[f"{prefix}.{e}.down_proj.weight"] = Source(shard, key, e)
+        else:
+            i = shape[1] // 2
+            out[f"{prefix}.{e}.gate_proj.weight"] = Source(shard, key, e, slice(0, i))
+            out[f"{prefix}.{e}.up_proj.weight"] = Source(shard, key, e, slice(i, 2 * i))
+    return out
+
+
+def expected_tensors(model: LlamaForCausalLM) -> dict[str, tuple[torch.Tensor, int, int]]:
+    """Checkpoint tensor name (canonical, see :func:`canonical_name`) -> (our parameter,
+    row offset, rows) for every tensor the model needs. A tied lm_head is absent: it
+    shares the embedding's parameter. Experts are named per expert."""
     modules = dict(model.named_modules())
     out: dict[str, tuple[torch.Tensor, int, int]] = {}
     for name, param in model.named_parameters():  # shared (tied) parameters listed once
         mod_name, _, leaf = name.rpartition(".")
         mod = modules[mod_name]
-        if isinstance(mod, Experts) and f"{mod_name}.gate_up_proj" not in present:
-            for e in range(mod.num_experts):
-                if leaf == "gate_up_proj":
-                    rows = param.shape[1] // 2
-                    out[f"{mod_name}.{e}.gate_proj.weight"] = (param[e], 0, rows)
-                    out[f"{mod_name}.{e}.up_proj.weight"] = (param[e], rows, rows)
-                else:
-                    out[f"{mod_name}.{e}.{leaf}.weight"] = (param[e], 0, param.shape[1])
-        elif isinstance(mod, PackedLinear):
+        if isinstance(mod, PackedLinear):
             parent = mod_name.rpartition(".")[0]
             offset = 0
             for part, rows in mod.parts:
@@ -111,16 +135,16 @@ def load_model(path: str | Path, device: torch.device, dtype: torch.dtype,
         model = LlamaForCausalLM(config)
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()  # to_empty replaced the shared parameter by two copies
-    where: dict[str, tuple[Path, str]] = {}  # canonical name -> (shard, name in the shard)
+    expected = expected_tensors(model)
+    where: dict[str, Source] = {}  # canonical name -> where it lies
     for shard in shards:
         try:
             with safe_open(shard, framework="pt") as f:
                 for key in f.keys():
-                    where[canonical_name(key)] = (shard, key)
+                    where |= sources(shard, key, f.get_slice(key).get_shape())
         except Exception as e:  # safetensors raises its own error types
             raise CheckpointError(f"cannot read {shard}: {e}") from None
     present = {k for k in where if not k.endswith(_IGNORED_SUFFIXES)}
-    expected = expected_tensors(model, present)
     if config.tie_word_embeddings:
         present.discard("lm_head.weight")  # some exporters keep the tied copy; it is redundant
     missing = sorted(set(expected) - present)
@@ -135,14 +159,15 @@ def load_model(path: str | Path, device: torch.device, dtype: torch.dtype,
                               f"(model_type={config.model_type}): " + "; ".join(parts))
     by_shard: dict[Path, list[str]] = {}
     for name in expected:
-        by_shard.setdefault(where[name][0], []).append(name)
+        by_shard.setdefault(where[name].shard, []).append(name)
     with torch.no_grad():
         for shard, names in by_shard.items():
             with safe_open(shard, framework="pt") as f:
                 for name in names:
                     param, offset, rows = expected[name]
-                    key = where[name][1]
-                    t = f.get_tensor(key)
+                    src = where[name]
+                    t = src.read(f)
+                    key = src.key if src.expert is None else f"{src.key}[{src.expert}]"
                     want = (rows, *param.shape[1:])
                     if tuple(t.shape) != want:
                         raise CheckpointError(f"{shard.name}: tensor {key} has shape "

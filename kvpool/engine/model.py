@@ -2,8 +2,8 @@
 Mixture-of-Experts Mixtral, Qwen2-MoE, Qwen3-MoE) in plain PyTorch.
 
 Module names mirror transformers' so checkpoint tensor names map one to one, except the
-packed projections (``qkv_proj`` <- q/k/v_proj, ``gate_up_proj`` <- gate/up_proj) and the
-experts (see :mod:`kvpool.engine.moe` and the loader).
+packed projections (``qkv_proj`` <- q/k/v_proj, ``gate_up_proj`` <- gate/up_proj; the
+experts of :mod:`kvpool.engine.moe` are MLPs too).
 Inputs are flat: one [T] token vector for the whole mixed batch.
 """
 
@@ -71,8 +71,7 @@ def make_mlp(c: ModelConfig, layer: int) -> nn.Module:
     moe = c.moe
     if moe is None or not moe.is_sparse(layer):
         return MLP(c)
-    shared = moe.shared_expert_intermediate_size
-    return SparseMoeBlock(c.hidden_size, moe, MLP(c, shared) if shared else None)
+    return SparseMoeBlock(c.hidden_size, moe, lambda size: MLP(c, size))
 
 
 class DecoderLayer(nn.Module):
