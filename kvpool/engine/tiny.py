@@ -151,8 +151,9 @@ def _moe_config(arch: str, experts: int, top_k: int, expert_intermediate: int
     return c
 
 
-def random_weights(c: Mapping[str, Any], seed: int, arch: str = "llama", dtype: torch.dtype = torch.float32,
-                   device: str = "cpu") -> dict[str, torch.Tensor]:
+def random_weights(c: Mapping[str, Any], seed: int, arch: str = "llama",
+                   dtype: torch.dtype = torch.float32, device: str = "cpu"
+                   ) -> dict[str, torch.Tensor]:
     """Random weights for config ``c`` (drawn on ``device``, returned on the CPU); the
     defaults give the tiny checkpoints' exact bytes."""
     g = torch.Generator(device=device).manual_seed(seed)
