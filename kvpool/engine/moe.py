@@ -56,12 +56,13 @@ class Experts(nn.ModuleList):
                 outs.append(self[e](rows[start:start + n]))
                 start += n
         grouped = torch.cat(outs) if len(outs) > 1 else outs[0]
-        # Back to slot order by a gather (cheaper than a scatter-add here), weight, and sum
-        # each token's k slots; for k = 2 the sum is exactly transformers' accumulation.
+        # Back to slot order by a gather (cheaper than a scatter-add here), weight (float32
+        # weights: scaled in float32, rounded per slot, as transformers), and sum each
+        # token's k slots; for k = 2 the sum is exactly transformers' accumulation.
         unsort = torch.empty_like(order)
         unsort[order] = torch.arange(order.shape[0], device=order.device)
-        slots = grouped.index_select(0, unsort) * topk_weights.reshape(-1, 1)
-        return slots.view(t, k, -1).sum(dim=1).to(x.dtype)
+        slots = (grouped.index_select(0, unsort) * topk_weights.reshape(-1, 1)).to(x.dtype)
+        return slots.view(t, k, -1).sum(dim=1)
 
 
 class SparseMoeBlock(nn.Module):
