@@ -184,8 +184,9 @@ def register(cli: click.Group) -> None:
     @click.option("--kv-heads", default=2, show_default=True, type=int)
     @click.option("--intermediate", default=None, type=int, help="[default: 2 * hidden]")
     @click.option("--vocab", default=512, show_default=True, type=int)
-    @click.option("--arch", type=click.Choice(["llama", "qwen2", "qwen3"]), default="llama",
-                  show_default=True)
+    @click.option("--arch", type=click.Choice(["llama", "qwen2", "qwen3", "mixtral", "qwen2_moe",
+                                               "qwen3_moe"]), default="llama",
+                  show_default=True, help="mixtral, qwen*_moe: 8 experts, top-2 routing")
     @click.option("--max-position-embeddings", default=2048, show_default=True, type=int)
     @click.option("--seed", default=0, show_default=True, type=int)
     @click.option("--from-gguf", "from_gguf", default=None, metavar="FILE",
