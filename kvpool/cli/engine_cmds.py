@@ -143,15 +143,36 @@ def register(cli: click.Group) -> None:
     @click.option("--max-tokens", default=32, show_default=True, type=int)
     @click.option("--temperature", default=0.0, show_default=True, type=float)
     @click.option("--seed", default=None, type=int)
+    @click.option("--chat", is_flag=True, help="each prompt is a user message, formatted "
+                  "with the model's chat template (ChatML when it has none)")
     def generate(model_dir: str, prompts: tuple[str, ...], max_tokens: int,
-                 temperature: float, seed: int | None) -> None:
+                 temperature: float, seed: int | None, chat: bool = False) -> None:
         """Generate completions for PROMPTS offline and print them."""
         require("engine", "generate")
         from kvpool.engine import LLM, SamplingParams
+        from kvpool.engine.chat_template import ChatTemplateError
+        from kvpool.engine.errors import CheckpointError
 
-        llm = LLM(model_dir, num_kv_blocks=max(64, 4 * len(prompts) * (max_tokens // 16 + 8)))
-        outs = llm.generate(list(prompts), SamplingParams(
-            max_tokens=max_tokens, temperature=temperature, seed=seed))
+        try:
+            llm = LLM(model_dir,
+                      num_kv_blocks=max(64, 4 * len(prompts) * (max_tokens // 16 + 8)))
+        except CheckpointError as e:
+            raise click.ClickException(str(e)) from None
+        sp = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
+        inputs: list[str] | list[list[int]] = list(prompts)
+        if chat:
+            tok = llm.tokenizer
+            if tok is None:
+                raise click.ClickException(f"{model_dir} has no tokenizer.json; --chat needs one")
+            if tok.chat_template.is_fallback:
+                click.echo(f"note: {model_dir} has no chat template; using ChatML", err=True)
+            try:
+                inputs = [tok.encode_chat([{"role": "user", "content": p}]) for p in prompts]
+            except ChatTemplateError as e:
+                raise click.ClickException(str(e)) from None
+            sp = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed,
+                                stop_token_ids=list(tok.chat_stop_ids))
+        outs = llm.generate(inputs, sp)
         for p, o in zip(prompts, outs):
             click.echo(f"{p!r} -> {o.text!r} ({o.finish_reason})")
 
@@ -163,15 +184,27 @@ def register(cli: click.Group) -> None:
     @click.option("--kv-heads", default=2, show_default=True, type=int)
     @click.option("--intermediate", default=None, type=int, help="[default: 2 * hidden]")
     @click.option("--vocab", default=512, show_default=True, type=int)
-    @click.option("--arch", type=click.Choice(["llama", "qwen2", "qwen3"]), default="llama",
-                  show_default=True)
+    @click.option("--arch", type=click.Choice(["llama", "qwen2", "qwen3", "mixtral", "qwen2_moe",
+                                               "qwen3_moe"]), default="llama",
+                  show_default=True, help="mixtral, qwen*_moe: 8 experts, top-2 routing")
     @click.option("--max-position-embeddings", default=2048, show_default=True, type=int)
     @click.option("--seed", default=0, show_default=True, type=int)
+    @click.option("--from-gguf", "from_gguf", default=None, metavar="FILE",
+                  type=click.Path(dir_okay=False),
+                  help="convert this GGUF file instead (Q4_0/Q4_1/Q8_0/F16/BF16/F32 and "
+                  "more, dequantized); the size options are then taken from the file")
+    @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]),
+                  default="float32", show_default=True, help="--from-gguf: weight dtype")
     def make_model(model_dir: str, layers: int, hidden: int, heads: int, kv_heads: int,
                    intermediate: int | None, vocab: int, arch: str,
-                   max_position_embeddings: int, seed: int) -> None:
-        """Write a tiny random-weight Llama-family checkpoint (with tokenizer) to MODEL_DIR."""
+                   max_position_embeddings: int, seed: int, from_gguf: str | None = None,
+                   dtype: str = "float32") -> None:
+        """Write a tiny random-weight Llama-family checkpoint (with tokenizer) to MODEL_DIR,
+        or (--from-gguf FILE) convert a GGUF file into a Hugging Face checkpoint there."""
         require("engine", "make-model")
+        if from_gguf is not None:
+            _convert_gguf(from_gguf, model_dir, dtype)
+            return
         from kvpool.engine.tiny import make_tiny_model
 
         if hidden % heads or heads % kv_heads:
@@ -182,3 +215,21 @@ def register(cli: click.Group) -> None:
                                max_position_embeddings=max_position_embeddings)
         click.echo(f"wrote {arch} model ({layers} layers, hidden {hidden}) to {path}",
                    file=sys.stdout)
+
+
+def _convert_gguf(src: str, model_dir: str, dtype: str) -> None:
+    """``make-model --from-gguf``: one line on stderr and exit 1 on any bad input."""
+    from kvpool.engine.gguf_convert import convert_gguf
+    from kvpool.engine.gguf_read import GGUFError
+
+    try:
+        res = convert_gguf(src, model_dir, dtype,
+                           log=lambda note: click.echo(f"note: {note}", err=True))
+    except GGUFError as e:
+        raise click.ClickException(str(e)) from None
+    except OSError as e:  # a folder we may not write, a full disk
+        raise click.ClickException(f"cannot write {model_dir}: {e}") from None
+    c = res.config
+    click.echo(f"wrote {c['architectures'][0]} ({c['num_hidden_layers']} layers, hidden "
+               f"{c['hidden_size']}, vocab {c['vocab_size']}, {dtype}) from {src} to "
+               f"{res.path} in {res.seconds:.1f} s")

@@ -8,30 +8,36 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
+from typing import TYPE_CHECKING
 
 import click
 
-from kvpool.cli.daemon_cmds import json_option, monitor_session, run_dir_option
+from kvpool.cli.monitor import monitor_session
+from kvpool.cli.params import json_option, run_dir_option
 from kvpool.sizes import format_size
+
+if TYPE_CHECKING:
+    from kvpool import protocol as p
+    from kvpool.client_lib.admin import Monitor
 
 POLL_MS = 10_000  # a follow request the daemon leaves unanswered this long is sent again
 
 
-def fetch(mon, since: int, tenant: str | None, follow: bool):
+def fetch(mon: Monitor, since: int, tenant: str | None, follow: bool) -> p.EventsReply | None:
     """One Events call; None when a follow poll timed out with nothing new."""
     from kvpool import protocol as p
     from kvpool.client_lib.errors import DaemonUnavailable
 
     req = p.Events(since=since, tenant=tenant, follow=follow)
     try:
-        return mon.conn.call(req, timeout_ms=POLL_MS if follow else None)[0]
+        return mon.conn.call(req, p.EventsReply, timeout_ms=POLL_MS if follow else None)[0]
     except DaemonUnavailable as e:
         if follow and e.code == p.BUSY and not mon.conn.daemon_gone:
             return None
         raise
 
 
-def describe(ev, brief: bool = False) -> str:
+def describe(ev: p.EventInfo, brief: bool = False) -> str:
     """One event as a line of text (``brief``: without messages and timings)."""
     d = dict(ev.detail)
     if brief:
@@ -58,7 +64,8 @@ def describe(ev, brief: bool = False) -> str:
               help="Only events after this sequence number.")
 @run_dir_option
 @json_option
-def events(follow, tenant, since, run_dir, as_json):
+def events(follow: bool, tenant: str | None, since: int, run_dir: str | None,
+           as_json: bool) -> None:
     """Show the daemon's recent decisions; with --follow, as they happen."""
     from kvpool import protocol as p
 

@@ -15,7 +15,7 @@ import sys
 
 import click
 
-from kvpool.cli.daemon_cmds import run_dir_option
+from kvpool.cli.params import run_dir_option
 from kvpool.sizes import format_size, parse_size
 
 
@@ -27,7 +27,8 @@ from kvpool.sizes import format_size, parse_size
 @click.option("--timeout", "timeout_s", type=float, default=30.0,
               help="Seconds to wait for the grant.")
 @run_dir_option
-def lease(size, command, name, device, timeout_s, run_dir):
+def lease(size: str, command: tuple[str, ...], name: str | None, device: int,
+          timeout_s: float, run_dir: str | None) -> None:
     """Hold SIZE (4GiB, or 50% of the budget) while COMMAND runs; exit with its status."""
     from kvpool.client_lib import KvpoolError, connect
 
@@ -58,3 +59,7 @@ def lease(size, command, name, device, timeout_s, run_dir):
     finally:
         tenant.close()
     sys.exit(rc if rc >= 0 else 128 - rc)
+
+
+def register(cli: click.Group) -> None:
+    cli.add_command(lease)

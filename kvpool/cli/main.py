@@ -5,7 +5,15 @@ from __future__ import annotations
 import click
 
 from kvpool import __version__
-from kvpool.cli import daemon_cmds, demo_cmds, engine_cmds, events_cmd, top, vmm_cmds
+from kvpool.cli import (
+    daemon_cmds,
+    demo_cmds,
+    engine_cmds,
+    events_cmd,
+    lease_cmds,
+    top,
+    vmm_cmds,
+)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -14,7 +22,7 @@ def cli() -> None:
     """kvpool: share one accelerator's memory between model servers and jobs."""
 
 
-for module in (vmm_cmds, daemon_cmds, engine_cmds, demo_cmds, events_cmd, top):
+for module in (vmm_cmds, daemon_cmds, lease_cmds, engine_cmds, demo_cmds, events_cmd, top):
     module.register(cli)
 
 

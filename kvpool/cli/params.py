@@ -1,13 +1,20 @@
-"""Click parameter types the commands share."""
+"""Click parameter types and options the commands share."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from kvpool.sizes import parse_size
 
+if TYPE_CHECKING:  # generic from click 8.2 on; the project allows click 8.1
+    _SizeParamBase = click.ParamType[int | str, Any]
+else:
+    _SizeParamBase = click.ParamType
 
-class SizeParam(click.ParamType):
+
+class SizeParam(_SizeParamBase):
     """A size (``512MiB``, ``2G``, bytes) or, when ``percent`` is allowed, ``30%``."""
 
     name = "size"
@@ -15,7 +22,8 @@ class SizeParam(click.ParamType):
     def __init__(self, percent: bool = False):
         self.percent = percent
 
-    def convert(self, value, param, ctx):
+    def convert(self, value: Any, param: click.Parameter | None,
+                ctx: click.Context | None) -> int | str:
         if isinstance(value, int):
             return value
         text = str(value).strip()
@@ -28,3 +36,10 @@ class SizeParam(click.ParamType):
             return parse_size(text)
         except ValueError as e:
             self.fail(str(e), param, ctx)
+
+
+run_dir_option = click.option(
+    "--run-dir", type=click.Path(file_okay=False), default=None,
+    help="Daemon run directory (default: $KVPOOL_RUN_DIR, /run/kvpool, "
+         "$XDG_RUNTIME_DIR/kvpool or /tmp/kvpool-$UID).")
+json_option = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")

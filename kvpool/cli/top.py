@@ -15,11 +15,19 @@ import sys
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Iterable, Iterator, Literal
 
 import click
 
-from kvpool.cli.daemon_cmds import monitor_session, run_dir_option
+from kvpool.cli.monitor import monitor_session
+from kvpool.cli.params import run_dir_option
 from kvpool.sizes import format_size
+
+if TYPE_CHECKING:
+    from rich.console import Group
+
+    from kvpool import protocol as p
+    from kvpool.client_lib.admin import Monitor
 
 BAR = 18
 SPARK = "▁▂▃▄▅▆▇█"
@@ -32,19 +40,19 @@ class View:
     """What top remembers between frames: history, event rates, the last events."""
 
     since: int = 0
-    history: dict[str, deque] = field(default_factory=dict)
-    recent: deque = field(default_factory=lambda: deque(maxlen=EVENT_LINES))
+    history: dict[str, deque[int]] = field(default_factory=dict)
+    recent: deque[p.EventInfo] = field(default_factory=lambda: deque(maxlen=EVENT_LINES))
     rates: dict[str, tuple[float, float]] = field(default_factory=dict)  # name -> (grants/s, asks/s)
     last: float = 0.0
 
-    def update(self, mon) -> tuple:
+    def update(self, mon: Monitor) -> tuple[p.PsReply, list[p.EventInfo]]:
         """Fetch ``ps`` and the events since the last frame; returns (ps reply, events)."""
         from kvpool import protocol as p
 
         ps = mon.ps()
-        evs = []
+        evs: list[p.EventInfo] = []
         for _ in range(10):  # at most 10 x EVENTS_LIMIT events per frame
-            reply = mon.call(p.Events(since=self.since))
+            reply = mon.call(p.Events(since=self.since), p.EventsReply)
             evs.extend(reply.events)
             self.since = reply.next
             if len(reply.events) < p.EVENTS_LIMIT:
@@ -52,7 +60,8 @@ class View:
         now = time.monotonic()
         span = max(1e-3, now - self.last) if self.last else None
         self.last = now
-        grants, asks = Counter(), Counter()
+        grants: Counter[str] = Counter()
+        asks: Counter[str] = Counter()
         for ev in evs:
             if ev.kind == "grant":
                 grants[ev.tenant] += 1
@@ -67,11 +76,11 @@ class View:
         return ps, evs
 
 
-def bar(t, width: int = BAR) -> str:
+def bar(t: p.TenantInfo, width: int = BAR) -> str:
     """In use ``█``, reserve ``▒``, lease ``▓``, free up to the limit ``·``; the fair
     share is marked ``|`` where it falls on free cells."""
     limit = max(t.max, t.mapped + t.lease, 1)
-    cells = []
+    cells: list[str] = []
     for glyph, nbytes in (("█", t.in_use), ("▒", t.reserve), ("▓", t.lease)):
         cells += [glyph] * round(width * min(nbytes, limit) / limit)
     cells = (cells + ["·"] * width)[:width]
@@ -81,7 +90,7 @@ def bar(t, width: int = BAR) -> str:
     return "".join(cells)
 
 
-def sparkline(values) -> str:
+def sparkline(values: Iterable[int]) -> str:
     vals = list(values)
     top = max(vals) if vals else 0
     if not top:
@@ -89,7 +98,7 @@ def sparkline(values) -> str:
     return "".join(SPARK[min(len(SPARK) - 1, int(v * (len(SPARK) - 1) / top + 0.5))] for v in vals)
 
 
-def frame(view: View, ps, width: int = 80):
+def frame(view: View, ps: p.PsReply, width: int = 80) -> Group:
     """One frame as a rich renderable."""
     from rich.console import Group
     from rich.table import Table
@@ -98,9 +107,10 @@ def frame(view: View, ps, width: int = 80):
     from kvpool.cli.events_cmd import describe
 
     table = Table(box=None, padding=(0, 1), pad_edge=False, expand=False)
-    for col, justify in (("TENANT", "left"), ("MAPPED", "right"), ("USE▒RES▓LEASE|SHARE", "left"),
-                         ("LIMIT", "right"), ("GR/s", "right"), ("RC/s", "right"),
-                         ("HISTORY", "left")):
+    columns: tuple[tuple[str, Literal["left", "right"]], ...] = (
+        ("TENANT", "left"), ("MAPPED", "right"), ("USE▒RES▓LEASE|SHARE", "left"),
+        ("LIMIT", "right"), ("GR/s", "right"), ("RC/s", "right"), ("HISTORY", "left"))
+    for col, justify in columns:
         table.add_column(col, justify=justify, no_wrap=True)
     for t in ps.tenants:
         g, r = view.rates.get(t.name, (0.0, 0.0))
@@ -110,6 +120,7 @@ def frame(view: View, ps, width: int = 80):
         table.add_row(name, format_size(t.mapped), bar(t), format_size(t.max),
                       f"{g:.0f}", f"{r:.0f}", sparkline(view.history.get(t.name, ())))
     pool = ps.pool
+    assert pool is not None, "the daemon's ps reply always carries the pool"
     line = (f"pool {pool.backend}:{pool.device}  budget {format_size(pool.budget)}  granted "
             f"{format_size(pool.granted)}  leased {format_size(pool.leased)}  free "
             f"{format_size(pool.free)}")
@@ -126,7 +137,7 @@ def frame(view: View, ps, width: int = 80):
 
 
 @contextlib.contextmanager
-def cbreak(fd: int):
+def cbreak(fd: int) -> Iterator[bool]:
     """Keys without Enter (restored on exit); a no-op when stdin is no terminal."""
     if not os.isatty(fd):
         yield False
@@ -157,7 +168,7 @@ def quit_pressed(fd: int, timeout_s: float) -> bool:
 @click.option("--interval", type=click.FloatRange(0.1, 60), default=1.0,
               help="Seconds between frames.")
 @run_dir_option
-def top(once, interval, run_dir):
+def top(once: bool, interval: float, run_dir: str | None) -> None:
     """A live view of tenants, the pool and recent events (q quits)."""
     from rich.console import Console
     from rich.live import Live

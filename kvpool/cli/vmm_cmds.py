@@ -35,7 +35,7 @@ def info(backend: str, device: int, as_json: bool) -> None:
         click.echo(json.dumps(doc))
         return
     for key, value in doc.items():
-        if key in ("min_page_size", "page_size", "free", "total"):
+        if key in ("min_page_size", "page_size", "free", "total") and isinstance(value, int):
             value = format_size(value)
         click.echo(f"{key:13} {value}")
 

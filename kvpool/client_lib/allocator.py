@@ -13,7 +13,9 @@ Three parts, one lock (``lock``) over the first two:
   fast path (``alloc``/``free``) is the lock plus the book: list pops/appends and a
   bytearray; no system call, no message.
 * this class: the slow path (one batched grant for the missing chunks, mapped before
-  ``alloc`` returns), releases, and views for engines and the region group;
+  ``alloc`` returns), releases, whole chunks for one owner (``alloc_chunks``, and the
+  claim/forget steps of a page handoff: request-aligned KV whose units hold nothing
+  else), and views for engines and the region group;
 * :class:`~kvpool.client_lib.refill.Refiller`: the background thread that keeps the
   reserve between ``low`` and ``high``, serves demand and reports to the daemon.
 
@@ -34,7 +36,6 @@ from kvpool.client_lib.chunk_book import ChunkBook
 from kvpool.client_lib.errors import KvpoolError
 from kvpool.client_lib.refill import Refiller
 from kvpool.client_lib.regions import RegionGroup
-from kvpool.client_lib.whole_chunks import WholeChunks
 
 log = logging.getLogger("kvpool.client")
 
@@ -73,7 +74,7 @@ class _BookCount:
         return self if obj is None else self.read(obj.book)
 
 
-class ElasticBlockAllocator(WholeChunks):
+class ElasticBlockAllocator:
     """Block ids ``0 .. num_blocks-1`` over ``group``; thread-safe.
 
     Invariants: a block id is held by at most one caller between ``alloc`` and ``free``;
@@ -248,6 +249,70 @@ class ElasticBlockAllocator(WholeChunks):
             self.book.demote_if_empty()
             self._refill.pause()
         return self.release_reserve_chunks(k) * per_chunk
+
+    # ---- whole chunks for one owner (request-aligned KV, handoff) ---------------------
+    def alloc_chunks(self, k: int, wait: bool = True) -> list[int] | None:
+        """``k`` whole chunks for one owner, every block held (so their units hold
+        nothing else: they can be handed to another tenant), or None when the memory is
+        not there. Empty mapped chunks first; else ``k`` fresh chunks are granted
+        (``wait=False``: free memory only, the rest becomes background demand)."""
+        if k <= 0:
+            return []
+        with self.lock:
+            out = self.book.take_empty_chunks(k)
+            if out is not None:
+                if self.book.reserve_size < self.low and self.book.unmapped_size:
+                    self._refill.wake()
+                return out
+            if not wait and self._refill.has_demand():
+                self._refill.add_demand(k + self.high)
+                return None
+            chunks = self.book.pick_unmapped(k)
+            if chunks is None:
+                return None
+            self.slow_allocs += 1
+        try:
+            self.group.grant(self._units(chunks), reserve=self.reserve_units(),
+                             populate=self.populate, in_use=self.in_use_bytes(),
+                             speculative=not wait)
+        except KvpoolError as e:
+            log.debug("grant of %d whole chunks failed: %s", k, e)
+            with self.lock:
+                self.book.return_unmapped(chunks)
+                if not wait:
+                    self._refill.add_demand(k + self.high)
+            self._refill.wake()
+            return None
+        with self.lock:
+            self.grants += 1
+            self.book.adopt_chunks(chunks)
+        return chunks
+
+    def pick_unmapped_chunks(self, k: int) -> list[int] | None:
+        """``k`` unmapped chunks, now in flight, for a claim to map (then
+        :meth:`adopt_chunks`, or :meth:`return_chunks` if the claim failed)."""
+        with self.lock:
+            return self.book.pick_unmapped(k)
+
+    def adopt_chunks(self, chunks: list[int]) -> None:
+        """Picked chunks a claim mapped: ours now, every block held."""
+        with self.lock:
+            self.book.adopt_chunks(chunks)
+
+    def return_chunks(self, chunks: list[int]) -> None:
+        """Picked chunks no claim mapped: unmapped again."""
+        with self.lock:
+            self.book.return_unmapped(chunks)
+
+    def forget_chunks(self, chunks: list[int]) -> None:
+        """Mapped chunks another tenant claimed (the group unmapped them already): out of
+        the books, unmapped, their held blocks dropped; nothing goes to the daemon."""
+        with self.lock:
+            self.book.forget_chunks(chunks)
+
+    def units_of(self, chunks: Iterable[int]) -> list[int]:
+        """The units of ``chunks``, in order (chunk ``c``: ``c * pages_per_chunk ..``)."""
+        return self._units(chunks)
 
     # ---- background thread -----------------------------------------------------------
     def rebalance(self) -> None:

@@ -22,8 +22,14 @@ The owner (:class:`~kvpool.client_lib.allocator.ElasticBlockAllocator`) serializ
 call with its lock and does the I/O: it moves chunks unmapped -> in flight
 (:meth:`pick_unmapped`), in flight -> reserve once granted and mapped (:meth:`add_mapped`),
 reserve -> in flight before releasing (:meth:`pop_reserve`) and in flight -> unmapped
-(:meth:`return_unmapped`). :meth:`check_integrity` asserts all of the above. Whole
-chunks for one owner (handoff) are :class:`~kvpool.client_lib.whole_chunks.WholeChunkBook`'s.
+(:meth:`return_unmapped`). :meth:`check_integrity` asserts all of the above.
+
+*Whole chunks for one owner* (request-aligned KV, page handoff between tenants): chunks
+whose every block one owner holds, so their units hold nothing else and can be handed to
+another tenant or taken from one. :meth:`take_empty_chunks` turns empty mapped chunks
+into such chunks, :meth:`adopt_chunks` maps in-flight chunks (a claim, a whole-chunk
+grant) straight into that state, and :meth:`forget_chunks` drops mapped chunks another
+tenant claimed.
 """
 
 from __future__ import annotations
@@ -31,12 +37,10 @@ from __future__ import annotations
 import heapq
 from typing import Iterable
 
-from kvpool.client_lib.whole_chunks import WholeChunkBook
-
 _EMPTY: list[int] = []
 
 
-class ChunkBook(WholeChunkBook):
+class ChunkBook:
     def __init__(self, nchunks: int, blocks_per_chunk: int) -> None:
         if nchunks <= 0 or blocks_per_chunk <= 0:
             raise ValueError("a chunk book needs at least one chunk of at least one block")
@@ -219,6 +223,69 @@ class ChunkBook(WholeChunkBook):
         self._current, self._current_free = -1, _EMPTY
         self.free_count = self.in_use = 0
         return chunks
+
+    # ---- whole chunks for one owner (handoff) ---------------------------------------
+    def take_empty_chunks(self, k: int) -> list[int] | None:
+        """``k >= 1`` mapped empty chunks (an empty current one joins the reserve first),
+        every block of them now held: whole units for one owner. None (no change) if
+        fewer are empty."""
+        self.demote_if_empty()
+        if k > len(self._reserve):
+            return None
+        chunks = self._reserve[len(self._reserve) - k:]
+        del self._reserve[len(self._reserve) - k:]
+        for c in chunks:
+            fl = self._free_lists[c]
+            assert fl is not None and len(fl) == self.blocks_per_chunk, "reserve chunks are empty"
+            fl.clear()
+            self._hold_whole(c)
+        self.free_count -= k * self.blocks_per_chunk
+        return chunks
+
+    def adopt_chunks(self, chunks: Iterable[int]) -> None:
+        """In-flight chunks just mapped for one owner (a claim, a whole-chunk grant):
+        mapped, every block held."""
+        for c in chunks:
+            assert c in self._in_flight, f"adopt: chunk {c} is not in flight"
+            self._in_flight.discard(c)
+            self._free_lists[c] = []
+            self._hold_whole(c)
+
+    def forget_chunks(self, chunks: Iterable[int]) -> None:
+        """Mapped chunks whose pages went to another tenant: unmapped, nothing held (their
+        held blocks are dropped, as the owner no longer has them). Raises ValueError
+        (changing nothing) if one is not mapped or is listed twice."""
+        chunks = list(chunks)
+        per = self.blocks_per_chunk
+        if len(set(chunks)) != len(chunks):
+            raise ValueError("forget: a chunk is listed twice")
+        for c in chunks:
+            if not (isinstance(c, int) and 0 <= c < self.nchunks) or \
+                    self._free_lists[c] is None:
+                raise ValueError(f"forget: chunk {c!r} is not mapped")
+        for c in chunks:
+            fl, u = self._free_lists[c], self._used[c]
+            assert fl is not None
+            if c == self._current:
+                self._current, self._current_free = -1, _EMPTY
+            elif u == 0:
+                self._reserve.remove(c)
+            elif u < per:
+                self._partial[u].discard(c)
+            self.free_count -= len(fl)
+            self.in_use -= u
+            self._free_lists[c] = None
+            self._used[c] = 0
+            self._held[c * per:(c + 1) * per] = bytes(per)
+            heapq.heappush(self._unmapped, c)
+        self.ops += 1
+
+    def _hold_whole(self, c: int) -> None:
+        per = self.blocks_per_chunk
+        self._held[c * per:(c + 1) * per] = b"\x01" * per
+        self._used[c] = per
+        self.in_use += per
+        self.ops += 1
 
     # ---- views ----------------------------------------------------------------------
     def empty_chunks(self) -> list[int]:

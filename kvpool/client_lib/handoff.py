@@ -44,6 +44,11 @@ is refused (a page granted already) — a known limit.
 Invariant: a group's ``mapped`` set and ``handles`` lose a unit only when the daemon says
 it was claimed (or the group releases it), and gain one only when a claim's descriptors
 are mapped in every region.
+
+Every :class:`~kvpool.client_lib.tenant.Tenant` owns one :class:`Handoffs` (its
+``handoffs``); this module sees tenants and region groups only through the small
+interfaces below (:class:`HandoffSession`, :class:`HandoffGroup`, :class:`HandoffHolder`),
+so it imports neither.
 """
 
 from __future__ import annotations
@@ -51,16 +56,54 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import AbstractSet, Mapping, Protocol, Sequence, TypeVar
 
 from kvpool import protocol as p
 from kvpool.client_lib.errors import KvpoolError
 
-if TYPE_CHECKING:
-    from kvpool.client_lib.regions import RegionGroup
-    from kvpool.client_lib.tenant import Tenant
-
 PENDING = "pending"
+R = TypeVar("R", bound=p.Reply)
+
+
+class HandoffHolder(Protocol):
+    """A tenant, as far as the module functions need it: its one :class:`Handoffs`."""
+
+    @property
+    def handoffs(self) -> Handoffs: ...
+
+
+class HandoffGroup(Protocol):
+    """A region group (:class:`~kvpool.client_lib.regions.RegionGroup`) as handoff uses it.
+
+    Obligations: ``mapped`` is the set of units mapped in every region; ``map_granted``
+    maps the page descriptors of a claim at those units (all or nothing, taking the
+    descriptors over); ``forget`` unmaps units whose pages went to another tenant without
+    telling the daemon; ``tenant`` is the session the group belongs to."""
+
+    @property
+    def id(self) -> int: ...
+    @property
+    def mapped(self) -> AbstractSet[int]: ...
+    @property
+    def tenant(self) -> HandoffHolder: ...
+
+    def map_granted(self, units: list[int], fds: list[int], populate: bool = False) -> None: ...
+    def forget(self, units: Sequence[int]) -> list[int]: ...
+
+
+class HandoffSession(Protocol):
+    """What :class:`Handoffs` needs from its tenant.
+
+    Obligations: ``call`` sends one request on the live session (raising ``KvpoolError``
+    for an error reply); ``name`` is the tenant's registered name; ``groups`` its live
+    region groups by id (a closed group is no longer listed)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def groups(self) -> Mapping[int, HandoffGroup]: ...
+
+    def call(self, req: p.Request, expect: type[R]) -> tuple[R, list[int]]: ...
 NOTICE_WAIT_S = 1.0  # a cancel that finds its ticket over waits this for the Settled
 
 
@@ -88,18 +131,23 @@ class Ticket:
         self._done.wait(self.ttl_s + 5.0 if timeout_s is None else timeout_s)
         return self.state
 
+    def settle(self, state: str, reason: str) -> None:
+        """(:class:`Handoffs`) The ticket is over: record how and wake its waiters."""
+        self.state, self.reason = state, reason
+        self._done.set()
+
 
 class Handoffs:
     """One tenant's offers in flight, and what to do when the daemon settles them."""
 
-    def __init__(self, tenant: "Tenant"):
+    def __init__(self, tenant: HandoffSession):
         self.tenant = tenant
         self.tickets: dict[str, Ticket] = {}
         self._lock = threading.Lock()
         self._early: dict[str, p.Settled] = {}  # a Settled read before its Offered returned
         self._next_giver = 0  # the tenant id the next claim must come from (0: any)
 
-    def offer(self, group: "RegionGroup", units: Sequence[int], to: str,
+    def offer(self, group: HandoffGroup, units: Sequence[int], to: str,
               ttl_s: float = 10.0) -> Ticket:
         """Put mapped ``units`` of ``group`` in escrow for tenant ``to`` (order kept: the
         receiver's ``at_units[i]`` gets ``units[i]``)."""
@@ -108,7 +156,7 @@ class Handoffs:
         if missing:
             raise ValueError(f"unit {missing[0]} of group {group.id} is not mapped")
         ttl_ms = max(1, min(p.MAX_TTL_MS, round(ttl_s * 1000)))
-        reply, _ = self.tenant.conn.call(
+        reply, _ = self.tenant.call(
             p.Offer(group=group.id, units=units, to=to, ttl_ms=ttl_ms), p.Offered)
         t = Ticket(id=reply.ticket, group=group.id, units=tuple(units), to=to,
                    pages=reply.pages, ttl_s=ttl_ms / 1000)
@@ -125,7 +173,7 @@ class Handoffs:
         way the ticket is settled when this returns, even if its Settled was lost."""
         tid = ticket.id if isinstance(ticket, Ticket) else ticket
         try:
-            self.tenant.conn.call(p.Cancel(ticket=tid), p.Done)
+            self.tenant.call(p.Cancel(ticket=tid), p.Done)
         except KvpoolError as e:
             if e.code != p.NOT_FOUND:
                 raise
@@ -141,7 +189,7 @@ class Handoffs:
         ``t``'s group says how — every unit still granted here: it expired (the pages stay
         ours); not: it was claimed, and the units are unmapped here as a Settled would
         (never read or written again: they are the receiver's)."""
-        reply, _ = self.tenant.conn.call(
+        reply, _ = self.tenant.call(
             p.MapReq(tenant=self.tenant.name, after=t.group - 1, limit=1), p.MapReply)
         held = {u for g in reply.groups if g.id == t.group
                 for r in g.runs for u in range(r.start, r.start + r.length)}
@@ -156,7 +204,7 @@ class Handoffs:
         with self._lock:
             self._next_giver = tenant_id
 
-    def claim(self, group: "RegionGroup", ticket: Ticket | str, at_units: Sequence[int],
+    def claim(self, group: HandoffGroup, ticket: Ticket | str, at_units: Sequence[int],
               populate: bool = False, giver: int = 0) -> list[int]:
         """Map the ticket's pages at ``at_units`` (unmapped) of ``group``; returns them.
         The pages hold the giver's bytes (not zeroed). All or nothing. ``giver`` (or, if
@@ -166,7 +214,7 @@ class Handoffs:
         at = list(at_units)
         with self._lock:
             giver, self._next_giver = giver or self._next_giver, 0
-        reply, fds = self.tenant.conn.call(
+        reply, fds = self.tenant.call(
             p.Claim(ticket=tid, group=group.id, units=at, giver=giver), p.Claimed)
         group.map_granted(at, fds, populate)
         return at
@@ -192,8 +240,7 @@ class Handoffs:
         with self._lock:
             t = self.tickets.pop(tid, None)
         if t is not None:
-            t.state, t.reason = state, reason
-            t._done.set()
+            t.settle(state, reason)
 
     def void(self, reason: str) -> None:
         """Every pending offer is over (the daemon restarted: the new one knows no ticket
@@ -206,36 +253,34 @@ class Handoffs:
             return list(self.tickets.values())
 
 
-def forget(group: "RegionGroup", units: list[int]) -> None:
+def forget(group: HandoffGroup, units: list[int]) -> None:
     """Unmap ``units`` of ``group`` in every region and drop their page handles, without
     telling the daemon (it moved the pages to another tenant already)."""
     group.forget(units)
 
 
-def of(tenant: "Tenant") -> Handoffs:
-    """The tenant's :class:`Handoffs` (made on first use)."""
-    if tenant.handoffs is None:
-        tenant.handoffs = Handoffs(tenant)
+def of(tenant: HandoffHolder) -> Handoffs:
+    """The tenant's :class:`Handoffs`."""
     return tenant.handoffs
 
 
-def offer(group: "RegionGroup", units: Sequence[int], to: str, ttl_s: float = 10.0) -> Ticket:
+def offer(group: HandoffGroup, units: Sequence[int], to: str, ttl_s: float = 10.0) -> Ticket:
     return of(group.tenant).offer(group, units, to, ttl_s)
 
 
-def claim(group: "RegionGroup", ticket: Ticket | str, at_units: Sequence[int],
+def claim(group: HandoffGroup, ticket: Ticket | str, at_units: Sequence[int],
           populate: bool = False, giver: int = 0) -> list[int]:
     return of(group.tenant).claim(group, ticket, at_units, populate, giver)
 
 
-def cancel(tenant: "Tenant", ticket: Ticket | str) -> bool:
+def cancel(tenant: HandoffHolder, ticket: Ticket | str) -> bool:
     return of(tenant).cancel(ticket)
 
 
-def wait_all(tenant: "Tenant", timeout_s: float) -> bool:
+def wait_all(tenant: HandoffHolder, timeout_s: float) -> bool:
     """Whether every offer of ``tenant`` settled within ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     for t in of(tenant).pending():
-        if not t._done.wait(max(0.0, deadline - time.monotonic())):
+        if t.wait(max(0.0, deadline - time.monotonic())) == PENDING:
             return False
     return True

@@ -5,16 +5,26 @@ daemon reclaims from other tenants to make room; the lease ends with :meth:`Leas
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from kvpool.client_lib.tenant import Tenant
+
+class LeaseHolder(Protocol):
+    """The tenant a lease belongs to (a :class:`~kvpool.client_lib.tenant.Tenant`).
+
+    Obligations: ``closed`` is True once the session ended (the daemon dropped the lease
+    with it); ``set_lease(n)`` makes the tenant's lease ``n`` bytes and returns what the
+    daemon granted."""
+
+    @property
+    def closed(self) -> bool: ...
+
+    def set_lease(self, nbytes: int) -> int: ...
 
 
 class Lease:
     """A held lease (context manager). ``close()`` gives the memory back."""
 
-    def __init__(self, tenant: Tenant, nbytes: int):
+    def __init__(self, tenant: LeaseHolder, nbytes: int):
         self.tenant = tenant
         self.nbytes = nbytes
 

@@ -15,6 +15,9 @@ Each step (:meth:`Refiller.rebalance`, every ``tick_s`` or when woken):
 Refused grants back off; a reclaim pauses refills (:meth:`pause`). While the daemon is
 away (restart) the thread idles; the tenant's own thread reconnects. The demand and
 back-off fields are read and written under the allocator's lock.
+
+The refiller sees its allocator only through :class:`ReserveOwner` (it does not import
+the allocator, which builds it with ``Refiller(self, ...)``).
 """
 
 from __future__ import annotations
@@ -22,10 +25,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterable, Protocol
 
 if TYPE_CHECKING:
-    from kvpool.client_lib.allocator import ElasticBlockAllocator
+    from kvpool.client_lib.chunk_book import ChunkBook
+    from kvpool.client_lib.regions import RegionGroup
 
 log = logging.getLogger("kvpool.client")
 
@@ -36,8 +40,35 @@ DEMAND_RETRY_S = 0.02  # after a refused demand grant: do not hammer
 RECLAIM_PAUSE_S = 1.0  # the daemon wanted memory elsewhere: no refill for this long
 
 
+class ReserveOwner(Protocol):
+    """The allocator a :class:`Refiller` keeps the reserve of (an
+    :class:`~kvpool.client_lib.allocator.ElasticBlockAllocator`).
+
+    Obligations: ``lock`` guards ``book`` and the refiller's demand (``has_demand``/
+    ``add_demand`` are called under it); the refiller reads ``book`` only under ``lock``.
+    ``grow_reserve`` (grant in-flight chunks into the reserve; False when refused) and
+    ``release_reserve_chunks`` (release up to ``k`` reserve chunks; how many left the
+    reserve) take the lock themselves and are called without it, as are
+    ``reserve_units`` and ``in_use_bytes`` (what :meth:`Refiller.report` sends). The
+    watermarks and intervals may change at any time; each step reads them afresh."""
+
+    lock: threading.Lock
+    book: ChunkBook
+    group: RegionGroup
+    low: int
+    high: int
+    idle_timeout_s: float
+    tick_s: float
+    report_interval_s: float
+
+    def grow_reserve(self, chunks: list[int], speculative: bool) -> bool: ...
+    def release_reserve_chunks(self, k: int) -> int: ...
+    def reserve_units(self, extra: Iterable[int] = ()) -> list[int]: ...
+    def in_use_bytes(self) -> int: ...
+
+
 class Refiller:
-    def __init__(self, alloc: ElasticBlockAllocator, start: bool) -> None:
+    def __init__(self, alloc: ReserveOwner, start: bool) -> None:
         self._alloc = alloc
         self._wake = threading.Event()
         self._stopped = False

@@ -9,26 +9,78 @@ there, :meth:`RegionGroup.release` unmaps them everywhere and then gives them ba
 Invariant: ``mapped`` is exactly the set of units mapped in every region (and granted to
 this tenant by the daemon). On the host backend ``handles[u]`` keeps one page descriptor
 per region of every mapped unit, so the tenant can hand its pages to a restarted daemon
-(:meth:`adopt_state`); on CUDA the handles are retained from the mappings instead.
+(:meth:`adopt_state`, inside :meth:`RegionGroup.frozen`); on CUDA the handles are retained
+from the mappings instead.
+
+A group knows its tenant and its allocator only through the two small interfaces below
+(:class:`Session`, :class:`GroupAllocator`): :class:`~kvpool.client_lib.tenant.Tenant` and
+:class:`~kvpool.client_lib.allocator.ElasticBlockAllocator` import this module, not the
+other way round.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Iterator, Protocol, Sequence, TypeVar
 
 from kvpool import fdchannel
 from kvpool import protocol as p
-from kvpool.vmm import Page, Range
+from kvpool.vmm import Backend, Page, Range
 
 if TYPE_CHECKING:
     import torch
 
-    from kvpool.client_lib.allocator import ElasticBlockAllocator
-    from kvpool.client_lib.tenant import Tenant
+    from kvpool.client_lib.handoff import Handoffs
 
 log = logging.getLogger("kvpool.client")
+
+R = TypeVar("R", bound=p.Reply)
+
+
+class Session(Protocol):
+    """What a region group needs from the tenant it belongs to (a
+    :class:`~kvpool.client_lib.tenant.Tenant`).
+
+    Obligations: ``call`` sends one request on the live session and returns the typed reply
+    with the descriptors that came with it (raising ``KvpoolError`` for an error reply);
+    ``backend`` and ``page_size`` are the tenant's own vmm backend and the daemon's page
+    size, fixed for the session's life; ``closed``/``connected`` say whether requests can
+    still be made; :meth:`group_closed` is called once by :meth:`RegionGroup.close` so the
+    tenant stops listing the group. ``handoffs`` (for :mod:`kvpool.client_lib.handoff`,
+    which reaches a group's offers through ``group.tenant``) is the tenant's offers."""
+
+    @property
+    def backend(self) -> Backend: ...
+    @property
+    def page_size(self) -> int: ...
+    @property
+    def closed(self) -> bool: ...
+    @property
+    def connected(self) -> bool: ...
+    @property
+    def handoffs(self) -> Handoffs: ...
+
+    def call(self, req: p.Request, expect: type[R]) -> tuple[R, list[int]]: ...
+    def group_closed(self, group_id: int) -> None: ...
+
+
+class GroupAllocator(Protocol):
+    """What manages a group's units on top of it and registers itself as
+    ``group.allocator`` (an :class:`~kvpool.client_lib.allocator.ElasticBlockAllocator`).
+
+    Obligations: each method is thread-safe and takes its own lock; none calls back into
+    the group while :meth:`RegionGroup.frozen` is held by the caller (``in_use_bytes`` and
+    ``reserve_units`` are read inside it during a daemon restart); ``stop`` ends any
+    background thread before the group unmaps everything; ``release_reserve`` gives empty
+    chunks worth at least ``nbytes`` back to the daemon (a reclaim) and returns the bytes
+    released."""
+
+    def in_use_bytes(self) -> int: ...
+    def reserve_units(self) -> list[int]: ...
+    def release_reserve(self, nbytes: int) -> int: ...
+    def stop(self) -> None: ...
 
 
 def unit_runs(units: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -44,7 +96,7 @@ def unit_runs(units: Sequence[int]) -> list[tuple[int, int, int]]:
 
 
 class RegionGroup:
-    def __init__(self, tenant: "Tenant", n_regions: int, capacity: int, label: str = ""):
+    def __init__(self, tenant: Session, n_regions: int, capacity: int, label: str = ""):
         self.tenant = tenant
         self.backend = tenant.backend
         self.page_size = tenant.page_size
@@ -69,9 +121,18 @@ class RegionGroup:
         self.handles: dict[int, list[Page]] = {}  # unit -> Page per region (host backend)
         self.label = label
         #: an ElasticBlockAllocator registers itself here
-        self.allocator: ElasticBlockAllocator | None = None
-        self._lock = threading.Lock()  # guards mapped/handles (the tenant's adopt holds it)
+        self.allocator: GroupAllocator | None = None
+        self._lock = threading.Lock()  # guards mapped/handles (held by frozen())
         self.closed = False
+
+    @contextlib.contextmanager
+    def frozen(self) -> Iterator[None]:
+        """Hold the group still for the block: no unit is mapped, unmapped or forgotten
+        (grants, releases, claims and handoff settlements wait) until it ends. The tenant
+        holds every group frozen while it hands their pages to a restarted daemon
+        (:meth:`adopt_state`). Do not grant, release or claim on this group inside it."""
+        with self._lock:
+            yield
 
     @property
     def bases(self) -> list[int]:
@@ -193,8 +254,9 @@ class RegionGroup:
 
     # ---- daemon restart ----------------------------------------------------------------
     def adopt_state(self) -> tuple[p.AdoptGroup, list[int], list[int]]:
-        """(caller holds ``_lock``) This group as an Adopt entry, the page descriptors to
-        send (unit-major), and those of them the caller must close after sending."""
+        """(caller holds the group :meth:`frozen`) This group as an Adopt entry, the page
+        descriptors to send (unit-major), and those of them the caller must close after
+        sending."""
         units = sorted(self.mapped)
         fds: list[int] = []
         owned: list[int] = []
@@ -254,4 +316,4 @@ class RegionGroup:
         finally:
             for rng in self.ranges:
                 self.backend.free_range(rng)
-            self.tenant.groups.pop(self.id, None)
+            self.tenant.group_closed(self.id)

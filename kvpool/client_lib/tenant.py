@@ -30,19 +30,17 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, TypeVar, overload
+from typing import Callable, TypeVar, overload
 
 from kvpool import paths
 from kvpool import protocol as p
 from kvpool.client_lib.connection import Connection, UntrustedDaemon
 from kvpool.client_lib.errors import KvpoolError
+from kvpool.client_lib.handoff import Handoffs
 from kvpool.client_lib.lease import Lease
 from kvpool.client_lib.regions import RegionGroup
 from kvpool.limits import raise_fd_limit
 from kvpool.vmm import open_backend
-
-if TYPE_CHECKING:
-    from kvpool.client_lib.handoff import Handoffs
 
 log = logging.getLogger("kvpool.client")
 
@@ -82,7 +80,7 @@ class Tenant:
         self.budget = reply.budget
         self.groups: dict[int, RegionGroup] = {}
         self.on_message: Callable[[p.Reply], None] | None = None
-        self.handoffs: Handoffs | None = None  # kvpool.client_lib.handoff, made on first use
+        self.handoffs = Handoffs(self)  # offers in flight (kvpool.client_lib.handoff)
         self.lease_bytes = 0
         self.reconnects = 0
         self.reclaims = 0  # reclaim requests handled
@@ -119,6 +117,10 @@ class Tenant:
         g = RegionGroup(self, n_regions, capacity_bytes, label)
         self.groups[g.id] = g
         return g
+
+    def group_closed(self, group_id: int) -> None:
+        """(:meth:`RegionGroup.close`) The group is gone: no longer one of ``groups``."""
+        self.groups.pop(group_id, None)
 
     # ---- reclaim ---------------------------------------------------------------------
     def set_shrink_callback(self, fn: ShrinkCallback | None) -> None:
@@ -157,9 +159,7 @@ class Tenant:
         if isinstance(m, p.Reclaim):
             self.reclaim(m)
         elif isinstance(m, p.Settled):  # an offer of ours ended (kvpool.client_lib.handoff)
-            from kvpool.client_lib import handoff
-
-            handoff.of(self).settled(m)
+            self.handoffs.settled(m)
 
     def reclaim(self, m: p.Reclaim) -> int:
         """Answer one reclaim request; returns the bytes released."""
@@ -267,33 +267,30 @@ class Tenant:
     def _rejoin(self, conn: Connection) -> None:
         reply, _ = conn.call(self._fresh_register(), p.Registered)
         groups = list(self.groups.values())
-        locks = [g._lock for g in groups]
-        for lock in locks:
-            lock.acquire()
-        owned: list[int] = []
-        try:
-            entries: list[p.AdoptGroup] = []
-            fds: list[int] = []
-            for g in groups:
-                entry, gfds, gowned = g.adopt_state()
-                entries.append(entry)
-                fds.extend(gfds)
-                owned.extend(gowned)
-            conn.call(p.Adopt(groups=entries, lease=self.lease_bytes, nfds=len(fds)),
-                      p.Adopted, fds_ahead=fds)
-            old, self.conn = self.conn, conn
-        finally:
-            for fd in owned:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-            for lock in locks:
-                lock.release()
+        with contextlib.ExitStack() as frozen:
+            for g in groups:  # no unit maps or unmaps while the new daemon adopts them
+                frozen.enter_context(g.frozen())
+            owned: list[int] = []
+            try:
+                entries: list[p.AdoptGroup] = []
+                fds: list[int] = []
+                for g in groups:
+                    entry, gfds, gowned = g.adopt_state()
+                    entries.append(entry)
+                    fds.extend(gfds)
+                    owned.extend(gowned)
+                conn.call(p.Adopt(groups=entries, lease=self.lease_bytes, nfds=len(fds)),
+                          p.Adopted, fds_ahead=fds)
+                old, self.conn = self.conn, conn
+            finally:
+                for fd in owned:
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
         old.close()
         self.info = reply
         self.id = reply.tenant
         self.reconnects += 1
-        if self.handoffs is not None:  # the new daemon knows no ticket: our offers end
-            self.handoffs.void("the daemon restarted")
+        self.handoffs.void("the daemon restarted")  # the new daemon knows no ticket
         log.warning("reconnected to the kvpool daemon as tenant %d; adopted %d groups",
                     self.id, len(entries))
 

@@ -1,10 +1,13 @@
 """The kvpool daemon: a single-threaded arbiter of one device's pages (never imports torch).
 
 One concept per file (docs/ARCHITECTURE.md, "Daemon layout"): the server side
-(``server`` the loop, ``timers``, ``startup``, ``control``, ``fdsessions``, ``fdsend``,
-``fdqueue``, ``restart``) moves bytes and descriptors; the arbiter side (``arbiter`` the
-state and dispatch table, ``registry``, ``grants``, ``adoption``, ``views``,
-``integrity``, ``reclaim``, ``fairshare``, ``pool``, ``tenants``, ``regions``) decides,
-free of sockets. ``config`` is the one settings schema; ``auth`` who may do what;
+(``server`` the loop and its timers, ``fdwatch`` its poller, ``startup``, ``control``,
+``fdsessions``, ``fdsend``, ``fdqueue``, ``restart``) moves bytes and descriptors; the
+arbiter side (``arbiter`` the dispatch table and the tick, over handlers that each take
+the state they act on: ``registry``, ``grants``, ``adoption``, ``handoff``, ``locate``,
+``views``, ``integrity``, ``reclaim``; and that state: ``pool``, ``tenants``,
+``regions``, ``counters``, ``outcome``'s outbox) decides, free of sockets.
+``fairshare`` and ``escrow`` are pure policy. ``config`` is the one settings schema;
+``auth`` who may do what; ``hooks`` the observation points,
 ``observe``/``measures``/``events``/``metrics`` what it decided; ``notify`` sd_notify.
 """

@@ -14,18 +14,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from typing import TYPE_CHECKING
 
 from kvpool import protocol as p
 from kvpool.daemon.grants import require_holder
-from kvpool.daemon.outcome import Fail
+from kvpool.daemon.outcome import Fail, Sender
 from kvpool.daemon.pool import Pool
-from kvpool.daemon.regions import GroupRecord
+from kvpool.daemon.regions import GroupIndex, GroupRecord
+from kvpool.daemon.restart import Recovery
 from kvpool.daemon.tenants import TenantRecord
 from kvpool.vmm import Page
-
-if TYPE_CHECKING:
-    from kvpool.daemon.arbiter import Arbiter
 
 log = logging.getLogger("kvpool.daemon")
 
@@ -50,10 +47,19 @@ def _empty(r: p.Adopt) -> bool:
 
 
 class Adoption:
-    def __init__(self, arbiter: Arbiter):
-        self.arbiter = arbiter
+    """Adopts into ``pool`` and ``groups`` while ``recovery`` is active, within the
+    per-tenant caps (``max_groups`` groups spanning ``max_virtual_pages``)."""
 
-    def adopt(self, t: TenantRecord, identity: bytes, r: p.Adopt) -> p.Reply:
+    def __init__(self, pool: Pool, groups: GroupIndex, recovery: Recovery, max_groups: int,
+                 max_virtual_pages: int):
+        self.pool = pool
+        self.page_size = pool.page_size
+        self.groups = groups
+        self.recovery = recovery
+        self.max_groups = max_groups
+        self.max_virtual_pages = max_virtual_pages
+
+    def adopt(self, t: TenantRecord, sender: Sender, r: p.Adopt) -> p.Reply:
         fds, t.inbox = t.inbox, []
         try:
             return self._adopt(t, r, fds)
@@ -65,7 +71,7 @@ class Adoption:
     def _may_adopt(self, t: TenantRecord, r: p.Adopt) -> None:
         """Who may adopt: a memory-holding session of a pid the previous daemon recorded,
         once, while this daemon is recovering."""
-        recovery = self.arbiter.recovery
+        recovery = self.recovery
         require_holder(t, "adopt")
         if _empty(r):
             return
@@ -80,21 +86,20 @@ class Adoption:
 
     def check(self, t: TenantRecord, r: p.Adopt, nfds: int) -> int:
         """Validate an Adopt against the state before any effect; returns its pages."""
-        a = self.arbiter
-        ps, pool = a.page_size, a.pool
+        ps, pool = self.page_size, self.pool
         total = sum(len(g.units) * g.n_regions for g in r.groups)
         if total != r.nfds or nfds != total:
             raise Fail(p.BAD_REQUEST, f"adopt names {total} pages, says {r.nfds}, "
                                       f"sent {nfds} descriptors")
         ids = [g.id for g in r.groups]
         # ids the previous daemon can have handed out: below the next id it recorded
-        top = min(a.next_group, p.MAX_GROUP_ID + 1)
+        top = min(self.groups.next_id, p.MAX_GROUP_ID + 1)
         if any(i >= top for i in ids):
             raise Fail(p.BAD_REQUEST, f"adopt: group ids must be below {top} (ids the "
                                       f"previous daemon handed out)")
-        if len(set(ids)) != len(ids) or any(i in a.groups for i in ids):
+        if len(set(ids)) != len(ids) or any(i in self.groups for i in ids):
             raise Fail(p.BAD_REQUEST, "adopt reuses a group id that is taken")
-        if len(r.groups) > a.cfg.max_groups_per_tenant:
+        if len(r.groups) > self.max_groups:
             raise Fail(p.BAD_REQUEST, f"adopt: {len(r.groups)} groups exceed the per-tenant cap")
         virtual = 0
         for g in r.groups:
@@ -107,7 +112,7 @@ class Adoption:
             if any(u >= npages for u in g.units):
                 raise Fail(p.BAD_REQUEST, f"adopt: group {g.id} does not fit its capacity")
             virtual += npages * g.n_regions
-        if virtual > a.cfg.max_virtual_pages_per_tenant:
+        if virtual > self.max_virtual_pages:
             raise Fail(p.BAD_REQUEST, f"adopt: {virtual} virtual pages exceed the per-tenant cap")
         lease = -(-r.lease // ps)
         held = pool.granted + pool.leased + pool.retained_pages()
@@ -122,7 +127,7 @@ class Adoption:
 
     def _import(self, fds: list[int]) -> list[Page]:
         """The pages behind ``fds`` (all or none); one the pool holds already is refused."""
-        pool = self.arbiter.pool
+        pool = self.pool
         host = pool.backend.caps.handles_are_fds
         known = pool_page_keys(pool)
         pages: list[Page] = []
@@ -146,29 +151,29 @@ class Adoption:
         return pages
 
     def _adopt(self, t: TenantRecord, r: p.Adopt, fds: list[int]) -> p.Reply:
-        a = self.arbiter
+        pool = self.pool
         self._may_adopt(t, r)
         if _empty(r) and not fds:
-            a.recovery.returned(t.pid)
+            self.recovery.returned(t.pid)
             return p.Adopted(id=r.id, groups=[], pages=0)
         self.check(t, r, len(fds))
         pages = self._import(fds)
         i = 0
         for ag in r.groups:
             g = GroupRecord(id=ag.id, tenant=t.id, n_regions=ag.n_regions,
-                            npages=ag.capacity // a.page_size, bases=list(ag.bases),
+                            npages=ag.capacity // self.page_size, bases=list(ag.bases),
                             label=ag.label)
             for u in ag.units:
-                g.units[u] = [a.pool.adopt(pages[i + k], t.id) for k in range(ag.n_regions)]
+                g.units[u] = [pool.adopt(pages[i + k], t.id) for k in range(ag.n_regions)]
                 i += ag.n_regions
             g.record_usage(ag.in_use, ag.reserve)
             t.groups[g.id] = g
-            a.groups[g.id] = g
+            self.groups[g.id] = g
             t.granted += g.pages
-        lease = -(-r.lease // a.page_size)
-        a.pool.leased += lease
+        lease = -(-r.lease // self.page_size)
+        pool.leased += lease
         t.lease_pages = lease
-        a.recovery.returned(t.pid)
+        self.recovery.returned(t.pid)
         log.info("tenant %d (%s, pid %d) adopted: %d groups, %d pages, lease %d pages",
                  t.id, t.name, t.pid, len(r.groups), t.granted, lease)
         return p.Adopted(id=r.id, groups=[g.id for g in r.groups], pages=t.granted)

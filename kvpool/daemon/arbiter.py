@@ -5,24 +5,29 @@ its handler and returns an :class:`~kvpool.daemon.outcome.Outcome`: the reply, t
 whose descriptors must go to the tenant's fd channel *before* the reply is sent (for
 grants), and whether the tenant's session ends. A grant or lease that must wait for
 reclaim returns a *deferred* outcome; :meth:`Arbiter.tick` later returns its real one
-(with the envelope to answer). Unsolicited messages for tenants (``Reclaim``) are
-queued in :attr:`Arbiter.outbox` for the server to send.
+(with the envelope to answer). Unsolicited messages for tenants (``Reclaim``,
+``Settled``) are queued in the :class:`~kvpool.daemon.outcome.Outbox` for the server to
+send (:meth:`Arbiter.take_outbox`).
 
-The arbiter owns the state (tenants, groups, pool, counters, recovery); each concept's
-handlers live in their own file and reach the state through ``self.arbiter``:
-:mod:`~kvpool.daemon.registry` (sessions, register, knobs, set_limit, drop),
+The arbiter builds the state (tenants, the group index, the pool it is given, the
+request counters, the recovery) and hands each concept's handler only the parts it acts
+on: :mod:`~kvpool.daemon.registry` (sessions, register, knobs, set_limit, drop),
 :mod:`~kvpool.daemon.grants` (groups, grant, release, report, lease, reclaimed),
-:mod:`~kvpool.daemon.adoption` (Adopt after a restart), :mod:`~kvpool.daemon.locate`
-(locate a tenant by name), :mod:`~kvpool.daemon.views`
-(ps, stats, map, check) and :mod:`~kvpool.daemon.integrity` (the self-check). Reclaim
-policy lives in :mod:`kvpool.daemon.reclaim`, the weighted shares in
-:mod:`kvpool.daemon.fairshare`.
+:mod:`~kvpool.daemon.adoption` (Adopt after a restart), :mod:`~kvpool.daemon.handoff`
+(offer, claim, cancel), :mod:`~kvpool.daemon.locate` (locate a tenant by name),
+:mod:`~kvpool.daemon.views` (ps, stats, map, check) and
+:mod:`~kvpool.daemon.integrity` (the self-check). Reclaim policy lives in
+:mod:`kvpool.daemon.reclaim`, the weighted shares in :mod:`kvpool.daemon.fairshare`.
+What is left here is the dispatch table, the tick and the session calls of the server.
+An observer (:mod:`kvpool.daemon.hooks`, set with :meth:`Arbiter.observe`) hears of
+every request handled, every tick and every session dropped.
 
 **Adding a request type**: define it in :mod:`kvpool.protocol.requests` (its reply in
-``replies.py``), write its handler ``(tenant, identity, request) -> Reply | Outcome``
-in the file of its concept (or a new one), and register it in :meth:`Arbiter.__init__`
-(or, from outside, with :meth:`Arbiter.add_handler`); ``auth.authorize`` decides who
-may send it (``p.MONITOR_OPS``/``p.ADMIN_OPS``).
+``replies.py``), write its handler ``(tenant, sender, request) -> Reply | Outcome``
+in the file of its concept (or a new one, taking the state it needs in its
+constructor), and register it in :meth:`Arbiter.__init__` (or, from outside, with
+:meth:`Arbiter.add_handler`); ``auth.authorize`` decides who may send it
+(``p.MONITOR_OPS``/``p.ADMIN_OPS``).
 
 Every failure is a :class:`Fail` carrying a stable error code; the server turns any
 other exception into ``INTERNAL`` and keeps serving.
@@ -38,14 +43,17 @@ from kvpool import protocol as p
 from kvpool.daemon.adoption import Adoption
 from kvpool.daemon.auth import Denied, authorize
 from kvpool.daemon.config import Config
+from kvpool.daemon.counters import Counters
 from kvpool.daemon.grants import Grants
 from kvpool.daemon.handoff import Handoff
-from kvpool.daemon.integrity import check_integrity
+from kvpool.daemon.hooks import ArbiterObserver, NoObserver
+from kvpool.daemon.integrity import Integrity
 from kvpool.daemon.locate import Locator
-from kvpool.daemon.outcome import Fail, Handler, Outcome
+from kvpool.daemon.outcome import Fail, Handler, Outbox, Outcome, Sender
+from kvpool.daemon.policy import POLICIES
 from kvpool.daemon.pool import Pool
-from kvpool.daemon.reclaim import Ask, Reclaimer
-from kvpool.daemon.regions import GroupRecord
+from kvpool.daemon.reclaim import Reclaimer
+from kvpool.daemon.regions import GroupIndex
 from kvpool.daemon.registry import Registry
 from kvpool.daemon.restart import Recovery
 from kvpool.daemon.tenants import TenantRecord, Tenants
@@ -63,21 +71,27 @@ class Arbiter:
         self.page_size = pool.page_size
         self.budget = budget
         self.tenants = Tenants()
-        self.groups: dict[int, GroupRecord] = {}  # every live group, by id (all tenants)
-        self.next_group = 1  # the next group id to try (see new_group_id)
+        self.groups = GroupIndex()  # every live group, by id (all tenants)
         self.recovery = Recovery()
-        self.outbox: list[tuple[bytes, p.Reply]] = []
-        self.reclaimer = Reclaimer(self, cfg.reclaim_timeout_s, cfg.short_backoff_s)
-        self.envelope: list[bytes] = []  # where the request being handled is answered
-        self.started = time.monotonic()
-        self.requests = 0
-        self.errors = 0
-        self.registry = Registry(self)
-        self.grants = Grants(self)
-        self.adoption = Adoption(self)
-        self.views = Views(self)
-        self.handoff = Handoff(self, cfg.handoff_pairs())
-        g, v = self.grants, self.views
+        self.outbox = Outbox()
+        self.counters = Counters()
+        self.observer: ArbiterObserver = NoObserver()
+        most, vmost = cfg.max_groups_per_tenant, cfg.max_virtual_pages_per_tenant
+        self.reclaimer = Reclaimer(self.tenants, pool, budget, self.outbox,
+                                   cfg.reclaim_timeout_s, cfg.short_backoff_s,
+                                   POLICIES[cfg.reclaim_policy])
+        self.registry = Registry(cfg, pool, budget, self.tenants, self.groups,
+                                 self.reclaimer, self.recovery)
+        self.grants = Grants(pool, self.groups, self.reclaimer, self.recovery,
+                             self.counters, most, vmost)
+        self.adoption = Adoption(pool, self.groups, self.recovery, most, vmost)
+        self.handoff = Handoff(pool, self.tenants, self.groups, self.reclaimer,
+                               self.recovery, self.outbox, cfg.handoff_pairs())
+        self.integrity = Integrity(pool, self.tenants, self.groups, self.handoff, most, vmost)
+        self.views = Views(pool, self.tenants, self.groups, self.reclaimer, self.recovery,
+                           self.counters, self.integrity)
+        locator = Locator(self.tenants, self.handoff.pairs)
+        g, v, h = self.grants, self.views, self.handoff
         self._handlers: dict[type[p.Request], Handler] = {
             p.Register: self.registry.register,
             p.CreateGroup: g.create_group,
@@ -85,8 +99,8 @@ class Arbiter:
             p.Grant: g.grant,
             p.Release: g.release,
             p.Report: g.report,
-            p.Bye: lambda t, i, r: Outcome(p.Done(id=r.id), tenant=t, end_session=True),
-            p.Ping: lambda t, i, r: p.Done(id=r.id),
+            p.Bye: lambda t, s, r: Outcome(p.Done(id=r.id), tenant=t, end_session=True),
+            p.Ping: lambda t, s, r: p.Done(id=r.id),
             p.Ps: v.ps,
             p.Stats: v.stats,
             p.MapReq: v.map,
@@ -95,23 +109,37 @@ class Arbiter:
             p.Lease: g.lease,
             p.Reclaimed: g.reclaimed,
             p.Adopt: self.adoption.adopt,
-            p.Shutdown: lambda t, i, r: Outcome(p.Done(id=r.id), stop=True),
-            p.Offer: self.handoff.offer,
-            p.Claim: self.handoff.claim,
-            p.Cancel: self.handoff.cancel,
-            p.Locate: Locator(self).locate,
+            p.Shutdown: lambda t, s, r: Outcome(p.Done(id=r.id), stop=True),
+            p.Offer: h.offer,
+            p.Claim: h.claim,
+            p.Cancel: h.cancel,
+            p.Locate: locator.locate,
         }
+
+    def observe(self, observer: ArbiterObserver) -> None:
+        """Report what the arbiter (and its reclaimer) decide to ``observer``."""
+        self.observer = observer
+        self.reclaimer.observe(observer)
 
     # ---- entry points -----------------------------------------------------------------
     def handle(self, identity: bytes, req: p.Request,
                envelope: list[bytes] | None = None) -> Outcome:
-        self.requests += 1
+        sender = self.tenants.by_token.get(req.token) if req.token else None
+        before = sender.granted if sender is not None else 0
+        t0 = time.perf_counter()
+        out = self._dispatch(identity, req, envelope)
+        self.observer.handled(req, out, time.perf_counter() - t0, before, sender)
+        return out
+
+    def _dispatch(self, identity: bytes, req: p.Request,
+                  envelope: list[bytes] | None) -> Outcome:
+        self.counters.requests += 1
         op = req.__struct_config__.tag
         assert isinstance(op, str)
-        self.envelope = envelope or [identity]
+        sender = Sender(identity, envelope or [identity])
         try:
             tenant = authorize(op, req.token, identity, self.tenants)
-            result = self._handlers[type(req)](tenant, identity, req)
+            result = self._handlers[type(req)](tenant, sender, req)
         except Denied as e:
             return self.fail(req.id, p.UNAUTHORIZED, str(e))
         except Fail as e:
@@ -127,7 +155,11 @@ class Arbiter:
     def tick(self, now: float | None = None) -> list[Outcome]:
         """Serve waiting requests whose pages are free, fail the late ones, and send the
         reclaim asks still needed. Returns outcomes to emit (each with its envelope)."""
-        now = time.monotonic() if now is None else now
+        outs = self._step(time.monotonic() if now is None else now)
+        self.observer.ticked(outs)
+        return outs
+
+    def _step(self, now: float) -> list[Outcome]:
         if self.recovery.finish_if_done(now):
             log.info("recovery done: %d tenants, %d pages adopted", len(self.tenants),
                      self.pool.granted)
@@ -138,7 +170,7 @@ class Arbiter:
         for w, err in self.reclaimer.step(now):
             o = Outcome(err, tenant=w.tenant) if err is not None else self.grants.serve(w)
             if err is not None:
-                self.errors += 1
+                self.counters.errors += 1
             o.envelope = w.envelope
             out.append(o)
         return out
@@ -158,18 +190,14 @@ class Arbiter:
         return self.registry.open(conn, pid, uid, gid, pidfd)
 
     def drop(self, t: TenantRecord, why: str) -> None:
+        held, arbitrated, t0 = t.held, t.arbitrated, time.perf_counter()
         self.handoff.dropped(t)  # its offers end; its pages go back with the rest
         self.registry.drop(t, why)
-
-    def unsolicited(self, t: TenantRecord, msg: p.Reply) -> None:
-        """Queue a message for ``t`` (sent by the server on the ROUTER to its identity)."""
-        if t.identity is not None:
-            self.outbox.append((t.identity, msg))
+        self.observer.dropped(t, why, held, arbitrated, time.perf_counter() - t0)
 
     def take_outbox(self) -> list[tuple[bytes, p.Reply]]:
         """The queued unsolicited messages, oldest first (the queue is left empty)."""
-        out, self.outbox = self.outbox, []
-        return out
+        return self.outbox.take()
 
     # ---- restart ------------------------------------------------------------------
     @property
@@ -177,48 +205,30 @@ class Arbiter:
         """Rebuilding the accounting after a restart: grants and leases get ``BUSY``."""
         return self.recovery.active
 
+    @property
+    def next_group(self) -> int:
+        """The next group id to try (``GroupIndex.new_id``)."""
+        return self.groups.next_id
+
+    @next_group.setter
+    def next_group(self, value: int) -> None:
+        self.groups.next_id = value
+
     def begin_recovery(self, pids: set[int], names: dict[str, int], uids: dict[int, int],
                        next_group: int, until: float) -> None:
         """Wait for the previous daemon's live tenants (``pids``; their ``names`` and
         ``uids``) to adopt what they map, until ``until``; group ids continue from
         ``next_group``."""
-        self.next_group = max(self.next_group, next_group)
+        self.groups.continue_from(next_group)
         if pids:
             self.recovery.begin(pids, names, uids, until)
 
-    def new_group_id(self) -> int:
-        """The next free group id, in ``1..MAX_GROUP_ID`` (wrapping around, skipping live
-        ones): ids never grow past what clients, the wire and ``state.json`` carry."""
-        gid = self.next_group
-        for _ in range(len(self.groups) + 2):
-            if not 1 <= gid <= p.MAX_GROUP_ID:
-                gid = 1
-            if gid not in self.groups:
-                break
-            gid += 1
-        self.next_group = gid + 1
-        return gid
-
     # ---- shared helpers ------------------------------------------------------------
     def fail(self, id: int, code: str, message: str) -> Outcome:
-        self.errors += 1
+        self.counters.errors += 1
         return Outcome(p.error(id, code, message))
 
-    def knobs(self, name: str, asked: p.Register | None = None) -> tuple[int, int, float]:
-        return self.registry.knobs(name, asked)
-
-    def limit_pages(self, name: str) -> int:
-        return self.knobs(name)[1]
-
-    def log_ignored(self, t: TenantRecord, ask: Ask) -> None:
-        log.warning("tenant %d (%s) ignored reclaim %d (%s, %d pages still held above the "
-                    "ask); capped at its min until it answers", t.id, t.name, ask.seq,
-                    ask.reason, ask.pages)
-
     # ---- read-only views ---------------------------------------------------------------
-    def tenant_info(self, t: TenantRecord, shares: dict[int, int] | None = None) -> p.TenantInfo:
-        return self.views.tenant_info(t, shares)
-
     def pool_info(self) -> p.PoolInfo:
         return self.views.pool_info()
 
@@ -226,4 +236,4 @@ class Arbiter:
         return self.views.listed()
 
     def check_integrity(self) -> list[str]:
-        return check_integrity(self)
+        return self.integrity.check()

@@ -116,6 +116,9 @@ class Config:
     register_timeout_s: Seconds = 10.0  # fd-channel sessions that never register are dropped
     send_timeout_s: Seconds = 2.0  # a tenant whose fd socket stays full this long is dropped
     reclaim_timeout_s: Seconds = 2.0  # deadline of reclaim asks and of requests waiting on them
+    # how contended memory is split: "fair_share" (weighted max-min, the default) or
+    # "priority" (highest weight first, floors kept); kvpool/daemon/policy.py
+    reclaim_policy: str = "fair_share"
     recover_timeout_s: Annotated[float, Meta(ge=0, le=86400)] = 5.0  # after a restart
     log_level: str = "INFO"  # one of config_values.LOG_LEVELS, any case
     metrics_address: str | None = None  # HOST:PORT of the Prometheus exporter (None: off)

@@ -11,6 +11,7 @@ from typing import Any
 import msgspec
 
 from kvpool.sizes import format_size, parse_size
+from kvpool.daemon.policy import POLICIES
 from kvpool.vmm.registry import capabilities
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -46,6 +47,8 @@ def check_value(key: str, value: Any) -> str | None:
         return check_size(value, **SIZE_RULES[key])
     if key == "log_level" and value not in LOG_LEVELS:
         return f"expected one of {', '.join(LOG_LEVELS)}"
+    if key == "reclaim_policy" and value not in POLICIES:
+        return f"expected one of {', '.join(POLICIES)}"
     if key in ("run_dir", "socket_group", "admin_group") and value is not None and not value:
         return "must not be empty"
     return None

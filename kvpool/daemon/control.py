@@ -5,35 +5,43 @@ Up to ``burst`` messages are read per loop turn, frame by frame: a message of mo
 :data:`MAX_FRAMES` frames is refused (``BAD_REQUEST``) and its rest discarded unread,
 ``drain_slice`` frames per turn. A REQ socket's empty delimiter is kept in the reply's
 envelope. Anything that does not decode gets its error reply here; a decoded request
-goes to ``Server.receive``. Replies are sent non-blocking: a peer past its high-water
-mark loses the reply, the loop never waits for it.
+goes to the ``receive`` callback (``Server.receive``). Replies are sent non-blocking:
+a peer past its high-water mark loses the reply, the loop never waits for it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from typing import TYPE_CHECKING
+from typing import Callable
 
 import zmq
 
 from kvpool import protocol as p
-
-if TYPE_CHECKING:
-    from kvpool.daemon.server import Server
+from kvpool.daemon.counters import Counters
 
 log = logging.getLogger("kvpool.daemon")
 
 MAX_FRAMES = 4  # frames of one control message: identity, [empty delimiter], body (+1 spare)
 
 
+# (identity, envelope, request): a decoded request for the loop to serve
+Receive = Callable[[bytes, list[bytes], p.Request], None]
+
+
 class Control:
-    def __init__(self, server: Server, router: zmq.Socket[bytes]):
-        self.server = server
+    """Reads ``router`` (``burst`` messages a turn, ``drain_slice`` frames of a refused
+    one) and hands decoded requests to ``receive``; refusals are counted in
+    ``counters``."""
+
+    def __init__(self, router: zmq.Socket[bytes], counters: Counters, receive: Receive,
+                 burst: int, drain_slice: int):
         self.router = router
+        self.counters = counters
+        self.receive = receive
         self.discard: list[int] | None = None  # [frames read] of a refused message
-        self._burst = server.cfg.burst
-        self._drain_slice = server.cfg.drain_slice
+        self._burst = burst
+        self._drain_slice = drain_slice
 
     @property
     def readable(self) -> bool:
@@ -59,9 +67,8 @@ class Control:
     def refuse(self, envelope: list[bytes], req_id: int, code: str, message: str,
                request: bool = True) -> None:
         """An error reply the arbiter never saw (counted as a request when ``request``)."""
-        a = self.server.arbiter
-        a.requests += int(request)
-        a.errors += 1
+        self.counters.requests += int(request)
+        self.counters.errors += 1
         self.reply(envelope, p.error(req_id, code, message))
 
     def _recv_frames(self) -> list[bytes] | None:
@@ -103,4 +110,4 @@ class Control:
         except p.DecodeError as e:
             self.refuse(envelope, e.id, e.code, str(e))
             return
-        self.server.receive(identity, envelope, req)
+        self.receive(identity, envelope, req)

@@ -10,9 +10,9 @@ what weighted max-min fairness gives it when every tenant asks for ``demand`` by
 with ``level`` the largest value for which the shares fit the budget. Tenants that
 want less than their weighted part leave the rest to the others (work conserving).
 
-Reclaim takes memory only from tenants holding more than their share, largest excess
-first, and never below ``max(min, share)``. No I/O here: the daemon feeds in its
-accounting and acts on the plan, so the policy is unit-testable on its own.
+This is the ``fair_share`` reclaim policy's split (:mod:`kvpool.daemon.policy` derives
+who gives back and who may grow from it). No I/O here: the daemon feeds in its
+accounting, so the split is unit-testable on its own.
 """
 
 from __future__ import annotations
@@ -51,52 +51,20 @@ def fair_shares(budget: int, claims: list[Claim], unit: int = 1) -> dict[str, in
         return {}
     floors = {c.name: c.floor for c in claims}
     if sum(floors.values()) >= budget:
-        return {n: _round(v, unit) for n, v in floors.items()}
+        return {n: round_down(v, unit) for n, v in floors.items()}
 
     def total(level: float) -> float:
         return sum(min(c.cap, max(c.floor, level * c.weight)) for c in claims)
 
     lo, hi = 0.0, max((c.cap / c.weight for c in claims if c.weight > 0), default=0.0)
     if total(hi) <= budget:  # everybody fits: shares are the caps
-        return {c.name: _round(c.cap, unit) for c in claims}
+        return {c.name: round_down(c.cap, unit) for c in claims}
     for _ in range(100):  # bisection on the water level; 100 halvings reach float precision
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if total(mid) <= budget else (lo, mid)
-    return {c.name: _round(min(c.cap, max(c.floor, lo * c.weight)), unit) for c in claims}
+    return {c.name: round_down(min(c.cap, max(c.floor, lo * c.weight)), unit) for c in claims}
 
 
-def _round(x: float, unit: int) -> int:
+def round_down(x: float, unit: int) -> int:
+    """``x`` rounded down to a multiple of ``unit``."""
     return int(x) // unit * unit
-
-
-def reclaim_plan(
-    budget: int, claims: list[Claim], need: int, unit: int = 1
-) -> list[tuple[str, int]]:
-    """Who gives back how much so that ``need`` more bytes fit, fairly.
-
-    Only tenants above their fair share give, largest excess first, none below
-    ``max(min, share)``. The plan may total less than ``need`` when everyone is at or
-    below their share: the requester is then itself at its fair share and must wait.
-    """
-    shares = fair_shares(budget, claims, unit)
-    excess = sorted(
-        ((c.held - max(c.min, shares[c.name]), c.name) for c in claims),
-        reverse=True,
-    )
-    plan: list[tuple[str, int]] = []
-    for amount, name in excess:
-        if need <= 0 or amount <= 0:
-            break
-        take = min(amount, -(-need // unit) * unit)
-        take = _round(take, unit) or min(amount, unit)
-        plan.append((name, take))
-        need -= take
-    return plan
-
-
-def may_grow(budget: int, claims: list[Claim], name: str, nbytes: int, unit: int = 1) -> bool:
-    """Whether ``name`` may take ``nbytes`` more by reclaiming from others: only up to
-    its fair share (free memory it may always take, up to its ``max``)."""
-    shares = fair_shares(budget, claims, unit)
-    me = next(c for c in claims if c.name == name)
-    return me.held + nbytes <= max(shares[name], me.min)

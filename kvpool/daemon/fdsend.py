@@ -13,23 +13,37 @@ over ``max_queued_fds`` drops the tenant; so does a socket that stays full for
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import Callable, Union
 
 from kvpool import fdchannel
 from kvpool import protocol as p
 from kvpool.daemon import fdqueue
+from kvpool.daemon.fdwatch import FdWatch
 from kvpool.daemon.outcome import Outcome
-from kvpool.daemon.tenants import TenantRecord
+from kvpool.daemon.pool import Pool
+from kvpool.daemon.tenants import TenantRecord, Tenants
 
-if TYPE_CHECKING:
-    from kvpool.daemon.server import Server
+Reply = Callable[[list[bytes], Union[p.Reply, bytes]], None]  # send on the control socket
+Drop = Callable[[TenantRecord, str], None]  # end a session (``Server.drop``)
 
 
 class FdSender:
-    def __init__(self, server: Server):
-        self.server = server
+    """Sends the pages of ``pool`` owned by live ``tenants`` on their fd channels,
+    waking on ``POLLOUT`` through ``fdwatch``; replies go out with ``reply`` after
+    their descriptors, and a tenant whose queue overflows (``max_queued_fds``) or
+    stays stuck (``send_timeout_s``) is ended with ``drop``."""
+
+    def __init__(self, pool: Pool, tenants: Tenants, fdwatch: FdWatch, reply: Reply,
+                 drop: Drop, max_queued_fds: int, send_timeout_s: float):
+        self.pool = pool
+        self.tenants = tenants
+        self.fdwatch = fdwatch
+        self.reply = reply
+        self.drop = drop
+        self.max_queued_fds = max_queued_fds
+        self.send_timeout_s = send_timeout_s
         self.queues: dict[int, fdqueue.Outbound] = {}  # tenant id -> messages still to send
-        self._handles_are_fds = server.backend.caps.handles_are_fds
+        self._handles_are_fds = pool.backend.caps.handles_are_fds
 
     def busy(self, t: TenantRecord) -> bool:
         """Something is still queued for ``t`` (its next request gets ``BUSY``)."""
@@ -37,61 +51,60 @@ class FdSender:
 
     def emit(self, envelope: list[bytes], req_id: int, out: Outcome) -> None:
         """Send one outcome: the grant's descriptors first (queued), then the reply."""
-        s, t = self.server, out.tenant
-        if t is not None and t.id in s.arbiter.tenants.by_id and (
+        t = out.tenant
+        if t is not None and t.id in self.tenants.by_id and (
                 out.pfns_to_send or self.queues.get(t.id)):
-            q = self.queues.setdefault(t.id, fdqueue.Outbound(limit=s.cfg.max_queued_fds))
+            q = self.queues.setdefault(t.id, fdqueue.Outbound(limit=self.max_queued_fds))
             pfns = out.pfns_to_send
             for first in range(0, len(pfns), fdchannel.MAX_FDS):
                 header = p.encode(p.FdHeader(req_id, len(pfns), first))
                 q.push_fds(header, pfns[first : first + fdchannel.MAX_FDS])
             q.push_reply(envelope, p.encode(out.reply), out.end_session)
             if q.overflowing:
-                s.drop(t, f"{q.fds} descriptors queued on its fd channel")
+                self.drop(t, f"{q.fds} descriptors queued on its fd channel")
                 return
             self.flush(t)
             return
         if out.pfns_to_send:  # the session ended while the grant waited: nothing to pair it with
-            s.control.reply(envelope, p.error(req_id, p.BUSY, "the session was dropped"))
+            self.reply(envelope, p.error(req_id, p.BUSY, "the session was dropped"))
             return
         assert out.reply is not None
-        s.control.reply(envelope, out.reply)
+        self.reply(envelope, out.reply)
         if out.end_session and t is not None:
-            s.drop(t, "said bye")
+            self.drop(t, "said bye")
 
     def flush(self, t: TenantRecord) -> None:
         """Send ``t``'s queued messages while its socket takes them (never blocking);
         wait for ``POLLOUT`` when it is full. Replies leave only after the descriptors
         queued before them (the ordering rule)."""
-        s = self.server
         q = self.queues.get(t.id)
         while q:
             item = q.items[0]
             if isinstance(item, fdqueue.QueuedReply):
                 q.pop()
-                s.control.reply(item.envelope, item.frame)
+                self.reply(item.envelope, item.frame)
                 if item.end_session:
-                    s.drop(t, "said bye")
+                    self.drop(t, "said bye")
                     return
                 continue
             try:
                 sent = self._send_message(t, item)
             except Exception as e:  # the socket failed, or exporting a page did (a bug)
-                s.drop(t, f"fd channel send failed: {type(e).__name__}: {e}")
+                self.drop(t, f"fd channel send failed: {type(e).__name__}: {e}")
                 return
             if not sent:
                 if q.stuck_since is None:
                     q.stuck_since = time.monotonic()
-                s.want_write(t.conn.fileno(), True)
+                self.fdwatch.want_write(t.conn.fileno(), True)
                 return
             q.pop()
         self.queues.pop(t.id, None)
-        s.want_write(t.conn.fileno(), False)
+        self.fdwatch.want_write(t.conn.fileno(), False)
 
     def _send_message(self, t: TenantRecord, item: fdqueue.FdMessage) -> bool:
         """One fd message; False when the socket is full. Only pages ``t`` still owns
         are ever sent (a queued pfn it gave back meanwhile is a bug: the tenant drops)."""
-        pool, backend = self.server.pool, self.server.backend
+        pool, backend = self.pool, self.pool.backend
         if any(pool.owner.get(pfn) != t.id for pfn in item.pfns):
             raise OSError("a queued page is no longer this tenant's")
         if self._handles_are_fds:
@@ -108,18 +121,17 @@ class FdSender:
                 fdchannel.close_all(fds)
         return True
 
-    def next_deadline(self, timeout_s: float) -> float | None:
+    def next_deadline(self) -> float | None:
         stuck = [q.stuck_since for q in self.queues.values() if q.stuck_since is not None]
-        return min(stuck) + timeout_s if stuck else None
+        return min(stuck) + self.send_timeout_s if stuck else None
 
     def expire(self, now: float) -> None:
         """Drop tenants whose fd socket stayed full for ``send_timeout_s``."""
-        s = self.server
-        timeout = s.cfg.send_timeout_s
+        timeout = self.send_timeout_s
         for tid, q in list(self.queues.items()):
-            t = s.arbiter.tenants.by_id.get(tid)
+            t = self.tenants.by_id.get(tid)
             if t is not None and q.stuck_since is not None and now - q.stuck_since >= timeout:
-                s.drop(t, f"fd channel full for {timeout:g} s ({q.fds} descriptors queued)")
+                self.drop(t, f"fd channel full for {timeout:g} s ({q.fds} descriptors queued)")
 
     def forget(self, t: TenantRecord) -> None:
         self.queues.pop(t.id, None)

@@ -23,7 +23,7 @@ import logging
 import os
 import socket
 import time
-from typing import TYPE_CHECKING
+from typing import Callable, Optional, Protocol
 
 import psutil
 import zmq
@@ -32,11 +32,12 @@ from kvpool import fdchannel
 from kvpool import protocol as p
 from kvpool.daemon import fdqueue
 from kvpool.daemon.auth import is_admin, peer_groups
+from kvpool.daemon.config import Config
+from kvpool.daemon.fdsend import Drop, FdSender
+from kvpool.daemon.fdwatch import FdWatch
 from kvpool.daemon.outcome import Fail
-from kvpool.daemon.tenants import TenantRecord
-
-if TYPE_CHECKING:
-    from kvpool.daemon.server import Server
+from kvpool.daemon.pool import Pool
+from kvpool.daemon.tenants import TenantRecord, Tenants
 
 log = logging.getLogger("kvpool.daemon")
 
@@ -55,17 +56,54 @@ def header_id(data: bytes) -> int | None:
         return None
 
 
+class SessionBook(Protocol):
+    """The sessions' records (the arbiter): opened here at accept, looked up by the fd
+    they arrive on."""
+
+    tenants: Tenants
+
+    def open_session(self, conn: socket.socket, pid: int, uid: int, gid: int,
+                     pidfd: int | None) -> TenantRecord:
+        """A record for a new connection; raises ``Fail`` past a session cap."""
+
+    def drop(self, t: TenantRecord, why: str) -> None:
+        """Forget ``t`` (its memory returns); closes none of its descriptors."""
+
+
+# (identity, envelope, request, the session it speaks for): serve a request (Server.handle)
+Handle = Callable[[bytes, list[bytes], p.Request, Optional[TenantRecord]], None]
+# (envelope, request id, code, message): an error reply the arbiter never saw (Control.refuse)
+Refuse = Callable[[list[bytes], int, str, str], None]
+
+
 class FdSessions:
-    def __init__(self, server: Server, listener: socket.socket):
-        self.server = server
+    """The fd-channel sessions accepted on ``listener``, recorded in ``book``, their
+    descriptors watched on ``fdwatch``; ``cfg`` gives the bursts, timeouts and
+    ``admin_gid`` who is an admin. Outbound data goes through ``fdsend``; a session that
+    ends is ``drop``-ped (``Server.drop``); a parked Adopt is served with ``handle`` or
+    refused with ``refuse``. Hellos name ``pool``'s backend and page size."""
+
+    def __init__(self, listener: socket.socket, cfg: Config, book: SessionBook, pool: Pool,
+                 fdwatch: FdWatch, fdsend: FdSender, drop: Drop, handle: Handle,
+                 refuse: Refuse, admin_gid: int | None):
         self.listener = listener
+        self.cfg = cfg
+        self.book = book
+        self.tenants = book.tenants
+        self.pool = pool
+        self.fdwatch = fdwatch
+        self.fdsend = fdsend
+        self.drop = drop
+        self.handle = handle
+        self.refuse = refuse
+        self.admin_gid = admin_gid
         self.parked: dict[int, fdqueue.Parked] = {}  # tenant id -> Adopt awaiting its fds
         self._refusal_logged = -1e9  # when a refused session was last logged
         self._refusals_quiet = 0  # refused sessions not logged since
 
     # ---- accept ---------------------------------------------------------------------
     def accept(self, fd: int, ev: int = 0) -> None:
-        for _ in range(self.server.cfg.accept_burst):
+        for _ in range(self.cfg.accept_burst):
             try:
                 conn, _ = self.listener.accept()
             except (BlockingIOError, InterruptedError):
@@ -76,14 +114,13 @@ class FdSessions:
             self.open(conn)
 
     def _hello(self, token: str, error: str = "") -> bytes:
-        b = self.server.backend
+        b = self.pool.backend
         return p.encode(p.FdHello(p.VERSION, token, b.name, b.device,
-                                  self.server.pool.page_size, error=error))
+                                  self.pool.page_size, error=error))
 
     def open(self, conn: socket.socket) -> None:
         """A new fd-channel session: non-blocking from the start, hello sent at once (a
         fresh socket's buffer is empty, so that send cannot find it full)."""
-        s = self.server
         pidfd = None
         pid = uid = -1
         try:
@@ -92,7 +129,7 @@ class FdSessions:
             if pid > 0:
                 with contextlib.suppress(OSError, AttributeError):
                     pidfd = os.pidfd_open(pid)
-            t = s.arbiter.open_session(conn, pid, uid, gid, pidfd)
+            t = self.book.open_session(conn, pid, uid, gid, pidfd)
         except OSError as e:
             log.warning("fd-channel session failed: %s", e)
             close_session(conn, pidfd)
@@ -108,23 +145,23 @@ class FdSessions:
             close_session(conn, pidfd)
             return
         try:
-            t.admin = is_admin(uid, t.peer_gids or peer_groups(pid, gid), s.admin_gid)
+            t.admin = is_admin(uid, t.peer_gids or peer_groups(pid, gid), self.admin_gid)
             conn.send(self._hello(t.token))
         except Exception as e:  # (OSError, or a bug)
             log.warning("fd-channel handshake failed: %s: %s", type(e).__name__, e)
-            s.arbiter.drop(t, "handshake failed")
+            self.book.drop(t, "handshake failed")
             close_session(conn, pidfd)
             return
-        s.watch(conn.fileno(), self.on_event)
+        self.fdwatch.watch(conn.fileno(), self.on_event)
         if pidfd is not None:
-            s.watch(pidfd, self.on_pid_exit)
+            self.fdwatch.watch(pidfd, self.on_pid_exit)
         log.debug("session %d opened for pid %d uid %d", t.id, pid, uid)
 
     def _log_refusal(self, pid: int, uid: int, e: Exception) -> None:
         """Log a refused session, at most once per ``refusal_log_interval_s`` (a flood
         must not become a flood of log lines): the count not logged comes with the next."""
         now = time.monotonic()
-        if now - self._refusal_logged < self.server.cfg.refusal_log_interval_s:
+        if now - self._refusal_logged < self.cfg.refusal_log_interval_s:
             self._refusals_quiet += 1
             return
         more = f" ({self._refusals_quiet} more refused since the last line)" \
@@ -134,22 +171,20 @@ class FdSessions:
 
     # ---- events -------------------------------------------------------------------
     def on_event(self, fd: int, ev: int) -> None:
-        s = self.server
-        t = s.arbiter.tenants.by_fileno.get(fd)
+        t = self.tenants.by_fileno.get(fd)
         if t is None:
-            s.unwatch(fd)
+            self.fdwatch.unwatch(fd)
             return
         if ev & zmq.POLLOUT:
-            s.fdsend.flush(t)
-        if ev & ~zmq.POLLOUT and t.id in s.arbiter.tenants.by_id:
+            self.fdsend.flush(t)
+        if ev & ~zmq.POLLOUT and t.id in self.tenants.by_id:
             self.read(t)
 
     def read(self, t: TenantRecord) -> None:
         """Up to ``burst`` messages from ``t``'s fd channel, without blocking:
         descriptors headed by a request id are stashed for an Adopt (at most the budget's
         page count, all tenants together), anything else is closed at once."""
-        s = self.server
-        for _ in range(s.cfg.burst):
+        for _ in range(self.cfg.burst):
             try:
                 data, fds = fdchannel.recv_fds(t.conn, maxfds=fdchannel.MAX_FDS)
             except (BlockingIOError, InterruptedError):
@@ -157,39 +192,37 @@ class FdSessions:
             except fdchannel.FdChannelError:
                 continue  # oversized junk: ignored (descriptors already closed)
             except OSError as e:
-                s.drop(t, f"fd channel error: {e}")
+                self.drop(t, f"fd channel error: {e}")
                 return
             if not data and not fds:
-                s.drop(t, "fd channel closed")
+                self.drop(t, "fd channel closed")
                 return
             rid = header_id(data) if fds else None
             if rid is None or not t.registered:
                 fdchannel.close_all(fds)  # tenants send nothing else here: never keep their fds
                 continue
-            stashed = sum(fdqueue.stash_size(x.stash) for x in s.arbiter.tenants)
-            if stashed + len(fds) > s.pool.budget_pages:  # (per tenant and in all)
+            stashed = sum(fdqueue.stash_size(x.stash) for x in self.tenants)
+            if stashed + len(fds) > self.pool.budget_pages:  # (per tenant and in all)
                 fdchannel.close_all(fds)
-                s.drop(t, "sent descriptors ahead of Adopts past the budget's page count")
+                self.drop(t, "sent descriptors ahead of Adopts past the budget's page count")
                 return
             t.stash.append((rid, fds))  # descriptors sent ahead of an Adopt
         if t.id in self.parked:
             self.unpark(t)
 
     def on_pid_exit(self, fd: int, ev: int = 0) -> None:
-        s = self.server
-        for t in s.arbiter.tenants:
+        for t in self.tenants:
             if t.pidfd == fd:
-                s.drop(t, f"process {t.pid} exited")
+                self.drop(t, f"process {t.pid} exited")
                 return
-        s.unwatch(fd)
+        self.fdwatch.unwatch(fd)
 
     def check_liveness(self, now: float) -> None:
-        s = self.server
-        for t in list(s.arbiter.tenants):
+        for t in list(self.tenants):
             if t.pidfd is None and t.pid > 0 and not psutil.pid_exists(t.pid):
-                s.drop(t, f"process {t.pid} is gone")
-            elif not t.registered and now - t.since > s.cfg.register_timeout_s:
-                s.drop(t, "never registered")
+                self.drop(t, f"process {t.pid} is gone")
+            elif not t.registered and now - t.since > self.cfg.register_timeout_s:
+                self.drop(t, "never registered")
 
     # ---- Adopt: descriptors sent ahead --------------------------------------------------
     def park(self, identity: bytes, envelope: list[bytes], req: p.Adopt,
@@ -198,7 +231,7 @@ class FdSessions:
         if fdqueue.stashed(t.stash, req.id) >= req.nfds:
             return False
         self.parked[t.id] = fdqueue.Parked(identity, envelope, req,
-                                           time.monotonic() + self.server.cfg.adopt_wait_s)
+                                           time.monotonic() + self.cfg.adopt_wait_s)
         return True
 
     @staticmethod
@@ -214,7 +247,6 @@ class FdSessions:
 
     def unpark(self, t: TenantRecord) -> None:
         """Handle ``t``'s parked Adopt if its descriptors are in, or refuse it once late."""
-        s = self.server
         parked = self.parked.get(t.id)
         if parked is None:
             return
@@ -225,11 +257,11 @@ class FdSessions:
         del self.parked[t.id]
         if have < req.nfds:
             self.take_stash(t, -1)  # closes them all
-            s.control.refuse(parked.envelope, req.id, p.BAD_REQUEST,
-                             f"adopt announced {req.nfds} descriptors, {have} arrived in "
-                             f"{s.cfg.adopt_wait_s:g} s")
+            self.refuse(parked.envelope, req.id, p.BAD_REQUEST,
+                        f"adopt announced {req.nfds} descriptors, {have} arrived in "
+                        f"{self.cfg.adopt_wait_s:g} s")
             return
-        s.handle(parked.identity, parked.envelope, req, t)
+        self.handle(parked.identity, parked.envelope, req, t)
 
     def next_deadline(self) -> float | None:
         return min((x.deadline for x in self.parked.values()), default=None)
@@ -237,7 +269,7 @@ class FdSessions:
     def expire(self, now: float) -> None:
         """Refuse (or, their descriptors in, handle) Adopts parked past their deadline."""
         for tid, parked in list(self.parked.items()):
-            t = self.server.arbiter.tenants.by_id.get(tid)
+            t = self.tenants.by_id.get(tid)
             if t is not None and now >= parked.deadline:
                 self.unpark(t)
 

@@ -12,17 +12,15 @@ grants, tenants being asked to give back, tenants at their fair share).
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 from kvpool import protocol as p
-from kvpool.daemon.outcome import Fail, Outcome
-from kvpool.daemon.pool import PoolExhausted
-from kvpool.daemon.reclaim import Waiter
-from kvpool.daemon.regions import GroupRecord
+from kvpool.daemon.counters import Counters
+from kvpool.daemon.outcome import Fail, Outcome, Sender
+from kvpool.daemon.pool import Pool, PoolExhausted
+from kvpool.daemon.reclaim import Reclaimer, Waiter
+from kvpool.daemon.regions import GroupIndex, GroupRecord
+from kvpool.daemon.restart import Recovery
 from kvpool.daemon.tenants import NO_MEMORY_KINDS, TenantRecord
-
-if TYPE_CHECKING:
-    from kvpool.daemon.arbiter import Arbiter
 
 MAX_PAGES_PER_GRANT = 1 << 16
 
@@ -42,59 +40,84 @@ def check_units(g: GroupRecord, units: list[int]) -> None:
             raise Fail(p.BAD_REQUEST, f"unit {u} is outside the group ({g.npages} pages)")
 
 
+def group_of(t: TenantRecord, gid: int, groups: GroupIndex) -> GroupRecord:
+    """``t``'s group ``gid`` (``UNAUTHORIZED`` when another tenant's, else ``NOT_FOUND``)."""
+    g = t.groups.get(gid)
+    if g is None:
+        if gid in groups:
+            raise Fail(p.UNAUTHORIZED, f"group {gid} belongs to another tenant")
+        raise Fail(p.NOT_FOUND, f"no group {gid} in this session")
+    return g
+
+
+def being_granted(reclaimer: Reclaimer, t: TenantRecord, g: GroupRecord,
+                  units: list[int]) -> bool:
+    """Whether a waiting grant of ``t`` names one of ``units`` of ``g``."""
+    return any(set(w.req.units) & set(units) for w in reclaimer.waiters
+               if w.tenant is t and isinstance(w.req, p.Grant) and w.req.group == g.id)
+
+
 class Grants:
-    def __init__(self, arbiter: Arbiter):
-        self.arbiter = arbiter
+    """The memory-moving requests over ``pool``: groups (indexed in ``groups``, at most
+    ``max_groups`` per tenant spanning ``max_virtual_pages``), grants and leases that
+    wait in ``reclaimer`` when they do not fit, refused while ``recovery`` is active;
+    error answers made here are counted in ``counters``."""
+
+    def __init__(self, pool: Pool, groups: GroupIndex, reclaimer: Reclaimer,
+                 recovery: Recovery, counters: Counters, max_groups: int,
+                 max_virtual_pages: int):
+        self.pool = pool
+        self.page_size = pool.page_size
+        self.groups = groups
+        self.reclaimer = reclaimer
+        self.recovery = recovery
+        self.counters = counters
+        self.max_groups = max_groups
+        self.max_virtual_pages = max_virtual_pages
 
     # ---- groups -------------------------------------------------------------------
     def group_of(self, t: TenantRecord, gid: int) -> GroupRecord:
-        g = t.groups.get(gid)
-        if g is None:
-            if gid in self.arbiter.groups:
-                raise Fail(p.UNAUTHORIZED, f"group {gid} belongs to another tenant")
-            raise Fail(p.NOT_FOUND, f"no group {gid} in this session")
-        return g
+        return group_of(t, gid, self.groups)
 
-    def create_group(self, t: TenantRecord, identity: bytes, r: p.CreateGroup) -> p.Reply:
-        a = self.arbiter
+    def create_group(self, t: TenantRecord, sender: Sender, r: p.CreateGroup) -> p.Reply:
         require_holder(t, "create_group")
-        if r.capacity % a.page_size:
+        ps = self.page_size
+        if r.capacity % ps:
             raise Fail(p.BAD_REQUEST, f"capacity {r.capacity} is not a multiple of the page "
-                                      f"size {a.page_size}")
-        npages = r.capacity // a.page_size
+                                      f"size {ps}")
+        npages = r.capacity // ps
         if npages > p.MAX_PAGES_PER_REGION:
             raise Fail(p.BAD_REQUEST, f"capacity of {npages} pages exceeds {p.MAX_PAGES_PER_REGION}")
         if r.bases and len(r.bases) != r.n_regions:
             raise Fail(p.BAD_REQUEST, f"{len(r.bases)} bases for {r.n_regions} regions")
-        most = min(p.MAX_GROUPS, a.cfg.max_groups_per_tenant)
+        most = min(p.MAX_GROUPS, self.max_groups)
         if len(t.groups) >= most:
             raise Fail(p.OVER_LIMIT, f"a tenant may hold at most {most} groups "
                                      f"(max_groups_per_tenant)")
         virtual = sum(g.virtual_pages for g in t.groups.values())
-        cap = a.cfg.max_virtual_pages_per_tenant
+        cap = self.max_virtual_pages
         if virtual + npages * r.n_regions > cap:
             raise Fail(p.OVER_LIMIT, f"{r.n_regions} x {npages} virtual pages on top of the "
                                      f"{virtual} this tenant's groups span exceed "
                                      f"{cap} (max_virtual_pages_per_tenant)")
-        g = GroupRecord(id=a.new_group_id(), tenant=t.id, n_regions=r.n_regions,
+        g = GroupRecord(id=self.groups.new_id(), tenant=t.id, n_regions=r.n_regions,
                         npages=npages, bases=list(r.bases), label=r.label)
         t.groups[g.id] = g
-        a.groups[g.id] = g
+        self.groups[g.id] = g
         return p.GroupCreated(id=r.id, group=g.id, npages=npages)
 
-    def destroy_group(self, t: TenantRecord, identity: bytes, r: p.DestroyGroup) -> p.Reply:
-        a = self.arbiter
+    def destroy_group(self, t: TenantRecord, sender: Sender, r: p.DestroyGroup) -> p.Reply:
         g = self.group_of(t, r.group)
         pfns = g.release_all()
-        a.pool.give_back(pfns, t.id)
+        self.pool.give_back(pfns, t.id)
         t.granted -= len(pfns)
-        a.reclaimer.released(t, len(pfns))
+        self.reclaimer.released(t, len(pfns))
         del t.groups[g.id]
-        a.groups.pop(g.id, None)
+        self.groups.pop(g.id, None)
         return p.Done(id=r.id)
 
     # ---- grants -------------------------------------------------------------------
-    def grant(self, t: TenantRecord, identity: bytes, r: p.Grant) -> Outcome:
+    def grant(self, t: TenantRecord, sender: Sender, r: p.Grant) -> Outcome:
         require_holder(t, "grant")
         g = self.group_of(t, r.group)
         check_units(g, r.units)
@@ -104,20 +127,18 @@ class Grants:
         n = len(r.units) * g.n_regions
         if n > MAX_PAGES_PER_GRANT:
             raise Fail(p.BAD_REQUEST, f"{n} pages in one grant exceed {MAX_PAGES_PER_GRANT}")
-        if any(set(w.req.units) & set(r.units) for w in self.arbiter.reclaimer.waiters
-               if w.tenant is t and isinstance(w.req, p.Grant) and w.req.group == g.id):
+        if being_granted(self.reclaimer, t, g, r.units):
             raise Fail(p.BAD_REQUEST, f"a unit of group {g.id} is already being granted")
         self._admit(t, n)
         if not self._fits(t, n, r.speculative):
-            return self._defer(t, r, n)
+            return self._defer(t, sender, r, n)
         return self._grant_now(t, g, r)
 
     def _admit(self, t: TenantRecord, n: int) -> None:
         """Refuse what can never be granted now: past the limit, or during recovery."""
-        a = self.arbiter
-        if a.recovering:
+        if self.recovery.active:
             raise Fail(p.BUSY, "the daemon is rebuilding its accounting after a restart")
-        kept = a.pool.retained_pages(t.id)  # released pages it still references
+        kept = self.pool.retained_pages(t.id)  # released pages it still references
         if t.held + kept + t.waiting_pages + n > t.cap_pages:
             why = " (capped at its min: it ignored a reclaim)" if t.unresponsive else ""
             why += f" ({kept} released pages it still references count)" if kept else ""
@@ -131,34 +152,34 @@ class Grants:
         queued behind one that does not (the waiter's pages then come from reclaim,
         which asks for what is missing at the next step). Speculative grants never take
         pages a waiter could use."""
-        reclaimer = self.arbiter.reclaimer
-        avail = self.arbiter.pool.available
+        reclaimer = self.reclaimer
+        avail = self.pool.available
         if n <= avail - reclaimer.waiting_pages:
             return True
         if speculative or n > avail or not reclaimer.waiters or t.ask is not None:
             return False
         return reclaimer.may_grow(t, n)  # its fair share (for a lease too)
 
-    def _defer(self, t: TenantRecord, r: p.Grant | p.Lease, n: int) -> Outcome:
-        """Not enough free memory: wait for reclaim, when ``t`` is entitled to it."""
-        a = self.arbiter
+    def _defer(self, t: TenantRecord, sender: Sender, r: p.Grant | p.Lease,
+               n: int) -> Outcome:
+        """Not enough free memory: wait for reclaim, when ``t`` is entitled to it (the
+        answer goes to ``sender``'s envelope later)."""
         speculative = isinstance(r, p.Grant) and r.speculative
         if speculative or t.ask is not None or \
-                not a.reclaimer.may_grow(t, n, lease=isinstance(r, p.Lease)):
+                not self.reclaimer.may_grow(t, n, lease=isinstance(r, p.Lease)):
             why = ("speculative grants use free memory only" if speculative else
                    f"{t.name} is being asked to give memory back" if t.ask is not None else
                    f"{t.name} is at its fair share")
-            raise Fail(p.NO_MEMORY, f"{n} pages asked, {a.pool.available} available; {why}")
-        a.reclaimer.wait(t, a.envelope, r, n, time.monotonic())
+            raise Fail(p.NO_MEMORY, f"{n} pages asked, {self.pool.available} available; {why}")
+        self.reclaimer.wait(t, sender.envelope, r, n, time.monotonic())
         return Outcome(None, tenant=t, deferred=True)
 
     def _grant_now(self, t: TenantRecord, g: GroupRecord, r: p.Grant) -> Outcome:
-        a = self.arbiter
         n = len(r.units) * g.n_regions
         try:
-            pfns = a.pool.take(n, t.id)
+            pfns = self.pool.take(n, t.id)
         except PoolExhausted as e:
-            a.errors += 1
+            self.counters.errors += 1
             return Outcome(p.error(r.id, p.NO_MEMORY, str(e)), tenant=t)
         g.grant(r.units, pfns)
         t.granted += n
@@ -175,58 +196,57 @@ class Grants:
         return self._grant_now(t, t.groups[r.group], r)
 
     # ---- releases and reports ---------------------------------------------------------
-    def release(self, t: TenantRecord, identity: bytes, r: p.Release) -> p.Reply:
-        a = self.arbiter
+    def release(self, t: TenantRecord, sender: Sender, r: p.Release) -> p.Reply:
         g = self.group_of(t, r.group)
         check_units(g, r.units)
         missing = [u for u in r.units if u not in g.units]
         if missing:
             raise Fail(p.BAD_REQUEST, f"unit {missing[0]} of group {g.id} is not granted")
         pfns = g.release(r.units)
-        a.pool.give_back(pfns, t.id)
+        self.pool.give_back(pfns, t.id)
         t.granted -= len(pfns)
-        a.reclaimer.released(t, len(pfns))
+        self.reclaimer.released(t, len(pfns))
         g.record_usage(r.in_use, r.reserve)
         return p.Done(id=r.id)
 
-    def report(self, t: TenantRecord, identity: bytes, r: p.Report) -> p.Reply:
+    def report(self, t: TenantRecord, sender: Sender, r: p.Report) -> p.Reply:
         self.group_of(t, r.group).record_usage(r.in_use, r.reserve)
         return p.Done(id=r.id)
 
-    def reclaimed(self, t: TenantRecord, identity: bytes, r: p.Reclaimed) -> p.Reply:
-        self.arbiter.reclaimer.answered(t, r.seq, time.monotonic())
+    def reclaimed(self, t: TenantRecord, sender: Sender, r: p.Reclaimed) -> p.Reply:
+        self.reclaimer.answered(t, r.seq, time.monotonic())
         return p.Done(id=r.id)
 
     # ---- leases ---------------------------------------------------------------------
-    def lease(self, t: TenantRecord, identity: bytes, r: p.Lease) -> p.Reply | Outcome:
-        a = self.arbiter
+    def lease(self, t: TenantRecord, sender: Sender, r: p.Lease) -> p.Reply | Outcome:
         require_holder(t, "lease")
-        pages = -(-r.bytes // a.page_size)
+        ps = self.page_size
+        pages = -(-r.bytes // ps)
         if pages <= t.lease_pages:
-            a.pool.unlease(t.lease_pages - pages)
+            self.pool.unlease(t.lease_pages - pages)
             t.lease_pages = pages
-            return p.Leased(id=r.id, bytes=pages * a.page_size)
+            return p.Leased(id=r.id, bytes=pages * ps)
         n = pages - t.lease_pages
-        if any(w.tenant is t for w in a.reclaimer.waiters):
+        if any(w.tenant is t for w in self.reclaimer.waiters):
             raise Fail(p.BUSY, "a request of this tenant is already waiting")
         self._admit(t, n)
         if not self._fits(t, n, False):
-            return self._defer(t, r, n)
+            return self._defer(t, sender, r, n)
         return self._lease_now(t, r, n)
 
     def _lease_now(self, t: TenantRecord, r: p.Lease, n: int) -> p.Reply:
-        a = self.arbiter
+        pool, ps = self.pool, self.page_size
         try:
-            a.pool.lease(n)
+            pool.lease(n)
         except PoolExhausted as e:
-            a.errors += 1
+            self.counters.errors += 1
             return p.error(r.id, p.NO_MEMORY, str(e))
-        if a.pool.backend.caps.device_memory_bounded:  # its real free memory decides too
-            free, _ = a.pool.backend.mem_info()
-            if free < n * a.page_size:
-                a.pool.unlease(n)
-                a.errors += 1
+        if pool.backend.caps.device_memory_bounded:  # its real free memory decides too
+            free, _ = pool.backend.mem_info()
+            if free < n * ps:
+                pool.unlease(n)
+                self.counters.errors += 1
                 return p.error(r.id, p.NO_MEMORY, f"the device has {free} bytes free, "
-                                                  f"{n * a.page_size} leased")
+                                                  f"{n * ps} leased")
         t.lease_pages += n
-        return p.Leased(id=r.id, bytes=t.lease_pages * a.page_size)
+        return p.Leased(id=r.id, bytes=t.lease_pages * ps)

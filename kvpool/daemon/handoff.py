@@ -12,8 +12,9 @@ pool's ownership.
   a grant) and the giver is told (:class:`~kvpool.protocol.replies.Settled`,
   unsolicited) to drop its mappings. A refused claim changes nothing: the giver keeps
   the pages and the ticket stays claimable by its receiver.
-* tickets expire on the arbiter's tick; a giver's session that ends cancels its tickets
-  (its pages return to the pool with everything else it held, :meth:`Handoff.dropped`).
+* tickets expire on the arbiter's tick (:meth:`Handoff.tick`); a giver's session that
+  ends cancels its tickets (its pages return to the pool with everything else it held,
+  :meth:`Handoff.dropped`).
 
 Transferred pages are not zeroed (their bytes are the point) and never reach anyone but
 the receiver: the descriptors go only to the receiver's fd channel, and the pool's owner
@@ -28,18 +29,18 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Iterable
+from typing import Iterable
 
 from kvpool import protocol as p
 from kvpool.daemon import escrow
 from kvpool.daemon.escrow import Escrow, Layout, Party, Refused
-from kvpool.daemon.grants import check_units, require_holder
-from kvpool.daemon.outcome import Fail, Outcome
-from kvpool.daemon.regions import GroupRecord
-from kvpool.daemon.tenants import TenantRecord
-
-if TYPE_CHECKING:
-    from kvpool.daemon.arbiter import Arbiter
+from kvpool.daemon.grants import being_granted, check_units, group_of, require_holder
+from kvpool.daemon.outcome import Fail, Outbox, Outcome, Sender
+from kvpool.daemon.pool import Pool
+from kvpool.daemon.reclaim import Reclaimer
+from kvpool.daemon.regions import GroupIndex, GroupRecord
+from kvpool.daemon.restart import Recovery
+from kvpool.daemon.tenants import TenantRecord, Tenants
 
 log = logging.getLogger("kvpool.daemon.handoff")
 
@@ -50,24 +51,35 @@ def party(t: TenantRecord) -> Party:
 
 
 class Handoff:
-    def __init__(self, arbiter: "Arbiter", pairs: Iterable[tuple[str, str]] = ()):
-        self.arbiter = arbiter
+    """Offers and claims between ``tenants``' groups (``groups``), moving ownership in
+    ``pool``; a receiver's room is judged against ``reclaimer``'s waiters, nothing moves
+    while ``recovery`` is active, and givers hear how their tickets end through
+    ``outbox``. ``pairs``: (giver name, receiver name) the config allows across uids."""
+
+    def __init__(self, pool: Pool, tenants: Tenants, groups: GroupIndex,
+                 reclaimer: Reclaimer, recovery: Recovery, outbox: Outbox,
+                 pairs: Iterable[tuple[str, str]] = ()):
+        self.pool = pool
+        self.tenants = tenants
+        self.groups = groups
+        self.reclaimer = reclaimer
+        self.recovery = recovery
+        self.outbox = outbox
         self.book = Escrow()
         self.pairs = frozenset(pairs)  # (giver name, receiver name) across uids
 
     def _layout(self, g: GroupRecord) -> Layout:
-        return Layout(n_regions=g.n_regions, unit_bytes=self.arbiter.page_size)
+        return Layout(n_regions=g.n_regions, unit_bytes=self.pool.page_size)
 
     # ---- requests -------------------------------------------------------------------
-    def offer(self, t: TenantRecord, identity: bytes, r: p.Offer) -> p.Reply:
-        a = self.arbiter
+    def offer(self, t: TenantRecord, sender: Sender, r: p.Offer) -> p.Reply:
         require_holder(t, "offer")
-        g = a.grants.group_of(t, r.group)
+        g = group_of(t, r.group, self.groups)
         check_units(g, r.units)
         missing = [u for u in r.units if u not in g.units]
         if missing:
             raise Fail(p.BAD_REQUEST, f"unit {missing[0]} of group {g.id} is not granted")
-        for other in a.tenants.named(r.to):  # a receiver already connected: say it now
+        for other in self.tenants.named(r.to):  # a receiver already connected: say it now
             why = escrow.may_pair(party(t), party(other), self.pairs)
             if why:
                 raise Fail(p.UNAUTHORIZED, why)
@@ -81,22 +93,20 @@ class Handoff:
                  t.id, t.name, len(r.units), ticket.pages, g.id, r.to, escrow.short(ticket.id))
         return p.Offered(id=r.id, ticket=ticket.id, pages=ticket.pages, ttl_ms=r.ttl_ms)
 
-    def claim(self, t: TenantRecord, identity: bytes, r: p.Claim) -> Outcome:
-        a = self.arbiter
+    def claim(self, t: TenantRecord, sender: Sender, r: p.Claim) -> Outcome:
         require_holder(t, "claim")
-        if a.recovering:
+        if self.recovery.active:
             raise Fail(p.BUSY, "the daemon is rebuilding its accounting after a restart")
-        g = a.grants.group_of(t, r.group)
+        g = group_of(t, r.group, self.groups)
         check_units(g, r.units)
         held = [u for u in r.units if u in g.units]
         if held:
             raise Fail(p.BAD_REQUEST, f"unit {held[0]} of group {g.id} is mapped already")
-        if any(set(w.req.units) & set(r.units) for w in a.reclaimer.waiters
-               if w.tenant is t and isinstance(w.req, p.Grant) and w.req.group == g.id):
+        if being_granted(self.reclaimer, t, g, r.units):
             raise Fail(p.BAD_REQUEST, f"a unit of group {g.id} is being granted")
         now = time.monotonic()
         self.tick(now)  # expire what is due first: its giver hears of it, never silently
-        room = t.cap_pages - t.held - a.pool.retained_pages(t.id) - t.waiting_pages
+        room = t.cap_pages - t.held - self.pool.retained_pages(t.id) - t.waiting_pages
         try:
             ticket = self.book.check_claim(r.ticket, party(t), self._layout(g), len(r.units),
                                            room, now, self.pairs)
@@ -111,10 +121,10 @@ class Handoff:
         if t.ask is not None:
             raise Fail(p.NO_MEMORY, f"{t.name} is being asked to give memory back; "
                                     f"the giver keeps the pages")
-        if a.reclaimer.waiters and not a.reclaimer.may_grow(t, n):
+        if self.reclaimer.waiters and not self.reclaimer.may_grow(t, n):
             raise Fail(p.OVER_LIMIT, f"{t.name}: {n} more pages would take it past its fair "
                                      f"share while others wait; the giver keeps the pages")
-        giver = a.tenants.by_id.get(ticket.giver.tenant)
+        giver = self.tenants.by_id.get(ticket.giver.tenant)
         gg = giver.groups.get(ticket.group) if giver is not None else None
         if giver is None or gg is None or [pfn for u in ticket.units for pfn in gg.units.get(u, ())] \
                 != list(ticket.pfns):
@@ -137,18 +147,17 @@ class Handoff:
               at: list[int]) -> list[int]:
         """The pages of ``ticket`` leave ``giver``'s group ``gg`` and land at ``at`` in
         ``t``'s group ``g``; ownership and both tenants' counts move with them."""
-        a = self.arbiter
         pfns = gg.release(list(ticket.units))  # unit-major, in the ticket's order
         giver.granted -= len(pfns)
-        a.reclaimer.released(giver, len(pfns))
+        self.reclaimer.released(giver, len(pfns))
         gg.record_usage(None, None)
         for pfn in pfns:
-            a.pool.owner[pfn] = t.id
+            self.pool.owner[pfn] = t.id
         g.grant(at, pfns)
         t.granted += len(pfns)
         return pfns
 
-    def cancel(self, t: TenantRecord, identity: bytes, r: p.Cancel) -> p.Reply:
+    def cancel(self, t: TenantRecord, sender: Sender, r: p.Cancel) -> p.Reply:
         now = time.monotonic()
         self.tick(now)  # (an expired ticket is told as such, then refused)
         try:
@@ -175,16 +184,16 @@ class Handoff:
                      t.name, len(gone))
 
     def _tell(self, ticket: escrow.Ticket, state: str, reason: str, receiver: str = "") -> None:
-        giver = self.arbiter.tenants.by_id.get(ticket.giver.tenant)
+        giver = self.tenants.by_id.get(ticket.giver.tenant)
         if giver is not None:
-            self.arbiter.unsolicited(giver, p.Settled(
+            self.outbox.send(giver, p.Settled(
                 ticket=ticket.id, state=state, group=ticket.group, units=list(ticket.units),
                 receiver=receiver, reason=reason))
 
     def check(self) -> list[str]:
         problems = self.book.check_integrity()
         for ticket in self.book.pending.values():
-            if ticket.giver.tenant not in self.arbiter.tenants.by_id:
+            if ticket.giver.tenant not in self.tenants.by_id:
                 problems.append(f"ticket {escrow.short(ticket.id)} of tenant "
                                 f"{ticket.giver.tenant} is pending but its giver is gone")
         return problems

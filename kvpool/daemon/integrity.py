@@ -12,29 +12,25 @@ list of problems (empty when all hold). Read-only; O(pages).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from kvpool import protocol as p
-from kvpool.daemon.tenants import NO_MEMORY_KINDS, TenantRecord
+from kvpool.daemon.handoff import Handoff
+from kvpool.daemon.pool import Pool
+from kvpool.daemon.regions import GroupIndex
+from kvpool.daemon.tenants import NO_MEMORY_KINDS, TenantRecord, Tenants
 
-if TYPE_CHECKING:
-    from kvpool.daemon.arbiter import Arbiter
 
-
-def check_groups(a: Arbiter) -> list[str]:
+def check_groups(tenants: Tenants, groups: GroupIndex, most: int, vmost: int) -> list[str]:
     """The group index is exactly the tenants' groups; ids stay in range; no tenant
-    is past its caps on groups and virtual pages."""
+    is past its caps on groups (``most``) and virtual pages (``vmost``)."""
     problems = []
-    owned = {g.id: g for t in a.tenants for g in t.groups.values()}
-    if owned.keys() != a.groups.keys() or any(a.groups[i] is not g for i, g in owned.items()):
-        extra = sorted(set(a.groups) ^ set(owned))[:8]
+    owned = {g.id: g for t in tenants for g in t.groups.values()}
+    if set(owned) != set(groups) or any(groups.get(i) is not g for i, g in owned.items()):
+        extra = sorted(set(groups) ^ set(owned))[:8]
         problems.append(f"the group index and the tenants' groups differ (ids {extra})")
-    bad = sorted(i for i in a.groups if not 1 <= i <= p.MAX_GROUP_ID)[:8]
+    bad = sorted(i for i in groups if not 1 <= i <= p.MAX_GROUP_ID)[:8]
     if bad:
         problems.append(f"group ids {bad} are outside 1..{p.MAX_GROUP_ID}")
-    most = a.cfg.max_groups_per_tenant
-    vmost = a.cfg.max_virtual_pages_per_tenant
-    for t in a.tenants:
+    for t in tenants:
         virtual = sum(g.virtual_pages for g in t.groups.values())
         if len(t.groups) > most or virtual > vmost:
             problems.append(f"tenant {t.id} holds {len(t.groups)} groups spanning "
@@ -42,7 +38,7 @@ def check_groups(a: Arbiter) -> list[str]:
     return problems
 
 
-def check_tables(a: Arbiter, t: TenantRecord, seen: dict[int, tuple[int, int, int]],
+def check_tables(pool: Pool, t: TenantRecord, seen: dict[int, tuple[int, int, int]],
                  problems: list[str]) -> int:
     """Check ``t``'s page tables (recording each pfn's slot in ``seen``); its pages."""
     pages = 0
@@ -63,9 +59,9 @@ def check_tables(a: Arbiter, t: TenantRecord, seen: dict[int, tuple[int, int, in
                     problems.append(f"pfn {pfn} is in two slots: {seen[pfn]} and "
                                     f"{(t.id, g.id, u)}")
                 seen[pfn] = (t.id, g.id, u)
-                if a.pool.owner.get(pfn) != t.id:
+                if pool.owner.get(pfn) != t.id:
                     problems.append(f"pfn {pfn} in tenant {t.id}'s table is owned by "
-                                    f"{a.pool.owner.get(pfn)} in the pool")
+                                    f"{pool.owner.get(pfn)} in the pool")
             pages += len(pfns)
         if not g.reserve <= g.units.keys():
             problems.append(f"group {g.id} reports reserve units it does not hold")
@@ -74,19 +70,34 @@ def check_tables(a: Arbiter, t: TenantRecord, seen: dict[int, tuple[int, int, in
     return pages
 
 
-def check_integrity(a: Arbiter) -> list[str]:
-    """Every invariant above; the problems found (empty: all hold)."""
-    problems = a.pool.check()
-    seen: dict[int, tuple[int, int, int]] = {}
-    total = sum(check_tables(a, t, seen, problems) for t in a.tenants)
-    problems += check_groups(a)
-    leased = sum(t.lease_pages for t in a.tenants)
-    if leased != a.pool.leased:
-        problems.append(f"tenants lease {leased} pages, the pool counts {a.pool.leased}")
-    if set(seen) != set(a.pool.owner):
-        orphans = set(a.pool.owner) - set(seen)
-        problems.append(f"pfns {sorted(orphans)[:8]} are granted but in no table")
-    if total != a.pool.granted:
-        problems.append(f"tables hold {total} pages, the pool counts {a.pool.granted}")
-    problems += a.handoff.check()  # tickets in escrow (kvpool.daemon.handoff)
-    return problems
+class Integrity:
+    """The self-check over ``pool``, ``tenants``, the group index ``groups`` (with the
+    per-tenant caps ``max_groups`` and ``max_virtual_pages``) and ``handoff``'s book."""
+
+    def __init__(self, pool: Pool, tenants: Tenants, groups: GroupIndex, handoff: Handoff,
+                 max_groups: int, max_virtual_pages: int):
+        self.pool = pool
+        self.tenants = tenants
+        self.groups = groups
+        self.handoff = handoff
+        self.max_groups = max_groups
+        self.max_virtual_pages = max_virtual_pages
+
+    def check(self) -> list[str]:
+        """Every invariant above; the problems found (empty: all hold)."""
+        pool, tenants = self.pool, self.tenants
+        problems = pool.check()
+        seen: dict[int, tuple[int, int, int]] = {}
+        total = sum(check_tables(pool, t, seen, problems) for t in tenants)
+        problems += check_groups(tenants, self.groups, self.max_groups,
+                                 self.max_virtual_pages)
+        leased = sum(t.lease_pages for t in tenants)
+        if leased != pool.leased:
+            problems.append(f"tenants lease {leased} pages, the pool counts {pool.leased}")
+        if set(seen) != set(pool.owner):
+            orphans = set(pool.owner) - set(seen)
+            problems.append(f"pfns {sorted(orphans)[:8]} are granted but in no table")
+        if total != pool.granted:
+            problems.append(f"tables hold {total} pages, the pool counts {pool.granted}")
+        problems += self.handoff.check()  # tickets in escrow (kvpool.daemon.handoff)
+        return problems

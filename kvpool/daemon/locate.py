@@ -21,29 +21,30 @@ Read-only: nothing here changes state.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import AbstractSet
 
 from kvpool import protocol as p
 from kvpool.daemon.escrow import may_pair
 from kvpool.daemon.grants import require_holder
 from kvpool.daemon.handoff import party
-from kvpool.daemon.outcome import Fail
-from kvpool.daemon.tenants import TenantRecord
-
-if TYPE_CHECKING:
-    from kvpool.daemon.arbiter import Arbiter
+from kvpool.daemon.outcome import Fail, Sender
+from kvpool.daemon.tenants import TenantRecord, Tenants
 
 
 class Locator:
-    def __init__(self, arbiter: "Arbiter"):
-        self.arbiter = arbiter
+    """Finds in ``tenants`` the ones the asker may pair with (the config's handoff
+    ``pairs``: (giver name, receiver name) across uids)."""
 
-    def locate(self, t: TenantRecord, identity: bytes, r: p.Locate) -> p.Reply:
+    def __init__(self, tenants: Tenants, pairs: AbstractSet[tuple[str, str]]):
+        self.tenants = tenants
+        self.pairs = pairs
+
+    def locate(self, t: TenantRecord, sender: Sender, r: p.Locate) -> p.Reply:
         require_holder(t, "locate")
         if r.name == t.name:
             raise Fail(p.NOT_FOUND, f"{r.name!r} is this session's own name")
-        pairs = self.arbiter.handoff.pairs
-        for x in self.arbiter.tenants.named(r.name):
+        pairs = self.pairs
+        for x in self.tenants.named(r.name):
             giver, receiver = (t, x) if r.as_giver else (x, t)
             if may_pair(party(giver), party(receiver), pairs) is None:
                 return p.Located(id=r.id, tenant=x.id, name=x.name, pid=x.pid,

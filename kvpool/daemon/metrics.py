@@ -1,8 +1,9 @@
 """The daemon's Prometheus exporter (``--metrics-address HOST:PORT``, off by default).
 
 ``prometheus_client`` serves ``/metrics`` from its own thread; the single-threaded event
-loop never waits for a scraper. At each scrape the collector asks the loop for a
-:class:`~kvpool.daemon.observe.Snapshot` (built between two requests, the same view
+loop never waits for a scraper. At each scrape the collector asks its
+:class:`SnapshotSource` (the loop's observer) for a
+:class:`~kvpool.daemon.measures.Snapshot` (built between two requests, the same view
 ``kvpool ps`` gets) and turns it into metric families: nothing is computed on the grant
 path but a few integer increments (see :mod:`kvpool.daemon.observe`). If the loop does
 not answer within two seconds the previous snapshot is served, and
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import ipaddress
 import time
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Iterator, Protocol
 
 from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server
 from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
@@ -26,7 +27,6 @@ from prometheus_client.metrics_core import Metric
 if TYPE_CHECKING:
     from kvpool import protocol as p
     from kvpool.daemon.measures import Snapshot
-    from kvpool.daemon.observe import Observer
 
 HIST_HELP = {
     "grant_service": ("kvpool_grant_service_seconds",
@@ -56,6 +56,15 @@ TENANT_GAUGES = (("mapped", "Bytes granted to the tenant."),
                  ("asked", "Bytes the daemon is waiting for the tenant to give back."),
                  ("waiting", "Bytes of the tenant's requests waiting for reclaim."))
 LOOPBACK_NAMES = ("localhost",)
+
+
+class SnapshotSource(Protocol):
+    """Where the exporter's thread gets the daemon's state (``observe.Observer``)."""
+
+    def snapshot_from_loop(self, timeout_s: float | None = None) -> Snapshot | None:
+        """From the exporter's thread: a snapshot built by the event loop (or the last
+        one, when the loop does not get to it in time); None before the first. Must
+        not touch the daemon's state from this thread."""
 
 
 class AddressError(ValueError):
@@ -91,11 +100,11 @@ def parse_address(text: str, allow_remote: bool = False) -> tuple[str, int]:
 class DaemonCollector:
     """Metric families from a loop-built snapshot (see the module docstring)."""
 
-    def __init__(self, observer: Observer):
-        self.observer = observer
+    def __init__(self, source: SnapshotSource):
+        self.source = source
 
     def collect(self) -> Iterator[Metric]:
-        snap = self.observer.snapshot_from_loop()
+        snap = self.source.snapshot_from_loop()
         if snap is None:
             return
         yield from self._pool(snap)
@@ -256,9 +265,9 @@ def tenant_state(t: p.TenantInfo) -> str:
 class Exporter:
     """``/metrics`` on ``host:port`` from a thread of prometheus_client's own."""
 
-    def __init__(self, observer: Observer, host: str, port: int):
+    def __init__(self, source: SnapshotSource, host: str, port: int):
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(DaemonCollector(observer))
+        self.registry.register(DaemonCollector(source))
         ProcessCollector(namespace="kvpool_daemon", registry=self.registry)
         self.httpd, self.thread = start_http_server(port, host, registry=self.registry)
         self.port = self.httpd.server_address[1]

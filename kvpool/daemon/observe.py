@@ -1,8 +1,9 @@
 """What the daemon decided and how long it took: counters, histograms and the event log.
 
-:func:`attach` wraps a few of the arbiter's entry points (``handle``, ``tick``, ``drop``,
-``unsolicited`` and the reclaimer's ``released``) so that every outcome is counted and
-recorded as it leaves them; the request logic itself is untouched. Counters and
+:class:`Observer` implements the observation points of :mod:`kvpool.daemon.hooks`: the
+arbiter calls it with every request handled, every tick and every session dropped, the
+reclaimer with every ask sent and every page an asked tenant gives back, so that every
+outcome is counted and recorded as it leaves them (:func:`attach` sets it up). Counters and
 histograms are plain integers and lists updated by the event loop's thread only (no
 locks on the grant path). Readers on other threads (the Prometheus exporter) never
 look at the daemon's state: they ask the loop for a :class:`Snapshot` through a wake
@@ -22,17 +23,22 @@ import os
 import threading
 import time
 from collections import Counter
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from kvpool import protocol as p
+from kvpool.daemon import metrics
+from kvpool.daemon.arbiter import Arbiter
+from kvpool.daemon.config import Config
+from kvpool.daemon.counters import Counters
 from kvpool.daemon.events import EventLog
+from kvpool.daemon.fdwatch import FdWatch
 from kvpool.daemon.measures import BYE_REASONS, HISTOGRAMS, Hist, Round, Snapshot
-from kvpool.daemon.outcome import Outcome
-from kvpool.daemon.tenants import TenantRecord
-
-if TYPE_CHECKING:
-    from kvpool.daemon.metrics import Exporter
-    from kvpool.daemon.server import Server
+from kvpool.daemon.outcome import Outcome, Sender
+from kvpool.daemon.pool import Pool
+from kvpool.daemon.reclaim import Reclaimer
+from kvpool.daemon.startup import StartupError
+from kvpool.daemon.tenants import TenantRecord, Tenants
+from kvpool.daemon.views import Views
 
 log = logging.getLogger("kvpool.daemon.observe")
 
@@ -41,17 +47,30 @@ def _op(req: p.Request) -> str:
     return str(req.__struct_config__.tag)
 
 
-def _replace(obj: object, name: str, fn: Callable[..., Any]) -> None:
-    """Put ``fn`` in place of ``obj.name`` on this instance (an observing wrapper; the
-    class and its other instances are untouched)."""
-    setattr(obj, name, fn)
+Send = Callable[[list[bytes], p.Reply], None]  # a reply on the control socket
 
 
 class Observer:
-    def __init__(self, server: Server):
-        self.server = server
-        self.arbiter = server.arbiter
-        self.ps = self.arbiter.page_size
+    """Records what the daemon decides (an :class:`~kvpool.daemon.hooks.ArbiterObserver`).
+
+    It reads ``views`` (snapshots), ``reclaimer``'s waiters and ``pool``'s free pages (a
+    reclaim round's bounds), the request ``counters`` and the live ``tenants``; its wake
+    pipe is watched on ``fdwatch``, and parked ``Events`` followers are answered with
+    ``send``. ``event_ring`` events are kept; a snapshot asked from another thread waits
+    at most ``snapshot_timeout_s`` for the loop."""
+
+    def __init__(self, views: Views, reclaimer: Reclaimer, pool: Pool, tenants: Tenants,
+                 counters: Counters, fdwatch: FdWatch, send: Send, event_ring: int,
+                 snapshot_timeout_s: float):
+        self.views = views
+        self.reclaimer = reclaimer
+        self.pool = pool
+        self.tenants = tenants
+        self.counters = counters
+        self.fdwatch = fdwatch
+        self.send = send
+        self.snapshot_timeout_s = snapshot_timeout_s
+        self.ps = pool.page_size
         self.counts: Counter[Any] = Counter()
         self.hists = {k: Hist(b) for k, b in HISTOGRAMS.items()}
         self._waiting: dict[tuple[int, int], tuple[float, int, str]] = {}  # (tenant, req id) -> (t0, pages, op)
@@ -60,57 +79,32 @@ class Observer:
         self._errors_seen = 0  # error replies the arbiter produced (the rest: the server's)
         self._refused = 0
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self.events = EventLog(size=server.cfg.event_ring, wake=self._poke)
+        self.events = EventLog(size=event_ring, wake=self._poke)
         self._want = False
         self._ready = threading.Event()
         self._snap_lock = threading.Lock()
         self.last: Snapshot | None = None
-        self.exporter: Exporter | None = None  # when configured
-        self._wrap()
-        server.watch(self._wake_r, self._on_wake)
+        self.exporter: metrics.Exporter | None = None  # when configured
+        fdwatch.watch(self._wake_r, self._on_wake)
 
-    # ---- hooks ------------------------------------------------------------------------
-    def _wrap(self) -> None:
-        a, r = self.arbiter, self.arbiter.reclaimer
-        handle, tick, drop = a.handle, a.tick, a.drop
-        unsolicited, released = a.unsolicited, r.released
+    # ---- the observation points (kvpool.daemon.hooks): never raise ----------------------
+    def handled(self, req: p.Request, out: Outcome, dt: float, before: int,
+                sender: TenantRecord | None) -> None:
+        self._guard(self._handled, req, out, dt, before, sender)
 
-        def on_handle(identity: bytes, req: p.Request,
-                      envelope: list[bytes] | None = None) -> Outcome:
-            t = a.tenants.by_token.get(req.token) if req.token else None
-            before = t.granted if t is not None else 0
-            t0 = time.perf_counter()
-            out = handle(identity, req, envelope)
-            self._guard(self._handled, req, out, time.perf_counter() - t0, before, t)
-            return out
+    def ticked(self, outs: list[Outcome]) -> None:
+        if outs or self.round is not None:
+            self._guard(self._ticked, outs)
 
-        def on_tick(now: float | None = None) -> list[Outcome]:
-            outs = tick(now)
-            if outs or self.round is not None:
-                self._guard(self._ticked, outs)
-            return outs
+    def dropped(self, t: TenantRecord, why: str, held: int, arbitrated: bool,
+                dt: float) -> None:
+        self._guard(self._dropped, t, why, held, arbitrated, dt)
 
-        def on_drop(t: TenantRecord, why: str) -> None:
-            held, arbitrated, t0 = t.held, t.arbitrated, time.perf_counter()
-            drop(t, why)
-            self._guard(self._dropped, t, why, held, arbitrated, time.perf_counter() - t0)
+    def asked(self, t: TenantRecord, msg: p.Reclaim) -> None:
+        self._guard(self._asked, t, msg)
 
-        def on_unsolicited(t: TenantRecord, msg: p.Reply) -> None:
-            unsolicited(t, msg)
-            if isinstance(msg, p.Reclaim):
-                self._guard(self._asked, t, msg)
-
-        def on_released(t: TenantRecord, pages: int) -> None:
-            ask = t.ask
-            released(t, pages)
-            if ask is not None:
-                self._guard(self._gave_back, t, pages, ask.mode)
-
-        for obj, name, fn in ((a, "handle", on_handle), (a, "tick", on_tick),
-                              (a, "drop", on_drop), (a, "unsolicited", on_unsolicited),
-                              (r, "released", on_released)):
-            _replace(obj, name, fn)
-        a.add_handler(p.Events, self._events_request)
+    def gave_back(self, t: TenantRecord, pages: int, mode: str) -> None:
+        self._guard(self._gave_back, t, pages, mode)
 
     @staticmethod
     def _guard(fn: Callable[..., None], *args: Any) -> None:
@@ -167,13 +161,13 @@ class Observer:
             self.events.record("deny", t, 0, **detail)
 
     def _wait_began(self, t: TenantRecord, req: p.Grant | p.Lease) -> None:
-        w = self.arbiter.reclaimer.waiters[-1] if self.arbiter.reclaimer.waiters else None
+        w = self.reclaimer.waiters[-1] if self.reclaimer.waiters else None
         pages = w.pages if w is not None and w.req is req else 0
         now = time.monotonic()
         self._waiting[(t.id, req.id)] = (now, pages, _op(req))
         self.counts["waits"] += 1
         if self.round is None:
-            self.round = Round(start=now, free_at_start=self.arbiter.pool.available * self.ps)
+            self.round = Round(start=now, free_at_start=self.pool.available * self.ps)
         self.round.waiters += 1
         self.events.record("wait", t, pages * self.ps, request=_op(req))
 
@@ -237,7 +231,7 @@ class Observer:
 
     def _close_round(self) -> None:
         rnd = self.round
-        if rnd is None or self.arbiter.reclaimer.waiters:
+        if rnd is None or self.reclaimer.waiters:
             return
         self.round = None
         dt = time.monotonic() - rnd.start
@@ -256,9 +250,10 @@ class Observer:
             tenants=sorted(set(rnd.asked) | set(rnd.answered)))
 
     # ---- the Events request --------------------------------------------------------
-    def _events_request(self, t: TenantRecord, identity: bytes,
-                        r: p.Events) -> p.Reply | Outcome:
-        reply = self.events.request(t.id, self.arbiter.envelope, r)
+    def events_request(self, t: TenantRecord, sender: Sender,
+                       r: p.Events) -> p.Reply | Outcome:
+        """The ``Events`` request's handler (the arbiter dispatches it here)."""
+        reply = self.events.request(t.id, sender.envelope, r)
         if reply is None:
             return Outcome(None, tenant=t, deferred=True)
         return reply
@@ -277,21 +272,21 @@ class Observer:
             self._want = False
             self.last = self.snapshot()
             self._ready.set()
-        live = self.arbiter.tenants.by_id
+        live = self.tenants.by_id
         for tid in [tid for tid in self.events.followers if tid not in live]:
             self.events.forget(tid)
-        self.events.flush(self.server.reply)
+        self.events.flush(self.send)
 
     def snapshot(self) -> Snapshot:
         """The state now (loop thread only)."""
-        a = self.arbiter
+        n = self.counters
         t0 = time.perf_counter()
-        refused = self._refused + max(0, a.errors - self._errors_seen)
+        refused = self._refused + max(0, n.errors - self._errors_seen)
         snap = Snapshot(
-            taken=time.time(), pool=a.pool_info(), tenants=a.listed(),
+            taken=time.time(), pool=self.views.pool_info(), tenants=self.views.listed(),
             counters=dict(self.counts), hists={k: h.copy() for k, h in self.hists.items()},
-            requests=a.requests, errors=a.errors, refused=refused,
-            waiters=len(a.reclaimer.waiters), uptime_s=time.monotonic() - a.started,
+            requests=n.requests, errors=n.errors, refused=refused,
+            waiters=len(self.reclaimer.waiters), uptime_s=n.uptime_s,
             events=self.events.seq)
         snap.build_s = time.perf_counter() - t0
         return snap
@@ -303,15 +298,14 @@ class Observer:
             self._ready.clear()
             self._want = True
             self._poke()
-            self._ready.wait(self.server.cfg.snapshot_timeout_s if timeout_s is None
-                             else timeout_s)
+            self._ready.wait(self.snapshot_timeout_s if timeout_s is None else timeout_s)
             return self.last
 
     def close(self) -> None:
         if self.exporter is not None:
             self.exporter.close()
             self.exporter = None
-        self.server.unwatch(self._wake_r)
+        self.fdwatch.unwatch(self._wake_r)
         self._ready.set()
         fds, self._wake_r, self._wake_w = (self._wake_r, self._wake_w), -1, -1
         for fd in fds:
@@ -319,18 +313,18 @@ class Observer:
                 os.close(fd)
 
 
-def attach(server: Server) -> Observer:
-    """Observe ``server``'s arbiter; serve ``/metrics`` when its config names an address
-    (a refused or unusable address is a ``StartupError``)."""
-    from kvpool.daemon import metrics
-    from kvpool.daemon.server import StartupError
-
-    obs = Observer(server)
-    address = server.cfg.metrics_address
+def attach(arbiter: Arbiter, fdwatch: FdWatch, send: Send, cfg: Config) -> Observer:
+    """Observe ``arbiter`` (it reports to the observer and dispatches ``Events`` to it);
+    the wake pipe on ``fdwatch``, followers answered with ``send``; serve ``/metrics``
+    when ``cfg`` names an address (a refused or unusable one is a ``StartupError``)."""
+    obs = Observer(arbiter.views, arbiter.reclaimer, arbiter.pool, arbiter.tenants,
+                   arbiter.counters, fdwatch, send, cfg.event_ring, cfg.snapshot_timeout_s)
+    arbiter.observe(obs)
+    arbiter.add_handler(p.Events, obs.events_request)
+    address = cfg.metrics_address
     if address:
         try:
-            host, port = metrics.parse_address(address, bool(
-                server.cfg.metrics_allow_remote))
+            host, port = metrics.parse_address(address, bool(cfg.metrics_allow_remote))
             obs.exporter = metrics.Exporter(obs, host, port)
         except (ValueError, OSError) as e:
             obs.close()

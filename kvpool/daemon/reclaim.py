@@ -6,7 +6,8 @@ deadline and the daemon reclaims, cheapest first:
 a. its warm pool and dirty pages (already counted in ``Pool.available``: free for the taking);
 b. tenants' reserves — an :class:`Ask` in mode ``reserve`` for mapped-but-unused units,
    never below the tenant's ``min``;
-c. tenants above their weighted fair share (:func:`kvpool.daemon.fairshare.reclaim_plan`),
+c. tenants above their share under the reclaim policy (:mod:`kvpool.daemon.policy`;
+   the default ``fair_share`` is weighted max-min fairness),
    never below ``max(min, share)`` — an :class:`Ask` in mode ``shrink``: the tenant's shrink
    callback frees cached blocks so whole units empty, and the library releases them.
 
@@ -18,27 +19,33 @@ reclaim, so memory it releases above ``min`` does not come back.
 Invariants: at most one outstanding ask per tenant; waiters are served strictly in
 arrival order among themselves (freed pages go to the oldest waiter); a newcomer takes
 free memory past the waiters only when it fits now and keeps the newcomer within its
-fair share (``Arbiter._fits``: no head-of-line blocking — the waiter's missing pages
+fair share (``Grants._fits``: no head-of-line blocking — the waiter's missing pages
 are then asked for at the next step); a waiter is answered exactly once (granted, or
 ``NO_MEMORY``/``OVER_LIMIT`` at its deadline).
-Pure bookkeeping over the arbiter's state: no sockets, no clocks of its own (``now`` is
-passed in), so it is testable alone.
+Pure bookkeeping over the tenants' records and the pool's free count: no sockets, no
+clocks of its own (``now`` is passed in), so it is testable alone. Asks leave through
+the :class:`~kvpool.daemon.outcome.Outbox`; an observer (:mod:`kvpool.daemon.hooks`)
+hears of each ask and of what asked tenants give back.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, AbstractSet
+from typing import AbstractSet
 
 from kvpool import protocol as p
-from kvpool.daemon.fairshare import Claim, fair_shares, may_grow, reclaim_plan
-from kvpool.daemon.tenants import TenantRecord
+from kvpool.daemon.fairshare import Claim
+from kvpool.daemon.hooks import NoObserver, ReclaimObserver
+from kvpool.daemon.outcome import Outbox
+from kvpool.daemon.policy import FairShare, ReclaimPolicy
+from kvpool.daemon.pool import Pool
+from kvpool.daemon.tenants import Ask, TenantRecord, Tenants
+
+__all__ = ["Ask", "Reclaimer", "Waiter"]
 
 log = logging.getLogger("kvpool.daemon.reclaim")
-
-if TYPE_CHECKING:
-    from kvpool.daemon.arbiter import Arbiter
+daemon_log = logging.getLogger("kvpool.daemon")
 
 
 # A tenant that answered a shrink short is not asked again for ``short_backoff_s``
@@ -57,25 +64,29 @@ class Waiter:
     deadline: float
 
 
-@dataclass(eq=False)
-class Ask:
-    """What the daemon asked ``tenant`` to give back and is still waiting for."""
-
-    seq: int
-    pages: int  # still to come (decremented as the tenant releases)
-    mode: str  # "reserve" | "shrink"
-    urgent: bool
-    deadline: float
-    reason: str
-
-
 class Reclaimer:
-    def __init__(self, arbiter: "Arbiter", timeout_s: float, short_backoff_s: float = 0.5):
-        self.arbiter = arbiter
+    """Waiters and asks over ``tenants``, for pages of ``pool`` within ``budget`` bytes;
+    asks are queued in ``outbox``; ``policy`` decides shares, who gives back and who
+    may grow by reclaim."""
+
+    def __init__(self, tenants: Tenants, pool: Pool, budget: int, outbox: Outbox,
+                 timeout_s: float, short_backoff_s: float = 0.5,
+                 policy: ReclaimPolicy | None = None):
+        self.tenants = tenants
+        self.policy: ReclaimPolicy = policy or FairShare()
+        self.pool = pool
+        self.page_size = pool.page_size
+        self.budget = budget
+        self.outbox = outbox
+        self.observer: ReclaimObserver = NoObserver()
         self.timeout_s = timeout_s
         self.short_backoff_s = short_backoff_s
         self.waiters: list[Waiter] = []
         self._seq = 0
+
+    def observe(self, observer: ReclaimObserver) -> None:
+        """Report asks and what asked tenants give back to ``observer``."""
+        self.observer = observer
 
     # ---- bookkeeping ---------------------------------------------------------------
     @property
@@ -84,7 +95,7 @@ class Reclaimer:
 
     @property
     def asked_pages(self) -> int:
-        return sum(t.ask.pages for t in self.arbiter.tenants if t.ask is not None)
+        return sum(t.ask.pages for t in self.tenants if t.ask is not None)
 
     def wait(self, t: TenantRecord, envelope: list[bytes], req: p.Request, pages: int, now: float) -> None:
         self.waiters.append(Waiter(t, envelope, req, pages, now + self.timeout_s))
@@ -95,6 +106,7 @@ class Reclaimer:
         ask = t.ask
         if ask is not None:
             ask.pages -= pages
+            self.observer.gave_back(t, pages, ask.mode)
 
     def answered(self, t: TenantRecord, seq: int, now: float) -> None:
         """The tenant finished handling reclaim ``seq`` (a :class:`~p.Reclaimed`)."""
@@ -119,9 +131,9 @@ class Reclaimer:
         """Every arbitrated tenant as the fair-share policy sees it (bytes). ``extra``
         adds a request's pages to a tenant's demand; tenants in ``protect`` (ids) are
         pinned at what they hold (their floor is raised to it)."""
-        ps = self.arbiter.page_size
+        ps = self.page_size
         out = []
-        for t in self.arbiter.tenants:
+        for t in self.tenants:
             if not t.arbitrated:
                 continue
             held = t.held - (t.ask.pages if t.ask is not None else 0)
@@ -135,19 +147,20 @@ class Reclaimer:
         return out
 
     def shares(self) -> dict[int, int]:
-        """Each arbitrated tenant's weighted fair share now (bytes), by tenant id."""
-        got = fair_shares(self.arbiter.budget, self.claims(), self.arbiter.page_size)
+        """Each arbitrated tenant's share under the policy now (bytes), by tenant id."""
+        got = self.policy.shares(self.budget, self.claims(), self.page_size)
         return {int(k): v for k, v in got.items()}
 
     def may_grow(self, t: TenantRecord, pages: int, lease: bool = False) -> bool:
         """Whether ``t`` may take ``pages`` more by reclaiming from others: up to its fair
         share; a lease may take everything above the others' floors (``min``, leases)."""
-        ps = self.arbiter.page_size
+        ps = self.page_size
         if lease:
-            floors = sum(max(x.min_pages, x.lease_pages) for x in self.arbiter.tenants
+            floors = sum(max(x.min_pages, x.lease_pages) for x in self.tenants
                          if x.arbitrated and x is not t)
-            return t.held + t.waiting_pages + pages <= self.arbiter.budget // ps - floors
-        return may_grow(self.arbiter.budget, self.claims(extra=(t, pages)), str(t.id), pages * ps, ps)
+            return t.held + t.waiting_pages + pages <= self.budget // ps - floors
+        return self.policy.may_grow(self.budget, self.claims(extra=(t, pages)), str(t.id),
+                                    pages * ps, ps)
 
     # ---- the step ---------------------------------------------------------------------
     def step(self, now: float) -> list[tuple[Waiter, p.Reply | None]]:
@@ -156,7 +169,7 @@ class Reclaimer:
         ``(waiter, error reply)``."""
         done: list[tuple[Waiter, p.Reply | None]] = []
         self._expire_asks(now)
-        avail = self.arbiter.pool.available
+        avail = self.pool.available
         while self.waiters:
             w = self.waiters[0]
             if w.tenant.held + w.pages > w.tenant.cap_pages:
@@ -201,7 +214,7 @@ class Reclaimer:
         w.tenant.waiting_pages -= w.pages
 
     def _expire_asks(self, now: float) -> None:
-        for t in self.arbiter.tenants:
+        for t in self.tenants:
             ask = t.ask
             if ask is None:
                 continue
@@ -214,7 +227,10 @@ class Reclaimer:
                 if ask.pages > 0:
                     t.ignored += 1
                     t.unresponsive = t.held > t.min_pages
-                    self.arbiter.log_ignored(t, ask)
+                    daemon_log.warning(
+                        "tenant %d (%s) ignored reclaim %d (%s, %d pages still held above "
+                        "the ask); capped at its min until it answers", t.id, t.name,
+                        ask.seq, ask.reason, ask.pages)
 
     def _send_ask(self, t: TenantRecord, pages: int, mode: str, urgent: bool, reason: str,
                   now: float) -> None:
@@ -222,20 +238,21 @@ class Reclaimer:
         log.debug("reclaim %d: %s asked for %d pages (%s%s, %s)", self._seq, t.name, pages,
                   mode, ", urgent" if urgent else "", reason)
         t.ask = Ask(self._seq, pages, mode, urgent, now + self.timeout_s, reason)
-        self.arbiter.unsolicited(t, p.Reclaim(
-            bytes=pages * self.arbiter.page_size, reason=reason, seq=self._seq, mode=mode,
-            urgent=urgent, deadline_ms=int(self.timeout_s * 1000)))
+        msg = p.Reclaim(bytes=pages * self.page_size, reason=reason, seq=self._seq,
+                        mode=mode, urgent=urgent, deadline_ms=int(self.timeout_s * 1000))
+        self.outbox.send(t, msg)
+        self.observer.asked(t, msg)
 
     def _enforce_limits(self, now: float) -> None:
         """Tenants above their (lowered) limit shrink now, idle or not."""
-        for t in self.arbiter.tenants:
+        for t in self.tenants:
             excess = t.granted - max(0, t.max_pages - t.lease_pages)
             if excess > 0 and t.ask is None and t.arbitrated:
                 self._send_ask(t, excess, "shrink", True, "limit", now)
 
     def _victims(self) -> list[TenantRecord]:
         waiting = {w.tenant.id for w in self.waiters}
-        return [t for t in self.arbiter.tenants
+        return [t for t in self.tenants
                 if t.arbitrated and t.ask is None and t.id not in waiting]
 
     def _plan_reserve_asks(self, need: int) -> dict[int, int]:
@@ -251,10 +268,10 @@ class Reclaimer:
         return plan
 
     def _plan_shrink_asks(self, need: int, now: float) -> tuple[dict[int, int], bool]:
-        ps = self.arbiter.page_size
+        ps = self.page_size
         victims = {t.id: t for t in self._victims() if t.short_until <= now}
-        protect = {t.id for t in self.arbiter.tenants if t.id not in victims}
-        plan = reclaim_plan(self.arbiter.budget, self.claims(protect=protect), need * ps, ps)
+        protect = {t.id for t in self.tenants if t.id not in victims}
+        plan = self.policy.plan(self.budget, self.claims(protect=protect), need * ps, ps)
         urgent = any(w.deadline - now < self.timeout_s / 2 for w in self.waiters)
         asked: dict[int, int] = {}
         for name, nbytes in plan:
@@ -274,5 +291,5 @@ class Reclaimer:
 
     def next_deadline(self) -> float | None:
         times = [w.deadline for w in self.waiters]
-        times += [t.ask.deadline for t in self.arbiter.tenants if t.ask is not None]
+        times += [t.ask.deadline for t in self.tenants if t.ask is not None]
         return min(times) if times else None

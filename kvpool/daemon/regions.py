@@ -8,11 +8,17 @@ pages.
 
 Invariant: ``units[u]`` lists ``n_regions`` distinct pfns, each owned by the group's
 tenant in the pool, and no pfn appears in two slots anywhere.
+
+:class:`GroupIndex` is every live group of every tenant, by id, and the allocator of
+new ids.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Iterator, MutableMapping
+
+from kvpool import protocol as p
 
 
 @dataclass(eq=False)
@@ -78,3 +84,49 @@ class GroupRecord:
             else:
                 out.append([u, 1, int(res)])
         return [(a, b, bool(c)) for a, b, c in out]
+
+
+class GroupIndex(MutableMapping[int, GroupRecord]):
+    """Every live group (all tenants), by id, and the next id to hand out.
+
+    Invariant (the callers keep it; ``check_integrity`` checks it): the index holds
+    exactly the groups in the tenants' own ``groups`` tables."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[int, GroupRecord] = {}
+        self.next_id = 1  # the next group id to try (see new_id)
+
+    def new_id(self) -> int:
+        """The next free group id, in ``1..MAX_GROUP_ID`` (wrapping around, skipping live
+        ones): ids never grow past what clients, the wire and ``state.json`` carry."""
+        gid = self.next_id
+        for _ in range(len(self._by_id) + 2):
+            if not 1 <= gid <= p.MAX_GROUP_ID:
+                gid = 1
+            if gid not in self._by_id:
+                break
+            gid += 1
+        self.next_id = gid + 1
+        return gid
+
+    def continue_from(self, next_id: int) -> None:
+        """Ids continue from ``next_id`` (a previous daemon's), never going back."""
+        self.next_id = max(self.next_id, next_id)
+
+    def __getitem__(self, gid: int) -> GroupRecord:
+        return self._by_id[gid]
+
+    def __setitem__(self, gid: int, g: GroupRecord) -> None:
+        self._by_id[gid] = g
+
+    def __delitem__(self, gid: int) -> None:
+        del self._by_id[gid]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._by_id)
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def __contains__(self, gid: object) -> bool:
+        return gid in self._by_id

@@ -14,24 +14,38 @@ from __future__ import annotations
 import logging
 import secrets
 import socket
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvpool import protocol as p
 from kvpool.daemon.auth import may_claim, peer_groups
+from kvpool.daemon.config import Config
+from kvpool.daemon.outcome import Fail, Sender
+from kvpool.daemon.pool import Pool
+from kvpool.daemon.reclaim import Reclaimer
+from kvpool.daemon.regions import GroupIndex
+from kvpool.daemon.restart import Recovery
+from kvpool.daemon.tenants import NO_MEMORY_KINDS, TenantRecord, Tenants
 from kvpool.protocol import endpoint
-from kvpool.daemon.outcome import Fail
-from kvpool.daemon.tenants import NO_MEMORY_KINDS, TenantRecord
 from kvpool.sizes import parse_size
-
-if TYPE_CHECKING:
-    from kvpool.daemon.arbiter import Arbiter
 
 log = logging.getLogger("kvpool.daemon")
 
 
 class Registry:
-    def __init__(self, arbiter: Arbiter):
-        self.arbiter = arbiter
+    """The sessions in ``tenants``, within ``cfg``'s caps and tenant policies; a session
+    that ends gives its groups (``groups``) and lease back to ``pool`` and its waiters
+    up (``reclaimer``), and stops ``recovery`` waiting for its pid. ``budget`` bytes."""
+
+    def __init__(self, cfg: Config, pool: Pool, budget: int, tenants: Tenants,
+                 groups: GroupIndex, reclaimer: Reclaimer, recovery: Recovery):
+        self.cfg = cfg
+        self.pool = pool
+        self.page_size = pool.page_size
+        self.budget = budget
+        self.tenants = tenants
+        self.groups = groups
+        self.reclaimer = reclaimer
+        self.recovery = recovery
         self.knob_overrides: dict[str, dict[str, Any]] = {}  # set_limit changes, by name
 
     def open(self, conn: socket.socket, pid: int, uid: int, gid: int,
@@ -39,38 +53,36 @@ class Registry:
         """A new fd-channel connection: a tenant record with a fresh session token.
         Raises :class:`Fail` (``OVER_LIMIT``) past the per-uid or the global session cap
         (the server tells the peer why in its hello, then hangs up)."""
-        a = self.arbiter
-        per_uid = a.cfg.max_sessions_per_uid
-        if a.tenants.count_uid(uid) >= per_uid:
+        per_uid = self.cfg.max_sessions_per_uid
+        if self.tenants.count_uid(uid) >= per_uid:
             raise Fail(p.OVER_LIMIT, f"uid {uid} has {per_uid} sessions open already "
                                      f"(max_sessions_per_uid)")
-        total = a.cfg.max_sessions
-        if len(a.tenants) >= total:
+        total = self.cfg.max_sessions
+        if len(self.tenants) >= total:
             raise Fail(p.OVER_LIMIT, f"the daemon serves {total} sessions already "
                                      f"(max_sessions)")
-        return a.tenants.add(
+        return self.tenants.add(
             token=secrets.token_hex(16), pid=pid, uid=uid, gid=gid, conn=conn, pidfd=pidfd,
             peer_gids=peer_groups(pid, gid) if pid > 0 else {gid},
         )
 
     def drop(self, t: TenantRecord, why: str) -> None:
         """The tenant is gone: every page it held returns to the pool (to be zeroed)."""
-        a = self.arbiter
         pages = 0
         for g in t.groups.values():
             pfns = g.release_all()
-            a.pool.give_back(pfns, t.id)
+            self.pool.give_back(pfns, t.id)
             pages += len(pfns)
-            a.groups.pop(g.id, None)
+            self.groups.pop(g.id, None)
         t.groups.clear()
         t.granted = 0
-        a.pool.unlease(t.lease_pages)
+        self.pool.unlease(t.lease_pages)
         t.lease_pages = 0
         t.ask = None
-        a.reclaimer.forget(t)
+        self.reclaimer.forget(t)
         if t.arbitrated:  # a returning tenant's session ended: stop waiting for its pid
-            a.recovery.returned(t.pid)  # (a monitor of that pid says nothing)
-        a.tenants.remove(t)
+            self.recovery.returned(t.pid)  # (a monitor of that pid says nothing)
+        self.tenants.remove(t)
         log.info("tenant %d (%s, pid %d) dropped: %s; %d pages returned",
                  t.id, t.name or "-", t.pid, why, pages)
 
@@ -78,10 +90,10 @@ class Registry:
         """``(min, max, weight)`` in pages for tenant ``name``: a live admin change wins,
         then the daemon config's ``[tenants.NAME]``, then what the tenant asked for at
         registration, then the defaults."""
-        a = self.arbiter
+        cfg = self.cfg
         live = self.knob_overrides.get(name, {})
-        configured = name in a.cfg.tenants
-        policy = a.cfg.policy(name)
+        configured = name in cfg.tenants
+        policy = cfg.policy(name)
 
         def pick(key: str, conf: Any, default: Any) -> Any:
             if key in live:
@@ -92,16 +104,15 @@ class Registry:
                 return getattr(asked, key)
             return conf if conf is not None else default
 
-        mx = pick("max", policy.max, a.cfg.default_max)
+        mx = pick("max", policy.max, cfg.default_max)
         mn = pick("min", policy.min if configured else None, 0)
         w = pick("weight", policy.weight if configured else None, 1.0)
-        ps = a.page_size
-        return (parse_size(mn, a.budget) // ps,
-                min(parse_size(mx, a.budget), a.budget) // ps, float(w))
+        ps, budget = self.page_size, self.budget
+        return (parse_size(mn, budget) // ps,
+                min(parse_size(mx, budget), budget) // ps, float(w))
 
-    def register(self, t: TenantRecord, identity: bytes, r: p.Register) -> p.Reply:
-        a = self.arbiter
-        device = a.pool.backend.device
+    def register(self, t: TenantRecord, sender: Sender, r: p.Register) -> p.Reply:
+        device = self.pool.backend.device
         if r.version != p.VERSION:
             raise Fail(p.VERSION_MISMATCH, f"client speaks protocol {r.version}, daemon {p.VERSION}")
         if t.registered:
@@ -121,47 +132,45 @@ class Registry:
         if r.kind in NO_MEMORY_KINDS:
             mn = mx = 0  # holds nothing: no knobs, no claim on a name's policy
         else:
-            floors = sum(x.min_pages for x in a.tenants if x.arbitrated)
-            if mn and floors + mn > a.budget // a.page_size:
+            floors = sum(x.min_pages for x in self.tenants if x.arbitrated)
+            if mn and floors + mn > self.budget // self.page_size:
                 raise Fail(p.OVER_LIMIT, f"min of {mn} pages would make the guaranteed "
                                          f"minimums ({floors} pages) exceed the budget")
-        t.name, t.kind, t.identity, t.registered = r.name, r.kind, identity, True
+        t.name, t.kind, t.identity, t.registered = r.name, r.kind, sender.identity, True
         t.endpoint = r.endpoint or ""
         t.min_pages, t.max_pages, t.weight = mn, mx, weight
         log.info("tenant %d registered: %s (%s), pid %d uid %d, limit %d pages",
                  t.id, t.name, t.kind, t.pid, t.uid, t.max_pages)
         return p.Registered(
-            id=r.id, tenant=t.id, name=t.name, backend=a.pool.backend.name,
-            device=device, page_size=a.page_size, budget=a.budget,
-            limit=t.max_pages * a.page_size,
+            id=r.id, tenant=t.id, name=t.name, backend=self.pool.backend.name,
+            device=device, page_size=self.page_size, budget=self.budget,
+            limit=t.max_pages * self.page_size,
         )
 
     def _claim(self, t: TenantRecord, name: str) -> None:
         """May ``t`` register as ``name``: the config's ``uids``/``group`` of that name
         admit its peer, and no other live memory-holding session holds the name."""
-        a = self.arbiter
-        if name in a.cfg.tenants:
-            why = may_claim(name, a.cfg.tenants[name], t.uid, t.peer_gids or {t.gid})
+        if name in self.cfg.tenants:
+            why = may_claim(name, self.cfg.tenants[name], t.uid, t.peer_gids or {t.gid})
             if why:
                 raise Fail(p.UNAUTHORIZED, why)
-        owner = a.recovery.keeper_of(name, t.pid, t.uid)
+        owner = self.recovery.keeper_of(name, t.pid, t.uid)
         if owner is not None:
             raise Fail(p.UNAUTHORIZED, f"tenant name {name!r} is kept for pid {owner}, a "
                                        f"tenant of the previous daemon, until it returns")
-        holders = [x for x in a.tenants.named(name) if x is not t]
+        holders = [x for x in self.tenants.named(name) if x is not t]
         if holders:
             h = holders[0]
             raise Fail(p.UNAUTHORIZED, f"tenant name {name!r} is held by tenant {h.id} "
                                        f"(pid {h.pid}); choose another name")
 
-    def set_limit(self, t: TenantRecord, identity: bytes, r: p.SetLimit) -> p.Reply:
-        a = self.arbiter
-        ps = a.page_size
+    def set_limit(self, t: TenantRecord, sender: Sender, r: p.SetLimit) -> p.Reply:
+        ps = self.page_size
         change = {k: getattr(r, k) for k in ("min", "max", "weight") if getattr(r, k) is not None}
-        named = a.tenants.named(r.tenant)
+        named = self.tenants.named(r.tenant)
         if "min" in change:
-            floors = sum(x.min_pages for x in a.tenants if x.arbitrated and x.name != r.tenant)
-            if floors + len(named) * (change["min"] // ps) > a.budget // ps:
+            floors = sum(x.min_pages for x in self.tenants if x.arbitrated and x.name != r.tenant)
+            if floors + len(named) * (change["min"] // ps) > self.budget // ps:
                 raise Fail(p.OVER_LIMIT, "the guaranteed minimums would exceed the budget")
         self.knob_overrides.setdefault(r.tenant, {}).update(change)
         for x in named:

@@ -16,14 +16,13 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import psutil
 
 from kvpool import paths
 
 if TYPE_CHECKING:
-    from kvpool.daemon.arbiter import Arbiter
     from kvpool.daemon.tenants import TenantRecord
 
 log = logging.getLogger("kvpool.daemon")
@@ -115,14 +114,18 @@ def live_tenants(state: dict[str, Any]) -> tuple[set[int], dict[str, int], dict[
     return pids, names, uids
 
 
-def recover(state_file: StateFile, arbiter: Arbiter, timeout_s: float) -> None:
-    """Read the previous daemon's tenants: grants wait until the live ones adopted (or
-    ``timeout_s``); group ids continue where it stopped."""
+# (pids, names -> pid, pid -> uid, next group id, until): ``Arbiter.begin_recovery``
+BeginRecovery = Callable[[set[int], dict[str, int], dict[int, int], int, float], None]
+
+
+def recover(state_file: StateFile, begin: BeginRecovery, timeout_s: float) -> None:
+    """Read the previous daemon's tenants and ``begin`` recovery: grants wait until the
+    live ones adopted (or ``timeout_s``); group ids continue where it stopped."""
     state = state_file.load()
     if state is None:
         return
     pids, names, uids = live_tenants(state)
-    arbiter.begin_recovery(pids, names, uids, int(state.get("next_group", 1)),
+    begin(pids, names, uids, int(state.get("next_group", 1)),
                            time.monotonic() + timeout_s)
     if pids:
         log.info("recovering: waiting up to %gs for %d tenants of the previous daemon",

@@ -7,11 +7,22 @@ limit) over
 * each tenant's pidfd (readable when the process exits),
 * a self-pipe woken by SIGTERM/SIGINT,
 
-plus timers (liveness, watchdog, status, reclaim deadlines, full fd sockets, parked
-Adopts) and idle work (scrubbing released pages, keeping the warm pool between its
+plus timers and idle work (scrubbing released pages, keeping the warm pool between its
 bounds). Request logic lives in :mod:`kvpool.daemon.arbiter`; start-up and run-dir
-safety in :mod:`.startup`; the restart state in :mod:`.restart`. This file runs the
-loop, admits requests and ends sessions.
+safety in :mod:`.startup`; the restart state in :mod:`.restart`; the poller in
+:mod:`.fdwatch`. This file builds the parts (each given the collaborators it uses:
+the pool, the arbiter's tenants, the poller, the callbacks into the loop), runs the
+loop and its timers, admits requests and ends sessions.
+
+Timers (:meth:`Server.next_due`, :meth:`Server.run_timers`):
+
+* reclaim deadlines and the end of recovery (``Arbiter.next_deadline``): a tick;
+* fd sockets full for ``send_timeout_s``: the tenant is dropped; parked Adopts past
+  ``adopt_wait_s``: refused;
+* restart state changed: ``state.json`` saved;
+* every ``liveness_s``: tenants whose pid is gone (no pidfd) or that never registered
+  are dropped, and retained pages rechecked (waiting grants may fit after);
+* the systemd watchdog, and a status line every ``status_interval_s``.
 
 The loop never blocks on one peer:
 
@@ -41,8 +52,6 @@ import time
 from types import FrameType
 from typing import Any, Callable
 
-import zmq
-
 from kvpool import fdchannel
 from kvpool import protocol as p
 from kvpool.daemon import observe
@@ -51,6 +60,7 @@ from kvpool.daemon.config import Config
 from kvpool.daemon.control import Control
 from kvpool.daemon.fdsend import FdSender
 from kvpool.daemon.fdsessions import FdSessions
+from kvpool.daemon.fdwatch import FdWatch
 from kvpool.daemon.notify import Notifier
 from kvpool.daemon.pool import Pool
 from kvpool.daemon.restart import StateFile, recover
@@ -58,7 +68,6 @@ from kvpool.daemon.startup import (
     AlreadyRunning, Sockets, StartupError, group_id, open_sockets, prepare_run_dir,
 )
 from kvpool.daemon.tenants import TenantRecord
-from kvpool.daemon.timers import Timers
 from kvpool.limits import raise_fd_limit
 from kvpool.sizes import format_size, parse_size
 from kvpool.vmm import open_backend
@@ -67,7 +76,7 @@ __all__ = ["AlreadyRunning", "Server", "StartupError", "raise_fd_limit", "run"]
 
 log = logging.getLogger("kvpool.daemon")
 
-FdHandler = Callable[[int, int], None]  # (fd, poll events)
+NO_WATCHDOG_S = 3600.0  # how often the watchdog timer wakes when systemd set none
 
 
 class Server:
@@ -92,13 +101,16 @@ class Server:
         self.notifier = Notifier.from_env()
         self.state = StateFile(self.run_dir)
         self.sockets = Sockets(self.run_dir)
-        self.fdsend = FdSender(self)
+        self.fdwatch = FdWatch()
+        self.fdsend = FdSender(self.pool, self.arbiter.tenants, self.fdwatch, self.reply,
+                               self.drop, cfg.max_queued_fds, cfg.send_timeout_s)
         self._stop = False
-        self._handlers: dict[int, FdHandler] = {}  # fileno -> handler(fileno, events)
-        self.timers = Timers(self)
         self._state_dirty = False
         self._need_tick = False
         self.admin_gid: int | None = None
+        self.next_liveness = 0.0  # when each periodic timer is due next (monotonic)
+        self.next_watchdog = 0.0
+        self.next_status = 0.0
 
     # ---- setup / teardown -----------------------------------------------------------
     def start(self) -> None:
@@ -107,14 +119,18 @@ class Server:
             self.admin_gid = group_id(self.cfg.admin_group, "admin group")
         open_sockets(self.cfg, self.run_dir, self.sockets)
         assert self.sockets.router is not None and self.sockets.listener is not None
-        self.control = Control(self, self.sockets.router)
-        self.sessions = FdSessions(self, self.sockets.listener)
-        self.poller = zmq.Poller()
-        self.poller.register(self.control.router, zmq.POLLIN)
-        self.watch(self.sessions.listener.fileno(), self.sessions.accept)
+        cfg, a = self.cfg, self.arbiter
+        self.control = Control(self.sockets.router, a.counters, self.receive, cfg.burst,
+                               cfg.drain_slice)
+        self.sessions = FdSessions(self.sockets.listener, cfg, a, self.pool, self.fdwatch,
+                                   self.fdsend, self.drop, self.handle, self.control.refuse,
+                                   self.admin_gid)
+        self.fdwatch.add_socket(self.control.router)
+        self.fdwatch.watch(self.sessions.listener.fileno(), self.sessions.accept)
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self.watch(self._wake_r, self._on_signal_pipe)
-        self.observer = observe.attach(self)  # counters, event log, /metrics if configured
+        self.fdwatch.watch(self._wake_r, self._on_signal_pipe)
+        # counters, event log, /metrics if configured
+        self.observer = observe.attach(a, self.fdwatch, self.reply, cfg)
         signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
@@ -122,7 +138,7 @@ class Server:
                  self.run_dir, self.backend.name, self.backend.device,
                  format_size(self.pool.page_size), format_size(self.arbiter.budget),
                  self.pool.budget_pages, self.pool.warm_min, self.pool.warm_max)
-        recover(self.state, self.arbiter, self.cfg.recover_timeout_s)
+        recover(self.state, self.arbiter.begin_recovery, self.cfg.recover_timeout_s)
         raise_fd_limit()
         self.notifier.ready(self.status_line())
 
@@ -154,7 +170,7 @@ class Server:
             self.drop(t, "daemon shutting down")
         if not keep:
             self.state.remove()
-        self.poller.unregister(self.control.router)
+        self.fdwatch.remove_socket(self.control.router)
         self.sockets.close()
         signal.set_wakeup_fd(-1)
         os.close(self._wake_r)
@@ -176,18 +192,6 @@ class Server:
     def _on_signal_pipe(self, fd: int, ev: int = 0) -> None:
         with contextlib.suppress(BlockingIOError):
             os.read(fd, 512)
-
-    def watch(self, fd: int, handler: FdHandler) -> None:
-        self._handlers[fd] = handler
-        self.poller.register(fd, zmq.POLLIN)
-
-    def unwatch(self, fd: int) -> None:
-        if self._handlers.pop(fd, None) is not None:
-            self.poller.unregister(fd)
-
-    def want_write(self, fd: int, on: bool) -> None:
-        if fd >= 0 and fd in self._handlers:
-            self.poller.register(fd, zmq.POLLIN | (zmq.POLLOUT if on else 0))
 
     def stop(self) -> None:
         """End the loop after this turn (a clean, requested stop)."""
@@ -215,14 +219,14 @@ class Server:
         Control messages are looked at again every ``interleave`` fd-channel events, so a
         flood of connections or hang-ups does not hold up the tenants' requests."""
         busy = self.pool.has_work() or self.control.discard is not None
-        wait_s = 0.0 if busy else max(0.0, self.timers.next_due() - time.monotonic())
-        events = self.poller.poll(int(wait_s * 1000))  # (pyzmq truncates float ms alike)
+        wait_s = 0.0 if busy else max(0.0, self.next_due() - time.monotonic())
+        events = self.fdwatch.poll(int(wait_s * 1000))  # (pyzmq truncates float ms alike)
         every = self.cfg.interleave
         for i, (item, ev) in enumerate(events):
             if item is self.control.router:
                 self._guard(None, self.control.read)
                 continue
-            handler = self._handlers.get(item)
+            handler = self.fdwatch.handler(item)
             if handler is not None:
                 self._guard(item, handler, item, ev)
             if i % every == every - 1 and self.control.readable:
@@ -230,7 +234,7 @@ class Server:
         if self._need_tick:
             self._need_tick = False
             self.tick()
-        self._guard(None, self.timers.run)
+        self._guard(None, self.run_timers)
         if busy and not events:
             self.pool.maintain(self.cfg.idle_work_s)
 
@@ -239,20 +243,54 @@ class Server:
         try:
             fn(*args)
         except Exception as e:  # a bug must not stop the daemon
-            self.arbiter.errors += 1
+            self.arbiter.counters.errors += 1
             t = self._tenant_of_fd(fd) if fd is not None else None
             log.exception("handling %s failed", f"tenant {t.id}" if t else f"fd {fd}"
                           if fd is not None else "the loop step")
             if t is not None:
                 self.drop(t, f"internal error: {type(e).__name__}: {e}")
             elif fd is not None and fd not in (self.sessions.listener.fileno(), self._wake_r):
-                self.unwatch(fd)
+                self.fdwatch.unwatch(fd)
 
     def _tenant_of_fd(self, fd: int) -> TenantRecord | None:
         t = self.arbiter.tenants.by_fileno.get(fd)
         if t is None:
             t = next((x for x in self.arbiter.tenants if x.pidfd == fd), None)
         return t
+
+    # ---- timers -----------------------------------------------------------------------
+    def next_due(self) -> float:
+        """The monotonic time the loop must wake at, at the latest."""
+        times = [self.next_liveness, self.next_watchdog, self.next_status]
+        stuck = self.fdsend.next_deadline()
+        parked = self.sessions.next_deadline()
+        times += [x for x in (stuck, parked) if x is not None]
+        t = min(times)
+        d = self.arbiter.next_deadline()
+        return min(t, d + 0.001) if d is not None else t
+
+    def run_timers(self) -> None:
+        """Whatever is due now."""
+        now = time.monotonic()
+        d = self.arbiter.next_deadline()
+        if d is not None and now >= d:
+            self.tick()
+        self.fdsend.expire(now)
+        self.sessions.expire(now)
+        self.save_state_if_changed()
+        if now >= self.next_liveness:
+            self.next_liveness = now + self.cfg.liveness_s
+            self.sessions.check_liveness(now)
+            if self.pool.recheck_retained():  # released pages a tenant kept, now gone
+                self.tick_soon()  # waiting grants may fit now
+        if now >= self.next_watchdog:
+            interval = self.notifier.watchdog_interval
+            self.next_watchdog = now + (interval or NO_WATCHDOG_S)
+            if interval:
+                self.notifier.watchdog()
+        if now >= self.next_status:
+            self.next_status = now + self.cfg.status_interval_s
+            self.notifier.status(self.status_line())
 
     def status_line(self) -> str:
         pool = self.pool
@@ -291,7 +329,7 @@ class Server:
             out = self.arbiter.handle(identity, req, envelope)
         except Exception as e:  # a bug must not stop the daemon
             log.exception("request %s failed", type(req).__name__)
-            self.arbiter.errors += 1
+            self.arbiter.counters.errors += 1
             self.control.reply(envelope, p.error(req.id, p.INTERNAL, f"{type(e).__name__}: {e}"))
             return
         if not out.deferred:
@@ -331,10 +369,10 @@ class Server:
             self._state_dirty = True
         self._need_tick = True
         if fileno >= 0:
-            self.unwatch(fileno)
+            self.fdwatch.unwatch(fileno)
         t.conn.close()
         if t.pidfd is not None:
-            self.unwatch(t.pidfd)
+            self.fdwatch.unwatch(t.pidfd)
             with contextlib.suppress(OSError):
                 os.close(t.pidfd)
             t.pidfd = None

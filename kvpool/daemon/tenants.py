@@ -11,14 +11,24 @@ from __future__ import annotations
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any, Iterator
 
 from kvpool.daemon.regions import GroupRecord
 
-if TYPE_CHECKING:
-    from kvpool.daemon.reclaim import Ask
-
 NO_MEMORY_KINDS = ("monitor", "admin")  # session kinds that hold no memory (daemon-enforced)
+
+
+@dataclass(eq=False)
+class Ask:
+    """What the daemon asked a tenant to give back and is still waiting for
+    (:mod:`kvpool.daemon.reclaim` sends it; ``TenantRecord.ask`` holds it)."""
+
+    seq: int
+    pages: int  # still to come (decremented as the tenant releases)
+    mode: str  # "reserve" | "shrink"
+    urgent: bool
+    deadline: float
+    reason: str
 
 
 @dataclass(eq=False)

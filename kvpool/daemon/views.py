@@ -8,25 +8,36 @@ they hold something (none should: ``check`` says so).
 
 from __future__ import annotations
 
-import time
-from typing import TYPE_CHECKING
-
 from kvpool import protocol as p
-from kvpool.daemon.integrity import check_integrity
-from kvpool.daemon.outcome import Fail
-from kvpool.daemon.tenants import NO_MEMORY_KINDS, TenantRecord
-
-if TYPE_CHECKING:
-    from kvpool.daemon.arbiter import Arbiter
+from kvpool.daemon.counters import Counters
+from kvpool.daemon.integrity import Integrity
+from kvpool.daemon.outcome import Fail, Sender
+from kvpool.daemon.pool import Pool
+from kvpool.daemon.reclaim import Reclaimer
+from kvpool.daemon.regions import GroupIndex
+from kvpool.daemon.restart import Recovery
+from kvpool.daemon.tenants import NO_MEMORY_KINDS, TenantRecord, Tenants
 
 
 class Views:
-    def __init__(self, arbiter: Arbiter):
-        self.arbiter = arbiter
+    """Views of ``pool``, ``tenants`` and their groups (``groups``), with the shares and
+    waiting pages of ``reclaimer``, whether ``recovery`` is active, the request
+    ``counters``, and ``integrity``'s self-check."""
+
+    def __init__(self, pool: Pool, tenants: Tenants, groups: GroupIndex,
+                 reclaimer: Reclaimer, recovery: Recovery, counters: Counters,
+                 integrity: Integrity):
+        self.pool = pool
+        self.page_size = pool.page_size
+        self.tenants = tenants
+        self.groups = groups
+        self.reclaimer = reclaimer
+        self.recovery = recovery
+        self.counters = counters
+        self.integrity = integrity
 
     def tenant_info(self, t: TenantRecord, shares: dict[int, int] | None = None) -> p.TenantInfo:
-        a = self.arbiter
-        ps = a.page_size
+        ps = self.page_size
         share = (shares or {}).get(t.id, 0)
         return p.TenantInfo(
             id=t.id, name=t.name, kind=t.kind, pid=t.pid, uid=t.uid, registered=t.registered,
@@ -35,46 +46,43 @@ class Views:
             weight=t.weight, lease=t.lease_pages * ps, share=share,
             asked=max(0, t.ask.pages) * ps if t.ask is not None else 0,
             ignored=t.ignored, unresponsive=t.unresponsive, waiting=t.waiting_pages * ps,
-            retained=a.pool.retained_pages(t.id) * ps, endpoint=t.endpoint,
+            retained=self.pool.retained_pages(t.id) * ps, endpoint=t.endpoint,
         )
 
     def pool_info(self) -> p.PoolInfo:
-        a = self.arbiter
-        pool, ps = a.pool, a.page_size
+        pool, ps = self.pool, self.page_size
         return p.PoolInfo(
             backend=pool.backend.name, device=pool.backend.device, page_size=ps,
             budget=pool.budget_pages * ps, granted=pool.granted * ps, warm=len(pool.warm) * ps,
             dirty=len(pool.dirty) * ps, free=pool.free * ps, created=pool.created,
             warm_min=pool.warm_min * ps, warm_max=pool.warm_max * ps,
-            leased=pool.leased * ps, waiting=a.reclaimer.waiting_pages * ps,
-            recovering=a.recovering,
+            leased=pool.leased * ps, waiting=self.reclaimer.waiting_pages * ps,
+            recovering=self.recovery.active,
             retained=pool.retained_pages() * ps, renewed=pool.renewed,
         )
 
     def listed(self) -> list[p.TenantInfo]:
         """Tenants for ``ps``/``stats``: every session but monitor and admin ones, and
         every session that holds anything whatever its kind (none should)."""
-        a = self.arbiter
-        shares = a.reclaimer.shares()
-        return [self.tenant_info(x, shares) for x in a.tenants
+        shares = self.reclaimer.shares()
+        return [self.tenant_info(x, shares) for x in self.tenants
                 if x.kind not in NO_MEMORY_KINDS or x.held or x.groups]
 
-    def ps(self, t: TenantRecord, identity: bytes, r: p.Ps) -> p.Reply:
+    def ps(self, t: TenantRecord, sender: Sender, r: p.Ps) -> p.Reply:
         return p.PsReply(id=r.id, tenants=self.listed(), pool=self.pool_info())
 
-    def stats(self, t: TenantRecord, identity: bytes, r: p.Stats) -> p.Reply:
-        a = self.arbiter
+    def stats(self, t: TenantRecord, sender: Sender, r: p.Stats) -> p.Reply:
+        n = self.counters
         return p.StatsReply(
             id=r.id, pool=self.pool_info(), tenants=self.listed(),
-            uptime_s=time.monotonic() - a.started, requests=a.requests, errors=a.errors,
+            uptime_s=n.uptime_s, requests=n.requests, errors=n.errors,
         )
 
-    def map(self, t: TenantRecord, identity: bytes, r: p.MapReq) -> p.Reply:
+    def map(self, t: TenantRecord, sender: Sender, r: p.MapReq) -> p.Reply:
         """Groups in id order after ``r.after``, page tables run-length encoded (a reply's
         size follows the pages mapped, not the virtual size), cut at about
         :data:`p.MAP_REPLY_BYTES` with ``next`` saying where to go on."""
-        a = self.arbiter
-        tenants = list(a.tenants) if r.tenant is None else a.tenants.find(r.tenant)
+        tenants = list(self.tenants) if r.tenant is None else self.tenants.find(r.tenant)
         if r.tenant is not None and not tenants:
             raise Fail(p.NOT_FOUND, f"no tenant {r.tenant!r}")
         names = {x.id: x.name for x in tenants}
@@ -82,7 +90,7 @@ class Views:
         groups: list[p.GroupInfo] = []
         size = 0
         for n, gid in enumerate(ids):
-            g = a.groups[gid]
+            g = self.groups[gid]
             runs = [p.Run(start, length, reserve) for start, length, reserve in g.runs()]
             cost = 128 + 10 * (len(runs) + min(len(g.bases), p.MAP_BASES))
             if r.pfns:
@@ -98,5 +106,5 @@ class Views:
             ))
         return p.MapReply(id=r.id, pool=self.pool_info(), groups=groups)
 
-    def check(self, t: TenantRecord, identity: bytes, r: p.Check) -> p.Reply:
-        return p.CheckReply(id=r.id, problems=check_integrity(self.arbiter))
+    def check(self, t: TenantRecord, sender: Sender, r: p.Check) -> p.Reply:
+        return p.CheckReply(id=r.id, problems=self.integrity.check())

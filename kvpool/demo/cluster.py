@@ -21,13 +21,14 @@ class ClusterError(RuntimeError):
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 @dataclass
 class Proc:
     name: str
-    popen: subprocess.Popen
+    popen: subprocess.Popen[bytes]
     log: Path
     url: str | None = None
 
@@ -51,7 +52,7 @@ class Cluster:
         self.workdir.mkdir(parents=True, exist_ok=True)
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Proc:

@@ -11,7 +11,7 @@ import asyncio
 import json
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import httpx
 
@@ -38,12 +38,12 @@ class Outcome:
 @dataclass
 class Replay:
     outcomes: list[Outcome]
-    memory: list[dict]  # {"t": seconds, model: bytes, ...}
+    memory: list[dict[str, Any]]  # {"t": seconds, model: bytes, ...}
     wall_s: float
     start_wall: float = 0.0  # time.time() when the replay started (arrivals are offsets)
-    events: list[dict] = field(default_factory=list)  # the daemon's events (elastic runs)
+    events: list[dict[str, Any]] = field(default_factory=list)  # the daemon's events (elastic runs)
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {
             "wall_s": self.wall_s,
             "outcomes": [asdict(o) for o in self.outcomes],
@@ -99,8 +99,8 @@ async def _one(
     return out
 
 
-async def _sample(sample: Callable[[], dict], every: float, start: float, stop: asyncio.Event,
-                  into: list[dict]) -> None:
+async def _sample(sample: Callable[[], dict[str, Any]], every: float, start: float, stop: asyncio.Event,
+                  into: list[dict[str, Any]]) -> None:
     while not stop.is_set():
         row = await asyncio.to_thread(sample)
         row["t"] = time.perf_counter() - start
@@ -115,12 +115,12 @@ async def replay_async(
     arrivals: list[Arrival],
     urls: dict[str, str],
     vocab: int,
-    sample_memory: Callable[[], dict] | None = None,
+    sample_memory: Callable[[], dict[str, Any]] | None = None,
     sample_every: float = 0.25,
     timeout_s: float = 600.0,
     on_done: Callable[[Outcome], None] | None = None,
 ) -> Replay:
-    memory: list[dict] = []
+    memory: list[dict[str, Any]] = []
     limits = httpx.Limits(max_connections=1024, max_keepalive_connections=64)
     async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
         start, start_wall = time.perf_counter(), time.time()
@@ -144,5 +144,5 @@ async def replay_async(
     return Replay(list(outcomes), memory, time.perf_counter() - start, start_wall)
 
 
-def replay(arrivals: list[Arrival], urls: dict[str, str], vocab: int, **kw) -> Replay:
+def replay(arrivals: list[Arrival], urls: dict[str, str], vocab: int, **kw: Any) -> Replay:
     return asyncio.run(replay_async(arrivals, urls, vocab, **kw))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import statistics
 from pathlib import Path
+from typing import Any
 
 from rich.table import Table
 
@@ -17,10 +18,10 @@ def percentile(xs: list[float], q: float) -> float | None:
     return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
 
 
-def summarize(replay: Replay, preemptions: dict[str, int] | None = None) -> dict[str, dict]:
+def summarize(replay: Replay, preemptions: dict[str, int] | None = None) -> dict[str, dict[str, Any]]:
     """Per model and ``all``: TTFT mean/p50/p99, TPOT mean, finished, errors, memory."""
     models = sorted({o.model for o in replay.outcomes})
-    out: dict[str, dict] = {}
+    out: dict[str, dict[str, Any]] = {}
     for model in models + ["all"]:
         mine = [o for o in replay.outcomes if model in ("all", o.model)]
         ok = [o for o in mine if o.error is None]
@@ -54,7 +55,7 @@ def _ms(x: float | None) -> str:
     return "-" if x is None else f"{x * 1e3:.0f}"
 
 
-def table(title: str, runs: dict[str, dict[str, dict]]) -> Table:
+def table(title: str, runs: dict[str, dict[str, dict[str, Any]]]) -> Table:
     """One row per (mode, model): runs = {mode: summarize(...)}."""
     from kvpool.sizes import format_size
 

@@ -21,6 +21,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any, Callable, Sequence
 
 import httpx
 from rich.console import Console
@@ -29,9 +30,9 @@ from rich.table import Table
 
 from kvpool.client_lib import Monitor
 from kvpool.demo import report, tail
-from kvpool.demo.cluster import Cluster, ClusterError
+from kvpool.demo.cluster import Cluster, ClusterError, Proc
 from kvpool.demo.driver import Outcome, Replay, replay
-from kvpool.demo.workload import WorkloadShape, generate
+from kvpool.demo.workload import Arrival, WorkloadShape, generate
 from kvpool.sizes import format_size
 
 MODES = ("static", "elastic")
@@ -81,10 +82,11 @@ def ensure_models(cfg: DemoConfig) -> None:
                             kv_heads=cfg.kv_heads, vocab=cfg.vocab, seed=i)
 
 
-def _stats(url: str, engine: str = "bundled") -> dict:
+def _stats(url: str, engine: str = "bundled") -> dict[str, Any]:
     if engine == "vllm":  # vLLM has no /v1/stats: its Prometheus counters
         return {"preemptions": _vllm_counter(url, "vllm:num_preemptions_total")}
-    return httpx.get(f"{url}/v1/stats", timeout=5).json()
+    stats: dict[str, Any] = httpx.get(f"{url}/v1/stats", timeout=5).json()
+    return stats
 
 
 def _vllm_counter(url: str, name: str) -> int:
@@ -95,7 +97,8 @@ def _vllm_counter(url: str, name: str) -> int:
     return int(total)
 
 
-def _start_servers(cfg: DemoConfig, cluster: Cluster, elastic: bool, size: int) -> dict:
+def _start_servers(cfg: DemoConfig, cluster: Cluster, elastic: bool,
+                   size: int) -> dict[str, Proc]:
     env = {"KVPOOL_IDLE_TIMEOUT": str(cfg.idle_timeout_s)}
     if cfg.engine == "vllm":
         extra = ("--dtype", "float32", "--max-num-seqs", str(cfg.max_num_seqs),
@@ -109,7 +112,8 @@ def _start_servers(cfg: DemoConfig, cluster: Cluster, elastic: bool, size: int) 
             for m in cfg.models}
 
 
-def run_mode(cfg: DemoConfig, mode: str, console: Console) -> tuple[Replay, dict]:
+def run_mode(cfg: DemoConfig, mode: str,
+             console: Console) -> tuple[Replay, dict[str, dict[str, Any]]]:
     """Start the processes of ``mode``, replay the workload, stop everything."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose from {MODES}")
@@ -121,19 +125,21 @@ def run_mode(cfg: DemoConfig, mode: str, console: Console) -> tuple[Replay, dict
         size = cfg.budget if elastic else cfg.budget // len(cfg.models)
         servers = _start_servers(cfg, cluster, elastic, size)
         cluster.wait_healthy(600.0 if cfg.engine == "vllm" else 120.0)
-        urls = {m: p.url for m, p in servers.items()}
+        urls = {m: proc.url for m, proc in servers.items()
+                if proc.url is not None}  # (every server has one)
 
         monitor = Monitor(cluster.run_dir) if elastic else None
         tap = tail.EventTap(monitor) if monitor is not None else None
 
-        def sample() -> dict:
+        def sample() -> dict[str, Any]:
             if monitor is not None:  # one consistent snapshot from the daemon
+                assert tap is not None  # made with the monitor
                 tap.poll()  # the daemon's decisions, for the p99 tail breakdown
                 held = {t.name: t.mapped for t in monitor.ps().tenants}
                 return {m: held.get(m, 0) for m in urls}
             if cfg.engine == "vllm":  # a static vLLM holds its preallocation throughout
                 return {m: size for m in urls}
-            row = {}
+            row: dict[str, Any] = {}
             for m, url in urls.items():
                 try:
                     row[m] = _stats(url)["kv_held_bytes"]
@@ -153,7 +159,7 @@ def run_mode(cfg: DemoConfig, mode: str, console: Console) -> tuple[Replay, dict
             progress.done(o)
             show()
 
-        def sample_and_show() -> dict:
+        def sample_and_show() -> dict[str, Any]:
             progress.memory = sample()
             show()
             return progress.memory
@@ -177,7 +183,8 @@ def run_mode(cfg: DemoConfig, mode: str, console: Console) -> tuple[Replay, dict
     return rep, final
 
 
-def idle_footprint(cfg: DemoConfig, monitor, sample) -> dict:
+def idle_footprint(cfg: DemoConfig, monitor: Monitor | None,
+                   sample: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     """Memory each model holds once the workload is over and its idle timeout passed:
     elastic servers keep only the unit of their null block, static ones their slice."""
     if monitor is not None:
@@ -188,12 +195,12 @@ def idle_footprint(cfg: DemoConfig, monitor, sample) -> dict:
 class _Progress:
     """The live view: requests done, in flight, and memory per model."""
 
-    def __init__(self, mode: str, arrivals, models) -> None:
+    def __init__(self, mode: str, arrivals: list[Arrival], models: Sequence[str]) -> None:
         self.mode = mode
         self.total = {m: sum(1 for a in arrivals if a.model == m) for m in models}
         self.finished = {m: 0 for m in models}
         self.errors = {m: 0 for m in models}
-        self.memory: dict = {}
+        self.memory: dict[str, Any] = {}
         self.start = time.perf_counter()
 
     def done(self, o: Outcome) -> None:
@@ -216,7 +223,7 @@ def check_outcomes(mode: str, rep: Replay) -> None:
                            f"first: {failed[0].model}: {failed[0].error}")
 
 
-def run_demo(cfg: DemoConfig, console: Console | None = None) -> dict:
+def run_demo(cfg: DemoConfig, console: Console | None = None) -> dict[str, Any]:
     """Both modes, the table, the chart and the JSON. Raises on any failure."""
     console = console or Console(width=None if sys.stdout.isatty() else 120)
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
@@ -228,7 +235,7 @@ def run_demo(cfg: DemoConfig, console: Console | None = None) -> dict:
                   f"{cfg.workload.duration_s:.0f} s (models take turns peaking at "
                   f"{cfg.workload.peak_rate:g} req/s, base {cfg.workload.base_rate:g} req/s)")
     replays: dict[str, Replay] = {}
-    summaries: dict[str, dict] = {}
+    summaries: dict[str, dict[str, Any]] = {}
     for mode in cfg.modes:
         t0 = time.perf_counter()
         rep, final = run_mode(cfg, mode, console)
@@ -269,7 +276,7 @@ def run_demo(cfg: DemoConfig, console: Console | None = None) -> dict:
     return result
 
 
-def _config_json(cfg: DemoConfig) -> dict:
+def _config_json(cfg: DemoConfig) -> dict[str, Any]:
     d = asdict(cfg)
     d["out_dir"] = str(cfg.out_dir)
     return d

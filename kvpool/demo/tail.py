@@ -15,16 +15,21 @@ event loop's latency).
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING, Any, Sequence
 
 from kvpool import protocol as p
+
+if TYPE_CHECKING:
+    from kvpool.client_lib.admin import Monitor
+    from kvpool.demo.driver import Outcome
 
 
 class EventTap:
     """Every event of the daemon since the tap was made (``poll`` from any one thread)."""
 
-    def __init__(self, monitor):
+    def __init__(self, monitor: Monitor) -> None:
         self.monitor = monitor
-        self.events: list[dict] = []
+        self.events: list[dict[str, Any]] = []
         self.lost = 0
         self.since = 0
         self.since = self._drain(collect=False)  # from now on
@@ -32,7 +37,7 @@ class EventTap:
     def _drain(self, collect: bool = True) -> int:
         since = self.since
         while True:
-            reply = self.monitor.call(p.Events(since=since))
+            reply = self.monitor.call(p.Events(since=since), p.EventsReply)
             if collect:
                 self.events.extend(p.to_builtins(e) for e in reply.events)
                 self.lost += reply.lost
@@ -44,7 +49,7 @@ class EventTap:
         self.since = self._drain()
 
 
-def waits_by_tenant(events: list[dict]) -> dict[str, list[tuple[float, float]]]:
+def waits_by_tenant(events: list[dict[str, Any]]) -> dict[str, list[tuple[float, float]]]:
     """Per tenant, the intervals during which one of its requests waited for reclaim."""
     out: dict[str, list[tuple[float, float]]] = {}
     for ev in events:
@@ -65,18 +70,18 @@ def overlap(intervals: list[tuple[float, float]], lo: float, hi: float) -> float
     return total
 
 
-def breakdown(outcomes, events: list[dict], start_wall: float, q: float = 99.0) -> dict:
+def breakdown(outcomes: Sequence[Outcome], events: list[dict[str, Any]], start_wall: float, q: float = 99.0) -> dict[str, Any]:
     """The TTFT tail (the slowest ``100 - q`` percent of finished requests, at least
     one) split into reclaim wait and compute queue (means over the tail, seconds)."""
-    ok = sorted((o for o in outcomes if o.error is None and o.ttft is not None),
-                key=lambda o: o.ttft)
+    ok = sorted(((o, o.ttft) for o in outcomes if o.error is None and o.ttft is not None),
+                key=lambda pair: pair[1])
     if not ok:
         return {}
     tail = ok[-max(1, math.ceil(len(ok) * (100 - q) / 100 - 1e-9)):]
     waits = waits_by_tenant(events)
     reclaim = [overlap(waits.get(o.model, []), start_wall + o.arrival,
-                       start_wall + o.arrival + o.ttft) for o in tail]
-    ttft = [o.ttft for o in tail]
+                       start_wall + o.arrival + t) for o, t in tail]
+    ttft = [t for _, t in tail]
     n = len(tail)
     return {"percentile": q, "requests": n, "ttft_s": sum(ttft) / n,
             "reclaim_wait_s": sum(reclaim) / n,

@@ -78,6 +78,8 @@ def sample_lengths(shape: WorkloadShape, n: int, rnd: random.Random) -> list[tup
     rows = load_lengths(shape.trace)
     out = []
     for _ in range(n):
+        ctx: float
+        gen: float
         if rows:
             ctx, gen = rnd.choice(rows)
         else:  # synthetic stand-in shaped like the conversation trace (medians 1020 / 129)

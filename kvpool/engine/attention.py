@@ -95,7 +95,7 @@ class ForwardBatch:
     prefills: list[PrefillGroup] = field(default_factory=list)
     varlen: VarlenBatch | None = None
     varlen_last: VarlenBatch | None = None
-    rope: tuple[torch.Tensor, ...] | None = None
+    rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 def select_backend(requested: AttentionBackend, device: torch.device, dtype: torch.dtype,

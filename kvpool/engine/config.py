@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from kvpool.engine.block_pool import BlockPool
     from kvpool.engine.kv_cache import KVCache, KVCacheSpec
 
-KVLayout = Literal["block_major", "per_layer"]
+# A KV layout (kvpool.engine.kv_cache.KVLayout), or "auto": chosen from the device.
 KVLayoutOption = Literal["auto", "block_major", "per_layer"]
 
 @dataclass

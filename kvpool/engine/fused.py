@@ -63,7 +63,8 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return out, (x if residual is None else residual)
 
 
-def rotary_(q: torch.Tensor, k: torch.Tensor, rope: tuple[torch.Tensor, ...]
+def rotary_(q: torch.Tensor, k: torch.Tensor,
+            rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """Non-interleaved rotary on q [T, H, D] and k [T, Hkv, D]. ``rope`` is ``(cos_table,
     sin_table, index)``: tables [n, 1, D] and each token's row in them. Native: q and k are
@@ -124,6 +125,7 @@ def prepack(model: nn.Module) -> int:
     """Gives every ``nn.Linear`` of a CPU float32 model a oneDNN-prepacked copy of its
     weight (``_kvpool_packed``; the original stays for the other paths). Returns how many;
     0 where oneDNN is unavailable. Costs one more copy of the linear weights in memory."""
+    # torch.backends.mkldnn.is_available is not annotated in torch
     if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
         return 0
     n = 0

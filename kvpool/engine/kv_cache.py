@@ -16,10 +16,11 @@ them alive and mapped for every block id the block pool may hand out.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
-from kvpool.engine.config import KVLayout
+KVLayout = Literal["block_major", "per_layer"]
 
 
 @dataclass(frozen=True)

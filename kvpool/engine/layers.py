@@ -51,7 +51,7 @@ class RotaryEmbedding:
         self.inv_freq = inv.to(device)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype,
-                max_position: int | None = None) -> tuple[torch.Tensor, ...]:
+                max_position: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns cos, sin of shape [T, 1, head_dim] for broadcasting over heads.
 
         With ``max_position`` (>= every position) the rows come from a table computed once
@@ -67,7 +67,7 @@ class RotaryEmbedding:
         return self._compute(positions, dtype)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype, max_position: int
-             ) -> tuple[torch.Tensor, ...]:
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """What :func:`kvpool.engine.fused.rotary_` takes: (cos_table, sin_table, index),
         tables [n, 1, D] with ``table[index[t]]`` the row of token t (no per-token copy)."""
         if max_position < self.TABLE_MAX:
@@ -80,7 +80,8 @@ class RotaryEmbedding:
     TABLE_MAX = 1 << 16
     _table: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def _compute(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    def _compute(self, positions: torch.Tensor, dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
+from kvpool.engine.block_pool import BlockPool
 from kvpool.engine.config import EngineConfig
 from kvpool.engine.engine import Engine
+from kvpool.engine.kv_cache import KVCache
 from kvpool.engine.request import RequestOutput
 from kvpool.engine.sampling import SamplingParams
+from kvpool.engine.tokenizer import Tokenizer
 
 Prompt = str | list[int]
 
@@ -20,29 +23,35 @@ class LLM:
     are passed to :class:`Engine`.
     """
 
-    def __init__(self, model: str, *, block_pool: Any = None, kv_cache: Any = None,
-                 **kwargs: Any) -> None:
+    def __init__(self, model: str, *, block_pool: BlockPool | None = None,
+                 kv_cache: KVCache | None = None, **kwargs: Any) -> None:
         self.engine = Engine(EngineConfig.from_kwargs(model, **kwargs),
                              block_pool=block_pool, kv_cache=kv_cache)
 
     @property
-    def tokenizer(self):  # noqa: ANN201
+    def tokenizer(self) -> Tokenizer | None:
         return self.engine.tokenizer
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
                  ) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids); outputs in prompt order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
+        batch = _batch(prompts)
         params = sampling_params or SamplingParams()
         if isinstance(params, SamplingParams):
-            params = [params] * len(prompts)
-        assert len(params) == len(prompts), "one SamplingParams per prompt"
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+            params = [params] * len(batch)
+        assert len(params) == len(batch), "one SamplingParams per prompt"
+        ids = [self.engine.add_request(p, sp) for p, sp in zip(batch, params)]
         done: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished():
             for out in self.engine.step():
                 if out.finished:
                     done[out.request_id] = out
         return [done[i] for i in ids]
+
+
+def _batch(prompts: Prompt | Sequence[Prompt]) -> Sequence[Prompt]:
+    """One prompt (text, or token ids) as a batch of one; a batch as it is."""
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        return [cast(Prompt, prompts)]  # mypy cannot narrow a list by its first item
+    return cast(Sequence[Prompt], prompts)

@@ -1,9 +1,20 @@
-"""Load a Hugging Face checkpoint folder: config.json + *.safetensors (sharded or not)."""
+"""Load a Hugging Face checkpoint folder: config.json + *.safetensors (sharded or not).
+
+Mixture-of-Experts checkpoints come in two namings, both accepted (per layer): the
+per-expert one transformers writes by default (``mlp.experts.{e}.gate_proj/up_proj/
+down_proj.weight``, which is also our module layout; Mixtral's
+``block_sparse_moe.experts.{e}.w1/w3/w2.weight``) and the fused one of transformers 5's
+``save_original_format=False`` (``mlp.experts.gate_up_proj`` [E, 2I, H],
+``mlp.experts.down_proj`` [E, H, I]), whose per-expert slices are read straight from the
+file.
+"""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
+from typing import Any, NamedTuple, cast
 
 import torch
 from safetensors import safe_open
@@ -40,9 +51,59 @@ def find_shards(path: Path) -> list[Path]:
     return shards
 
 
+_MIXTRAL_EXPERT = re.compile(r"\.experts\.(\d+)\.w([123])\.weight$")
+_MIXTRAL_PROJ = {"1": "gate_proj", "2": "down_proj", "3": "up_proj"}
+
+
+def canonical_name(key: str) -> str:
+    """A checkpoint tensor name as :func:`expected_tensors` spells it: Mixtral's original
+    ``block_sparse_moe`` / ``w1 w2 w3`` become ``mlp`` / ``gate_proj down_proj up_proj``;
+    every other name is unchanged."""
+    if ".block_sparse_moe." not in key:
+        return key
+    key = key.replace(".block_sparse_moe.", ".mlp.")
+    return _MIXTRAL_EXPERT.sub(
+        lambda m: f".experts.{m.group(1)}.{_MIXTRAL_PROJ[m.group(2)]}.weight", key)
+
+
+class Source(NamedTuple):
+    """Where a canonical tensor lies: ``key`` in ``shard``; for a fused expert tensor,
+    expert ``expert``'s rows ``rows`` of it (None: the whole tensor)."""
+
+    shard: Path
+    key: str
+    expert: int | None = None
+    rows: slice | None = None
+
+    def read(self, f: Any) -> torch.Tensor:
+        if self.expert is None:
+            return cast(torch.Tensor, f.get_tensor(self.key))
+        return cast(torch.Tensor, f.get_slice(self.key)[self.expert, self.rows or slice(None)])
+
+
+def sources(shard: Path, key: str, shape: list[int]) -> dict[str, Source]:
+    """The canonical tensors ``key`` (of ``shape``) holds: itself, or for transformers 5's
+    fused ``experts.gate_up_proj`` [E, 2I, H] / ``experts.down_proj`` [E, H, I], every
+    expert's ``gate_proj``/``up_proj``/``down_proj`` weight."""
+    prefix, _, leaf = key.rpartition(".")
+    if not prefix.endswith(".experts") or leaf not in ("gate_up_proj", "down_proj") \
+            or len(shape) != 3:
+        return {canonical_name(key): Source(shard, key)}
+    out = {}
+    for e in range(shape[0]):
+        if leaf == "down_proj":
+            out[f"{prefix}.{e}.down_proj.weight"] = Source(shard, key, e)
+        else:
+            i = shape[1] // 2
+            out[f"{prefix}.{e}.gate_proj.weight"] = Source(shard, key, e, slice(0, i))
+            out[f"{prefix}.{e}.up_proj.weight"] = Source(shard, key, e, slice(i, 2 * i))
+    return out
+
+
 def expected_tensors(model: LlamaForCausalLM) -> dict[str, tuple[torch.Tensor, int, int]]:
-    """Checkpoint tensor name -> (our parameter, row offset, rows) for every tensor the
-    model needs. A tied lm_head is absent: it shares the embedding's parameter."""
+    """Checkpoint tensor name (canonical, see :func:`canonical_name`) -> (our parameter,
+    row offset, rows) for every tensor the model needs. A tied lm_head is absent: it
+    shares the embedding's parameter. Experts are named per expert."""
     modules = dict(model.named_modules())
     out: dict[str, tuple[torch.Tensor, int, int]] = {}
     for name, param in model.named_parameters():  # shared (tied) parameters listed once
@@ -75,12 +136,12 @@ def load_model(path: str | Path, device: torch.device, dtype: torch.dtype,
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()  # to_empty replaced the shared parameter by two copies
     expected = expected_tensors(model)
-    where: dict[str, Path] = {}
+    where: dict[str, Source] = {}  # canonical name -> where it lies
     for shard in shards:
         try:
             with safe_open(shard, framework="pt") as f:
                 for key in f.keys():
-                    where[key] = shard
+                    where |= sources(shard, key, f.get_slice(key).get_shape())
         except Exception as e:  # safetensors raises its own error types
             raise CheckpointError(f"cannot read {shard}: {e}") from None
     present = {k for k in where if not k.endswith(_IGNORED_SUFFIXES)}
@@ -98,16 +159,18 @@ def load_model(path: str | Path, device: torch.device, dtype: torch.dtype,
                               f"(model_type={config.model_type}): " + "; ".join(parts))
     by_shard: dict[Path, list[str]] = {}
     for name in expected:
-        by_shard.setdefault(where[name], []).append(name)
+        by_shard.setdefault(where[name].shard, []).append(name)
     with torch.no_grad():
         for shard, names in by_shard.items():
             with safe_open(shard, framework="pt") as f:
                 for name in names:
                     param, offset, rows = expected[name]
-                    t = f.get_tensor(name)
+                    src = where[name]
+                    t = src.read(f)
+                    key = src.key if src.expert is None else f"{src.key}[{src.expert}]"
                     want = (rows, *param.shape[1:])
                     if tuple(t.shape) != want:
-                        raise CheckpointError(f"{shard.name}: tensor {name} has shape "
+                        raise CheckpointError(f"{shard.name}: tensor {key} has shape "
                                               f"{tuple(t.shape)}, config.json implies {want}")
                     param[offset:offset + rows].copy_(t.to(dtype))
     return model.eval()

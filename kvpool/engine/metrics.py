@@ -33,9 +33,14 @@ Everything is read at scrape time under the engine's lock (the step thread's loc
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+if TYPE_CHECKING:
+    from kvpool.engine.async_engine import AsyncEngine
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -49,7 +54,7 @@ E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 
 class EngineMetrics:
     """Prometheus text for one :class:`~kvpool.engine.async_engine.AsyncEngine`."""
 
-    def __init__(self, aengine):
+    def __init__(self, aengine: AsyncEngine) -> None:
         self.aengine = aengine
         self.model = str(getattr(aengine.engine, "served_model_name", "") or "")
         self.registry = CollectorRegistry(auto_describe=False)
@@ -66,7 +71,7 @@ class EngineMetrics:
         self._seen = 0  # finished requests observed in the histograms
         self.unobserved = 0
         self.reasons: dict[str, int] = {}
-        self.stats: dict = {}
+        self.stats: dict[str, Any] = {}  # Engine.stats() at the last scrape
         self.elastic: tuple[int, int] | None = None
         self._render_lock = threading.Lock()
 
@@ -103,21 +108,21 @@ class EngineMetrics:
 
 
 class _Collector:
-    def __init__(self, em: EngineMetrics):
+    def __init__(self, em: EngineMetrics) -> None:
         self.em = em
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         em, s = self.em, self.em.stats
         if not s:
             return
         lv = [em.model]
 
-        def gauge(name, text, v):
+        def gauge(name: str, text: str, v: float) -> GaugeMetricFamily:
             g = GaugeMetricFamily(name, text, labels=["model_name"])
             g.add_metric(lv, v)
             return g
 
-        def counter(name, text, v):
+        def counter(name: str, text: str, v: float) -> CounterMetricFamily:
             c = CounterMetricFamily(name, text, labels=["model_name"])
             c.add_metric(lv, v)
             return c

@@ -1,7 +1,9 @@
-"""The Llama family (Llama, Mistral-without-sliding-window, Qwen2, Qwen3) in plain PyTorch.
+"""The Llama family (Llama, Mistral-without-sliding-window, Qwen2, Qwen3, and the
+Mixture-of-Experts Mixtral, Qwen2-MoE, Qwen3-MoE) in plain PyTorch.
 
 Module names mirror transformers' so checkpoint tensor names map one to one, except the
-packed projections (``qkv_proj`` <- q/k/v_proj, ``gate_up_proj`` <- gate/up_proj).
+packed projections (``qkv_proj`` <- q/k/v_proj, ``gate_up_proj`` <- gate/up_proj; the
+experts of :mod:`kvpool.engine.moe` are MLPs too).
 Inputs are flat: one [T] token vector for the whole mixed batch.
 """
 
@@ -14,6 +16,7 @@ from kvpool.engine import fused
 from kvpool.engine.attention import ForwardBatch, paged_attention
 from kvpool.engine.layers import PackedLinear, RMSNorm
 from kvpool.engine.model_config import ModelConfig
+from kvpool.engine.moe import SparseMoeBlock
 
 KVLayers = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (k_cache, v_cache)
 
@@ -38,6 +41,7 @@ class Attention(nn.Module):
         """Stores every row's K/V; with ``last`` (the final layer, when the batch allows it:
         ``fb.varlen_last``) returns the output of the ``fb.logits_indices`` rows only."""
         t = x.shape[0]
+        # Tensor.split is not annotated in torch
         q, k, v = fused.linear(self.qkv_proj, x).split(  # type: ignore[no-untyped-call]
             [self.h * self.d, self.kvh * self.d, self.kvh * self.d], dim=-1)
         q = q.view(t, self.h, self.d)  # views into the packed qkv rows (no copies)
@@ -51,9 +55,9 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, c: ModelConfig) -> None:
+    def __init__(self, c: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
-        i = c.intermediate_size
+        i = intermediate_size or c.intermediate_size
         self.gate_up_proj = PackedLinear(c.hidden_size, [("gate_proj", i), ("up_proj", i)],
                                          bias=c.mlp_bias)
         self.down_proj = nn.Linear(i, c.hidden_size, bias=c.mlp_bias)
@@ -62,11 +66,19 @@ class MLP(nn.Module):
         return fused.linear(self.down_proj, fused.silu_mul(fused.linear(self.gate_up_proj, x)))
 
 
+def make_mlp(c: ModelConfig, layer: int) -> nn.Module:
+    """Layer ``layer``'s MLP: dense, or sparse where the MoE config says so."""
+    moe = c.moe
+    if moe is None or not moe.is_sparse(layer):
+        return MLP(c)
+    return SparseMoeBlock(c.hidden_size, moe, lambda size: MLP(c, size))
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, c: ModelConfig) -> None:
+    def __init__(self, c: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.self_attn = Attention(c)
-        self.mlp = MLP(c)
+        self.mlp = make_mlp(c, layer)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
@@ -90,7 +102,7 @@ class LlamaModel(nn.Module):
     def __init__(self, c: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(c, i) for i in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
 

@@ -140,8 +140,8 @@ def tune_malloc(trim_threshold: int = 1 << 30) -> bool:
         return False
     try:
         libc = ctypes.CDLL(None)
-        ok = libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_MAX) == 1
-        return ok and libc.mallopt(_M_TRIM_THRESHOLD, trim_threshold) == 1
+        ok = bool(libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_MAX) == 1)
+        return ok and bool(libc.mallopt(_M_TRIM_THRESHOLD, trim_threshold) == 1)
     except (OSError, AttributeError):
         return False
 

@@ -8,18 +8,25 @@ and ``num_preemptions`` besides the token counts. Errors use OpenAI's
 ``{"error": {"message", "type", "code"}}`` shape with a 4xx status.
 
 Extensions accepted in request bodies (as in vLLM): ``top_k``, ``stop_token_ids``,
-``ignore_eos``. Chat prompts use ChatML (see :mod:`kvpool.engine.tokenizer`).
+``ignore_eos``.
+
+Chat prompts are the checkpoint's own chat template rendered in a sandbox
+(:mod:`kvpool.engine.chat_template`; ChatML for a checkpoint without one, logged once at
+start), encoded without added special tokens, and also stop on the template's end-of-turn
+tokens. A chat's messages are untrusted: malformed messages, more text than the context
+could hold, or a template that raises on them get a 400 with one line.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, cast
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -27,11 +34,19 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 from kvpool.engine.async_engine import AsyncEngine
+from kvpool.engine.chat_template import ChatTemplateError
+from kvpool.engine.config import EngineConfig
 from kvpool.engine.errors import RequestError
 from kvpool.engine.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from kvpool.engine.metrics import EngineMetrics
 from kvpool.engine.request import RequestOutput
 from kvpool.engine.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+# a chat's message text beyond this many characters per context token is refused before
+# rendering (no real tokenizer packs that many characters into one token)
+MAX_CHARS_PER_TOKEN = 64
 
 
 class _Common(BaseModel):
@@ -52,8 +67,11 @@ class _Common(BaseModel):
     stream_options: dict[str, Any] | None = None
 
 
+OpenAIPrompt = str | list[int] | list[str] | list[list[int]]
+
+
 class CompletionRequest(_Common):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: OpenAIPrompt
 
 
 class ChatRequest(_Common):
@@ -75,6 +93,9 @@ def _error(status: int, message: str, code: str) -> JSONResponse:
 def create_app(aengine: AsyncEngine) -> FastAPI:
     engine = aengine.engine
     name = engine.served_model_name
+    if engine.tokenizer is not None and engine.tokenizer.chat_template.is_fallback:
+        log.warning("%s has no chat template (chat_template.jinja or tokenizer_config.json); "
+                    "chat requests are formatted as ChatML", name)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -179,9 +200,12 @@ def create_app(aengine: AsyncEngine) -> FastAPI:
         tok = engine.tokenizer
         if tok is None:
             raise APIError(400, "this model has no tokenizer.json; chat needs one")
-        text = tok.apply_chat_template(body.messages)
-        ids = tok.encode(text)
-        sp = params(body, ids, max_tokens, () if tok.im_end_id is None else (tok.im_end_id,))
+        try:  # a thread: rendering and encoding a long chat must not hold up the streams
+            ids = await asyncio.to_thread(tok.encode_chat, body.messages,
+                                          MAX_CHARS_PER_TOKEN * engine.max_model_len)
+        except ChatTemplateError as e:
+            raise APIError(400, str(e)) from None
+        sp = params(body, ids, max_tokens, tok.chat_stop_ids)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if body.stream:
             return _sse(_stream_chat(aengine, rid, name, ids, sp, _include_usage(body)))
@@ -195,14 +219,14 @@ def create_app(aengine: AsyncEngine) -> FastAPI:
     return app
 
 
-def _prompt_list(prompt: Any) -> list[str | list[int]]:
+def _prompt_list(prompt: OpenAIPrompt) -> list[str | list[int]]:
     if isinstance(prompt, str):
         return [prompt]
     if not prompt:
         raise APIError(400, "prompt must not be empty")
     if all(isinstance(t, int) for t in prompt):
-        return [prompt]
-    return list(prompt)
+        return [cast(list[int], prompt)]  # mypy cannot narrow a list by its items
+    return list(cast(list[str] | list[list[int]], prompt))
 
 
 def _include_usage(body: _Common) -> bool:
@@ -280,7 +304,7 @@ async def _stream_chat(aengine: AsyncEngine, rid: str, name: str, ids: list[int]
                        "model": name, "choices": [], "usage": _usage([out])}
 
 
-def serve(engine_config: Any, host: str = "127.0.0.1", port: int = 8000,
+def serve(engine_config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
           log_level: str = "info") -> None:
     """Load the model, start the step thread and serve until interrupted."""
     import uvicorn

@@ -1,4 +1,5 @@
-"""Tiny random-weight Llama-family checkpoints with a trained ByteLevel BPE tokenizer.
+"""Tiny random-weight Llama-family checkpoints (Mixture-of-Experts ones too: Mixtral,
+Qwen2-MoE, Qwen3-MoE) with a trained ByteLevel BPE tokenizer.
 
 Written with safetensors + tokenizers only (no transformers), in the Hugging Face layout,
 so tests, demos and benchmarks run offline. ``initializer_range`` 0.2 (not the usual
@@ -8,11 +9,15 @@ so tests, demos and benchmarks run offline. ``initializer_range`` 0.2 (not the u
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import torch
 from safetensors.torch import save_file
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 EOS, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 
@@ -48,7 +53,7 @@ for i in range(10):
 """
 
 
-def train_tokenizer(vocab_size: int, corpus: str = CORPUS):
+def train_tokenizer(vocab_size: int, corpus: str = CORPUS) -> Tokenizer:
     """A ByteLevel BPE (GPT-2 style) over ``corpus`` with <|endoftext|> and ChatML tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -63,20 +68,38 @@ def train_tokenizer(vocab_size: int, corpus: str = CORPUS):
     return tok
 
 
+Arch = Literal["llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"]
+ARCHS: tuple[str, ...] = get_args(Arch)
+MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")
+_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+            "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
+            "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+
+
 def make_tiny_model(path: str | Path, *, layers: int = 2, hidden: int = 128,
                     heads: int = 4, kv_heads: int = 2, head_dim: int | None = None,
                     intermediate: int | None = None, vocab: int = 512,
-                    arch: Literal["llama", "qwen2", "qwen3"] = "llama", seed: int = 0,
+                    arch: Arch = "llama", seed: int = 0,
                     max_position_embeddings: int = 2048, initializer_range: float = 0.2,
-                    tie_word_embeddings: bool | None = None) -> Path:
+                    tie_word_embeddings: bool | None = None, num_experts: int = 8,
+                    experts_per_token: int = 2, expert_intermediate: int | None = None
+                    ) -> Path:
     """Write config.json, generation_config.json, model.safetensors, tokenizer.json and
     tokenizer_config.json into ``path`` (created); returns the path.
 
     ``arch`` qwen2 adds q/k/v biases; qwen3 adds q/k RMSNorm and ties the embeddings
     (``lm_head.weight`` is then absent from the file, as in real Qwen3 small models).
+    The Mixture-of-Experts archs route each token to ``experts_per_token`` of
+    ``num_experts`` experts on every layer: mixtral (experts of ``intermediate``, top-k
+    renormalised), qwen2_moe (as qwen2, experts of ``expert_intermediate`` [hidden / 2]
+    plus a shared expert of 4x that, top-k not renormalised), qwen3_moe (as qwen3 but
+    untied, top-k renormalised). Expert tensors get the per-expert names transformers
+    writes (Mixtral: ``block_sparse_moe.experts.{e}.w1/w2/w3``).
     """
-    if arch not in ("llama", "qwen2", "qwen3"):
-        raise ValueError(f"arch must be llama, qwen2 or qwen3, not {arch!r}")
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {', '.join(ARCHS)}, not {arch!r}")
+    if arch in MOE_ARCHS and not 0 < experts_per_token <= num_experts:
+        raise ValueError(f"experts_per_token must be in 1..num_experts ({num_experts})")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer(vocab)
@@ -86,9 +109,8 @@ def make_tiny_model(path: str | Path, *, layers: int = 2, hidden: int = 128,
     head_dim = head_dim or hidden // heads
     intermediate = intermediate or 2 * hidden
     tie = (arch == "qwen3") if tie_word_embeddings is None else tie_word_embeddings
-    config = {
-        "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                           "qwen3": "Qwen3ForCausalLM"}[arch]],
+    config: dict[str, Any] = {
+        "architectures": [_CLASSES[arch]],
         "model_type": arch, "vocab_size": vocab, "hidden_size": hidden,
         "intermediate_size": intermediate, "num_hidden_layers": layers,
         "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
@@ -99,6 +121,9 @@ def make_tiny_model(path: str | Path, *, layers: int = 2, hidden: int = 128,
         initializer_range, "bos_token_id": eos_id, "eos_token_id": eos_id, "dtype": "float32",
         "torch_dtype": "float32",
     }
+    if arch in MOE_ARCHS:
+        config |= _moe_config(arch, num_experts, experts_per_token,
+                              expert_intermediate or max(8, hidden // 2))
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (path / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": eos_id, "eos_token_id": eos_id}, indent=2) + "\n")
@@ -110,8 +135,25 @@ def make_tiny_model(path: str | Path, *, layers: int = 2, hidden: int = 128,
     return path
 
 
-def random_weights(c: dict, seed: int, arch: str = "llama", dtype: torch.dtype = torch.float32,
-                   device: str = "cpu") -> dict[str, torch.Tensor]:
+def _moe_config(arch: str, experts: int, top_k: int, expert_intermediate: int
+                ) -> dict[str, Any]:
+    """The config.json keys of the MoE archs, as transformers' config classes name them."""
+    if arch == "mixtral":
+        return {"num_local_experts": experts, "num_experts_per_tok": top_k,
+                "sliding_window": None, "router_jitter_noise": 0.0}
+    c: dict[str, Any] = {
+        "num_experts": experts, "num_experts_per_tok": top_k,
+        "moe_intermediate_size": expert_intermediate, "decoder_sparse_step": 1,
+        "mlp_only_layers": [], "use_sliding_window": False,
+        "norm_topk_prob": arch == "qwen3_moe"}
+    if arch == "qwen2_moe":
+        c |= {"shared_expert_intermediate_size": 4 * expert_intermediate, "qkv_bias": True}
+    return c
+
+
+def random_weights(c: Mapping[str, Any], seed: int, arch: str = "llama",
+                   dtype: torch.dtype = torch.float32, device: str = "cpu"
+                   ) -> dict[str, torch.Tensor]:
     """Random weights for config ``c`` (drawn on ``device``, returned on the CPU); the
     defaults give the tiny checkpoints' exact bytes."""
     g = torch.Generator(device=device).manual_seed(seed)
@@ -133,17 +175,45 @@ def random_weights(c: dict, seed: int, arch: str = "llama", dtype: torch.dtype =
               p + "self_attn.k_proj.weight": normal(kv, h),
               p + "self_attn.v_proj.weight": normal(kv, h),
               p + "self_attn.o_proj.weight": normal(h, q),
-              p + "mlp.gate_proj.weight": normal(inter, h),
-              p + "mlp.up_proj.weight": normal(inter, h),
-              p + "mlp.down_proj.weight": normal(h, inter),
+              **(_moe_weights(c, arch, p, normal) if arch in MOE_ARCHS else {
+                  p + "mlp.gate_proj.weight": normal(inter, h),
+                  p + "mlp.up_proj.weight": normal(inter, h),
+                  p + "mlp.down_proj.weight": normal(h, inter)}),
               p + "input_layernorm.weight": ones(h),
               p + "post_attention_layernorm.weight": ones(h)}
-        if arch == "qwen2":
+        if arch in ("qwen2", "qwen2_moe"):
             w |= {p + "self_attn.q_proj.bias": normal(q), p + "self_attn.k_proj.bias": normal(kv),
                   p + "self_attn.v_proj.bias": normal(kv)}
-        if arch == "qwen3":
+        if arch in ("qwen3", "qwen3_moe"):
             w |= {p + "self_attn.q_norm.weight": ones(hd),
                   p + "self_attn.k_norm.weight": ones(hd)}
     if not c["tie_word_embeddings"]:
         w["lm_head.weight"] = normal(c["vocab_size"], h)
     return {k: v.contiguous() for k, v in w.items()}
+
+
+def _moe_weights(c: Mapping[str, Any], arch: str, p: str,
+                 normal: Callable[..., torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One sparse layer's router, experts (per-expert names) and shared expert."""
+    h = c["hidden_size"]
+    if arch == "mixtral":
+        e, i, m = c["num_local_experts"], c["intermediate_size"], p + "block_sparse_moe."
+        w = {m + "gate.weight": normal(e, h)}
+        for j in range(e):
+            w |= {f"{m}experts.{j}.w1.weight": normal(i, h),
+                  f"{m}experts.{j}.w2.weight": normal(h, i),
+                  f"{m}experts.{j}.w3.weight": normal(i, h)}
+        return w
+    e, i, m = c["num_experts"], c["moe_intermediate_size"], p + "mlp."
+    w = {m + "gate.weight": normal(e, h)}
+    for j in range(e):
+        w |= {f"{m}experts.{j}.gate_proj.weight": normal(i, h),
+              f"{m}experts.{j}.up_proj.weight": normal(i, h),
+              f"{m}experts.{j}.down_proj.weight": normal(h, i)}
+    shared = c.get("shared_expert_intermediate_size", 0)
+    if shared:
+        w |= {m + "shared_expert.gate_proj.weight": normal(shared, h),
+              m + "shared_expert.up_proj.weight": normal(shared, h),
+              m + "shared_expert.down_proj.weight": normal(h, shared),
+              m + "shared_expert_gate.weight": normal(1, h)}
+    return w

@@ -1,12 +1,10 @@
-"""Tokenizer: ``tokenizer.json`` through the ``tokenizers`` library, plus the chat format.
+"""Tokenizer: ``tokenizer.json`` through the ``tokenizers`` library, plus the model's chat
+template (:mod:`kvpool.engine.chat_template`: the checkpoint's Jinja template, ChatML for a
+checkpoint without one).
 
-Chat format (documented choice): every model gets ChatML, whatever its
-tokenizer_config.json ``chat_template`` says (running Jinja templates is out of scope)::
-
-    <|im_start|>{role}\\n{content}<|im_end|>\\n ...  <|im_start|>assistant\\n
-
-The server adds ``<|im_end|>`` to a chat request's stop tokens when the vocabulary has it as
-a single token.
+A chat prompt is rendered to text and encoded without added special tokens (the template
+writes them), as transformers' ``apply_chat_template`` does; :attr:`Tokenizer.chat_stop_ids`
+are the template's end-of-turn tokens that a chat request also stops on.
 """
 
 from __future__ import annotations
@@ -17,18 +15,21 @@ from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 
+from kvpool.engine.chat_template import CHATML, ChatTemplate, special_tokens
 from kvpool.engine.errors import CheckpointError
-
-IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 
 
 class Tokenizer:
-    def __init__(self, tok: HFTokenizer, eos_token: str | None = None) -> None:
+    def __init__(self, tok: HFTokenizer, eos_token: str | None = None,
+                 chat_template: ChatTemplate | None = None) -> None:
+        """``chat_template`` defaults to ChatML (as for a checkpoint without a template)."""
         self.tok = tok
         self.eos_token_ids: set[int] = set()
         if eos_token is not None and (i := tok.token_to_id(eos_token)) is not None:
             self.eos_token_ids.add(i)
-        self.im_end_id = tok.token_to_id(IM_END)
+        self.chat_template = chat_template or ChatTemplate(CHATML, is_fallback=True)
+        self.chat_stop_ids: tuple[int, ...] = tuple(
+            i for t in self.chat_template.stop_tokens if (i := tok.token_to_id(t)) is not None)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer | None:
@@ -41,14 +42,16 @@ class Tokenizer:
             tok = HFTokenizer.from_file(str(f))
         except Exception as e:  # tokenizers raises a bare Exception subclass
             raise CheckpointError(f"cannot load {f}: {e}") from None
-        eos = None
+        config: dict[str, Any] = {}
         cfg = path / "tokenizer_config.json"
         if cfg.is_file():
             try:
-                eos = _token_str(json.loads(cfg.read_text()).get("eos_token"))
+                loaded = json.loads(cfg.read_text())
             except json.JSONDecodeError:
-                pass
-        return cls(tok, eos)
+                loaded = None
+            config = loaded if isinstance(loaded, dict) else {}
+        return cls(tok, special_tokens(config).get("eos_token"),
+                   ChatTemplate.from_dir(path, config))
 
     @property
     def vocab_size(self) -> int:
@@ -60,12 +63,18 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
-        """ChatML text for ``[{"role": ..., "content": str | [{"type": "text", ...}]}]``
-        ending with an open assistant turn."""
-        parts = [f"{IM_START}{m['role']}\n{content_text(m.get('content'))}{IM_END}\n"
-                 for m in messages]
-        return "".join(parts) + f"{IM_START}assistant\n"
+    def apply_chat_template(self, messages: Any, max_chars: int | None = None) -> str:
+        """The chat template's text for ``[{"role": ..., "content": str | [text parts]}]``
+        (untrusted), ending with an open assistant turn; raises
+        :class:`~kvpool.engine.chat_template.ChatTemplateError` (one line)."""
+        return self.chat_template.render(messages, add_generation_prompt=True,
+                                         max_chars=max_chars)
+
+    def encode_chat(self, messages: Any, max_chars: int | None = None) -> list[int]:
+        """Token ids of :meth:`apply_chat_template`'s text (no special tokens added: the
+        template writes them)."""
+        return self.encode(self.apply_chat_template(messages, max_chars),
+                           add_special_tokens=False)
 
     def detokenize_step(self, ids: list[int], offsets: tuple[int, int]
                         ) -> tuple[str, tuple[int, int]]:
@@ -79,17 +88,3 @@ class Tokenizer:
             return after[len(before):], (read, len(ids))
         return "", offsets
 
-
-def content_text(content: Any) -> str:
-    """OpenAI message content as plain text (string, or a list of text parts)."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    return "".join(p.get("text", "") for p in content if isinstance(p, dict))
-
-
-def _token_str(t: Any) -> str | None:
-    if isinstance(t, dict):  # older tokenizer_config.json: {"content": "</s>", ...}
-        return t.get("content")
-    return t if isinstance(t, str) else None

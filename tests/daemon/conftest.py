@@ -49,8 +49,9 @@ def daemon(start_daemon) -> DaemonProc:
 
 
 @pytest.fixture
-def arb():
-    """An :class:`Arbiter` over a 16-page host pool, without a daemon process.
+def make_arb():
+    """Makes :class:`Arbiter` s over a 16-page host pool, without a daemon process:
+    ``make_arb(cfg=None)`` (budget 16 pages unless ``cfg`` says otherwise).
     ``arb.register(name, kind, pid)`` opens a session (a socketpair stands in for the fd
     channel) and returns ``(tenant, identity, outcome of Register)``; ``arb.tenant(...)``
     does the same, asserts the registration, and returns ``(tenant, identity)``."""
@@ -60,26 +61,47 @@ def arb():
     from kvpool.daemon.pool import Pool
     from kvpool.vmm.host import HostBackend
 
-    backend = HostBackend(page_size=PAGE)
-    pool = Pool(backend, 16)
-    a = Arbiter(Config(budget=16 * PAGE), pool, 16 * PAGE)
-    socks: list[socket.socket] = []
+    class ArbiterWithSessions(Arbiter):
+        """The arbiter plus the two session helpers above."""
 
-    def register(name: str, kind: str = "engine", pid: int | None = None):
-        x, y = socket.socketpair()
-        socks.extend((x, y))
-        t = a.open_session(x, pid if pid is not None else 1000 + len(socks), 0, 0, None)
-        ident = name.encode()
-        return t, ident, a.handle(ident, p.Register(id=1, token=t.token, name=name, kind=kind))
+        def __init__(self, *args, **kw):
+            super().__init__(*args, **kw)
+            self.socks: list[socket.socket] = []
 
-    def tenant(name: str, kind: str = "engine", pid: int | None = None):
-        t, ident, out = register(name, kind, pid)
-        assert out.reply.ok, out.reply
-        return t, ident
+        def register(self, name: str, kind: str = "engine", pid: int | None = None):
+            x, y = socket.socketpair()
+            self.socks.extend((x, y))
+            t = self.open_session(x, pid if pid is not None else 1000 + len(self.socks),
+                                  0, 0, None)
+            ident = name.encode()
+            return t, ident, self.handle(ident, p.Register(id=1, token=t.token, name=name,
+                                                           kind=kind))
 
-    a.register, a.tenant = register, tenant
-    yield a
-    for s in socks:
-        s.close()
-    pool.close()
-    backend.close()
+        def tenant(self, name: str, kind: str = "engine", pid: int | None = None):
+            t, ident, out = self.register(name, kind, pid)
+            assert out.reply.ok, out.reply
+            return t, ident
+
+    made: list[tuple[ArbiterWithSessions, Pool, HostBackend]] = []
+
+    def make(cfg: Config | None = None) -> ArbiterWithSessions:
+        cfg = cfg or Config(budget=16 * PAGE)
+        backend = HostBackend(page_size=PAGE)
+        pool = Pool(backend, 16)
+        a = ArbiterWithSessions(cfg, pool, 16 * PAGE)
+        made.append((a, pool, backend))
+        return a
+
+    yield make
+    for a, pool, backend in made:
+        for s in a.socks:
+            s.close()
+        pool.close()
+        backend.close()
+
+
+@pytest.fixture
+def arb(make_arb):
+    """An :class:`Arbiter` over a 16-page host pool with the default config (see
+    ``make_arb``)."""
+    return make_arb()

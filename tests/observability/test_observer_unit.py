@@ -1,25 +1,20 @@
-"""The observer on a socket-free arbiter: it wraps ``handle``, ``tick``, ``drop``,
-``unsolicited`` and the reclaimer's ``released`` by name, so every outcome the split
-arbiter produces is still counted and recorded (no daemon process)."""
+"""The observer on a socket-free arbiter: the arbiter and its reclaimer report every
+request handled, tick, drop, reclaim ask and page given back to it (the observation
+points of ``kvpool.daemon.hooks``), so every outcome the arbiter produces is counted and
+recorded (no daemon process)."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 from kvpool import protocol as p
-from kvpool.daemon.observe import Observer
+from kvpool.daemon.fdwatch import FdWatch
+from kvpool.daemon.observe import Observer, attach
 
 PAGE = 64 << 10
 
 
 def observe(arb) -> Observer:
-    watched: dict[int, object] = {}
-    server = SimpleNamespace(
-        cfg=arb.cfg, arbiter=arb, replies=[],
-        watch=lambda fd, fn: watched.__setitem__(fd, fn),
-        unwatch=lambda fd: watched.pop(fd, None))
-    server.reply = lambda envelope, reply: server.replies.append(reply)
-    return Observer(server)
+    replies: list[p.Reply] = []
+    return attach(arb, FdWatch(), lambda envelope, reply: replies.append(reply), arb.cfg)
 
 
 def test_grants_waits_asks_releases_and_deaths_are_recorded(arb):
@@ -36,7 +31,7 @@ def test_grants_waits_asks_releases_and_deaths_are_recorded(arb):
         assert obs.counts["grants"] == 1 and obs.counts["grant_pages"] == 16
         out = arb.handle(ni, p.Grant(id=4, token=new.token, group=gn, units=[0, 1]))
         assert out.deferred and obs.counts["waits"] == 1 and obs.round is not None
-        arb.tick()  # asks hog to give back (through the wrapped unsolicited)
+        arb.tick()  # asks hog to give back (the reclaimer reports the ask)
         assert sum(v for k, v in obs.counts.items() if k[0] == "asks") == 1
         arb.handle(hi, p.Release(id=5, token=hog.token, group=gh, units=[14, 15]))
         assert obs.counts["releases"] == 1 and obs.counts["release_pages"] == 2

@@ -23,6 +23,7 @@ from kvpool.engine_adapters.vllm.settings import (
     Settings,
     check_version,
     enabled,
+    say,
 )
 
 _registered = False
@@ -36,7 +37,7 @@ def register() -> None:
     _registered = True
     import vllm
 
-    from kvpool.engine_adapters.vllm.patches import install, say
+    from kvpool.engine_adapters.vllm.patches import install
 
     s = Settings.from_env()
     msg = check_version(vllm.__version__, s.untested_ok)

@@ -22,29 +22,67 @@ import math
 import os
 import threading
 from dataclasses import replace
+from typing import TYPE_CHECKING, Protocol
 
 from kvpool.engine_adapters.vllm.settings import AdapterError, Settings
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine.core import EngineCore
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec, KVCacheTensor
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    from kvpool.client_lib import ElasticBlockAllocator, RegionGroup, Tenant
 
 log = logging.getLogger("kvpool.vllm")
 REFILL_TICK_S = 0.5  # the allocator's background tick (idle trim, reports)
 
 
+class CreateViews(Protocol):
+    """vLLM's ``create_kv_cache_views``: one view per layer of ``kv_cache_tensor`` over
+    the flat int8 buffer ``raw``."""
+
+    def __call__(self, raw: torch.Tensor, spec: KVCacheSpec, num_blocks: int,
+                 layout: KVCacheLayout, kv_cache_tensor: KVCacheTensor,
+                 kernel_block_size: int | None = None) -> list[torch.Tensor]: ...
+
+
+class Stoppable(Protocol):
+    """What the bridge needs of the elastic block pool: stop its background thread."""
+
+    def stop(self) -> None: ...
+
+
+def served_name(vllm_config: VllmConfig) -> str:
+    """The tenant name: ``KVPOOL_TENANT``, else vLLM's served model name, else the model
+    directory's name."""
+    name = bridge().settings.name
+    if name:
+        return name
+    n = vllm_config.model_config.served_model_name
+    if isinstance(n, (list, tuple)):
+        n = n[0] if n else None
+    return n or os.path.basename(os.path.normpath(vllm_config.model_config.model))
+
+
 class Bridge:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.tenant = None
-        self.group = None
-        self.allocator = None
-        self.pool = None  # the ElasticBlockPool, once the scheduler built it
-        self.scheduler = None  # vLLM's Scheduler, once built
-        self.engine_core = None
+        self.tenant: Tenant | None = None
+        self.group: RegionGroup | None = None
+        self.allocator: ElasticBlockAllocator | None = None
+        self.pool: Stoppable | None = None  # the ElasticBlockPool, once the scheduler built it
+        self.scheduler: Scheduler | None = None  # vLLM's Scheduler, once built
+        self.engine_core: EngineCore | None = None
         self.step_lock = threading.RLock()  # held by the engine core's loop per step
         self.num_blocks = 0
         self.block_bytes = 0  # per region
         self.n_regions = 0
 
     # ---- connection -------------------------------------------------------------------
-    def connect(self, name: str):
+    def connect(self, name: str) -> Tenant:
         """Register as tenant ``name`` (once per process); raises AdapterError when the
         daemon is not there."""
         if self.tenant is not None:
@@ -66,17 +104,21 @@ class Bridge:
     def capacity(self) -> int:
         """The virtual KV capacity: the daemon's budget, or this tenant's max if lower."""
         t = self.tenant
+        assert t is not None, "connect() first"
         cap = t.budget
         if t.limit and 0 < t.limit < cap:
             cap = t.limit
         return cap
 
     def blocks_per_chunk(self, block_bytes_per_region: int) -> int:
+        assert self.tenant is not None, "connect() first"
         ps = self.tenant.page_size
         return math.lcm(ps, block_bytes_per_region) // block_bytes_per_region
 
     # ---- the KV cache -------------------------------------------------------------------
-    def allocate(self, kv_cache_config, device, layout, kernel_block_sizes, create_views):
+    def allocate(self, kv_cache_config: KVCacheConfig, device: torch.device,
+                 layout: KVCacheLayout, kernel_block_sizes: list[int] | None,
+                 create_views: CreateViews) -> dict[str, torch.Tensor]:
         """vLLM's ``allocate_kv_cache`` over a region group: same return value."""
         import torch
 
@@ -147,7 +189,7 @@ class Bridge:
                                f"{self.tenant.backend.name} backend maps memory on "
                                f"{regions[0].device}")
         index = {base: i for i, base in enumerate(bases)}
-        kv_caches = {}
+        kv_caches: dict[str, torch.Tensor] = {}
         for t in tensors:
             group_id = next(g for g, grp in enumerate(kv_cache_config.kv_cache_groups)
                             if t.layers[0] in grp.layer_names)
@@ -174,10 +216,10 @@ class Bridge:
             self.tenant = None
 
 
-def _layer_specs(kv_cache_config) -> dict:
+def _layer_specs(kv_cache_config: KVCacheConfig) -> dict[str, KVCacheSpec]:
     from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
 
-    out = {}
+    out: dict[str, KVCacheSpec] = {}
     for grp in kv_cache_config.kv_cache_groups:
         spec = grp.kv_cache_spec
         for name in grp.layer_names:

@@ -11,32 +11,37 @@ from __future__ import annotations
 import math
 import os
 import sys
+from typing import TYPE_CHECKING, NoReturn
 
 import torch
 
-from kvpool.engine_adapters.vllm.settings import Settings
+from kvpool.engine_adapters.vllm.settings import Settings, say
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
 
 
-def fail(msg: str) -> None:
+def fail(msg: str) -> NoReturn:
     raise SystemExit(msg)
 
 
-def block_page_bytes(config) -> tuple[int, int]:
+def block_page_bytes(config: VllmConfig) -> tuple[int, int]:
     """(bytes of one layer's page of one block, layers with KV) for a plain decoder."""
     mc, cc, pc = config.model_config, config.cache_config, config.parallel_config
-    dtype = mc.dtype if cc.cache_dtype in (None, "auto") else None
-    if dtype is None:
+    if cc.cache_dtype not in (None, "auto"):
         itemsize = 1 if "fp8" in str(cc.cache_dtype) else 2
     else:
+        dtype = mc.dtype
+        assert isinstance(dtype, torch.dtype)  # ModelConfig resolves "auto" & co. at init
         itemsize = torch.empty((), dtype=dtype).element_size()
     block = cc.block_size or 16
     page = 2 * block * mc.get_num_kv_heads(pc) * mc.get_head_size() * itemsize
     return page, mc.get_num_layers(pc)
 
 
-def check_config(config) -> None:
+def check_config(config: VllmConfig) -> None:
     from kvpool.client_lib import KvpoolError, Monitor
-    from kvpool.engine_adapters.vllm.patches import say, served_name
+    from kvpool.engine_adapters.vllm.bridge import served_name
     from kvpool.paths import run_dir
 
     s = Settings.from_env()

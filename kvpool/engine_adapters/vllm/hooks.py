@@ -10,14 +10,17 @@ import importlib.abc
 import importlib.machinery
 import sys
 import threading
-from typing import Callable
+from collections.abc import Callable, Sequence
+from types import ModuleType
 
-_pending: dict[str, list[Callable]] = {}
+Patch = Callable[[ModuleType], None]
+_pending: dict[str, list[Patch]] = {}
 _lock = threading.Lock()
 
 
 class _Finder(importlib.abc.MetaPathFinder):
-    def find_spec(self, fullname, path, target=None):
+    def find_spec(self, fullname: str, path: Sequence[str] | None,
+                  target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
         if fullname not in _pending:
             return None
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
@@ -26,21 +29,22 @@ class _Finder(importlib.abc.MetaPathFinder):
         loader = spec.loader
         exec_module = loader.exec_module
 
-        def exec_then_patch(module):
+        def exec_then_patch(module: ModuleType) -> None:
             exec_module(module)
             with _lock:
                 fns = _pending.pop(fullname, [])
             for fn in fns:
                 fn(module)
 
-        loader.exec_module = exec_then_patch
+        # this one module's loader (an importlib object) runs the patches after the module
+        loader.exec_module = exec_then_patch  # type: ignore[method-assign]
         return spec
 
 
 _finder = _Finder()
 
 
-def when_imported(name: str, fn: Callable) -> None:
+def when_imported(name: str, fn: Patch) -> None:
     """Call ``fn(module)`` once ``name`` is imported (at once if it already is)."""
     mod = sys.modules.get(name)
     if mod is not None:

@@ -27,84 +27,85 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
-import sys
+from collections.abc import Callable
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 from kvpool.engine_adapters.vllm.hooks import when_imported
-from kvpool.engine_adapters.vllm.settings import AdapterError
+from kvpool.engine_adapters.vllm.settings import AdapterError, say
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import CacheConfig, VllmConfig
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.worker.cpu_worker import CPUWorker
+    from vllm.v1.worker.gpu_worker import Worker
+    from vllm.utils.mem_utils import MemorySnapshot
 
 log = logging.getLogger("kvpool.vllm")
-
-
-def say(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-def served_name(vllm_config) -> str:
-    from kvpool.engine_adapters.vllm.bridge import bridge
-
-    if bridge().settings.name:
-        return bridge().settings.name
-    n = vllm_config.model_config.served_model_name
-    if isinstance(n, (list, tuple)):
-        n = n[0] if n else None
-    return n or os.path.basename(os.path.normpath(vllm_config.model_config.model))
+_ours: set[Callable[..., object]] = set()  # our wrappers: a second patch leaves them as is
 
 
 # ---- API server process ------------------------------------------------------------------
-def _patch_arg_utils(mod) -> None:
+def _patch_arg_utils(mod: ModuleType) -> None:
     from kvpool.engine_adapters.vllm.checks import check_config
 
     cls = mod.EngineArgs
-    original = cls.create_engine_config
-    if getattr(original, "_kvpool", False):
+    original: Callable[..., VllmConfig] = cls.create_engine_config
+    if original in _ours:
         return
 
     @functools.wraps(original)
-    def create_engine_config(self, *args, **kwargs):
+    def create_engine_config(self: EngineArgs, *args: Any, **kwargs: Any) -> VllmConfig:
         config = original(self, *args, **kwargs)
         check_config(config)
         return config
 
-    create_engine_config._kvpool = True
+    _ours.add(create_engine_config)
     cls.create_engine_config = create_engine_config
 
 
 # ---- engine-core process: memory sizing -------------------------------------------------
-def _capacity_for(worker) -> int:
-    from kvpool.engine_adapters.vllm.bridge import bridge
+def _capacity_for(worker: CPUWorker | Worker) -> int:
+    from kvpool.engine_adapters.vllm.bridge import bridge, served_name
 
     b = bridge()
     b.connect(served_name(worker.vllm_config))
     return b.capacity()
 
 
-def _patch_cpu_worker(mod) -> None:
+def _patch_cpu_worker(mod: ModuleType) -> None:
     cls = mod.CPUWorker
 
-    def determine_available_memory(self) -> int:
+    def determine_available_memory(self: CPUWorker) -> int:
         if self._should_warm_up_model():
             self.model_runner.warming_up_model()
         return _capacity_for(self)
 
-    determine_available_memory.__wrapped__ = cls.determine_available_memory
+    # only __wrapped__ (the original is not called, so its name and doc are not ours)
+    functools.update_wrapper(determine_available_memory, cls.determine_available_memory,
+                             assigned=(), updated=())
     cls.determine_available_memory = determine_available_memory
 
 
-def _patch_gpu_worker(mod) -> None:
+def _patch_gpu_worker(mod: ModuleType) -> None:
     cls = mod.Worker
-    original = cls.determine_available_memory
+    original: Callable[[Worker], int] = cls.determine_available_memory
 
     @functools.wraps(original)
-    def determine_available_memory(self) -> int:
+    def determine_available_memory(self: Worker) -> int:
         original(self)  # the profile run (compiles, sizes activations); its figure is ours
         return _capacity_for(self)
 
     cls.determine_available_memory = determine_available_memory
-    request = mod.request_memory
+    request: Callable[..., int] = mod.request_memory
 
     @functools.wraps(request)
-    def request_memory(init_snapshot, cache_config, *args, **kwargs):
+    def request_memory(init_snapshot: MemorySnapshot, cache_config: CacheConfig, *args: Any,
+                       **kwargs: Any) -> int:
         try:
             return request(init_snapshot, cache_config, *args, **kwargs)
         except ValueError as e:
@@ -112,16 +113,19 @@ def _patch_gpu_worker(mod) -> None:
                 "the KV cache comes from kvpool")
             return cache_config.kv_cache_memory_bytes or 0
 
-    mod.request_memory = request_memory
+    # setattr: vLLM's modules, whose attributes mypy does not let us assign
+    setattr(mod, "request_memory", request_memory)
 
 
-def _patch_engine_core(mod) -> None:
+def _patch_engine_core(mod: ModuleType) -> None:
     from kvpool.engine_adapters.vllm.bridge import bridge, current
 
-    original = mod.get_kv_cache_configs
+    original: Callable[[VllmConfig, list[dict[str, KVCacheSpec]], list[int]],
+                       list[KVCacheConfig]] = mod.get_kv_cache_configs
 
     @functools.wraps(original)
-    def get_kv_cache_configs(vllm_config, kv_cache_specs, available_memory):
+    def get_kv_cache_configs(vllm_config: VllmConfig, kv_cache_specs: list[dict[str, KVCacheSpec]],
+                             available_memory: list[int]) -> list[KVCacheConfig]:
         configs = original(vllm_config, kv_cache_specs, available_memory)
         b = current()
         if b is None or b.tenant is None or not configs or not configs[0].kv_cache_tensors:
@@ -138,7 +142,7 @@ def _patch_engine_core(mod) -> None:
                                f"chunk of {bpc} KV blocks ({bpc * per_block} B)")
         return original(vllm_config, kv_cache_specs, [whole * per_block] * len(available_memory))
 
-    mod.get_kv_cache_configs = get_kv_cache_configs
+    setattr(mod, "get_kv_cache_configs", get_kv_cache_configs)
 
     # The engine core's loop (a server) and its in-process form (offline LLM without
     # multiprocessing) both reach the scheduler only through these.
@@ -146,9 +150,10 @@ def _patch_engine_core(mod) -> None:
                                          "abort_requests")),
                        (mod.EngineCoreProc, ("_process_engine_step", "_handle_client_request"))):
         for name in names:
-            method = getattr(cls, name)
+            method: Callable[..., Any] = getattr(cls, name)
 
-            def locked(self, *args, _m=method, **kwargs):
+            def locked(self: object, *args: Any, _m: Callable[..., Any] = method,
+                       **kwargs: Any) -> Any:
                 with bridge().step_lock:
                     return _m(self, *args, **kwargs)
 
@@ -157,7 +162,9 @@ def _patch_engine_core(mod) -> None:
 
 
 # ---- engine-core process: the KV cache ------------------------------------------------------
-def _elastic_allocate(kv_cache_config, device, layout, kernel_block_sizes=None):
+def _elastic_allocate(kv_cache_config: KVCacheConfig, device: torch.device,
+                      layout: KVCacheLayout, kernel_block_sizes: list[int] | None = None
+                      ) -> dict[str, torch.Tensor]:
     from vllm.v1.kv_cache_interface import create_kv_cache_views
 
     from kvpool.engine_adapters.vllm.bridge import bridge
@@ -166,40 +173,41 @@ def _elastic_allocate(kv_cache_config, device, layout, kernel_block_sizes=None):
                              create_kv_cache_views)
 
 
-def _patch_allocate(mod) -> None:
+def _patch_allocate(mod: ModuleType) -> None:
     if not hasattr(mod, "allocate_kv_cache"):
         raise AdapterError(f"kvpool: {mod.__name__} has no allocate_kv_cache: unknown vLLM")
-    mod.allocate_kv_cache = _elastic_allocate
+    setattr(mod, "allocate_kv_cache", _elastic_allocate)
 
 
 # ---- engine-core process: the scheduler ------------------------------------------------------
-def _patch_coordinator(mod) -> None:
+def _patch_coordinator(mod: ModuleType) -> None:
     from kvpool.engine_adapters.vllm.block_pool import ElasticBlockPool
 
-    mod.BlockPool = ElasticBlockPool
+    setattr(mod, "BlockPool", ElasticBlockPool)
 
 
-def _patch_manager(mod) -> None:
+def _patch_manager(mod: ModuleType) -> None:
     from kvpool.engine_adapters.vllm.block_pool import allocate_slots
 
     cls = mod.KVCacheManager
     cls.allocate_slots = allocate_slots(cls.allocate_slots)
 
 
-def _patch_scheduler(mod) -> None:
+def _patch_scheduler(mod: ModuleType) -> None:
     from kvpool.engine_adapters.vllm.block_pool import ElasticBlockPool
     from kvpool.engine_adapters.vllm.bridge import bridge
 
     cls = mod.Scheduler
-    original = cls.__init__
+    original: Callable[..., None] = cls.__init__
 
     @functools.wraps(original)
-    def __init__(self, *args, **kwargs):
+    def __init__(self: Scheduler, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
         pool = self.kv_cache_manager.block_pool
         if isinstance(pool, ElasticBlockPool):
             b = bridge()
             b.scheduler = self
+            assert b.tenant is not None  # the pool was built over its allocator
             b.tenant.set_shrink_callback(pool.shrink)
             pool.start_idle_release(b.settings.idle_timeout_s)
 

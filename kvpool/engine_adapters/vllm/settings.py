@@ -3,11 +3,15 @@
 vLLM starts its engine core (and, with several ranks, its workers) as fresh processes that
 inherit the API server's environment, so the environment is the one channel that reaches
 all of them with the same values.
+
+Also what every part of the adapter says back: :class:`AdapterError` when it refuses,
+:func:`say` for its one-line ``kvpool:`` notices.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 
 TESTED_VERSIONS = ("0.32.0",)
@@ -15,6 +19,11 @@ TESTED_VERSIONS = ("0.32.0",)
 
 class AdapterError(RuntimeError):
     """vLLM, its configuration or kvpool's state is something this adapter refuses."""
+
+
+def say(msg: str) -> None:
+    """One ``kvpool:`` line on stderr, flushed (vLLM's processes buffer their logs)."""
+    print(msg, file=sys.stderr, flush=True)
 
 
 def enabled() -> bool:
