@@ -5,7 +5,7 @@ their request's outputs from an ``asyncio.Queue`` that the step thread feeds thr
 ``loop.call_soon_threadsafe``.
 
 Extending it (the adapters' prefill/decode and warm-restart servers do): a subclass
-:meth:`~AsyncEngine.post`\ s commands of its own and handles them by overriding
+posts commands of its own (:meth:`~AsyncEngine.post`) and handles them by overriding
 ``_handle`` (passing :class:`AddRequest` / :class:`AbortRequest` and anything else it
 does not know to ``super()._handle``); everything in ``_handle`` runs on the step thread.
 """
