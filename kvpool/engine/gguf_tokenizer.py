@@ -83,20 +83,20 @@ def build_tokenizer(meta: Mapping[str, Any]) -> GGUFTokenizer:
             special token ids outside the vocabulary.
     """
     model = meta.get("tokenizer.ggml.model")
-    tokens = meta.get("tokenizer.ggml.tokens")
-    if not tokens:
+    stored = meta.get("tokenizer.ggml.tokens")
+    if not stored:
         raise GGUFError("the GGUF file has no tokenizer (tokenizer.ggml.tokens is absent)")
     if model != "gpt2":
         raise GGUFError(f"unsupported GGUF tokenizer model {model!r} (supported: 'gpt2', "
                         "byte-level BPE)")
-    tokens = [str(t) for t in tokens]
+    tokens: list[str] = [str(t) for t in stored]
     types = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
     alphabet, spelling = _byte_alphabet(), _byte_spelling()
     vocab: dict[str, int] = {}
-    for i, (tok, kind) in enumerate(zip(tokens, types)):
-        if kind not in (CONTROL, USER_DEFINED) and not set(tok) <= alphabet:
-            tok = "".join(spelling[b] for b in tok.encode("utf-8"))  # stored as raw text
-        vocab.setdefault(tok, i)
+    for i, (text, kind) in enumerate(zip(tokens, types)):
+        if kind not in (CONTROL, USER_DEFINED) and not set(text) <= alphabet:
+            text = "".join(spelling[b] for b in text.encode("utf-8"))  # stored as raw text
+        vocab.setdefault(text, i)
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
     pre = str(meta.get("tokenizer.ggml.pre") or "default")
     bpe = models.BPE(vocab=vocab, merges=[(a, b) for a, b in merges],
