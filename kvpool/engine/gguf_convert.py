@@ -12,6 +12,10 @@ each head's rotary pairs are interleaved: within a head of ``d`` rows, Hugging F
 :func:`unpermute_rotary` undoes that (the same reshape/swap as transformers' GGUF loader).
 Qwen 2/3 files are written without the reordering and are copied as they are.
 
+Llama 3.1-style rope scaling is stored by llama.cpp as a tensor of per-frequency divisors
+(``rope_freqs.weight``); :func:`llama3_rope_scaling` recovers the config's ``rope_scaling``
+from it (and checks the recovered parameters reproduce every stored value).
+
 All checks (magic, truncation, tensor types, every tensor present with the shape the
 metadata implies, no stray tensor, the tokenizer) run before anything is written; the folder
 is then written under a temporary name beside ``DIR`` and renamed into place, so a failure
@@ -189,8 +193,9 @@ def _config(g: GGUFFile, arch: str, tok: GGUFTokenizer) -> dict[str, Any]:
             raise GGUFError(f"{g.path}: unsupported rope scaling {scaling!r}")
         config["rope_scaling"] = {"rope_type": "linear", "factor": float(factor)}
     if "rope_freqs.weight" in g.tensors:
-        raise GGUFError(f"{g.path}: rope_freqs.weight (per-frequency rope factors, as in "
-                        "Llama 3.1) is not supported")
+        config["rope_scaling"] = llama3_rope_scaling(
+            g.dequantize("rope_freqs.weight"), config["rope_theta"], head_dim,
+            g.get(f"{arch}.rope.scaling.original_context_length"), str(g.path))
     for key, value in (("bos_token_id", "tokenizer.ggml.bos_token_id"),
                        ("eos_token_id", "tokenizer.ggml.eos_token_id"),
                        ("pad_token_id", "tokenizer.ggml.padding_token_id")):
@@ -201,6 +206,44 @@ def _config(g: GGUFFile, arch: str, tok: GGUFTokenizer) -> dict[str, Any]:
         raise GGUFError(f"{g.path}: the tokenizer has {vocab_tokens} tokens, the model's "
                         f"vocabulary {vocab}")
     return config
+
+
+def llama3_rope_factors(theta: float, head_dim: int, factor: float, low: float, high: float,
+                        original: int) -> F32Array:
+    """The per-frequency divisors llama.cpp's converter stores as ``rope_freqs.weight`` for
+    Llama 3.1-style rope scaling: 1 for short wavelengths, ``factor`` for long ones, and a
+    smooth blend between ``original / high`` and ``original / low``."""
+    freqs = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * np.pi / freqs
+    smooth = (original / wavelen - low) / (high - low)
+    blend = 1.0 / ((1 - smooth) / factor + smooth)
+    out = np.where(wavelen < original / high, 1.0,
+                   np.where(wavelen > original / low, factor, blend))
+    return out.astype(np.float32)
+
+
+def llama3_rope_scaling(stored: F32Array, theta: float, head_dim: int,
+                        original: int | None, where: str) -> dict[str, Any]:
+    """The ``rope_scaling`` of config.json (rope_type llama3) that reproduces the stored
+    ``rope_freqs.weight``: its factor is the largest divisor; low/high frequency factors and
+    the original context are tried among the values Llama 3.x uses.
+
+    Raises:
+        GGUFError: no such parameters reproduce the stored divisors.
+    """
+    stored = np.asarray(stored, np.float32).reshape(-1)
+    if stored.shape != (head_dim // 2,):
+        raise GGUFError(f"{where}: rope_freqs.weight has {stored.size} values, head_dim "
+                        f"{head_dim} implies {head_dim // 2}")
+    factor = float(stored.max())
+    for orig in dict.fromkeys(([int(original)] if original else []) + [8192]):
+        for low, high in ((1.0, 4.0), (1.0, 2.0), (2.0, 4.0)):
+            want = llama3_rope_factors(theta, head_dim, factor, low, high, orig)
+            if np.allclose(stored, want, rtol=1e-4, atol=1e-5):
+                return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
+                        "high_freq_factor": high, "original_max_position_embeddings": orig}
+    raise GGUFError(f"{where}: rope_freqs.weight matches no Llama 3 rope scaling (factor "
+                    f"{factor}); unsupported")
 
 
 def expected_shapes(arch: str, c: dict[str, Any], present: set[str]
@@ -235,7 +278,7 @@ def _check_tensors(g: GGUFFile, arch: str, c: dict[str, Any]
     if missing:
         raise GGUFError(f"{g.path}: missing tensor(s) {_first(missing)} for the "
                         f"{c['num_hidden_layers']}-layer config in its metadata")
-    extra = [n for n in g.tensors if n not in want]
+    extra = [n for n in g.tensors if n not in want and n != "rope_freqs.weight"]
     if extra:
         raise GGUFError(f"{g.path}: unexpected tensor(s) {_first(extra)}")
     for name, shape in want.items():

@@ -184,8 +184,16 @@ def test_engine_and_transformers_agree_on_converted(llama_f32: Path, tmp_path: P
     for p, o in zip(prompts, outs):
         ids = tok(p, return_tensors="pt").input_ids
         assert ids[0].tolist() == o.prompt_token_ids
-        ref = hf.generate(ids, max_new_tokens=8, do_sample=False, min_new_tokens=8)
-        assert o.output_token_ids == ref[0, ids.shape[1]:].tolist(), p
+        assert o.output_token_ids == _hf_greedy(hf, ids[0].tolist(), 8), p
+
+
+def _hf_greedy(hf: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
+    """transformers' greedy tokens, EOS included (like ``ignore_eos``): full forward passes."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
 
 
 # -- bad inputs ----------------------------------------------------------------------------
@@ -297,3 +305,43 @@ def test_locator_finds_the_file_in_the_package_folder(monkeypatch: pytest.Monkey
     assert "has no SmolLM2" in real_models.smollm2_gguf().reason
     (tmp_path / real_models.SMOLLM2_FILE).write_bytes(b"GGUF")
     assert real_models.smollm2_gguf().path == tmp_path / real_models.SMOLLM2_FILE
+
+
+def test_llama3_rope_factors_become_rope_scaling(tiny_hf: dict[str, Path], tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """rope_freqs.weight (llama.cpp's Llama 3.1 rope scaling) -> rope_type llama3, and the
+    engine and transformers agree on the converted model."""
+    from kvpool.engine.gguf_convert import llama3_rope_factors
+
+    theta, hd = 500000.0, 16  # wavelengths on both sides of 8192/4 and 8192/1
+    factors = llama3_rope_factors(theta, hd, 8.0, 1.0, 4.0, 8192)
+    assert {1.0, 8.0} <= set(factors.tolist()) and len(set(factors.tolist())) > 2
+    src = hf_to_gguf(tiny_hf["llama"], tmp_path / "l3.gguf",
+                     edit_meta=lambda m: m.update(rope_freq_base=theta),
+                     extra={"rope_freqs.weight": (factors, None)})
+    convert_gguf(src, tmp_path / "out")
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert cfg["rope_theta"] == theta
+    assert cfg["rope_scaling"] == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0,
+                                   "original_max_position_embeddings": 8192}
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM
+
+    from kvpool.engine import LLM, SamplingParams
+
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), dtype=torch.float32)
+    prompt = list(range(5, 45))
+    o = LLM(str(tmp_path / "out"), num_kv_blocks=16).generate(
+        [prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0]
+    assert o.output_token_ids == _hf_greedy(hf, prompt, 6)
+
+
+def test_rope_factors_of_no_known_scaling_are_refused(tiny_hf: dict[str, Path],
+                                                      tmp_path: Path) -> None:
+    odd = np.linspace(1.0, 3.0, 8).astype(np.float32)
+    src = hf_to_gguf(tiny_hf["llama"], tmp_path / "odd.gguf",
+                     extra={"rope_freqs.weight": (odd, None)})
+    with pytest.raises(GGUFError, match="matches no Llama 3 rope scaling"):
+        convert_gguf(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
