@@ -46,6 +46,7 @@ ARCHITECTURES = {
     "qwen3": ("qwen3", "Qwen3ForCausalLM", False),
 }
 DTYPES = ("float32", "bfloat16", "float16")
+SHARD_BYTES = 4 << 30
 
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -93,8 +94,11 @@ class _Plan:
 
 
 def convert_gguf(src: str | Path, dst: str | Path, dtype: str = "float32",
-                 log: Callable[[str], None] | None = None) -> ConvertResult:
+                 log: Callable[[str], None] | None = None,
+                 shard_bytes: int = SHARD_BYTES) -> ConvertResult:
     """Convert GGUF file ``src`` into the checkpoint folder ``dst`` (absent or empty).
+    Weights beyond ``shard_bytes`` go into several safetensors files plus
+    ``model.safetensors.index.json``; at most one shard is held in memory.
 
     Raises:
         GGUFError: ``dst`` is not empty, or the file cannot be converted (the message, one
@@ -113,7 +117,7 @@ def convert_gguf(src: str | Path, dst: str | Path, dtype: str = "float32",
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".partial", dir=dst.parent))
     try:
-        _write(plan, tmp, dtype)
+        _write(plan, tmp, dtype, shard_bytes)
         _default_modes(tmp)
         if dst.exists():
             dst.rmdir()  # empty (checked above)
@@ -318,18 +322,50 @@ def permute_rotary(w: F32Array, heads: int) -> F32Array:
         w.reshape(heads, 2, d // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape))
 
 
-def _write(plan: _Plan, out: Path, dtype: str) -> None:
+def _write_weights(plan: _Plan, out: Path, dtype: str, shard_bytes: int) -> None:
+    """model.safetensors, or shards of at most ``shard_bytes`` (a bigger tensor gets one of
+    its own) named model-0000i-of-0000N.safetensors plus the index transformers writes."""
     import torch
     from safetensors.torch import save_file
 
     torch_dtype = getattr(torch, dtype)
+    shards: list[list[str]] = []
     tensors: dict[str, torch.Tensor] = {}
+    size = total = 0
+
+    def flush() -> None:
+        nonlocal tensors, size
+        if tensors:
+            save_file(tensors, str(out / f"shard-{len(shards)}.tmp"), metadata={"format": "pt"})
+            shards.append(list(tensors))
+            tensors, size = {}, 0
+
     for name, hf_name in plan.names.items():
         w = plan.gguf.dequantize(name)
         if name in plan.unpermute:
             w = unpermute_rotary(w, plan.unpermute[name])
-        tensors[hf_name] = torch.from_numpy(np.ascontiguousarray(w)).to(torch_dtype)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        t = torch.from_numpy(np.ascontiguousarray(w)).to(torch_dtype)
+        nbytes = t.numel() * t.element_size()
+        if tensors and size + nbytes > shard_bytes:
+            flush()
+        tensors[hf_name] = t
+        size += nbytes
+        total += nbytes
+    flush()
+    if len(shards) == 1:
+        (out / "shard-0.tmp").rename(out / "model.safetensors")
+        return
+    weight_map: dict[str, str] = {}
+    for i, names in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        (out / f"shard-{i}.tmp").rename(out / file)
+        weight_map |= dict.fromkeys(names, file)
+    _json(out / "model.safetensors.index.json",
+          {"metadata": {"total_size": total}, "weight_map": weight_map})
+
+
+def _write(plan: _Plan, out: Path, dtype: str, shard_bytes: int) -> None:
+    _write_weights(plan, out, dtype, shard_bytes)
     config = {**plan.config, "dtype": dtype, "torch_dtype": dtype}
     tok = plan.tokenizer
     _json(out / "config.json", config)

@@ -345,3 +345,28 @@ def test_rope_factors_of_no_known_scaling_are_refused(tiny_hf: dict[str, Path],
     with pytest.raises(GGUFError, match="matches no Llama 3 rope scaling"):
         convert_gguf(src, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_sharded_output_loads_in_engine_and_transformers(llama_f32: Path, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM
+
+    from kvpool.engine.loader import load_model
+
+    out = tmp_path / "out"
+    convert_gguf(llama_f32, out, shard_bytes=60_000)  # the 80 KiB embedding stands alone
+    files = sorted(p.name for p in out.glob("*.safetensors"))
+    assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == set(files)
+    single = tmp_path / "single"
+    convert_gguf(llama_f32, single)
+    want = load_file(str(single / "model.safetensors"))
+    ours = load_model(out, torch.device("cpu"), torch.float32)
+    theirs = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).state_dict()
+    for name, w in want.items():
+        np.testing.assert_array_equal(theirs[name].numpy(), w, err_msg=name)
+    np.testing.assert_array_equal(ours.state_dict()["model.embed_tokens.weight"].numpy(),
+                                  want["model.embed_tokens.weight"])
