@@ -370,3 +370,56 @@ def test_sharded_output_loads_in_engine_and_transformers(llama_f32: Path, tmp_pa
         np.testing.assert_array_equal(theirs[name].numpy(), w, err_msg=name)
     np.testing.assert_array_equal(ours.state_dict()["model.embed_tokens.weight"].numpy(),
                                   want["model.embed_tokens.weight"])
+
+
+# -- SentencePiece vocabularies (tokenizer.ggml.model "llama") -----------------------------
+
+SPM_PIECES = ["\u2581", "t", "h", "e", "a", "n", "d", "o", "r", "s", "i", "l", "w", "\u2581t",
+              "he", "\u2581the", "\u2581a", "an", "\u2581an", "nd", "\u2581and", "in",
+              "\u2581in", "er", "on", "\u2581o", "\u2581on", "is", "\u2581is", "\u2581th",
+              "re", "or", "\u2581w", "\u2581wor", "ld", "\u2581s", "ll", "wor"]
+
+
+def _spm_gguf(path: Path) -> Path:
+    """Metadata only: a Llama whose tokenizer is SentencePiece BPE with byte fallback."""
+    w = gguf.GGUFWriter(str(path), "llama")
+    for add, value in (("add_block_count", 1), ("add_context_length", 64),
+                       ("add_embedding_length", 64), ("add_feed_forward_length", 128),
+                       ("add_head_count", 4), ("add_head_count_kv", 2)):
+        getattr(w, add)(value)
+    tokens = ["<unk>", "<s>", "</s>", *[f"<0x{b:02X}>" for b in range(256)], *SPM_PIECES]
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores([0.0, 0.0, 0.0] + [0.0] * 256 + [-float(i) for i in
+                                                         range(len(SPM_PIECES))])
+    w.add_token_types([2, 3, 3] + [6] * 256 + [1] * len(SPM_PIECES))
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_add_bos_token(True)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_sentencepiece_tokenizer_equals_transformers(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from transformers import AutoTokenizer
+
+    from kvpool.engine.gguf_tokenizer import build_tokenizer
+
+    path = _spm_gguf(tmp_path / "spm.gguf")
+    ours = build_tokenizer(GGUFFile(path).metadata)
+    assert ours.add_bos_token and (ours.bos_token, ours.eos_token) == ("<s>", "</s>")
+    theirs = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    for text in ["the and in on", "Hello world!", "  two  spaces and\nnew line",
+                 "na\u00efve \u65e5\u672c</s>", "is the world on"]:
+        ids = ours.tokenizer.encode(text, add_special_tokens=False).ids
+        assert ids == theirs(text, add_special_tokens=False).input_ids, text
+        assert ours.tokenizer.decode(ids) == theirs.decode(ids, skip_special_tokens=True)
+        # the file asks for <s> first (llama.cpp adds it; transformers' GGUF reader does not)
+        assert ours.tokenizer.encode(text).ids == [1, *ids]
+    assert ours.tokenizer.encode("Hi").tokens == ["<s>", "\u2581", "<0x48>", "i"]
