@@ -55,10 +55,19 @@ def convert_smollm2(root: Path) -> Path:
     return out
 
 
+_converted: Path | None = None
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """SmolLM2-135M-Instruct as a float32 Hugging Face checkpoint folder."""
-    cache = os.environ.get("KVPOOL_REAL_MODEL_CACHE")
-    root = Path(cache) if cache else tmp_path_factory.mktemp("real-model")
-    root.mkdir(parents=True, exist_ok=True)
-    return convert_smollm2(root)
+    """SmolLM2-135M-Instruct as a float32 Hugging Face checkpoint folder.
+
+    Each module that imports the fixture gets its own session fixture from pytest; the
+    folder is still converted once per process (remembered here)."""
+    global _converted
+    if _converted is None or not _converted.is_dir():
+        cache = os.environ.get("KVPOOL_REAL_MODEL_CACHE")
+        root = Path(cache) if cache else tmp_path_factory.mktemp("real-model")
+        root.mkdir(parents=True, exist_ok=True)
+        _converted = convert_smollm2(root)
+    return _converted

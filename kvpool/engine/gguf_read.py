@@ -166,6 +166,8 @@ def _dequant_blocks(b: npt.NDArray[np.uint8], type_name: str, n: int, name: str)
     packed = blocks[:, start:start + 16]
     q = np.concatenate([packed & 0x0F, packed >> 4], axis=1).astype(np.float32)
     if type_name == "Q4_0":
-        return (d * (q - 8.0)).reshape(-1)
+        values: F32Array = (d * (q - 8.0)).reshape(-1)
+        return values
     m = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
-    return (d * q + m).reshape(-1)
+    values = (d * q + m).reshape(-1)
+    return values

@@ -1,10 +1,12 @@
 """The tokenizer a GGUF file describes, rebuilt as a ``tokenizers`` Tokenizer (tokenizer.json).
 
 A GGUF carries no tokenizer.json: it stores the vocabulary (``tokenizer.ggml.tokens``), the
-BPE merges, each token's type (1 normal, 3 control, 4 user-defined), the special token ids
-and the name of llama.cpp's pre-tokenizer (``tokenizer.ggml.pre``, how text is split before
-BPE). Only the byte-level BPE family (``tokenizer.ggml.model == "gpt2"``: GPT-2, SmolLM,
-Llama 3, Qwen 2) is rebuilt; SentencePiece vocabularies are refused with one line.
+BPE merges (or SentencePiece scores), each token's type (1 normal, 3 control, 4
+user-defined, 6 byte), the special token ids and the name of llama.cpp's pre-tokenizer
+(``tokenizer.ggml.pre``, how text is split before BPE). Two families are rebuilt: byte-level
+BPE (``tokenizer.ggml.model == "gpt2"``: GPT-2, SmolLM, Llama 3, Qwen 2) and SentencePiece
+BPE (``"llama"``: Llama 2, Mistral; see :func:`_sentencepiece`); others are refused with
+one line.
 
 Pre-tokenizers (llama.cpp's split rules, written as ``tokenizers`` pre-tokenizers):
 
@@ -79,43 +81,23 @@ def build_tokenizer(meta: Mapping[str, Any]) -> GGUFTokenizer:
     """The tokenizer of a GGUF file's metadata ``meta`` (``GGUFFile.metadata``).
 
     Raises:
-        GGUFError: no vocabulary, a tokenizer model other than ``gpt2`` (byte-level BPE), or
-            special token ids outside the vocabulary.
+        GGUFError: no vocabulary, a tokenizer model other than ``gpt2`` (byte-level BPE)
+            or ``llama`` (SentencePiece BPE), or special token ids outside the vocabulary.
     """
     model = meta.get("tokenizer.ggml.model")
-    tokens = meta.get("tokenizer.ggml.tokens")
-    if not tokens:
+    stored = meta.get("tokenizer.ggml.tokens")
+    if not stored:
         raise GGUFError("the GGUF file has no tokenizer (tokenizer.ggml.tokens is absent)")
-    if model != "gpt2":
+    if model not in ("gpt2", "llama"):
         raise GGUFError(f"unsupported GGUF tokenizer model {model!r} (supported: 'gpt2', "
-                        "byte-level BPE)")
-    tokens = [str(t) for t in tokens]
+                        "byte-level BPE; 'llama', SentencePiece BPE)")
+    tokens: list[str] = [str(t) for t in stored]
     types = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
-    alphabet, spelling = _byte_alphabet(), _byte_spelling()
-    vocab: dict[str, int] = {}
-    for i, (tok, kind) in enumerate(zip(tokens, types)):
-        if kind not in (CONTROL, USER_DEFINED) and not set(tok) <= alphabet:
-            tok = "".join(spelling[b] for b in tok.encode("utf-8"))  # stored as raw text
-        vocab.setdefault(tok, i)
-    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
-    pre = str(meta.get("tokenizer.ggml.pre") or "default")
-    bpe = models.BPE(vocab=vocab, merges=[(a, b) for a, b in merges],
-                     ignore_merges=pre in _LLAMA3_NAMES)
-    tok = Tokenizer(bpe)
     notes: list[str] = []
-    if pre in _DIGITS_FIRST:
-        tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
-    elif pre in _REGEX_SPLITS:
-        tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_REGEX_SPLITS[pre]), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    if model == "gpt2":
+        tok, vocab = _byte_level(meta, tokens, types, notes)
     else:
-        if pre not in _GPT2_NAMES:
-            notes.append(f"unknown GGUF pre-tokenizer {pre!r}: splitting text like GPT-2")
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
+        tok, vocab = _sentencepiece(meta, tokens, types)
     special = [AddedToken(t, special=True, normalized=False)
                for t, k in zip(tokens, types) if k == CONTROL]
     user = [AddedToken(t, special=False, normalized=False)
@@ -134,8 +116,9 @@ def build_tokenizer(meta: Mapping[str, Any]) -> GGUFTokenizer:
         return tokens[int(i)]
 
     bos, eos = token("bos_token_id"), token("eos_token_id")
-    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
-    tok.post_processor = _post_processor(bos if add_bos else None, vocab)
+    add_bos = (bool(meta.get("tokenizer.ggml.add_bos_token", model == "llama"))
+               and bos is not None)
+    tok.post_processor = _post_processor(bos if add_bos else None, vocab, model == "gpt2")
     if tok.get_vocab_size() != len(tokens):
         notes.append(f"the rebuilt vocabulary has {tok.get_vocab_size()} tokens, the file "
                      f"{len(tokens)}")
@@ -150,15 +133,90 @@ def build_tokenizer(meta: Mapping[str, Any]) -> GGUFTokenizer:
         eos_token_ids=list(dict.fromkeys(eos_ids)), notes=notes)
 
 
-def _post_processor(bos: str | None, vocab: Mapping[str, int]) -> Any:
-    """Byte-level offsets, plus ``bos`` before every sequence when the file asks for it."""
-    byte_level = processors.ByteLevel(trim_offsets=False)
-    if bos is None:
-        return byte_level
-    template = processors.TemplateProcessing(
-        single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
-        special_tokens=[(bos, vocab[bos])])
-    return processors.Sequence([byte_level, template])
+def _byte_level(meta: Mapping[str, Any], tokens: list[str], types: list[int],
+                notes: list[str]) -> tuple[Tokenizer, dict[str, int]]:
+    """GPT-2-style byte-level BPE with the file's merges and its pre-tokenizer's split."""
+    alphabet, spelling = _byte_alphabet(), _byte_spelling()
+    vocab: dict[str, int] = {}
+    for i, (text, kind) in enumerate(zip(tokens, types)):
+        if kind not in (CONTROL, USER_DEFINED) and not set(text) <= alphabet:
+            text = "".join(spelling[b] for b in text.encode("utf-8"))  # stored as raw text
+        vocab.setdefault(text, i)
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
+    pre = str(meta.get("tokenizer.ggml.pre") or "default")
+    bpe = models.BPE(vocab=vocab, merges=[(a, b) for a, b in merges],
+                     ignore_merges=pre in _LLAMA3_NAMES)
+    tok = Tokenizer(bpe)
+    if pre in _DIGITS_FIRST:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    elif pre in _REGEX_SPLITS:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_REGEX_SPLITS[pre]), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    else:
+        if pre not in _GPT2_NAMES:
+            notes.append(f"unknown GGUF pre-tokenizer {pre!r}: splitting text like GPT-2")
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    return tok, vocab
+
+
+def _sentencepiece(meta: Mapping[str, Any], tokens: list[str], types: list[int]
+                   ) -> tuple[Tokenizer, dict[str, int]]:
+    """SentencePiece BPE (Llama 2, Mistral): pieces spell a space as U+2581, unknown bytes
+    fall back to the ``<0xXX>`` tokens, and merges come from the file or, when it has none,
+    from the pieces' scores (every split of a piece into two pieces, best score first), as
+    transformers rebuilds them."""
+    vocab: dict[str, int] = {}
+    for i, text in enumerate(tokens):
+        vocab.setdefault(text, i)
+    if meta.get("tokenizer.ggml.merges"):
+        merges = [(a, b) for a, b in
+                  (m.split(" ", 1) for m in meta["tokenizer.ggml.merges"])]
+    else:
+        scores = [float(x) for x in meta.get("tokenizer.ggml.scores") or
+                  [-float(i) for i in range(len(tokens))]]
+        merges = _merges_from_scores(tokens, scores, vocab)
+    unk_id = meta.get("tokenizer.ggml.unknown_token_id")
+    unk = tokens[int(unk_id)] if unk_id is not None and 0 <= int(unk_id) < len(tokens) else None
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True,
+                               byte_fallback=True))
+    prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="\u2581", prepend_scheme="first" if prefix else "never", split=False)
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if prefix:
+        steps.append(decoders.Strip(content=" ", left=1, right=0))
+    tok.decoder = decoders.Sequence(steps)
+    return tok, vocab
+
+
+def _merges_from_scores(tokens: list[str], scores: list[float], vocab: Mapping[str, int]
+                        ) -> list[tuple[str, str]]:
+    found: list[tuple[float, int, int, int, int, int, str, str]] = []
+    for index, (piece, score) in enumerate(zip(tokens, scores)):
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in vocab and right in vocab:
+                found.append((-score, -len(left), -len(right), index, vocab[left],
+                              vocab[right], left, right))
+    # best score first; ties: the longer left piece, the longer right one, the piece's
+    # place in the file, the halves' ids (transformers' order)
+    found.sort(key=lambda m: m[:6])
+    return [(m[6], m[7]) for m in found]
+
+
+def _post_processor(bos: str | None, vocab: Mapping[str, int], byte_level: bool) -> Any:
+    """Byte-level offsets (byte-level BPE), plus ``bos`` before every sequence when the file
+    asks for it."""
+    steps: list[Any] = [processors.ByteLevel(trim_offsets=False)] if byte_level else []
+    if bos is not None:
+        steps.append(processors.TemplateProcessing(
+            single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
+            special_tokens=[(bos, vocab[bos])]))
+    return processors.Sequence(steps)
 
 
 def tokenizer_config(t: GGUFTokenizer, model_max_length: int) -> dict[str, Any]:

