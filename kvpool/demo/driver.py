@@ -1,8 +1,11 @@
 """Replays a workload against OpenAI-compatible servers and records what clients see.
 
-Each request streams (``/v1/completions`` with ``stream: true``), so time to first
-token and time per output token are measured at the client, queueing included: that is
-what a burst does to users. Memory is sampled alongside by a caller-given function.
+Each request streams, so time to first token and time per output token are measured at
+the client, queueing included: that is what a burst does to users. Tiny models get
+token-id prompts on ``/v1/completions`` (``ignore_eos``: every answer has the workload's
+length); real models (``chat=True``) get a real question on ``/v1/chat/completions``
+(:mod:`kvpool.demo.prompts`), answer until their end of turn or ``max_tokens``, and the
+answer's text is kept. Memory is sampled alongside by a caller-given function.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import Any, Callable
 
 import httpx
 
+from kvpool.demo.prompts import chat_messages
 from kvpool.demo.workload import Arrival, prompt_tokens
 
 
@@ -32,6 +36,7 @@ class Outcome:
     latency: float | None = None
     output_tokens: int = 0
     output_ids: list[int] = field(default_factory=list)
+    text: str = ""  # the answer (chat requests)
     error: str | None = None
 
 
@@ -51,24 +56,52 @@ class Replay:
         }
 
 
-async def _one(
-    client: httpx.AsyncClient, url: str, arrival: Arrival, index: int, vocab: int, start: float
-) -> Outcome:
+def _request(arrival: Arrival, index: int, vocab: int, chat: bool
+             ) -> tuple[str, dict[str, Any]]:
+    """(path, body) of request ``index``: token ids to /v1/completions, or (``chat``) a
+    real question to /v1/chat/completions."""
+    common = {"model": arrival.model, "max_tokens": arrival.max_tokens, "temperature": 0.0,
+              "stream": True}
+    if chat:
+        return "/v1/chat/completions", {**common, "messages": chat_messages(index),
+                                        "stream_options": {"include_usage": True}}
+    return "/v1/completions", {**common, "prompt": prompt_tokens(arrival, vocab, index),
+                               "ignore_eos": True, "return_token_ids": True}
+
+
+def _take(out: Outcome, chunk: dict[str, Any], stamps: list[float]) -> None:
+    """Record one streamed chunk: a stamp per token that arrived, the text, the usage."""
+    if "error" in chunk:  # the server's in-band error after the headers went out
+        out.error = f"server error: {chunk['error'].get('message', chunk['error'])}"
+        return
+    usage = chunk.get("usage")
+    if usage:  # chat: the true token counts (a text delta may hold several tokens)
+        out.prompt_len = int(usage.get("prompt_tokens", out.prompt_len))
+        out.output_tokens = int(usage.get("completion_tokens", 0))
+    if not chunk.get("choices"):
+        return
+    choice = chunk["choices"][0]
+    if "delta" in choice:
+        text = choice["delta"].get("content") or ""
+        if text:
+            stamps.append(time.perf_counter())
+            out.text += text
+        return
+    ids = choice.get("token_ids") or []
+    if choice.get("text") or ids:
+        stamps.extend([time.perf_counter()] * max(1, len(ids)))
+        out.output_ids.extend(ids)
+
+
+async def _one(client: httpx.AsyncClient, url: str, arrival: Arrival, index: int, vocab: int,
+               start: float, chat: bool = False) -> Outcome:
     out = Outcome(index, arrival.model, arrival.at, arrival.prompt_len, arrival.max_tokens)
     await asyncio.sleep(max(0.0, start + arrival.at - time.perf_counter()))
-    body = {
-        "model": arrival.model,
-        "prompt": prompt_tokens(arrival, vocab, index),
-        "max_tokens": arrival.max_tokens,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "stream": True,
-        "return_token_ids": True,
-    }
+    path, body = _request(arrival, index, vocab, chat)
     sent = time.perf_counter()
     stamps: list[float] = []
     try:
-        async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
+        async with client.stream("POST", f"{url}{path}", json=body) as resp:
             if resp.status_code != 200:
                 out.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
                 return out
@@ -78,22 +111,20 @@ async def _one(
                 data = line[5:].strip()
                 if data == "[DONE]":
                     break
-                chunk = json.loads(data)
-                choice = chunk["choices"][0]
-                ids = choice.get("token_ids") or []
-                if choice.get("text") or ids:
-                    stamps.extend([time.perf_counter()] * max(1, len(ids)))
-                    out.output_ids.extend(ids)
-    except (httpx.HTTPError, json.JSONDecodeError, KeyError) as e:
+                _take(out, json.loads(data), stamps)
+    except (httpx.HTTPError, json.JSONDecodeError, KeyError, AttributeError) as e:
         out.error = f"{type(e).__name__}: {e}"
         return out
+    if out.error:
+        return out
     done = time.perf_counter()
-    out.output_tokens = len(stamps)
+    tokens = out.output_tokens if chat and out.output_tokens else len(stamps)
+    out.output_tokens = tokens
     if stamps:
         out.ttft = stamps[0] - sent
         out.latency = done - sent
-        if len(stamps) > 1:
-            out.tpot = (stamps[-1] - stamps[0]) / (len(stamps) - 1)
+        if tokens > 1:
+            out.tpot = (stamps[-1] - stamps[0]) / (tokens - 1)
     else:
         out.error = "no tokens"
     return out
@@ -119,6 +150,7 @@ async def replay_async(
     sample_every: float = 0.25,
     timeout_s: float = 600.0,
     on_done: Callable[[Outcome], None] | None = None,
+    chat: bool = False,
 ) -> Replay:
     memory: list[dict[str, Any]] = []
     limits = httpx.Limits(max_connections=1024, max_keepalive_connections=64)
@@ -132,7 +164,7 @@ async def replay_async(
         )
 
         async def run(i: int, a: Arrival) -> Outcome:
-            o = await _one(client, urls[a.model], a, i, vocab, start)
+            o = await _one(client, urls[a.model], a, i, vocab, start, chat)
             if on_done:
                 on_done(o)
             return o

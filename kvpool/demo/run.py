@@ -11,12 +11,19 @@ same engine code; only the KV memory differs:
 Memory per model is what each model holds: the preallocation (``/v1/stats``
 ``kv_held_bytes``) for static servers, the pages the daemon has granted (one ``ps``
 snapshot, so the sum is consistent) for elastic ones.
+
+By default the three models are tiny generated Llamas served token-id prompts. With a
+real checkpoint (``DemoConfig.checkpoint``, ``kvpool demo --model``) the three servers
+load that one folder under three names and every request is a real question asked through
+``/v1/chat/completions`` (:mod:`kvpool.demo.prompts`); the report then shows one answer
+per model.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -30,8 +37,10 @@ from rich.table import Table
 
 from kvpool.client_lib import Monitor
 from kvpool.demo import report, tail
+from kvpool.demo.checkpoint import Checkpoint
 from kvpool.demo.cluster import Cluster, ClusterError, Proc
 from kvpool.demo.driver import Outcome, Replay, replay
+from kvpool.demo.prompts import question
 from kvpool.demo.workload import Arrival, WorkloadShape, generate
 from kvpool.sizes import format_size
 
@@ -66,13 +75,30 @@ class DemoConfig:
     live: bool = True
     backend: str = "host"  # the daemon's; "cuda" also puts every server on the GPU
     engine: str = "bundled"  # or "vllm": vLLM OpenAI servers (KVPOOL_ENABLE=1 when elastic)
+    # a real checkpoint every server loads (under its own name), asked real questions;
+    # None: the tiny generated models above, token-id prompts
+    checkpoint: Checkpoint | None = None
+
+    @property
+    def chat(self) -> bool:
+        return self.checkpoint is not None
 
     def model_dir(self, name: str) -> Path:
+        if self.checkpoint is not None:
+            return self.checkpoint.path
         return self.out_dir / "models" / name
+
+    def kv_bytes_per_token(self) -> int:
+        if self.checkpoint is not None:
+            return self.checkpoint.kv_bytes_per_token(on_cpu=self.backend != "cuda")
+        return self.layers * 2 * self.kv_heads * (self.hidden // self.heads) * 4
 
 
 def ensure_models(cfg: DemoConfig) -> None:
-    """Write the tiny checkpoints the demo serves, once (kept between runs)."""
+    """Write the tiny checkpoints the demo serves, once (kept between runs); nothing
+    for a real checkpoint (resolved, and converted if need be, before the run)."""
+    if cfg.checkpoint is not None:
+        return
     from kvpool.engine.tiny import make_tiny_model
 
     for i, name in enumerate(cfg.models):
@@ -166,7 +192,7 @@ def run_mode(cfg: DemoConfig, mode: str,
 
         with live or contextlib.nullcontext():
             rep = replay(arrivals, urls, cfg.vocab, sample_memory=sample_and_show,
-                         on_done=on_done)
+                         on_done=on_done, chat=cfg.chat)
         if tap is not None:
             tap.poll()
             rep.events = tap.events
@@ -234,6 +260,15 @@ def run_demo(cfg: DemoConfig, console: Console | None = None) -> dict[str, Any]:
                   f"{format_size(cfg.budget)}, {len(arrivals)} requests over "
                   f"{cfg.workload.duration_s:.0f} s (models take turns peaking at "
                   f"{cfg.workload.peak_rate:g} req/s, base {cfg.workload.base_rate:g} req/s)")
+    if cfg.checkpoint is not None:
+        block = cfg.block_size * cfg.kv_bytes_per_token()
+        unit = math.lcm(cfg.page_size, block)
+        console.print(f"real model: {cfg.checkpoint.label} served as "
+                      f"{', '.join(cfg.models)}; KV {format_size(cfg.kv_bytes_per_token())} "
+                      f"per token, allocation unit {format_size(unit)} ({unit // block} "
+                      f"blocks of {cfg.block_size} tokens); chat questions, greedy, "
+                      f"{cfg.workload.output_range[0]}-{cfg.workload.output_range[1]} "
+                      f"answer tokens at most")
     replays: dict[str, Replay] = {}
     summaries: dict[str, dict[str, Any]] = {}
     for mode in cfg.modes:
@@ -261,6 +296,13 @@ def run_demo(cfg: DemoConfig, console: Console | None = None) -> dict[str, Any]:
                                 for m in cfg.models))
     result = {"config": _config_json(cfg), "summary": summaries,
               "runs": {m: r.to_json() for m, r in replays.items()}}
+    if cfg.chat and replays:
+        last = list(replays)[-1]
+        result["answers"] = answers(replays[last], cfg.models)
+        console.print(f"one answer per model ({last} run):")
+        for m, a in result["answers"].items():
+            console.print(f"  {m} <- {a['question']!r}\n  {m} -> {a['answer']!r} "
+                          f"({a['tokens']} tokens)", markup=False, highlight=False)
     if {"static", "elastic"} <= set(summaries):
         s, e = summaries["static"]["all"], summaries["elastic"]["all"]
         if s["ttft_p99"] and e["ttft_p99"]:
@@ -276,7 +318,22 @@ def run_demo(cfg: DemoConfig, console: Console | None = None) -> dict[str, Any]:
     return result
 
 
+def answers(rep: Replay, models: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """Per model, its first finished request of ``rep``: the question and the answer."""
+    out: dict[str, dict[str, Any]] = {}
+    for m in models:
+        for o in sorted(rep.outcomes, key=lambda o: o.index):
+            if o.model == m and o.error is None and o.text:
+                out[m] = {"question": question(o.index), "answer": " ".join(o.text.split()),
+                          "tokens": o.output_tokens}
+                break
+    return out
+
+
 def _config_json(cfg: DemoConfig) -> dict[str, Any]:
     d = asdict(cfg)
     d["out_dir"] = str(cfg.out_dir)
+    if cfg.checkpoint is not None:
+        d["checkpoint"] = {"path": str(cfg.checkpoint.path), "label": cfg.checkpoint.label,
+                           "kv_bytes_per_token": cfg.kv_bytes_per_token()}
     return d
