@@ -91,8 +91,9 @@ def _real_model_config(model: str, out_dir: Path, budget: int | None, page_size:
     exit 1) and the defaults of a real-model run.
 
     Measured on 2 shared CPU cores, SmolLM2-135M (float32) decodes at 0.2-0.5 s per step
-    for one to six sequences, about 50x slower than the tiny models: answers are capped
-    at 32-64 tokens, bursts are 0.5 req/s, and a run (both modes) takes a few minutes."""
+    for one to six sequences, about 80x slower than the tiny models: answers are capped
+    at 32-64 tokens, bursts are 0.5 req/s for 60 s, and a run (both modes, the servers'
+    start included) takes about 4-5 minutes."""
     from kvpool.demo.checkpoint import ModelSpecError, REAL_PAGE_SIZE, default_budget, resolve
     from kvpool.demo.run import DemoConfig
     from kvpool.demo.workload import WorkloadShape
