@@ -94,7 +94,12 @@ class ElasticBlockAllocator:
         populate: bool = False,
         max_blocks: int | None = None,
         background: bool = True,
+        take_first: int = 0,
     ):
+        """``take_first``: ``take_first`` blocks are allocated to the caller here, before
+        the background thread can map any chunk, so they are blocks ``0, 1, ...`` (an
+        engine's null block must be block 0): :attr:`first_blocks`, empty when the
+        memory was not there (the caller checks)."""
         if block_bytes_per_region <= 0:
             raise ValueError("block_bytes_per_region must be positive")
         if not 0 <= low <= high:
@@ -123,7 +128,13 @@ class ElasticBlockAllocator:
         self.lock = threading.Lock()
         self.book = ChunkBook(nchunks, self.blocks_per_chunk)
         group.allocator = self
-        self._refill = Refiller(self, start=background)
+        self._refill = Refiller(self, start=False)
+        #: the blocks taken for the caller at construction (``take_first``)
+        self.first_blocks: list[int] = []
+        if take_first:
+            self.first_blocks = self.alloc(take_first) or []
+        if background:
+            self._refill.start()
 
     # ---- fast path -------------------------------------------------------------------
     def alloc(self, n: int = 1, wait: bool = True) -> list[int] | None:

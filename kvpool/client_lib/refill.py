@@ -81,8 +81,13 @@ class Refiller:
         self._demand_after = 0.0
         self._thread: threading.Thread | None = None
         if start:
+            self.start()
+
+    def start(self) -> None:
+        """Start the background thread (once)."""
+        if self._thread is None and not self._stopped:
             self._thread = threading.Thread(target=self._run, daemon=True,
-                                            name=f"kvpool-refill-{alloc.group.id}")
+                                            name=f"kvpool-refill-{self._alloc.group.id}")
             self._thread.start()
 
     # ---- called by the allocator (demand and pause under its lock) ----------------

@@ -213,3 +213,22 @@ def test_reclaim_is_served_from_the_reserve(daemon):
         a.check_integrity()
         assert daemon.stats().pool.granted == 2 * PAGE  # only the unit holding `held`
         a.free(held)
+
+
+def test_take_first_gets_block_zero_even_when_the_refill_thread_runs_first(daemon):
+    """An engine's null block must be block 0. Without ``take_first`` the background
+    thread may map the first chunks into the reserve before the engine's first alloc
+    (seen with three servers starting on two loaded cores: 'got [8]'); with it, block 0
+    is taken before the thread starts."""
+    with daemon.connect("first") as t:
+        g = t.region_group(1, 16 * PAGE)
+        racy = ElasticBlockAllocator(g, 16 << 10, low=2, high=4, tick_s=0.001)
+        wait_for(lambda: racy.mapped_chunks >= 2, what="the refill thread filling the reserve")
+        assert racy.alloc(1) != [0]  # the race: the reserve's chunk came first
+        racy.close()
+        g2 = t.region_group(1, 16 * PAGE)
+        a = ElasticBlockAllocator(g2, 16 << 10, low=2, high=4, tick_s=0.001, take_first=1)
+        assert a.first_blocks == [0]
+        wait_for(lambda: a.mapped_chunks >= 2, what="the reserve filled after block 0")
+        a.check_integrity()
+        a.close()

@@ -65,12 +65,14 @@ class ElasticBlockPool(FixedBlockPool):
 
     # ---- binding ------------------------------------------------------------------
     def bind(self, allocator: ElasticBlockAllocator) -> None:
-        """Adopt ``allocator`` (its block ids become ours) and take block 0 as null."""
+        """Adopt ``allocator`` (its block ids become ours); block 0 is the null block,
+        which the allocator took for us before its background thread started
+        (``ElasticBlockAllocator(..., take_first=1)``)."""
         super().__init__(allocator.num_blocks)
         self._free.clear()  # free blocks live in the allocator, not here
         self._allocator = allocator
         self._policy = ElasticPolicy(self, allocator)
-        null = allocator.alloc(1)
+        null = allocator.first_blocks
         if null != [NULL_BLOCK]:
             raise AdapterError(f"expected the allocator's first block to be 0, got {null}")
 

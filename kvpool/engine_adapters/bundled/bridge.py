@@ -69,7 +69,7 @@ class Bridge:
             self.group = self.tenant.region_group(spec.num_buffers, region_bytes, label=name)
             allocator = ElasticBlockAllocator(
                 self.group, per_region, low=s.low, high=s.high,
-                idle_timeout_s=s.idle_timeout_s, populate=s.populate)
+                idle_timeout_s=s.idle_timeout_s, populate=s.populate, take_first=1)
             self.pool.bind(allocator)
             if s.request_aligned:
                 self.pool.align_requests()

@@ -173,11 +173,11 @@ class Bridge:
         self.allocator = ElasticBlockAllocator(
             self.group, block_stride, low=s.low, high=s.high, populate=True,
             tick_s=REFILL_TICK_S,
-            idle_timeout_s=s.idle_timeout_s, max_blocks=num_blocks)
+            idle_timeout_s=s.idle_timeout_s, max_blocks=num_blocks, take_first=1)
         if self.allocator.num_blocks != num_blocks:
             raise AdapterError(f"kvpool: allocator holds {self.allocator.num_blocks} blocks, "
                                f"vLLM expects {num_blocks}")
-        null = self.allocator.alloc(1)
+        null = self.allocator.first_blocks  # taken before its background thread ran
         if null != [0]:
             raise AdapterError(f"kvpool: cannot map vLLM's null block (got {null}); is the "
                                "daemon's budget smaller than one KV block?")
