@@ -143,13 +143,16 @@ def register(cli: click.Group) -> None:
     @click.option("--max-tokens", default=32, show_default=True, type=int)
     @click.option("--temperature", default=0.0, show_default=True, type=float)
     @click.option("--seed", default=None, type=int)
+    @click.option("--dtype", default="auto", show_default=True,
+                  help="float32 | bfloat16 (CPU: half the weight and KV bytes) | auto")
     def generate(model_dir: str, prompts: tuple[str, ...], max_tokens: int,
-                 temperature: float, seed: int | None) -> None:
+                 temperature: float, seed: int | None, dtype: str) -> None:
         """Generate completions for PROMPTS offline and print them."""
         require("engine", "generate")
         from kvpool.engine import LLM, SamplingParams
 
-        llm = LLM(model_dir, num_kv_blocks=max(64, 4 * len(prompts) * (max_tokens // 16 + 8)))
+        llm = LLM(model_dir, dtype=dtype,
+                  num_kv_blocks=max(64, 4 * len(prompts) * (max_tokens // 16 + 8)))
         outs = llm.generate(list(prompts), SamplingParams(
             max_tokens=max_tokens, temperature=temperature, seed=seed))
         for p, o in zip(prompts, outs):

@@ -21,7 +21,6 @@ float32 logits in both dtypes. float16 and other dtypes take the torch expressio
 from __future__ import annotations
 
 import contextlib
-import ctypes
 from typing import Any
 
 import torch
