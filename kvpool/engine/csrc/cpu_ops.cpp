@@ -74,13 +74,14 @@ void linear_small(const float* x, int64_t x_row, const float* w, const float* bi
 }
 
 
-// y[m0:m0+mg, n0:n0+NB] for bf16 W rows, x already widened to fp32 (xb, K per row).
-template <int MG, int R>
-inline void bf16_rows(const float* xb, int64_t K, const bf16* w, const bf16* bias, bf16* y,
-                      int64_t y_row, int n0, int nrows) {
+// y[0:MG, 0:nrows] for the W rows [0, nrows) (bf16, or already widened to fp32), x already
+// widened to fp32 (xb, K per row); bias and y point at column 0 of the block.
+template <int MG, int R, class W>
+inline void gemm_rows(const float* xb, int64_t K, const W* w, const bf16* bias, bf16* y,
+                      int64_t y_row, int nrows) {
   float o[MG][R];
-  int n = n0;
-  for (; n + R <= n0 + nrows; n += R) {
+  int n = 0;
+  for (; n + R <= nrows; n += R) {
     dot_block<MG, R>(xb, K, w, K, n, o);
     for (int m = 0; m < MG; ++m)
       for (int r = 0; r < R; ++r) {
@@ -88,7 +89,7 @@ inline void bf16_rows(const float* xb, int64_t K, const bf16* w, const bf16* bia
         y[m * y_row + n + r] = round1(o[m][r] + b);
       }
   }
-  for (; n < n0 + nrows; ++n) {
+  for (; n < nrows; ++n) {
     float o1[MG][1];
     dot_block<MG, 1>(xb, K, w, K, n, o1);
     const float b = bias ? to_f32(bias[n]) : 0.f;
@@ -96,41 +97,27 @@ inline void bf16_rows(const float* xb, int64_t K, const bf16* w, const bf16* bia
   }
 }
 
-constexpr int kRowsPerItem = 32;  // W rows per work item (bf16: 32 x K x 2 bytes, L2-resident)
+// All mt rows of xb against one block of W rows.
+template <class W>
+void gemm_block(const float* xb, int mt, int64_t K, const W* w, const bf16* bias, bf16* y,
+                int64_t y_row, int nrows) {
+  int m = 0;
+  for (; m + 4 <= mt; m += 4)
+    gemm_rows<4, 2>(xb + m * K, K, w, bias, y + m * y_row, y_row, nrows);
+  switch (mt - m) {
+    case 1: gemm_rows<1, 8>(xb + m * K, K, w, bias, y + m * y_row, y_row, nrows); break;
+    case 2: gemm_rows<2, 4>(xb + m * K, K, w, bias, y + m * y_row, y_row, nrows); break;
+    case 3: gemm_rows<3, 4>(xb + m * K, K, w, bias, y + m * y_row, y_row, nrows); break;
+    default: break;
+  }
+}
+
+constexpr int kRowsPerItem = 32;  // W rows per work item (32 x K fp32: L2-resident)
 constexpr int kXTile = 64;        // x rows widened at a time
 
 }  // namespace
 
 extern "C" {
-
-// Returns 0, or 1 if K % 8 != 0. Any M >= 1.
-int kvpool_linear_bf16(const bf16* x, int64_t x_row, const bf16* w, const bf16* bias, bf16* y,
-                       int64_t y_row, int M, int N, int64_t K) {
-  if (K % 8 != 0) return 1;
-  std::vector<float> xb((size_t)std::min(M, kXTile) * K);
-  for (int m0 = 0; m0 < M; m0 += kXTile) {
-    const int mt = std::min(kXTile, M - m0);
-    for (int m = 0; m < mt; ++m)
-      for (int64_t k = 0; k < K; k += 8)
-        vstore(xb.data() + m * K + k, load8(x + (int64_t)(m0 + m) * x_row + k));
-    const int items = (N + kRowsPerItem - 1) / kRowsPerItem;
-    bf16* ym = y + (int64_t)m0 * y_row;
-#pragma omp parallel for schedule(static) if ((int64_t)N * K * mt > kSerialWeights)
-    for (int it = 0; it < items; ++it) {
-      const int n0 = it * kRowsPerItem, nr = std::min(kRowsPerItem, N - n0);
-      int m = 0;
-      for (; m + 4 <= mt; m += 4)
-        bf16_rows<4, 2>(xb.data() + m * K, K, w, bias, ym + m * y_row, y_row, n0, nr);
-      switch (mt - m) {
-        case 1: bf16_rows<1, 8>(xb.data() + m * K, K, w, bias, ym + m * y_row, y_row, n0, nr); break;
-        case 2: bf16_rows<2, 4>(xb.data() + m * K, K, w, bias, ym + m * y_row, y_row, n0, nr); break;
-        case 3: bf16_rows<3, 4>(xb.data() + m * K, K, w, bias, ym + m * y_row, y_row, n0, nr); break;
-        default: break;
-      }
-    }
-  }
-  return 0;
-}
 
 // Returns 0, or 1 if M or K is outside what it handles (1 <= M <= 4, K % 8 == 0).
 int kvpool_linear_small(const float* x, int64_t x_row, const float* w, const float* bias,
@@ -143,6 +130,40 @@ int kvpool_linear_small(const float* x, int64_t x_row, const float* w, const flo
     case 4: linear_small<4, 2>(x, x_row, w, bias, y, y_row, N, K); return 0;
     default: return 1;
   }
+}
+
+// Returns 0, or 1 if K % 8 != 0. Any M >= 1. Up to 4 rows W is widened in registers as it
+// streams by (bandwidth-bound, half the bytes of fp32); above, each block of W rows is
+// widened once into a per-thread fp32 buffer and reused by every group of 4 x rows.
+int kvpool_linear_bf16(const bf16* x, int64_t x_row, const bf16* w, const bf16* bias, bf16* y,
+                       int64_t y_row, int M, int N, int64_t K) {
+  if (K % 8 != 0) return 1;
+  std::vector<float> xb((size_t)std::min(M, kXTile) * K);
+  const int items = (N + kRowsPerItem - 1) / kRowsPerItem;
+  for (int m0 = 0; m0 < M; m0 += kXTile) {
+    const int mt = std::min(kXTile, M - m0);
+    for (int m = 0; m < mt; ++m)
+      for (int64_t k = 0; k < K; k += 8)
+        vstore(xb.data() + m * K + k, load8(x + (int64_t)(m0 + m) * x_row + k));
+    bf16* ym = y + (int64_t)m0 * y_row;
+#pragma omp parallel if ((int64_t)N * K * mt > kSerialWeights)
+    {
+      std::vector<float> wb(mt > 4 ? (size_t)kRowsPerItem * K : 0);
+#pragma omp for schedule(static)
+      for (int it = 0; it < items; ++it) {
+        const int n0 = it * kRowsPerItem, nr = std::min(kRowsPerItem, N - n0);
+        const bf16* wr = w + (int64_t)n0 * K;
+        const bf16* br = bias ? bias + n0 : nullptr;
+        if (mt <= 4) {
+          gemm_block(xb.data(), mt, K, wr, br, ym + n0, y_row, nr);
+          continue;
+        }
+        for (int64_t i = 0; i < (int64_t)nr * K; i += 8) vstore(wb.data() + i, load8(wr + i));
+        gemm_block(xb.data(), mt, K, wb.data(), br, ym + n0, y_row, nr);
+      }
+    }
+  }
+  return 0;
 }
 
 }  // extern "C"
