@@ -11,7 +11,6 @@ printed (``pytest -s``).
 
 from __future__ import annotations
 
-import os
 import random
 import warnings
 
@@ -163,7 +162,6 @@ def test_injected_kv_buffers_hold_twice_the_bf16_blocks() -> None:
 def _hf_bf16(path):  # noqa: ANN001, ANN202
     from transformers import AutoModelForCausalLM
 
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
@@ -199,9 +197,10 @@ def agreement(llm: LLM, prompt_ids: list[list[int]], refs: list[list[int]]
     return forced / total, free / total
 
 
-def test_greedy_agreement_with_transformers_bf16(hf_dirs) -> None:
+def test_greedy_agreement_with_transformers_bf16(hf_dirs, monkeypatch) -> None:
     """Six prompts x 32 greedy tokens on a tiny random Llama (fixed seed): at least 98% of
     the tokens agree with transformers' bf16 generate (teacher-forced)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     path = hf_dirs["llama"]
     ref_model = _hf_bf16(path)
     ps = prompts(AGREE_LENGTHS, seed=11)
