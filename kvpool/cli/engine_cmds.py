@@ -145,8 +145,11 @@ def register(cli: click.Group) -> None:
     @click.option("--seed", default=None, type=int)
     @click.option("--chat", is_flag=True, help="each prompt is a user message, formatted "
                   "with the model's chat template (ChatML when it has none)")
+    @click.option("--dtype", default="auto", show_default=True,
+                  help="float32 | bfloat16 (CPU: half the weight and KV bytes) | auto")
     def generate(model_dir: str, prompts: tuple[str, ...], max_tokens: int,
-                 temperature: float, seed: int | None, chat: bool = False) -> None:
+                 temperature: float, seed: int | None, chat: bool = False,
+                 dtype: str = "auto") -> None:
         """Generate completions for PROMPTS offline and print them."""
         require("engine", "generate")
         from kvpool.engine import LLM, SamplingParams
@@ -154,7 +157,7 @@ def register(cli: click.Group) -> None:
         from kvpool.engine.errors import CheckpointError
 
         try:
-            llm = LLM(model_dir,
+            llm = LLM(model_dir, dtype=dtype,
                       num_kv_blocks=max(64, 4 * len(prompts) * (max_tokens // 16 + 8)))
         except CheckpointError as e:
             raise click.ClickException(str(e)) from None

@@ -5,7 +5,8 @@ absolute position p sees the keys at positions j <= p of its own sequence.
 
 Two backends, chosen once per engine by :func:`select_backend`:
 
-``native`` (CPU, float32): :mod:`kvpool.engine.native`'s kernel reads K/V in place through
+``native`` (CPU, float32 or bfloat16): :mod:`kvpool.engine.native`'s kernel reads K/V in
+place (bf16 K/V widened to fp32 in registers; scores, softmax and accumulation in fp32) through
 the block table, one varlen call per layer for the whole batch (decodes, prefill chunks and
 prefix-hit chunks alike): no gather, no padding, and the output goes to a workspace reused
 by every layer and step (``VarlenBatch.out``).
@@ -100,8 +101,8 @@ class ForwardBatch:
 
 def select_backend(requested: AttentionBackend, device: torch.device, dtype: torch.dtype,
                    num_heads: int, num_kv_heads: int, head_dim: int) -> str:
-    """``native`` where the kernel applies (CPU, float32, supported head_dim, at most 32
-    query heads per KV head) and builds; ``torch`` otherwise or when asked.
+    """``native`` where the kernel applies (CPU, float32 or bfloat16, supported head_dim, at
+    most 32 query heads per KV head) and builds; ``torch`` otherwise or when asked.
 
     Raises:
         RuntimeError: ``native`` was requested but cannot run here (says why).
@@ -109,8 +110,8 @@ def select_backend(requested: AttentionBackend, device: torch.device, dtype: tor
     if requested == "torch":
         return "torch"
     why = None
-    if device.type != "cpu" or dtype != torch.float32:
-        why = f"native attention needs cpu/float32, not {device.type}/{dtype}"
+    if device.type != "cpu" or native.suffix(dtype) is None:
+        why = f"native attention needs cpu and float32/bfloat16, not {device.type}/{dtype}"
     elif head_dim not in NATIVE_HEAD_DIMS or num_heads // num_kv_heads > 32:
         why = f"native attention supports head_dim {NATIVE_HEAD_DIMS}, <= 32 heads per kv head"
     elif native.load() is None:
@@ -181,11 +182,11 @@ def _store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     assert k_cache.stride()[1:] == v_cache.stride()[1:] == (hkv * d, d, 1)
     assert k_cache.stride(0) == v_cache.stride(0)
     assert k.stride()[1:] == (d, 1) and v.stride()[1:] == (d, 1)
-    assert k.dtype == v.dtype == k_cache.dtype == torch.float32
-    with torch.profiler.record_function("kvpool::store_kv"):
+    assert k.dtype == v.dtype == k_cache.dtype == v_cache.dtype
+    with torch.profiler.record_function("kvpool::store_kv"):  # a byte copy: any dtype
         lib.kvpool_store_kv(k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                             k_cache.stride(0), k_cache.stride(1), vb.slots.data_ptr(), t,
-                            k.stride(0), v.stride(0), k_cache.shape[1])
+                            k.stride(0), v.stride(0), k_cache.shape[1], k.element_size())
 
 
 def _native_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -194,10 +195,12 @@ def _native_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     assert lib is not None
     t, h, d = q.shape
     hkv = k_cache.shape[2]
-    assert q.stride()[1:] == (d, 1) and q.dtype == torch.float32
+    sfx = native.suffix(q.dtype)
+    assert q.stride()[1:] == (d, 1) and sfx is not None
+    assert q.dtype == k_cache.dtype == v_cache.dtype == vb.out.dtype
     out = vb.out[:t]
     with torch.profiler.record_function("kvpool::paged_attention"):
-        rc = lib.kvpool_paged_attention(
+        rc = getattr(lib, "kvpool_paged_attention" + sfx)(
             q.data_ptr(), q.stride(0), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             vb.block_tables.data_ptr(), vb.block_tables.stride(0), vb.q_start.data_ptr(),

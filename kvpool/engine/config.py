@@ -33,7 +33,10 @@ class EngineConfig:
 
     model: str
     device: str = "auto"  # "auto": cuda if available, else cpu
-    dtype: str = "auto"  # "auto": float32 on cpu, the checkpoint's dtype on accelerators
+    # "auto": float32 on cpu, the checkpoint's dtype on accelerators. "bfloat16" on cpu:
+    # weights and KV blocks at half the bytes, the native kernels in their bf16 variants
+    # (docs/ENGINE-ATTENTION.md says what that costs)
+    dtype: str = "auto"
     block_size: int = 16
     kv_cache_size: int | str | None = None
     num_kv_blocks: int | None = None
@@ -42,7 +45,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     enable_prefix_caching: bool = True
-    # "auto": the native in-place paged kernel on CPU/float32, gather + SDPA elsewhere
+    # "auto": the native in-place paged kernel on CPU/float32|bfloat16, gather + SDPA elsewhere
     attention_backend: Literal["auto", "native", "torch"] = "auto"
     seed: int = 0  # seeds the generator that unseeded sampling requests use
     served_model_name: str | None = None

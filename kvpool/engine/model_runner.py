@@ -35,7 +35,7 @@ class ModelRunner:
         self._attn_out = torch.empty(0)
         if device.type == "cpu":
             native.tune_malloc()
-            if dtype == torch.float32:
+            if dtype == torch.float32:  # bf16: no prepacked copy (it would be fp32)
                 fused.prepack(model)
         if self.backend == "native":
             self._attn_out = torch.empty(max_num_tokens, c.num_heads, c.head_dim, dtype=dtype)

@@ -1,4 +1,5 @@
-"""The native CPU attention kernel: build once (g++ -O3 -march=native -fopenmp), load via ctypes.
+"""The native CPU kernels (paged attention and fused ops, each in an fp32 and a bf16 variant):
+build once (g++ -O3 -march=native -fopenmp), load via ctypes.
 
 Why ctypes and not ``torch.utils.cpp_extension``: the kernel only needs raw pointers, so it
 includes no torch header and compiles in about a second instead of a minute, and it does not
@@ -23,6 +24,10 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 SOURCES = [Path(__file__).with_name("csrc") / n for n in ("paged_attention.cpp", "cpu_ops.cpp")]
 SOURCE = SOURCES[0]
@@ -95,12 +100,14 @@ def load() -> ctypes.CDLL | None:
         except (RuntimeError, OSError) as e:
             _error = str(e)
             return None
-        lib.kvpool_paged_attention.restype = ctypes.c_int
-        lib.kvpool_paged_attention.argtypes = [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _P,
-                                               _I64, _P, _P, _I32, _I32, _I32, _I32, _I32, _F]
+        for name in ("kvpool_paged_attention", "kvpool_paged_attention_bf16"):
+            fn = getattr(lib, name)
+            fn.restype = ctypes.c_int
+            fn.argtypes = [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _P, _I64, _P, _P, _I32,
+                           _I32, _I32, _I32, _I32, _F]
         lib.kvpool_store_kv.restype = None
         lib.kvpool_store_kv.argtypes = [_P, _P, _P, _P, _I64, _I64, _P, _I32, _I64, _I64,
-                                        _I32]
+                                        _I32, _I32]
         _declare_cpu_ops(lib)
         _lib = lib
         return lib
@@ -110,18 +117,33 @@ def _declare_cpu_ops(lib: ctypes.CDLL) -> None:
     """Signatures of csrc/cpu_ops.cpp (see its header for what each computes)."""
     lib.kvpool_linear_small.restype = ctypes.c_int
     lib.kvpool_linear_small.argtypes = [_P, _I64, _P, _P, _P, _I64, _I32, _I32, _I64]
-    lib.kvpool_rmsnorm.restype = None
-    lib.kvpool_rmsnorm.argtypes = [_P, _I64, _P, _I64, _P, _P, _I64, _I32, _I32, _F]
-    lib.kvpool_rotary.restype = None
-    lib.kvpool_rotary.argtypes = [_P, _I64, _I64, _I32, _I32, _I32, _P, _P, _P, _I32]
-    lib.kvpool_silu_mul.restype = None
-    lib.kvpool_silu_mul.argtypes = [_P, _I64, _P, _I64, _I32, _I32]
+    lib.kvpool_linear_bf16.restype = ctypes.c_int
+    lib.kvpool_linear_bf16.argtypes = [_P, _I64, _P, _P, _P, _I64, _I32, _I32, _I64]
+    for sfx in ("", "_bf16"):  # the fp32 entry point and its bf16 twin
+        for name, argtypes in (
+                ("kvpool_rmsnorm", [_P, _I64, _P, _I64, _P, _P, _I64, _I32, _I32, _F]),
+                ("kvpool_rotary", [_P, _I64, _I64, _I32, _I32, _I32, _P, _P, _P, _I32]),
+                ("kvpool_silu_mul", [_P, _I64, _P, _I64, _I32, _I32])):
+            fn = getattr(lib, name + sfx)
+            fn.restype = None
+            fn.argtypes = argtypes
     lib.kvpool_argmax.restype = None
     lib.kvpool_argmax.argtypes = [_P, _I64, _I32, _I32, _P]
 
 
 def error() -> str | None:
     return _error
+
+
+def suffix(dtype: torch.dtype) -> str | None:
+    """The entry-point suffix of the kernels' variant for a torch dtype: ``""`` for
+    float32, ``"_bf16"`` for bfloat16 (bf16 storage, fp32 arithmetic), None for the dtypes
+    no kernel handles (float16 and the rest: callers use their torch path)."""
+    import torch
+
+    if dtype == torch.float32:
+        return ""
+    return "_bf16" if dtype == torch.bfloat16 else None
 
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3

@@ -2,7 +2,7 @@
 
 Batches mix decodes, cold prefill chunks, chunks after a cached prefix (prefix hits and
 chunked prefill) and contexts that end mid-block, over shuffled block tables, in both
-KV layouts; the engine picks the native backend on CPU/float32 and still matches the torch
+KV layouts; the engine picks the native backend on CPU/float32 (bf16: test_bf16.py) and still matches the torch
 backend end to end.
 """
 
@@ -128,8 +128,9 @@ def test_engine_uses_native_on_cpu_and_matches_torch_backend(hf_dirs):
 def test_select_backend():
     cpu = torch.device("cpu")
     assert select_backend("auto", cpu, torch.float32, 8, 4, 64) == "native"
-    assert select_backend("auto", cpu, torch.bfloat16, 8, 4, 64) == "torch"
+    assert select_backend("auto", cpu, torch.bfloat16, 8, 4, 64) == "native"
+    assert select_backend("auto", cpu, torch.float16, 8, 4, 64) == "torch"
     assert select_backend("auto", cpu, torch.float32, 8, 4, 80) == "torch"
     assert select_backend("torch", cpu, torch.float32, 8, 4, 64) == "torch"
-    with pytest.raises(RuntimeError, match="cpu/float32"):
+    with pytest.raises(RuntimeError, match="cpu and float32/bfloat16"):
         select_backend("native", torch.device("cuda"), torch.float32, 8, 4, 64)

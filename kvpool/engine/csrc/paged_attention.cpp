@@ -1,4 +1,6 @@
-// Paged attention for CPUs, fp32: reads K/V in place through the block table.
+// Paged attention for CPUs: reads K/V in place through the block table. q, out and the K/V
+// cache are fp32 or bf16 (one storage type T for all four; bf16 is widened on load and the
+// output rounded once); scores, softmax and the accumulators are always fp32.
 //
 // One varlen call per layer covers every sequence of the batch (decodes, prefill chunks,
 // prefix-hit chunks): sequence s owns query tokens [q_start[s], q_start[s+1]) of q, its last
@@ -44,12 +46,13 @@ namespace {
 constexpr int KC = 16;    // keys per inner chunk
 constexpr int MAXR = 32;  // query rows (tokens x heads of one kv group) per work item
 
+template <class T>
 struct Args {
-  const float* q;  // [T, H, D] rows q_row elements apart ([H, D] contiguous)
+  const T* q;  // [T, H, D] rows q_row elements apart ([H, D] contiguous)
   int64_t q_row;
-  float* out;      // [T, H, D]
-  const float* k_cache;
-  const float* v_cache;
+  T* out;      // [T, H, D]
+  const T* k_cache;
+  const T* v_cache;
   int64_t block_stride, tok_stride, head_stride;  // elements
   const int32_t* block_tables;                    // [S, bt_stride]
   int64_t bt_stride;
@@ -63,8 +66,8 @@ struct Args {
 // kv heads [kvh0, kvh0 + nkv). Row r is (token t0 + r / (nkv g), kv head kvh0 + (r / g) % nkv,
 // query head of that group r % g). An item spanning all kv heads (decode-sized sequences)
 // reads each key's whole [Hkv, D] row, which is contiguous in the cache.
-template <int D>
-void attend_tile(const Args& a, int s, int kvh0, int nkv, int t0, int nt) {
+template <class T, int D>
+void attend_tile(const Args<T>& a, int s, int kvh0, int nkv, int t0, int nt) {
   constexpr int NV = D / 8;
   const int g = a.H / a.Hkv;
   const int R = nt * g * nkv;
@@ -82,8 +85,8 @@ void attend_tile(const Args& a, int s, int kvh0, int nkv, int t0, int nt) {
     const int t = t0 + r / (g * nkv), kvh = kvh0 + (r / g) % nkv;
     qh[r] = kvh * g + r % g;
     hoff[r] = (int64_t)kvh * a.head_stride;
-    const float* src = a.q + (int64_t)(a.q_start[s] + t) * a.q_row + (int64_t)qh[r] * D;
-    for (int c = 0; c < NV; ++c) vstore(qb[r] + 8 * c, vload(src + 8 * c) * splat(a.scale));
+    const T* src = a.q + (int64_t)(a.q_start[s] + t) * a.q_row + (int64_t)qh[r] * D;
+    for (int c = 0; c < NV; ++c) vstore(qb[r] + 8 * c, load8(src + 8 * c) * splat(a.scale));
     for (int c = 0; c < NV; ++c) vstore(acc[r] + 8 * c, splat(0.f));
     m[r] = -INFINITY;
     l[r] = 0.f;
@@ -91,7 +94,8 @@ void attend_tile(const Args& a, int s, int kvh0, int nkv, int t0, int nt) {
   }
   const int kend = first_pos + t0 + nt;  // keys [0, kend) are visible to some row
   const int32_t* bt = a.block_tables + (int64_t)s * a.bt_stride;
-  const int64_t span = (int64_t)(nkv - 1) * a.head_stride + D;  // floats read per key
+  const int64_t span = (int64_t)(nkv - 1) * a.head_stride + D;  // elements read per key
+  constexpr int64_t line = 64 / sizeof(T);  // elements per cache line
   const int64_t base_off = (int64_t)kvh0 * a.head_stride;
   // key addresses: block index and offset advance incrementally (no division per key)
   int blk = 0, boff = 0;
@@ -105,8 +109,8 @@ void attend_tile(const Args& a, int s, int kvh0, int nkv, int t0, int nt) {
   for (int j = 0; j < nnext; ++j) offs[j] = key_off();
   for (int j0 = 0; j0 < kend; j0 += KC) {
     const int n = nnext;
-    const float* kp[KC];
-    const float* vp[KC];
+    const T* kp[KC];
+    const T* vp[KC];
     for (int j = 0; j < n; ++j) {
       kp[j] = a.k_cache + offs[j];
       vp[j] = a.v_cache + offs[j];
@@ -114,7 +118,7 @@ void attend_tile(const Args& a, int s, int kvh0, int nkv, int t0, int nt) {
     nnext = std::min(KC, kend - j0 - KC);  // next chunk: addresses now, prefetched early
     for (int j = 0; j < nnext; ++j) {
       offs[j] = key_off();
-      for (int64_t c = 0; c < span; c += 16) {
+      for (int64_t c = 0; c < span; c += line) {
         __builtin_prefetch(a.k_cache + offs[j] + base_off + c);
         __builtin_prefetch(a.v_cache + offs[j] + base_off + c);
       }
@@ -130,14 +134,14 @@ void attend_tile(const Args& a, int s, int kvh0, int nkv, int t0, int nt) {
       const float* q0 = qb[r];
       const float* q1 = qb[r1];
       for (int jb = 0; jb < nv; jb += 4) {
-        const float *k0 = kp[jb] + ho, *k1 = kp[jb + 1] + ho, *k2 = kp[jb + 2] + ho,
+        const T *k0 = kp[jb] + ho, *k1 = kp[jb + 1] + ho, *k2 = kp[jb + 2] + ho,
                     *k3 = kp[jb + 3] + ho;
         vf x[8];
         for (int i = 0; i < 8; ++i) x[i] = splat(0.f);
         for (int c = 0; c < D; c += 8) {
           const vf a = vload(q0 + c), b = vload(q1 + c);
-          const vf u0 = vload(k0 + c), u1 = vload(k1 + c), u2 = vload(k2 + c),
-                   u3 = vload(k3 + c);
+          const vf u0 = load8(k0 + c), u1 = load8(k1 + c), u2 = load8(k2 + c),
+                   u3 = load8(k3 + c);
           x[0] += a * u0; x[1] += a * u1; x[2] += a * u2; x[3] += a * u3;
           x[4] += b * u0; x[5] += b * u1; x[6] += b * u2; x[7] += b * u3;
         }
@@ -165,31 +169,32 @@ void attend_tile(const Args& a, int s, int kvh0, int nkv, int t0, int nt) {
       const int64_t ho = hoff[r];
       for (int j = 0; j < nv; ++j) {
         const vf p = splat(sc[r][j]);
-        const float* vr = vp[j] + ho;
-        for (int c = 0; c < NV; ++c) acc_r[c] += p * vload(vr + 8 * c);
+        const T* vr = vp[j] + ho;
+        for (int c = 0; c < NV; ++c) acc_r[c] += p * load8(vr + 8 * c);
       }
       for (int c = 0; c < NV; ++c) vstore(acc[r] + 8 * c, acc_r[c]);
     }
   }
   for (int r = 0; r < R; ++r) {
     const int t = t0 + r / (g * nkv);
-    float* dst = a.out + ((int64_t)(a.q_start[s] + t) * a.H + qh[r]) * D;
+    T* dst = a.out + ((int64_t)(a.q_start[s] + t) * a.H + qh[r]) * D;
     const vf inv = splat(1.f / l[r]);
-    for (int c = 0; c < NV; ++c) vstore(dst + 8 * c, vload(acc[r] + 8 * c) * inv);
+    for (int c = 0; c < NV; ++c) store8(dst + 8 * c, vload(acc[r] + 8 * c) * inv);
   }
 }
 
 // Work items of sequence s: one for all its rows when they fit (qlen x H <= MAXR: decodes
 // and short chunks), else ceil(qlen / tq) token tiles x Hkv kv heads.
-inline int64_t num_items(const Args& a, int s, int tq) {
+template <class T>
+inline int64_t num_items(const Args<T>& a, int s, int tq) {
   const int qlen = a.q_start[s + 1] - a.q_start[s];
   if (qlen <= 0) return 0;
   if ((int64_t)qlen * a.H <= MAXR) return 1;
   return (int64_t)((qlen + tq - 1) / tq) * a.Hkv;
 }
 
-template <int D>
-void attend_all(const Args& a) {
+template <class T, int D>
+void attend_all(const Args<T>& a) {
   const int g = a.H / a.Hkv;
   const int tq = std::max(1, MAXR / g);  // query tokens per per-head work item
   int64_t total = 0;
@@ -210,14 +215,31 @@ void attend_all(const Args& a) {
       }
       const int qlen = a.q_start[s + 1] - a.q_start[s];
       if ((int64_t)qlen * a.H <= MAXR) {
-        attend_tile<D>(a, s, 0, a.Hkv, 0, qlen);
+        attend_tile<T, D>(a, s, 0, a.Hkv, 0, qlen);
         continue;
       }
       const int64_t local = item - base;
       const int tile = (int)(local / a.Hkv), kvh = (int)(local % a.Hkv);
       const int t0 = tile * tq;
-      attend_tile<D>(a, s, kvh, 1, t0, std::min(tq, qlen - t0));
+      attend_tile<T, D>(a, s, kvh, 1, t0, std::min(tq, qlen - t0));
     }
+  }
+}
+
+template <class T>
+int paged_attention(const T* q, int64_t q_row, T* out, const T* k_cache, const T* v_cache,
+                    int64_t block_stride, int64_t tok_stride, int64_t head_stride,
+                    const int32_t* block_tables, int64_t bt_stride, const int32_t* q_start,
+                    const int32_t* ctx_len, int S, int H, int Hkv, int D, int bs, float scale) {
+  Args<T> a{q, q_row, out, k_cache, v_cache, block_stride, tok_stride, head_stride,
+            block_tables, bt_stride, q_start, ctx_len, S, H, Hkv, bs, scale};
+  if (H % Hkv != 0 || H / Hkv > MAXR) return 1;
+  switch (D) {
+    case 32: attend_all<T, 32>(a); return 0;
+    case 64: attend_all<T, 64>(a); return 0;
+    case 128: attend_all<T, 128>(a); return 0;
+    case 256: attend_all<T, 256>(a); return 0;
+    default: return 1;
   }
 }
 
@@ -225,37 +247,44 @@ void attend_all(const Args& a) {
 
 extern "C" {
 
-// Returns 0 on success, 1 if head_dim is not supported (the caller falls back).
+// Returns 0 on success, 1 if head_dim is not supported (the caller falls back). Strides are
+// in elements. kvpool_paged_attention_bf16: the same with bf16 q, out and caches.
 int kvpool_paged_attention(const float* q, int64_t q_row, float* out, const float* k_cache,
                            const float* v_cache, int64_t block_stride, int64_t tok_stride,
                            int64_t head_stride, const int32_t* block_tables, int64_t bt_stride,
                            const int32_t* q_start, const int32_t* ctx_len, int S, int H,
                            int Hkv, int D, int bs, float scale) {
-  Args a{q, q_row, out, k_cache, v_cache, block_stride, tok_stride, head_stride, block_tables,
-         bt_stride, q_start, ctx_len, S, H, Hkv, bs, scale};
-  if (H % Hkv != 0 || H / Hkv > MAXR) return 1;
-  switch (D) {
-    case 32: attend_all<32>(a); return 0;
-    case 64: attend_all<64>(a); return 0;
-    case 128: attend_all<128>(a); return 0;
-    case 256: attend_all<256>(a); return 0;
-    default: return 1;
-  }
+  return paged_attention(q, q_row, out, k_cache, v_cache, block_stride, tok_stride,
+                         head_stride, block_tables, bt_stride, q_start, ctx_len, S, H, Hkv, D,
+                         bs, scale);
+}
+
+int kvpool_paged_attention_bf16(const bf16* q, int64_t q_row, bf16* out, const bf16* k_cache,
+                                const bf16* v_cache, int64_t block_stride, int64_t tok_stride,
+                                int64_t head_stride, const int32_t* block_tables,
+                                int64_t bt_stride, const int32_t* q_start,
+                                const int32_t* ctx_len, int S, int H, int Hkv, int D, int bs,
+                                float scale) {
+  return paged_attention(q, q_row, out, k_cache, v_cache, block_stride, tok_stride,
+                         head_stride, block_tables, bt_stride, q_start, ctx_len, S, H, Hkv, D,
+                         bs, scale);
 }
 
 // Writes k/v [T, Hkv, D] ([Hkv, D] contiguous per token; k_row/v_row elements between
-// tokens) into the caches at slots[t] = block * bs + offset; rows of Hkv * D elements.
-void kvpool_store_kv(const float* k, const float* v, float* k_cache, float* v_cache,
+// tokens) into the caches at slots[t] = block * bs + offset; rows of Hkv * D elements of
+// elem_size bytes each (4: fp32, 2: bf16; a byte copy, any dtype).
+void kvpool_store_kv(const char* k, const char* v, char* k_cache, char* v_cache,
                      int64_t block_stride, int64_t tok_stride, const int64_t* slots, int T,
-                     int64_t k_row, int64_t v_row, int bs) {
-  const size_t nbytes = (size_t)tok_stride * sizeof(float);
+                     int64_t k_row, int64_t v_row, int bs, int elem_size) {
+  const size_t nbytes = (size_t)tok_stride * elem_size;
   for (int t = 0; t < T; ++t) {
-    const int64_t off = (slots[t] / bs) * block_stride + (slots[t] % bs) * tok_stride;
-    std::memcpy(k_cache + off, k + (int64_t)t * k_row, nbytes);
-    std::memcpy(v_cache + off, v + (int64_t)t * v_row, nbytes);
+    const int64_t off = ((slots[t] / bs) * block_stride + (slots[t] % bs) * tok_stride) *
+                        elem_size;
+    std::memcpy(k_cache + off, k + (int64_t)t * k_row * elem_size, nbytes);
+    std::memcpy(v_cache + off, v + (int64_t)t * v_row * elem_size, nbytes);
   }
 }
 
-int kvpool_abi_version() { return 2; }
+int kvpool_abi_version() { return 3; }
 
 }  // extern "C"
