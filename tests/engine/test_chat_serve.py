@@ -5,14 +5,9 @@ its apply_chat_template renders; hostile messages get a 400 with one line, never
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,6 +16,7 @@ import pytest
 import torch
 
 from .helpers import load_hf
+from .served import serving
 
 openai = pytest.importorskip("openai")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may download
@@ -35,45 +31,6 @@ TEMPLATE = (
     + SYSTEM_DEFAULT + "<|im_end|>\n' }}{% endif %}"
     "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def serving(model_dir: Path, log: Path, *args: str, timeout_s: float = 300
-            ) -> Iterator[str]:
-    """``kvpool serve model_dir`` on a free port until healthy; yields its base URL."""
-    port = free_port()
-    with open(log, "w") as f:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "kvpool.cli.main", "serve", str(model_dir), "--port",
-             str(port), "--log-level", "warning", *args],
-            stdout=f, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + timeout_s
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"kvpool serve exited: {log.read_text()}")
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.time() > deadline:
-                pytest.fail(f"kvpool serve did not become healthy: {log.read_text()}")
-            time.sleep(0.2)
-        yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def hf_greedy(model, hf_tok, messages: list[dict], max_new: int) -> tuple[list[int], str]:

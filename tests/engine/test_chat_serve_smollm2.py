@@ -14,7 +14,8 @@ import pytest
 import torch
 from real_model import smollm2_dir  # noqa: F401  (session fixture)
 
-from .test_chat_serve import hf_greedy, openai, serving
+from .served import serving
+from .test_chat_serve import hf_greedy, openai
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may download
 

@@ -2,57 +2,25 @@
 
 from __future__ import annotations
 
-import socket
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
+from .served import serving
+
 openai = pytest.importorskip("openai")
 
 NAME = "tiny"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tiny_dir, tmp_path_factory):
-    port = _free_port()
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    with open(log, "w") as f:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "kvpool.cli.main", "serve", str(tiny_dir), "--port",
-             str(port), "--served-model-name", NAME, "--num-kv-blocks", "256",
-             "--block-size", "8", "--max-model-len", "128", "--log-level", "warning"],
-            stdout=f, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 90
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"kvpool serve exited: {log.read_text()}")
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.time() > deadline:
-                pytest.fail(f"kvpool serve did not become healthy: {log.read_text()}")
-            time.sleep(0.2)
+    with serving(tiny_dir, log, "--served-model-name", NAME, "--num-kv-blocks", "256",
+                 "--block-size", "8", "--max-model-len", "128", timeout_s=90) as base:
         yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 @pytest.fixture(scope="module")
