@@ -46,3 +46,21 @@ def load_hf(path: Path):
 def prompts(lengths: tuple[int, ...], seed: int = 1) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+def hf_references(dirs: dict[str, Path], archs: tuple[str, ...], lengths: tuple[int, ...],
+                  new: int) -> dict[str, list[tuple[list[int], torch.Tensor]]]:
+    """Per arch: transformers' greedy continuation of each of ``prompts(lengths)`` (``new``
+    tokens) and the logits each continuation token came from."""
+    out = {}
+    for arch in archs:
+        ref = load_hf(dirs[arch])
+        rows = []
+        for p in prompts(lengths):
+            with torch.no_grad():
+                gen = ref.generate(torch.tensor([p]), max_new_tokens=new, do_sample=False,
+                                   eos_token_id=None, pad_token_id=0)[0]
+                logits = ref(gen[None]).logits[0, len(p) - 1:-1]
+            rows.append((gen[len(p):].tolist(), logits))
+        out[arch] = rows
+    return out

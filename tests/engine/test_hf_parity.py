@@ -7,7 +7,7 @@ import torch
 
 from kvpool.engine import LLM, SamplingParams
 
-from .helpers import load_hf, prompts
+from .helpers import hf_references, load_hf, prompts
 
 LENGTHS = (3, 16, 17, 40)  # below, at and across a block boundary (block_size 16)
 NEW = 12
@@ -17,18 +17,7 @@ ARCHS = ("llama", "qwen2", "qwen3")
 @pytest.fixture(scope="module")
 def reference(hf_dirs):
     """Per arch: HF greedy continuation and the logits each continuation token came from."""
-    out = {}
-    for arch in ARCHS:
-        ref = load_hf(hf_dirs[arch])
-        rows = []
-        for p in prompts(LENGTHS):
-            with torch.no_grad():
-                gen = ref.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False,
-                                   eos_token_id=None, pad_token_id=0)[0]
-                logits = ref(gen[None]).logits[0, len(p) - 1:-1]
-            rows.append((gen[len(p):].tolist(), logits))
-        out[arch] = rows
-    return out
+    return hf_references(hf_dirs, ARCHS, LENGTHS, NEW)
 
 
 def _run(path, **kw):

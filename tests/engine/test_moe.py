@@ -16,7 +16,7 @@ from kvpool.engine.loader import load_model
 from kvpool.engine.model_config import ModelConfig
 from kvpool.engine.moe import Experts
 
-from .helpers import VOCAB, load_hf, prompts
+from .helpers import VOCAB, hf_references, load_hf, prompts
 
 LENGTHS = (3, 16, 17, 40)  # below, at and across a block boundary (block_size 16)
 NEW = 12
@@ -60,18 +60,7 @@ def moe_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def reference(moe_dirs):
     """Per arch: transformers' greedy continuation and the logits of each of its tokens."""
-    out = {}
-    for arch in ARCHS:
-        ref = load_hf(moe_dirs[arch])
-        rows = []
-        for p in prompts(LENGTHS):
-            with torch.no_grad():
-                gen = ref.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False,
-                                   eos_token_id=None, pad_token_id=0)[0]
-                logits = ref(gen[None]).logits[0, len(p) - 1:-1]
-            rows.append((gen[len(p):].tolist(), logits))
-        out[arch] = rows
-    return out
+    return hf_references(moe_dirs, ARCHS, LENGTHS, NEW)
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True, return_logits=True)
