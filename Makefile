@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo venv bench clean gpu-check
+.PHONY: test test-real demo venv bench clean gpu-check
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -27,6 +27,11 @@ venv: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# The real-model tests (SmolLM2 converted, served, compared with transformers and vLLM):
+# several minutes on 2 cores, so outside `make test`'s 30-minute CI budget.
+test-real: $(STAMP)
+	$(PY) -m pytest -q -m real_model tests
 
 demo: $(STAMP)
 	$(VENV)/bin/kvpool demo

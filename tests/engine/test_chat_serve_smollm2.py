@@ -19,6 +19,9 @@ from .test_chat_serve import hf_greedy, openai
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may download
 
+
+pytestmark = pytest.mark.real_model  # `make test-real` (docs: README, Tests)
+
 NAME = "smollm2"
 # chat prompts whose greedy answers run at least 32 tokens
 PROMPTS = ["Write a short story about a robot who learns to paint.",

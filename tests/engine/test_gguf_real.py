@@ -16,6 +16,9 @@ from safetensors.numpy import load_file
 from kvpool.engine.real_models import smollm2_gguf
 
 # raw-text prompts whose greedy continuations run 32 tokens without reaching EOS
+
+pytestmark = pytest.mark.real_model  # `make test-real` (docs: README, Tests)
+
 PROMPTS = [
     "Once upon a time, there was a little robot who",
     "The three most important things to know about the water cycle are",

@@ -13,7 +13,7 @@ pytest.importorskip("vllm")
 
 from adapters.vllm_procs import VllmServers, complete  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.real_model, pytest.mark.timeout(900)]
 PROMPTS = ["The capital of France is", "Once upon a time, there was a little robot who"]
 MAX_TOKENS = 16
 
