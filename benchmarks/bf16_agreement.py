@@ -16,13 +16,17 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import warnings
 from typing import Any
 
 import torch
 from common import write_result
 
-from kvpool.engine import LLM, SamplingParams
+from kvpool.engine import LLM
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from engine.helpers import agreement  # noqa: E402  (the test's own measure)
 
 PROMPTS = (
     "The capital of France is",
@@ -32,31 +36,6 @@ PROMPTS = (
     "Water boils at a temperature of",
     "Once upon a time, in a small village by the sea,",
 )
-
-
-def agreement(llm: LLM, prompt_ids: list[list[int]], refs: list[list[int]]
-              ) -> tuple[float, float]:
-    """(teacher-forced, free-running) fraction of ``refs``' tokens reproduced greedily."""
-    def sp(n: int) -> SamplingParams:
-        return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-
-    total = sum(len(r) for r in refs)
-    free = forced = 0
-    for p, ref in zip(prompt_ids, refs):
-        got = llm.generate([p], sp(len(ref)))[0].output_token_ids
-        free += sum(a == b for a, b in zip(got, ref))
-        i = misses = 0
-        while True:
-            j = next((j for j, (a, b) in enumerate(zip(got, ref[i:])) if a != b), None)
-            if j is None:
-                break
-            misses += 1
-            i += j + 1
-            if i == len(ref):
-                break
-            got = llm.generate([p + ref[:i]], sp(len(ref) - i))[0].output_token_ids
-        forced += len(ref) - misses
-    return forced / total, free / total
 
 
 def main() -> None:

@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+from kvpool.engine.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from kvpool.engine import LLM
 
 VOCAB = 512
 
@@ -64,3 +70,29 @@ def hf_references(dirs: dict[str, Path], archs: tuple[str, ...], lengths: tuple[
             rows.append((gen[len(p):].tolist(), logits))
         out[arch] = rows
     return out
+
+
+def agreement(llm: "LLM", prompt_ids: list[list[int]], refs: list[list[int]]
+              ) -> tuple[float, float]:
+    """(teacher-forced, free-running) fraction of ``refs``' tokens our greedy decoding
+    reproduces. Teacher-forced: after a mismatch at position i, decoding restarts from the
+    prompt + ``ref[:i + 1]`` (a prefix-cache hit), so each position is judged on the
+    reference's own context."""
+    sp = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)  # noqa: E731
+    total = sum(len(r) for r in refs)
+    free = forced = 0
+    for p, ref in zip(prompt_ids, refs):
+        got = llm.generate([p], sp(len(ref)))[0].output_token_ids
+        free += sum(a == b for a, b in zip(got, ref))
+        i = misses = 0
+        while True:
+            j = next((j for j, (a, b) in enumerate(zip(got, ref[i:])) if a != b), None)
+            if j is None:
+                break
+            misses += 1
+            i += j + 1
+            if i == len(ref):
+                break
+            got = llm.generate([p + ref[:i]], sp(len(ref) - i))[0].output_token_ids
+        forced += len(ref) - misses
+    return forced / total, free / total

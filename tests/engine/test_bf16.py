@@ -23,7 +23,7 @@ from kvpool.engine.attention import ForwardBatch, VarlenBatch, paged_attention
 from kvpool.engine.kv_cache import KVCache, KVCacheSpec
 from kvpool.engine.layers import RotaryEmbedding
 
-from .helpers import prompts
+from .helpers import agreement, prompts
 from .test_native_attention import _batch, _torch_fb
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason=f"no native ops: {native.error()}")
@@ -169,32 +169,6 @@ def _hf_bf16(path):  # noqa: ANN001, ANN202
         except TypeError:  # transformers < 4.56 calls it torch_dtype
             m = AutoModelForCausalLM.from_pretrained(path, torch_dtype=BF16)
     return m.eval()
-
-
-def agreement(llm: LLM, prompt_ids: list[list[int]], refs: list[list[int]]
-              ) -> tuple[float, float]:
-    """(teacher-forced, free-running) fraction of ``refs``' tokens our greedy decoding
-    reproduces. Teacher-forced: after a mismatch at position i, decoding restarts from the
-    prompt + ``ref[:i + 1]`` (a prefix-cache hit), so each position is judged on the
-    reference's own context."""
-    sp = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)  # noqa: E731
-    total = sum(len(r) for r in refs)
-    free = forced = 0
-    for p, ref in zip(prompt_ids, refs):
-        got = llm.generate([p], sp(len(ref)))[0].output_token_ids
-        free += sum(a == b for a, b in zip(got, ref))
-        i = misses = 0
-        while True:
-            j = next((j for j, (a, b) in enumerate(zip(got, ref[i:])) if a != b), None)
-            if j is None:
-                break
-            misses += 1
-            i += j + 1
-            if i == len(ref):
-                break
-            got = llm.generate([p + ref[:i]], sp(len(ref) - i))[0].output_token_ids
-        forced += len(ref) - misses
-    return forced / total, free / total
 
 
 def test_greedy_agreement_with_transformers_bf16(hf_dirs, monkeypatch) -> None:
