@@ -113,13 +113,15 @@ def check_socket_dir(objs: list[Obj], run_dir: str) -> None:
 
 
 def check_socket_group(objs: list[Obj]) -> None:
-    """Tenants may open the sockets: their pods carry the daemon's group, and trust the
-    daemon's uid."""
+    """Tenants may open the sockets: the run directory is given to the daemon's uid and
+    group, tenant pods carry that group and trust that uid."""
     ds_spec = one(objs, "DaemonSet")["spec"]["template"]["spec"]
     sc = ds_spec["securityContext"]
     gid, uid = sc["runAsGroup"], sc["runAsUser"]
+    for init in ds_spec.get("initContainers", []):
+        assert f"chown {uid}:{gid} " in " ".join(init["command"]), init["command"]
     for obj, spec in pod_specs(objs, TENANT_KINDS):
-        assert gid in spec["securityContext"].get("supplementalGroups", []) or gid == 0, \
+        assert gid in spec["securityContext"].get("supplementalGroups", []), \
             f"{obj['metadata']['name']}: not in the socket group {gid}"
         for ctr in spec["containers"]:
             env = {e["name"]: e.get("value") for e in ctr.get("env", [])}

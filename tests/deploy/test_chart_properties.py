@@ -63,6 +63,8 @@ BREAKS = {
     "socket_dir": ("_helpers.tpl", "  mountPath: {{ .Values.runDir }}\n  readOnly: true",
                    "  mountPath: /var/run/kvpool\n  readOnly: true",
                    "does not mount /run/kvpool at /run/kvpool"),
+    "socket_group": ("_helpers.tpl", "supplementalGroups: [{{ .Values.daemon.gid | int }}]",
+                     "supplementalGroups: []", "not in the socket group 64001"),
     "not_root": ("daemonset.yaml", "runAsUser: {{ $d.uid | int }}", "runAsUser: 0",
                  "daemon runs as uid 0"),
     "one_per_node": ("daemonset.yaml", "maxSurge: 0", "maxSurge: 1", "two daemons on a node"),
@@ -88,6 +90,8 @@ def test_each_property_check_fails_on_a_broken_chart(prop: str, tmp_path: Path) 
     with pytest.raises((AssertionError, ConfigError), match=says):
         if prop == "socket_dir":
             check_socket_dir(objs, "/run/kvpool")
+        elif prop == "socket_group":
+            check_socket_group(objs)
         elif prop == "not_root":
             check_daemon_not_root(objs, root_allowed=False)
         elif prop == "one_per_node":
