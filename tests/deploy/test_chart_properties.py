@@ -77,7 +77,8 @@ BREAKS = {
     # a chart that drops a key it does not know would hide it from the daemon
     "unknown_key": ("_helpers.tpl", '{{- $_ := set $cfg "run_dir" .Values.runDir -}}',
                     '{{- $_ := set $cfg "run_dir" .Values.runDir -}}'
-                    '{{- $_ := unset $cfg "bogus_knob" -}}', "accepted kvpool.toml with bogus_knob"),
+                    '{{- $_ := unset $cfg "bogus_knob" -}}',
+                    "accepted kvpool.toml with bogus_knob"),
 }
 
 
