@@ -100,6 +100,10 @@ def dashboard() -> dict:
 
 
 if __name__ == "__main__":
-    out = Path(__file__).with_name("kvpool.json")
-    out.write_text(json.dumps(dashboard(), indent=2) + "\n")
-    print(f"wrote {out}")
+    # the Helm chart carries its own copy (Helm reads no file outside the chart);
+    # tests/deploy checks the two are equal
+    here = Path(__file__).resolve().parent
+    text = json.dumps(dashboard(), indent=2) + "\n"
+    for out in (here / "kvpool.json", here.parent / "helm" / "kvpool" / "dashboards" / "kvpool.json"):
+        out.write_text(text)
+        print(f"wrote {out}")
