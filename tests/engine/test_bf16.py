@@ -42,7 +42,8 @@ MIN_AGREEMENT = 0.98
 def test_native_bf16_attention_matches_fp32_of_the_same_values(layout, heads, kv_heads, d,
                                                                 bs):
     """bf16 q/K/V through the native kernel equal the fp32 torch backend run on the same
-    (bf16-representable) values, up to the one final rounding to bf16; the stored K/V are
+    (bf16-representable) values, up to the bf16 rounding of the probabilities (torch's
+    own bf16 rounding point) and the one final rounding to bf16; the stored K/V are
     bit-identical."""
     rng = random.Random(heads + d + bs)
     seqs = [(rng.randint(0, 90), 1) for _ in range(5)] + [(0, 37), (bs * 3, 20), (45, 1 + bs)]
@@ -72,8 +73,11 @@ def test_native_bf16_attention_matches_fp32_of_the_same_values(layout, heads, kv
     got = paged_attention(q, k, v, kc, vc, fb)
     assert got.dtype == BF16
     assert torch.equal(kc.float(), kc32) and torch.equal(vc.float(), vc32)
-    # fp32 accumulation, one rounding: within one bf16 ulp of the fp32 result
-    torch.testing.assert_close(got.float(), ref, atol=1e-4, rtol=2 ** -8)
+    # fp32 scores, softmax and accumulation; the probabilities rounded to bf16 before P @ V
+    # (as torch's CPU flash attention does; each within 2^-9 relative, so the output within
+    # 2^-9 * max|V| of the fp32 result) and one final rounding (one bf16 ulp)
+    vmax = max(v.float().abs().max().item(), vc.float().abs().max().item())
+    torch.testing.assert_close(got.float(), ref, atol=2 ** -9 * vmax + 1e-4, rtol=2 ** -8)
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 37, 70])

@@ -164,6 +164,9 @@ void attend_tile(const Args<T>& a, int s, int kvh0, int nkv, int t0, int nt) {
       float sum = 0.f;
       for (int j = 0; j < nv; ++j) sum += sc[r][j];
       l[r] = l[r] * alpha + sum;
+      // P is rounded to the storage type before P @ V (the sum above keeps fp32), as torch's
+      // CPU flash attention does for bf16: the bf16 variant then sees transformers' values.
+      for (int c = 0; c < KC; c += 8) vstore(sc[r] + c, as8(a.v_cache, vload(sc[r] + c)));
       vf acc_r[NV];  // P @ V with the row's accumulator in registers
       for (int c = 0; c < NV; ++c) acc_r[c] = vload(acc[r] + 8 * c) * splat(alpha);
       const int64_t ho = hoff[r];
