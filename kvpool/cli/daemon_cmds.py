@@ -157,7 +157,8 @@ def ps(run_dir: str | None, as_json: bool) -> None:
             state.append(f"waiting {format_size(t.waiting)}")
         if t.retained:  # released pages it still holds a descriptor or mapping of
             state.append(f"retained {format_size(t.retained)}")
-        table.add_row(str(t.id), t.name or "(unregistered)", str(t.pid), t.kind,
+        table.add_row(str(t.id), t.name or "(unregistered)", str(t.pid) if t.pid else "-",
+                      t.kind,
                       format_size(t.mapped), format_size(t.in_use), format_size(t.reserve),
                       format_size(t.lease), format_size(t.share), format_size(t.min),
                       format_size(t.max), f"{t.weight:g}", str(t.groups), ", ".join(state),

@@ -128,6 +128,8 @@ class Registry:
                                     f"device {device})")
         if r.kind not in NO_MEMORY_KINDS:
             self._claim(t, r.name)
+        if r.endpoint:
+            self._claim_endpoint(t, r.endpoint)
         mn, mx, weight = self.knobs(r.name, r)
         if r.kind in NO_MEMORY_KINDS:
             mn = mx = 0  # holds nothing: no knobs, no claim on a name's policy
@@ -163,6 +165,16 @@ class Registry:
             h = holders[0]
             raise Fail(p.UNAUTHORIZED, f"tenant name {name!r} is held by tenant {h.id} "
                                        f"(pid {h.pid}); choose another name")
+
+    def _claim_endpoint(self, t: TenantRecord, url: str) -> None:
+        """One endpoint per live tenant: no other registered session names ``url`` or
+        another spelling of its listener (:func:`endpoint.same_listener`)."""
+        for x in self.tenants:
+            if x is not t and x.registered and x.endpoint and \
+                    endpoint.same_listener(x.endpoint, url):
+                raise Fail(p.UNAUTHORIZED, f"endpoint {url} is registered by tenant "
+                                           f"{x.name!r} (id {x.id}) as {x.endpoint}; one "
+                                           f"endpoint per live tenant")
 
     def set_limit(self, t: TenantRecord, sender: Sender, r: p.SetLimit) -> p.Reply:
         ps = self.page_size

