@@ -106,7 +106,7 @@ class Handoff:
             raise Fail(p.BAD_REQUEST, f"a unit of group {g.id} is being granted")
         now = time.monotonic()
         self.tick(now)  # expire what is due first: its giver hears of it, never silently
-        room = t.cap_pages - t.held - self.pool.retained_pages(t.id) - t.waiting_pages
+        room = t.cap_pages - t.held - self.pool.charged(t.id, t.payer) - t.waiting_pages
         try:
             ticket = self.book.check_claim(r.ticket, party(t), self._layout(g), len(r.units),
                                            room, now, self.pairs)

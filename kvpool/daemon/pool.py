@@ -11,7 +11,11 @@ the pool keeps free by creating fewer pages. ``retained`` lists pages the daemon
 retired (dropped its own handle) while another process still references them: a tenant
 that kept a descriptor or a mapping of a page it released keeps that memory alive, so
 it stays charged to that tenant and to the budget until it is gone
-(:meth:`recheck_retained`, on the liveness timer).
+(:meth:`recheck_retained`, on the liveness timer). When the tenant's session ends its
+retained pages (and its released pages not yet retired) are charged to its
+:class:`Payer` — its uid, and its name where configured — so that every later session
+of that uid (or name) counts them against its ``max`` (:meth:`charged`): cycling
+sessions does not shed them.
 
 Fresh pages (ARCHITECTURE.md): a physical page handed to a tenant was never exported to any
 other tenant. A released page goes back only to the tenant that released it (``take``
@@ -47,14 +51,25 @@ class PoolExhausted(Exception):
     """The budget (or the device) cannot supply the pages asked (answered ``NO_MEMORY``)."""
 
 
+@dataclass(frozen=True)
+class Payer:
+    """Who pays for a vanished session's retained pages: its ``uid``, and its ``name``
+    when the daemon's config gives that name a policy ("" otherwise)."""
+
+    uid: int
+    name: str = ""
+
+
 @dataclass(eq=False)
 class Retained:
     """A retired page another process still references: ``probe`` is the daemon's
-    handle for asking the backend whether it still does; ``tenant`` pays for it."""
+    handle for asking the backend whether it still does. ``tenant`` pays for it while
+    its session lives; once it has ended (``tenant`` 0), ``payer`` does."""
 
     probe: Page
     tenant: int
     since: float
+    payer: Payer | None = None
 
 
 class Pool:
@@ -71,6 +86,7 @@ class Pool:
         self._dirty_of: dict[int, dict[int, None]] = {}  # last owner -> its dirty pfns
         self.owner: dict[int, int] = {}  # pfn -> tenant id
         self.retained: list[Retained] = []
+        self._ended: dict[int, Payer] = {}  # ended tenant with dirty pages -> its payer
         self._next_pfn = 1
         self.created = 0  # pages that grew the pool (a counter, for stats)
         self.renewed = 0  # fresh pages created in place of a retired one
@@ -98,6 +114,39 @@ class Pool:
         if tenant is None:
             return len(self.retained)
         return sum(1 for r in self.retained if r.tenant == tenant)
+
+    def charged(self, tenant: int, payer: Payer) -> int:
+        """Pages charged to live session ``tenant`` (paid for by ``payer``) besides what
+        it holds: the retained pages it released, and those of ended sessions whose
+        payer has its uid (or its configured name): retained, or released and not
+        yet retired (they may turn out retained; counted until they are retired)."""
+        def ours(p: Payer) -> bool:
+            return p.uid == payer.uid or (bool(payer.name) and p.name == payer.name)
+
+        n = sum(1 for r in self.retained if r.tenant == tenant
+                or (r.payer is not None and r.tenant == 0 and ours(r.payer)))
+        return n + sum(len(self._dirty_of.get(t, ())) for t, p in self._ended.items()
+                       if ours(p))
+
+    def retained_by_uid(self, live_uids: dict[int, int]) -> dict[int, int]:
+        """Retained pages per uid: live sessions' (``live_uids``: tenant id -> uid) and
+        ended sessions' (their payer's uid)."""
+        out: dict[int, int] = {}
+        for r in self.retained:
+            uid = r.payer.uid if r.payer is not None and r.tenant == 0 \
+                else live_uids.get(r.tenant)
+            if uid is not None:
+                out[uid] = out.get(uid, 0) + 1
+        return out
+
+    def ended(self, tenant: int, payer: Payer) -> None:
+        """``tenant``'s session ended (after it gave everything back): what it retained,
+        and what of its released pages turns out retained later, is ``payer``'s."""
+        for r in self.retained:
+            if r.tenant == tenant:
+                r.tenant, r.payer = 0, payer
+        if tenant in self._dirty_of:
+            self._ended[tenant] = payer
 
     # ---- grant / give back ----------------------------------------------------------
     def take(self, n: int, tenant: int) -> list[int]:
@@ -147,6 +196,7 @@ class Pool:
         del mine[pfn]
         if not mine:
             del self._dirty_of[tenant]
+            self._ended.pop(tenant, None)
         return tenant
 
     def _own_dirty(self, tenant: int) -> Iterator[int]:
@@ -156,6 +206,7 @@ class Pool:
     def _retire(self, pfn: int) -> None:
         """Drop a released page for good; while another process still references its
         memory it stays charged (``retained``) to the tenant that released it."""
+        payer = self._ended.get(self.dirty[pfn])  # (an ended session's: its payer's)
         tenant = self._undirty(pfn)
         page = self.pages.pop(pfn)
         try:
@@ -164,7 +215,8 @@ class Pool:
             log.error("retiring page %d failed: %s", pfn, e)
             return
         if probe is not None:
-            self.retained.append(Retained(probe, tenant, time.monotonic()))
+            self.retained.append(Retained(probe, 0 if payer else tenant, time.monotonic(),
+                                          payer))
             log.info("page %d released by tenant %d is still referenced: charged as retained",
                      pfn, tenant)
 
@@ -302,6 +354,7 @@ class Pool:
         self.warm.clear()
         self.dirty.clear()
         self._dirty_of.clear()
+        self._ended.clear()
         self.owner.clear()
         self.leased = 0
 
@@ -314,6 +367,8 @@ class Pool:
         by_owner = {pfn for pfns in self._dirty_of.values() for pfn in pfns}
         if by_owner != dirty:
             problems.append("the dirty list and its per-tenant index disagree")
+        if not set(self._ended) <= set(self._dirty_of):
+            problems.append("an ended session without released pages has a payer kept")
         for a, b, what in ((warm, dirty, "warm and dirty"), (warm, owned, "warm and granted"),
                            (dirty, owned, "dirty and granted")):
             both = a & b

@@ -67,7 +67,8 @@ class Registry:
         )
 
     def drop(self, t: TenantRecord, why: str) -> None:
-        """The tenant is gone: every page it held returns to the pool (to be zeroed)."""
+        """The tenant is gone: every page it held returns to the pool (to be zeroed);
+        the pages it still references stay charged to its uid (and configured name)."""
         pages = 0
         for g in t.groups.values():
             pfns = g.release_all()
@@ -76,6 +77,7 @@ class Registry:
             self.groups.pop(g.id, None)
         t.groups.clear()
         t.granted = 0
+        self.pool.ended(t.id, t.payer)  # what it retains stays charged to its uid (name)
         self.pool.unlease(t.lease_pages)
         t.lease_pages = 0
         t.ask = None
@@ -139,6 +141,8 @@ class Registry:
                 raise Fail(p.OVER_LIMIT, f"min of {mn} pages would make the guaranteed "
                                          f"minimums ({floors} pages) exceed the budget")
         t.name, t.kind, t.identity, t.registered = r.name, r.kind, sender.identity, True
+        t.policy_name = r.name if r.kind not in NO_MEMORY_KINDS and \
+            r.name in self.cfg.tenants else ""
         t.endpoint = r.endpoint or ""
         t.min_pages, t.max_pages, t.weight = mn, mx, weight
         log.info("tenant %d registered: %s (%s), pid %d uid %d, limit %d pages",

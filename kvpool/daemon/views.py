@@ -90,7 +90,11 @@ class Views:
         return out
 
     def ps(self, t: TenantRecord, sender: Sender, r: p.Ps) -> p.Reply:
-        return p.PsReply(id=r.id, tenants=self.listed(t), pool=self.pool_info())
+        ps = self.page_size
+        uids = {x.id: x.uid for x in self.tenants}
+        by_uid = {u: n * ps for u, n in self.pool.retained_by_uid(uids).items()}
+        return p.PsReply(id=r.id, tenants=self.listed(t), pool=self.pool_info(),
+                         retained_by_uid=by_uid)
 
     def stats(self, t: TenantRecord, sender: Sender, r: p.Stats) -> p.Reply:
         n = self.counters

@@ -141,6 +141,9 @@ class GroupInfo(Struct, kw_only=True):
 class PsReply(Reply, tag="ps"):
     tenants: list[TenantInfo]
     pool: Optional[PoolInfo] = None
+    # uid -> bytes of released pages still referenced, charged to that uid: its live
+    # sessions' and its ended sessions' (which count against its later sessions' max)
+    retained_by_uid: dict[int, int] = {}
 
 
 class StatsReply(Reply, tag="stats"):

@@ -44,19 +44,83 @@ def group_daemon(start_daemon, tmp_path, conf: str = "", extra: tuple[str, ...] 
     return start_daemon(extra=("--socket-group", GROUP, "--config", str(path), *extra))
 
 
-def as_nobody(d, code: str, timeout: float = 30.0) -> dict:
-    """Run ``code`` as uid 65534 (``run_dir`` and ``p`` defined); it prints one JSON
-    object, returned."""
+def nobody_proc(d, code: str) -> subprocess.Popen:
+    """Start ``code`` as uid 65534 (``run_dir``, ``json`` and ``p`` defined), stdin and
+    stdout piped (text)."""
     prefix = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}",
               f"--groups={grp.getgrnam(GROUP).gr_gid}", "--"]
     script = ("import json, sys\nfrom kvpool import protocol as p\n"
               f"from pathlib import Path\nrun_dir = Path({str(d.run_dir)!r})\n"
               + textwrap.dedent(code))
     env = {**os.environ, "PYTHONPATH": str(REPO), "HOME": "/tmp"}
-    out = subprocess.run([*prefix, sys.executable, "-c", script], capture_output=True,
-                         text=True, timeout=timeout, cwd=REPO, env=env)
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    proc = subprocess.Popen([*prefix, sys.executable, "-c", script], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=REPO, env=env)
+    d.workers.append(proc)
+    return proc
+
+
+def as_nobody(d, code: str, timeout: float = 30.0) -> dict:
+    """Run ``code`` as uid 65534; it prints one JSON object, returned."""
+    proc = nobody_proc(d, code)
+    out, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, err
+    return json.loads(out.strip().splitlines()[-1])
+
+
+# ---- defect 2: session cycling around max ---------------------------------------------------
+CYCLE = """
+    from kvpool import fdchannel
+    from tests.daemon.rawpeer import RawPeer
+    kept, sessions, last = [], 0, None
+    for i in range(40):
+        peer = RawPeer(run_dir)
+        peer.register(f"cyc{i}")
+        while any(t.name == f"cyc{i - 1}" for t in peer.call(p.Ps()).tenants):
+            pass  # the previous session is dropped (its pages given back) first
+        gid = peer.group(4, 65536)
+        r = peer.call(p.Grant(group=gid, units=[0, 1, 2, 3]))
+        if not isinstance(r, p.Granted):
+            last = [r.code, r.message]
+            peer.close()
+            break
+        got = []
+        while len(got) < 4:
+            got += fdchannel.recv_fds(peer.fd)[1]
+        kept += got  # kept: the pages stay referenced after the session vanishes
+        peer.close()  # no bye: the fd channel just closes
+        sessions += 1
+    print(json.dumps({"sessions": sessions, "last": last}), flush=True)
+    sys.stdin.readline()  # holds the descriptors until told
+"""
+
+
+@needs_root
+def test_cycling_sessions_does_not_get_around_max(start_daemon, tmp_path):
+    """Uid 65534 (max 50% of a 64-page budget) opens session after session, takes 4
+    pages in each, keeps their descriptors and vanishes: the kept pages stay charged to
+    its uid, so it stops at its max, and an honest tenant of another uid gets the rest."""
+    d = group_daemon(start_daemon, tmp_path, 'default_max = "50%"\n',
+                     extra=("--budget", str(64 * PAGE)))
+    attacker = nobody_proc(d, CYCLE)
+    line = attacker.stdout.readline()
+    assert line, attacker.stderr.read()
+    got = json.loads(line)
+    assert got["sessions"] == 8 and got["last"][0] == p.OVER_LIMIT, got
+    assert "released pages" in got["last"][1], got
+    with d.connect("honest") as h:
+        g = h.region_group(1, 32 * PAGE)
+        g.grant(range(32))  # the half that is not the cycler's
+        with d.monitor() as m:
+            ps = m.ps()
+        assert ps.retained_by_uid == {NOBODY: 32 * PAGE}, ps.retained_by_uid
+        table = d.cli("ps").stdout
+        assert "retained" in table and str(NOBODY) in table, table
+    attacker.stdin.write("\n")
+    attacker.stdin.flush()
+    assert attacker.wait(10) == 0
+    wait_for(lambda: d.stats().pool.retained == 0, what="the kept pages are gone")
+    assert d.check() == []
 
 
 # ---- defect 6: endpoints in one spelling, one per live tenant ------------------------------
