@@ -46,6 +46,9 @@ from kvpool.vmm import Backend, Page, VmmError
 
 log = logging.getLogger("kvpool.daemon.pool")
 
+RECHECK_BUDGET_S = 0.002  # probing retained pages: at most this long per call
+LOG_EVERY_S = 1.0  # at most one log line a second about pages found retained
+
 
 class PoolExhausted(Exception):
     """The budget (or the device) cannot supply the pages asked (answered ``NO_MEMORY``)."""
@@ -87,6 +90,9 @@ class Pool:
         self.owner: dict[int, int] = {}  # pfn -> tenant id
         self.retained: list[Retained] = []
         self._ended: dict[int, Payer] = {}  # ended tenant with dirty pages -> its payer
+        self._recheck_at: int | None = None  # where the recheck pass under way is
+        self._unlogged = 0  # pages found retained since the last log line about them
+        self._logged_at = 0.0
         self._next_pfn = 1
         self.created = 0  # pages that grew the pool (a counter, for stats)
         self.renewed = 0  # fresh pages created in place of a retired one
@@ -215,27 +221,45 @@ class Pool:
             log.error("retiring page %d failed: %s", pfn, e)
             return
         if probe is not None:
-            self.retained.append(Retained(probe, 0 if payer else tenant, time.monotonic(),
-                                          payer))
-            log.info("page %d released by tenant %d is still referenced: charged as retained",
-                     pfn, tenant)
+            now = time.monotonic()
+            self.retained.append(Retained(probe, 0 if payer else tenant, now, payer))
+            self._unlogged += 1  # one line a second at most, whatever a peer makes us retire
+            if now - self._logged_at >= LOG_EVERY_S:
+                log.info("%d released pages still referenced, charged as retained (the "
+                         "latest: page %d of tenant %d)", self._unlogged, pfn, tenant)
+                self._unlogged, self._logged_at = 0, now
 
-    def recheck_retained(self) -> int:
-        """Forget retained pages nobody references any more (call it on the liveness
-        timer, not per grant: one cheap probe per retained page). Returns how many went."""
-        keep: list[Retained] = []
-        for r in self.retained:
+    def recheck_retained(self, budget_s: float = RECHECK_BUDGET_S) -> int:
+        """Forget retained pages nobody references any more, probing for at most about
+        ``budget_s`` (a tenant decides how many pages are retained: it must not decide
+        how long one loop turn takes). A pass starts on the liveness timer and goes on
+        from where it stopped in later calls (idle work, :meth:`maintain`) until every
+        retained page was probed once. Returns how many pages went."""
+        deadline = time.monotonic() + budget_s
+        i = self._recheck_at or 0
+        gone = 0
+        while i < len(self.retained):
+            r = self.retained[i]
             try:
                 still = self.backend.referenced(r.probe)
             except (VmmError, OSError):  # pragma: no cover - defensive
                 still = None
             if still:
-                keep.append(r)
-            else:
+                i += 1
+            else:  # (order does not matter: the last one moves here, probed next)
                 self.backend.release(r.probe)
-        gone = len(self.retained) - len(keep)
-        self.retained = keep
+                self.retained[i] = self.retained[-1]
+                self.retained.pop()
+                gone += 1
+            if time.monotonic() >= deadline:
+                break
+        self._recheck_at = i if i < len(self.retained) else None
         return gone
+
+    @property
+    def rechecking(self) -> bool:
+        """A recheck pass of the retained pages is under way (idle work continues it)."""
+        return self._recheck_at is not None
 
     # ---- leases and adoption -----------------------------------------------------------
     def lease(self, n: int) -> None:
@@ -292,7 +316,7 @@ class Pool:
         return max(0, len(self.pages) + self.leased + len(self.retained) - self.budget_pages)
 
     def has_work(self) -> bool:
-        return bool(self.dirty) or self._warm_target() != len(self.warm)
+        return bool(self.dirty) or self._warm_target() != len(self.warm) or self.rechecking
 
     def _warm_target(self) -> int:
         n = len(self.warm)
@@ -304,11 +328,13 @@ class Pool:
             return self.warm_max
         return n
 
-    def maintain(self, budget_s: float = 0.002) -> None:
-        """Idle work for at most about ``budget_s``: retire released pages, each replaced
-        by a fresh warm page while the warm pool is under ``warm_max`` and the budget
-        has room; then trim the warm pool to the budget and ``warm_max``, and refill it
-        to ``warm_min`` with fresh pages."""
+    def maintain(self, budget_s: float = 0.002) -> int:
+        """Idle work for at most about ``budget_s``: go on with a recheck pass of the
+        retained pages; retire released pages, each replaced by a fresh warm page while
+        the warm pool is under ``warm_max`` and the budget has room; then trim the warm
+        pool to the budget and ``warm_max``, and refill it to ``warm_min`` with fresh
+        pages. Returns how many retained pages went (waiting grants may fit)."""
+        gone = self.recheck_retained(budget_s / 2) if self.rechecking else 0
         deadline = time.monotonic() + budget_s
         while self.dirty and time.monotonic() < deadline:
             self._retire(next(iter(self.dirty)))
@@ -324,6 +350,7 @@ class Pool:
                 self.warm_min = len(self.warm)
                 break
             self.warm.insert(0, pfn)  # created pages are cold (not faulted in)
+        return gone
 
     def _renew(self) -> bool:
         """A fresh warm page in place of a retired one; False when none could be made."""
@@ -351,6 +378,7 @@ class Pool:
         for r in self.retained:
             self.backend.release(r.probe)
         self.retained.clear()
+        self._recheck_at = None
         self.warm.clear()
         self.dirty.clear()
         self._dirty_of.clear()

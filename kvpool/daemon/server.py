@@ -239,8 +239,8 @@ class Server:
             self._need_tick = False
             self.tick()
         self._guard(None, self.run_timers)
-        if busy and not events:
-            self.pool.maintain(self.cfg.idle_work_s)
+        if busy and not events and self.pool.maintain(self.cfg.idle_work_s):
+            self.tick_soon()  # retained pages went: waiting grants may fit now
 
     def _guard(self, fd: int | None, fn: Callable[..., None], *args: Any) -> None:
         """Run ``fn``; an unexpected exception drops the tenant behind ``fd`` (if any)."""
@@ -286,7 +286,7 @@ class Server:
             self.next_liveness = now + self.cfg.liveness_s
             self.sessions.check_liveness(now)
             if self.pool.recheck_retained():  # released pages a tenant kept, now gone
-                self.tick_soon()  # waiting grants may fit now
+                self.tick_soon()  # waiting grants may fit now (a pass goes on when idle)
         if now >= self.next_watchdog:
             interval = self.notifier.watchdog_interval
             self.next_watchdog = now + (interval or NO_WATCHDOG_S)

@@ -246,3 +246,38 @@ def test_a_refused_many_frame_message_leaves_no_memory_behind(start_daemon):
     _, rss = daemon_usage(d.pid)
     assert rss < rss0 + (12 << 20), (rss0 >> 20, rss >> 20)  # MiB
     assert d.proc.poll() is None and d.check() == []
+
+
+# ---- defect 9: tenants that never read their fd channel -----------------------------------
+def test_what_non_readers_cost_the_loop_is_bounded(start_daemon):
+    """Eight peers pipeline 400 one-page grants each and never read a descriptor: the
+    honest tenant's grants complete, every non-reader is cut off, and the thousands of
+    pages left in their sockets (retained: the descriptors are in flight to them) cost
+    the loop bounded work: a few log lines in all, not one per page (before: 3,200), and
+    their probes are spread over turns. Once the peers close, the memory is back."""
+    from .test_loop_attacks import Victim, tenants_named
+
+    d = start_daemon(budget=str(4096 * PAGE), extra=("--warm-max", "0"))
+    victim = Victim(d)
+    peers = [RawPeer(d.run_dir) for _ in range(8)]
+    groups = []
+    for i, peer in enumerate(peers):
+        peer.register(f"sink{i}")
+        groups.append(peer.group(400, PAGE))
+    for u in range(400):
+        for peer, gid in zip(peers, groups):
+            peer.send(p.Grant(group=gid, units=[u]))
+    assert victim.served_after(20), (victim.errors, d.logs()[-4000:])
+    wait_for(lambda: not tenants_named(d, "sink"), what="the non-readers cut off")
+    wait_for(lambda: d.stats().pool.dirty == 0, what="their pages retired")
+    retained = d.stats().pool.retained // PAGE
+    assert retained >= 8, retained  # what sits in their sockets is still referenced
+    assert victim.served_after(20), (victim.errors, d.logs()[-4000:])
+    lines = [x for x in d.logs().splitlines() if "still referenced" in x]
+    assert len(lines) <= 10, (retained, len(lines), lines[:3])
+    for peer in peers:
+        peer.close()
+    wait_for(lambda: d.stats().pool.retained == 0, what="the retained pages back")
+    victim.stop()
+    assert not victim.errors, victim.errors
+    assert d.stats().pool.granted == 0 and d.check() == []
