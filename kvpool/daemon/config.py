@@ -117,6 +117,8 @@ class Config:
     liveness_s: Seconds = 0.25  # how often to check tenant pids (pidfds cover most cases)
     register_timeout_s: Seconds = 10.0  # fd-channel sessions that never register are dropped
     send_timeout_s: Seconds = 2.0  # a tenant whose fd socket stays full this long is dropped
+    # a claimed handoff waits this long for the giver to let go of the pages (host)
+    handoff_letgo_s: Seconds = 2.0
     reclaim_timeout_s: Seconds = 2.0  # deadline of reclaim asks and of requests waiting on them
     # how contended memory is split: "fair_share" (weighted max-min, the default) or
     # "priority" (highest weight first, floors kept); kvpool/daemon/policy.py

@@ -261,6 +261,48 @@ class Pool:
         """A recheck pass of the retained pages is under way (idle work continues it)."""
         return self._recheck_at is not None
 
+    # ---- handoff: the giver's references ---------------------------------------------------
+    def rehandle(self, pfns: list[int]) -> bool:
+        """Give each page of ``pfns`` a new handle sharing nothing with the descriptors
+        exported so far (its old handle released), so that :meth:`referenced_elsewhere`
+        tells when their holders have let go; False (nothing changed for the pages not
+        done, the done ones keep their new handle) when the backend cannot."""
+        for pfn in pfns:
+            page = self.pages[pfn]
+            new = self.backend.reopen(page)
+            if new is None:
+                return False
+            self.backend.release(page)
+            self.pages[pfn] = new
+        return True
+
+    def referenced_elsewhere(self, pfn: int) -> bool | None:
+        """Whether a descriptor or mapping of page ``pfn`` exists besides the daemon's
+        handle (after :meth:`rehandle`: one exported before it); None: cannot tell."""
+        try:
+            return self.backend.referenced(self.pages[pfn])
+        except (VmmError, OSError):  # pragma: no cover - defensive
+            return None
+
+    def retire_kept(self, pfns: list[int], tenant: int, payer: Payer | None) -> int:
+        """Owned pages ``pfns`` go for good, never to be handed on (another process kept
+        references to them): those still referenced are retained, charged to live
+        session ``tenant`` or, when it is 0, to ``payer``. Returns how many were."""
+        n = 0
+        for pfn in pfns:
+            del self.owner[pfn]
+            page = self.pages.pop(pfn)
+            try:
+                probe = self.backend.retire(page)
+            except (VmmError, OSError) as e:  # pragma: no cover - defensive
+                log.error("retiring page %d failed: %s", pfn, e)
+                continue
+            if probe is not None:
+                self.retained.append(Retained(probe, tenant, time.monotonic(),
+                                              payer if tenant == 0 else None))
+                n += 1
+        return n
+
     # ---- leases and adoption -----------------------------------------------------------
     def lease(self, n: int) -> None:
         """Count ``n`` more pages as leased, retiring dirty and destroying warm pages to

@@ -13,6 +13,7 @@ The cross-uid attacks run a peer as uid 65534 (``setpriv``; root only).
 
 from __future__ import annotations
 
+import ctypes
 import grp
 import json
 import os
@@ -281,3 +282,44 @@ def test_what_non_readers_cost_the_loop_is_bounded(start_daemon):
     victim.stop()
     assert not victim.errors, victim.errors
     assert d.stats().pool.granted == 0 and d.check() == []
+
+
+# ---- defect 1: a handoff giver that keeps the pages it gave -----------------------------------
+def test_a_giver_that_keeps_descriptors_never_gets_the_receivers_data(daemon):
+    """The giver offers a unit (2 pages), keeps a descriptor of each and ignores the
+    daemon's word to let go: the claim does not settle (the receiver never gets pages
+    the giver still references, so the giver never reads its data), the pages stay
+    charged to the giver as retained, the receiver is charged nothing; once the giver
+    lets go the memory is back. An honest giver's handoff then goes through."""
+    import mmap
+
+    from kvpool.client_lib import KvpoolError, handoff
+
+    d = daemon
+    with d.connect("giver") as a, d.connect("taker") as b:
+        ga = a.region_group(2, 4 * PAGE)
+        ga.grant([0, 1])
+        kept = [os.dup(ga.handles[0][r].handle) for r in range(2)]  # the attack
+        ticket = handoff.offer(ga, [0], to="taker")
+        gb = b.region_group(2, 4 * PAGE)
+        with pytest.raises(KvpoolError, match="still references") as err:
+            handoff.claim(gb, ticket.id, [0])
+        assert err.value.code == p.NOT_FOUND
+        assert gb.mapped == set() and 0 not in ga.mapped  # nobody holds unit 0 now
+        with d.monitor() as m:
+            rows = {t.name: t for t in m.ps().tenants}
+        assert rows["taker"].retained == 0 and rows["taker"].mapped == 0, rows["taker"]
+        assert rows["giver"].retained == 2 * PAGE, rows["giver"]  # it keeps them: it pays
+        for fd in kept:  # what it reads through them is its own old data, nobody else's
+            with mmap.mmap(fd, PAGE) as view:
+                assert view[:1] == b"\0"
+            os.close(fd)
+        wait_for(lambda: d.stats().pool.retained == 0, what="the kept pages back")
+        # an honest giver lets go when told: the claim goes through, bytes and all
+        ga.grant([2])
+        ctypes.memset(ga.unit_address(0, 2), 0x7A, PAGE)
+        ticket = handoff.offer(ga, [2], to="taker")
+        assert handoff.claim(gb, ticket.id, [1]) == [1]
+        assert ctypes.string_at(gb.unit_address(0, 1), 4) == b"zzzz"
+        assert 2 not in ga.mapped
+    assert d.check() == []
