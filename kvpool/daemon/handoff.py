@@ -62,7 +62,7 @@ def party(t: TenantRecord) -> Party:
 
 
 FIRST_POLL_S = 0.001  # a claim's first look at whether its giver let go; doubling up to
-LAST_POLL_S = 0.02
+LAST_POLL_S = 0.004
 
 
 @dataclass(eq=False)
