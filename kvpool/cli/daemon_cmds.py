@@ -130,10 +130,11 @@ def daemon(backend: str | None, device: int | None, budget: int | str | None,
 @query_command
 def ps(run_dir: str | None, as_json: bool) -> None:
     """List tenants: name, pid, kind, mapped, in use, reserve, limit (and the endpoint
-    a tenant says it serves on, when one does)."""
+    a tenant says it serves on, when one does); then the retained memory per uid."""
     reply = _call(run_dir, lambda m: m.ps())
     if as_json:
-        _json({"tenants": reply.tenants, "pool": reply.pool})
+        _json({"tenants": reply.tenants, "pool": reply.pool,
+               "retained_by_uid": reply.retained_by_uid})
         return
     from rich.console import Console
     from rich.table import Table
@@ -157,12 +158,17 @@ def ps(run_dir: str | None, as_json: bool) -> None:
             state.append(f"waiting {format_size(t.waiting)}")
         if t.retained:  # released pages it still holds a descriptor or mapping of
             state.append(f"retained {format_size(t.retained)}")
-        table.add_row(str(t.id), t.name or "(unregistered)", str(t.pid), t.kind,
+        table.add_row(str(t.id), t.name or "(unregistered)", str(t.pid) if t.pid else "-",
+                      t.kind,
                       format_size(t.mapped), format_size(t.in_use), format_size(t.reserve),
                       format_size(t.lease), format_size(t.share), format_size(t.min),
                       format_size(t.max), f"{t.weight:g}", str(t.groups), ", ".join(state),
                       *((t.endpoint or "-",) if serving else ()))
-    Console(width=None if sys.stdout.isatty() else 200).print(table)
+    console = Console(width=None if sys.stdout.isatty() else 200)
+    console.print(table)
+    if reply.retained_by_uid:  # released pages still referenced, charged to each uid
+        console.print("retained by uid: " + ", ".join(
+            f"uid {uid} {format_size(n)}" for uid, n in sorted(reply.retained_by_uid.items())))
 
 
 def render_map(reply: p.MapReply, width: int = GRID_WIDTH) -> str:

@@ -86,7 +86,8 @@ class Arbiter:
                              self.counters, most, vmost)
         self.adoption = Adoption(pool, self.groups, self.recovery, most, vmost)
         self.handoff = Handoff(pool, self.tenants, self.groups, self.reclaimer,
-                               self.recovery, self.outbox, cfg.handoff_pairs())
+                               self.recovery, self.outbox, cfg.handoff_pairs(),
+                               cfg.handoff_letgo_s)
         self.integrity = Integrity(pool, self.tenants, self.groups, self.handoff, most, vmost)
         self.views = Views(pool, self.tenants, self.groups, self.reclaimer, self.recovery,
                            self.counters, self.integrity)
@@ -166,7 +167,7 @@ class Arbiter:
         self.handoff.tick(now)  # expired tickets: their givers keep the pages
         if self.recovering:
             return []
-        out = []
+        out = self.handoff.let_go(now)  # claims whose givers have let go (or failed to)
         for w, err in self.reclaimer.step(now):
             o = Outcome(err, tenant=w.tenant) if err is not None else self.grants.serve(w)
             if err is not None:

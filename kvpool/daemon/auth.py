@@ -63,11 +63,18 @@ def is_admin(uid: int, groups: set[int], admin_gid: int | None) -> bool:
 def may_claim(name: str, policy: TenantPolicy, uid: int, groups: set[int]) -> str | None:
     """Why a peer (``uid``, ``groups``) may not register as the configured tenant
     ``name`` whose :class:`~kvpool.daemon.config.TenantPolicy` is ``policy``; None when
-    it may. A policy naming neither ``uids`` nor ``group`` may be claimed by anyone."""
+    it may. A policy naming neither ``uids`` nor ``group`` is bound to the daemon's own
+    uid (and root): a configured name carries a policy (a ``min``, a ``weight``) the
+    operator gave someone, and the first process of any uid to register it must not get
+    it (docs/THREAT-MODEL.md, "Tenant names")."""
     uids = list(getattr(policy, "uids", None) or [])
     group = getattr(policy, "group", None)
     if not uids and not group:
-        return None
+        if uid in (0, os.getuid()):
+            return None
+        return (f"tenant name {name!r} is configured without uids or group, so only the "
+                f"daemon's own uid ({os.getuid()}) may register it; uid {uid} is not it "
+                f"(the config's [tenants.{name}] uids = [...] admits others)")
     if uid in uids:
         return None
     if group:

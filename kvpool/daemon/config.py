@@ -23,7 +23,8 @@ TOML layout (see ``systemd/kvpool.toml``)::
     min = "4GiB"
     max = "20GiB"
     weight = 2.0
-    uids = [1001]             # who may claim the name (and/or group = "llm"); empty: anyone
+    uids = [1001]             # who may claim the name (and/or group = "llm"); neither:
+                              # the daemon's own uid only (a warning at start says so)
     handoff_to = ["decode"]   # may hand pages to these tenants though another uid runs them
 
 Validation (:meth:`Config.load`): each value is converted with ``msgspec`` against the
@@ -81,7 +82,8 @@ class ConfigError(ValueError):
 @dataclass
 class TenantPolicy:
     """Arbitration knobs of a tenant (same meaning as cgroup-v2 memory.min/max/weight),
-    and who may claim its name (``uids``, ``group``; both empty: anyone)."""
+    and who may claim its name (``uids``, ``group``; both empty: the daemon's own uid
+    only, :func:`kvpool.daemon.auth.may_claim`)."""
 
     min: Size = 0
     max: Size | None = None  # None: the daemon's default_max
@@ -115,6 +117,8 @@ class Config:
     liveness_s: Seconds = 0.25  # how often to check tenant pids (pidfds cover most cases)
     register_timeout_s: Seconds = 10.0  # fd-channel sessions that never register are dropped
     send_timeout_s: Seconds = 2.0  # a tenant whose fd socket stays full this long is dropped
+    # a claimed handoff waits this long for the giver to let go of the pages (host)
+    handoff_letgo_s: Seconds = 2.0
     reclaim_timeout_s: Seconds = 2.0  # deadline of reclaim asks and of requests waiting on them
     # how contended memory is split: "fair_share" (weighted max-min, the default) or
     # "priority" (highest weight first, floors kept); kvpool/daemon/policy.py
@@ -248,6 +252,11 @@ class Config:
     def handoff_pairs(self) -> set[tuple[str, str]]:
         """``(giver, receiver)`` tenant names allowed to hand pages over across uids."""
         return {(name, to) for name, pol in self.tenants.items() for to in pol.handoff_to}
+
+    def unbound_names(self) -> list[str]:
+        """Configured tenant names without ``uids`` or ``group``: only the daemon's own
+        uid may register them (the daemon warns at start)."""
+        return sorted(n for n, pol in self.tenants.items() if not pol.uids and not pol.group)
 
     def policy(self, name: str) -> TenantPolicy:
         return self.tenants.get(name, TenantPolicy())

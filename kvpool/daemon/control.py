@@ -3,7 +3,8 @@ blocking and never buffering a hostile message whole.
 
 Up to ``burst`` messages are read per loop turn, frame by frame: a message of more than
 :data:`MAX_FRAMES` frames is refused (``BAD_REQUEST``) and its rest discarded unread,
-``drain_slice`` frames per turn. A REQ socket's empty delimiter is kept in the reply's
+``drain_slice`` frames per turn; once a long one is gone the heap is trimmed
+(:func:`trim_heap`), so the memory libzmq took to assemble it returns to the system. A REQ socket's empty delimiter is kept in the reply's
 envelope. Anything that does not decode gets its error reply here; a decoded request
 goes to the ``receive`` callback (``Server.receive``). Replies are sent non-blocking:
 a peer past its high-water mark loses the reply, the loop never waits for it.
@@ -12,6 +13,8 @@ a peer past its high-water mark loses the reply, the loop never waits for it.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import logging
 from typing import Callable
 
@@ -23,6 +26,24 @@ from kvpool.daemon.counters import Counters
 log = logging.getLogger("kvpool.daemon")
 
 MAX_FRAMES = 4  # frames of one control message: identity, [empty delimiter], body (+1 spare)
+TRIM_AFTER = 65536  # frames: a refused message this long gives the heap back when discarded
+
+
+def trim_heap() -> None:
+    """Give the C heap's free memory back to the system (glibc ``malloc_trim``).
+
+    libzmq assembles a multipart message whole before the daemon sees its first frame
+    (a message is delivered atomically), about 64 bytes per frame; once such a message
+    is discarded the memory is free but glibc keeps it mapped, so without this the
+    daemon's resident size stays at its peak for good. A no-op where there is no glibc.
+    """
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return
+    trim = getattr(ctypes.CDLL(name), "malloc_trim", None)
+    if trim is not None:
+        trim.argtypes = [ctypes.c_size_t]
+        trim(0)
 
 
 # (identity, envelope, request): a decoded request for the loop to serve
@@ -91,6 +112,8 @@ class Control:
             self.discard[0] += 1
             if not frame.more:
                 log.warning("discarded a control message of %d frames", self.discard[0])
+                if self.discard[0] >= TRIM_AFTER:
+                    trim_heap()
                 self.discard = None
                 return True
         return False

@@ -138,10 +138,11 @@ class Grants:
         """Refuse what can never be granted now: past the limit, or during recovery."""
         if self.recovery.active:
             raise Fail(p.BUSY, "the daemon is rebuilding its accounting after a restart")
-        kept = self.pool.retained_pages(t.id)  # released pages it still references
+        kept = self.pool.charged(t.id, t.payer)  # released pages still referenced
         if t.held + kept + t.waiting_pages + n > t.cap_pages:
             why = " (capped at its min: it ignored a reclaim)" if t.unresponsive else ""
-            why += f" ({kept} released pages it still references count)" if kept else ""
+            why += (f" ({kept} released pages it still references, or ended sessions of "
+                    f"uid {t.uid} do, count)") if kept else ""
             raise Fail(p.OVER_LIMIT, f"{t.name}: {t.held} + {n} pages would exceed its limit "
                                      f"of {t.cap_pages} pages{why}")
 

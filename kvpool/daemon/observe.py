@@ -176,6 +176,10 @@ class Observer:
         for o in outs:
             t, reply = o.tenant, o.reply
             assert t is not None and reply is not None  # tick's outcomes have both
+            if isinstance(reply, p.Claimed):  # a handoff whose giver let go (no wait)
+                self.events.record("handoff", t, reply.nfds * self.ps, giver=reply.giver,
+                                   group=reply.group, units=len(reply.units))
+                continue
             t0, pages, op = self._waiting.pop((t.id, reply.id), (now, 0, ""))
             waited = now - t0
             rnd = self.round

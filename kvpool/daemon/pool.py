@@ -11,7 +11,11 @@ the pool keeps free by creating fewer pages. ``retained`` lists pages the daemon
 retired (dropped its own handle) while another process still references them: a tenant
 that kept a descriptor or a mapping of a page it released keeps that memory alive, so
 it stays charged to that tenant and to the budget until it is gone
-(:meth:`recheck_retained`, on the liveness timer).
+(:meth:`recheck_retained`, on the liveness timer). When the tenant's session ends its
+retained pages (and its released pages not yet retired) are charged to its
+:class:`Payer` — its uid, and its name where configured — so that every later session
+of that uid (or name) counts them against its ``max`` (:meth:`charged`): cycling
+sessions does not shed them.
 
 Fresh pages (ARCHITECTURE.md): a physical page handed to a tenant was never exported to any
 other tenant. A released page goes back only to the tenant that released it (``take``
@@ -42,19 +46,33 @@ from kvpool.vmm import Backend, Page, VmmError
 
 log = logging.getLogger("kvpool.daemon.pool")
 
+RECHECK_BUDGET_S = 0.002  # probing retained pages: at most this long per call
+LOG_EVERY_S = 1.0  # at most one log line a second about pages found retained
+
 
 class PoolExhausted(Exception):
     """The budget (or the device) cannot supply the pages asked (answered ``NO_MEMORY``)."""
 
 
+@dataclass(frozen=True)
+class Payer:
+    """Who pays for a vanished session's retained pages: its ``uid``, and its ``name``
+    when the daemon's config gives that name a policy ("" otherwise)."""
+
+    uid: int
+    name: str = ""
+
+
 @dataclass(eq=False)
 class Retained:
     """A retired page another process still references: ``probe`` is the daemon's
-    handle for asking the backend whether it still does; ``tenant`` pays for it."""
+    handle for asking the backend whether it still does. ``tenant`` pays for it while
+    its session lives; once it has ended (``tenant`` 0), ``payer`` does."""
 
     probe: Page
     tenant: int
     since: float
+    payer: Payer | None = None
 
 
 class Pool:
@@ -71,6 +89,10 @@ class Pool:
         self._dirty_of: dict[int, dict[int, None]] = {}  # last owner -> its dirty pfns
         self.owner: dict[int, int] = {}  # pfn -> tenant id
         self.retained: list[Retained] = []
+        self._ended: dict[int, Payer] = {}  # ended tenant with dirty pages -> its payer
+        self._recheck_at: int | None = None  # where the recheck pass under way is
+        self._unlogged = 0  # pages found retained since the last log line about them
+        self._logged_at = 0.0
         self._next_pfn = 1
         self.created = 0  # pages that grew the pool (a counter, for stats)
         self.renewed = 0  # fresh pages created in place of a retired one
@@ -98,6 +120,39 @@ class Pool:
         if tenant is None:
             return len(self.retained)
         return sum(1 for r in self.retained if r.tenant == tenant)
+
+    def charged(self, tenant: int, payer: Payer) -> int:
+        """Pages charged to live session ``tenant`` (paid for by ``payer``) besides what
+        it holds: the retained pages it released, and those of ended sessions whose
+        payer has its uid (or its configured name): retained, or released and not
+        yet retired (they may turn out retained; counted until they are retired)."""
+        def ours(p: Payer) -> bool:
+            return p.uid == payer.uid or (bool(payer.name) and p.name == payer.name)
+
+        n = sum(1 for r in self.retained if r.tenant == tenant
+                or (r.payer is not None and r.tenant == 0 and ours(r.payer)))
+        return n + sum(len(self._dirty_of.get(t, ())) for t, p in self._ended.items()
+                       if ours(p))
+
+    def retained_by_uid(self, live_uids: dict[int, int]) -> dict[int, int]:
+        """Retained pages per uid: live sessions' (``live_uids``: tenant id -> uid) and
+        ended sessions' (their payer's uid)."""
+        out: dict[int, int] = {}
+        for r in self.retained:
+            uid = r.payer.uid if r.payer is not None and r.tenant == 0 \
+                else live_uids.get(r.tenant)
+            if uid is not None:
+                out[uid] = out.get(uid, 0) + 1
+        return out
+
+    def ended(self, tenant: int, payer: Payer) -> None:
+        """``tenant``'s session ended (after it gave everything back): what it retained,
+        and what of its released pages turns out retained later, is ``payer``'s."""
+        for r in self.retained:
+            if r.tenant == tenant:
+                r.tenant, r.payer = 0, payer
+        if tenant in self._dirty_of:
+            self._ended[tenant] = payer
 
     # ---- grant / give back ----------------------------------------------------------
     def take(self, n: int, tenant: int) -> list[int]:
@@ -147,6 +202,7 @@ class Pool:
         del mine[pfn]
         if not mine:
             del self._dirty_of[tenant]
+            self._ended.pop(tenant, None)
         return tenant
 
     def _own_dirty(self, tenant: int) -> Iterator[int]:
@@ -156,6 +212,7 @@ class Pool:
     def _retire(self, pfn: int) -> None:
         """Drop a released page for good; while another process still references its
         memory it stays charged (``retained``) to the tenant that released it."""
+        payer = self._ended.get(self.dirty[pfn])  # (an ended session's: its payer's)
         tenant = self._undirty(pfn)
         page = self.pages.pop(pfn)
         try:
@@ -164,26 +221,87 @@ class Pool:
             log.error("retiring page %d failed: %s", pfn, e)
             return
         if probe is not None:
-            self.retained.append(Retained(probe, tenant, time.monotonic()))
-            log.info("page %d released by tenant %d is still referenced: charged as retained",
-                     pfn, tenant)
+            now = time.monotonic()
+            self.retained.append(Retained(probe, 0 if payer else tenant, now, payer))
+            self._unlogged += 1  # one line a second at most, whatever a peer makes us retire
+            if now - self._logged_at >= LOG_EVERY_S:
+                log.info("%d released pages still referenced, charged as retained (the "
+                         "latest: page %d of tenant %d)", self._unlogged, pfn, tenant)
+                self._unlogged, self._logged_at = 0, now
 
-    def recheck_retained(self) -> int:
-        """Forget retained pages nobody references any more (call it on the liveness
-        timer, not per grant: one cheap probe per retained page). Returns how many went."""
-        keep: list[Retained] = []
-        for r in self.retained:
+    def recheck_retained(self, budget_s: float = RECHECK_BUDGET_S) -> int:
+        """Forget retained pages nobody references any more, probing for at most about
+        ``budget_s`` (a tenant decides how many pages are retained: it must not decide
+        how long one loop turn takes). A pass starts on the liveness timer and goes on
+        from where it stopped in later calls (idle work, :meth:`maintain`) until every
+        retained page was probed once. Returns how many pages went."""
+        deadline = time.monotonic() + budget_s
+        i = self._recheck_at or 0
+        gone = 0
+        while i < len(self.retained):
+            r = self.retained[i]
             try:
                 still = self.backend.referenced(r.probe)
             except (VmmError, OSError):  # pragma: no cover - defensive
                 still = None
             if still:
-                keep.append(r)
-            else:
+                i += 1
+            else:  # (order does not matter: the last one moves here, probed next)
                 self.backend.release(r.probe)
-        gone = len(self.retained) - len(keep)
-        self.retained = keep
+                self.retained[i] = self.retained[-1]
+                self.retained.pop()
+                gone += 1
+            if time.monotonic() >= deadline:
+                break
+        self._recheck_at = i if i < len(self.retained) else None
         return gone
+
+    @property
+    def rechecking(self) -> bool:
+        """A recheck pass of the retained pages is under way (idle work continues it)."""
+        return self._recheck_at is not None
+
+    # ---- handoff: the giver's references ---------------------------------------------------
+    def rehandle(self, pfns: list[int]) -> bool:
+        """Give each page of ``pfns`` a new handle sharing nothing with the descriptors
+        exported so far (its old handle released), so that :meth:`referenced_elsewhere`
+        tells when their holders have let go; False (nothing changed for the pages not
+        done, the done ones keep their new handle) when the backend cannot."""
+        for pfn in pfns:
+            page = self.pages[pfn]
+            new = self.backend.reopen(page)
+            if new is None:
+                return False
+            self.backend.release(page)
+            self.pages[pfn] = new
+        return True
+
+    def referenced_elsewhere(self, pfn: int) -> bool | None:
+        """Whether a descriptor or mapping of page ``pfn`` exists besides the daemon's
+        handle (after :meth:`rehandle`: one exported before it); None: cannot tell."""
+        try:
+            return self.backend.referenced(self.pages[pfn])
+        except (VmmError, OSError):  # pragma: no cover - defensive
+            return None
+
+    def retire_kept(self, pfns: list[int], tenant: int, payer: Payer | None) -> int:
+        """Owned pages ``pfns`` go for good, never to be handed on (another process kept
+        references to them): those still referenced are retained, charged to live
+        session ``tenant`` or, when it is 0, to ``payer``. Returns how many were."""
+        n = 0
+        for pfn in pfns:
+            del self.owner[pfn]
+            page = self.pages.pop(pfn)
+            try:
+                probe = self.backend.retire(page)
+            except (VmmError, OSError) as e:  # pragma: no cover - defensive
+                log.error("retiring page %d failed: %s", pfn, e)
+                continue
+            if probe is not None:
+                self.retained.append(Retained(probe, tenant, time.monotonic(),
+                                              payer if tenant == 0 else None))
+                n += 1
+        return n
 
     # ---- leases and adoption -----------------------------------------------------------
     def lease(self, n: int) -> None:
@@ -240,7 +358,7 @@ class Pool:
         return max(0, len(self.pages) + self.leased + len(self.retained) - self.budget_pages)
 
     def has_work(self) -> bool:
-        return bool(self.dirty) or self._warm_target() != len(self.warm)
+        return bool(self.dirty) or self._warm_target() != len(self.warm) or self.rechecking
 
     def _warm_target(self) -> int:
         n = len(self.warm)
@@ -252,11 +370,13 @@ class Pool:
             return self.warm_max
         return n
 
-    def maintain(self, budget_s: float = 0.002) -> None:
-        """Idle work for at most about ``budget_s``: retire released pages, each replaced
-        by a fresh warm page while the warm pool is under ``warm_max`` and the budget
-        has room; then trim the warm pool to the budget and ``warm_max``, and refill it
-        to ``warm_min`` with fresh pages."""
+    def maintain(self, budget_s: float = 0.002) -> int:
+        """Idle work for at most about ``budget_s``: go on with a recheck pass of the
+        retained pages; retire released pages, each replaced by a fresh warm page while
+        the warm pool is under ``warm_max`` and the budget has room; then trim the warm
+        pool to the budget and ``warm_max``, and refill it to ``warm_min`` with fresh
+        pages. Returns how many retained pages went (waiting grants may fit)."""
+        gone = self.recheck_retained(budget_s / 2) if self.rechecking else 0
         deadline = time.monotonic() + budget_s
         while self.dirty and time.monotonic() < deadline:
             self._retire(next(iter(self.dirty)))
@@ -272,6 +392,7 @@ class Pool:
                 self.warm_min = len(self.warm)
                 break
             self.warm.insert(0, pfn)  # created pages are cold (not faulted in)
+        return gone
 
     def _renew(self) -> bool:
         """A fresh warm page in place of a retired one; False when none could be made."""
@@ -299,9 +420,11 @@ class Pool:
         for r in self.retained:
             self.backend.release(r.probe)
         self.retained.clear()
+        self._recheck_at = None
         self.warm.clear()
         self.dirty.clear()
         self._dirty_of.clear()
+        self._ended.clear()
         self.owner.clear()
         self.leased = 0
 
@@ -314,6 +437,8 @@ class Pool:
         by_owner = {pfn for pfns in self._dirty_of.values() for pfn in pfns}
         if by_owner != dirty:
             problems.append("the dirty list and its per-tenant index disagree")
+        if not set(self._ended) <= set(self._dirty_of):
+            problems.append("an ended session without released pages has a payer kept")
         for a, b, what in ((warm, dirty, "warm and dirty"), (warm, owned, "warm and granted"),
                            (dirty, owned, "dirty and granted")):
             both = a & b

@@ -67,7 +67,8 @@ class Registry:
         )
 
     def drop(self, t: TenantRecord, why: str) -> None:
-        """The tenant is gone: every page it held returns to the pool (to be zeroed)."""
+        """The tenant is gone: every page it held returns to the pool (to be zeroed);
+        the pages it still references stay charged to its uid (and configured name)."""
         pages = 0
         for g in t.groups.values():
             pfns = g.release_all()
@@ -76,6 +77,7 @@ class Registry:
             self.groups.pop(g.id, None)
         t.groups.clear()
         t.granted = 0
+        self.pool.ended(t.id, t.payer)  # what it retains stays charged to its uid (name)
         self.pool.unlease(t.lease_pages)
         t.lease_pages = 0
         t.ask = None
@@ -128,6 +130,8 @@ class Registry:
                                     f"device {device})")
         if r.kind not in NO_MEMORY_KINDS:
             self._claim(t, r.name)
+        if r.endpoint:
+            self._claim_endpoint(t, r.endpoint)
         mn, mx, weight = self.knobs(r.name, r)
         if r.kind in NO_MEMORY_KINDS:
             mn = mx = 0  # holds nothing: no knobs, no claim on a name's policy
@@ -137,6 +141,8 @@ class Registry:
                 raise Fail(p.OVER_LIMIT, f"min of {mn} pages would make the guaranteed "
                                          f"minimums ({floors} pages) exceed the budget")
         t.name, t.kind, t.identity, t.registered = r.name, r.kind, sender.identity, True
+        t.policy_name = r.name if r.kind not in NO_MEMORY_KINDS and \
+            r.name in self.cfg.tenants else ""
         t.endpoint = r.endpoint or ""
         t.min_pages, t.max_pages, t.weight = mn, mx, weight
         log.info("tenant %d registered: %s (%s), pid %d uid %d, limit %d pages",
@@ -163,6 +169,16 @@ class Registry:
             h = holders[0]
             raise Fail(p.UNAUTHORIZED, f"tenant name {name!r} is held by tenant {h.id} "
                                        f"(pid {h.pid}); choose another name")
+
+    def _claim_endpoint(self, t: TenantRecord, url: str) -> None:
+        """One endpoint per live tenant: no other registered session names ``url`` or
+        another spelling of its listener (:func:`endpoint.same_listener`)."""
+        for x in self.tenants:
+            if x is not t and x.registered and x.endpoint and \
+                    endpoint.same_listener(x.endpoint, url):
+                raise Fail(p.UNAUTHORIZED, f"endpoint {url} is registered by tenant "
+                                           f"{x.name!r} (id {x.id}) as {x.endpoint}; one "
+                                           f"endpoint per live tenant")
 
     def set_limit(self, t: TenantRecord, sender: Sender, r: p.SetLimit) -> p.Reply:
         ps = self.page_size

@@ -138,6 +138,10 @@ class Server:
                  self.run_dir, self.backend.name, self.backend.device,
                  format_size(self.pool.page_size), format_size(self.arbiter.budget),
                  self.pool.budget_pages, self.pool.warm_min, self.pool.warm_max)
+        for name in self.cfg.unbound_names():
+            log.warning("tenant name %r is configured without uids or group: only the "
+                        "daemon's own uid (%d) may register it; list uids = [...] (or a "
+                        "group) in [tenants.%s] to admit others", name, os.getuid(), name)
         recover(self.state, self.arbiter.begin_recovery, self.cfg.recover_timeout_s)
         raise_fd_limit()
         self.notifier.ready(self.status_line())
@@ -235,8 +239,8 @@ class Server:
             self._need_tick = False
             self.tick()
         self._guard(None, self.run_timers)
-        if busy and not events:
-            self.pool.maintain(self.cfg.idle_work_s)
+        if busy and not events and self.pool.maintain(self.cfg.idle_work_s):
+            self.tick_soon()  # retained pages went: waiting grants may fit now
 
     def _guard(self, fd: int | None, fn: Callable[..., None], *args: Any) -> None:
         """Run ``fn``; an unexpected exception drops the tenant behind ``fd`` (if any)."""
@@ -282,7 +286,7 @@ class Server:
             self.next_liveness = now + self.cfg.liveness_s
             self.sessions.check_liveness(now)
             if self.pool.recheck_retained():  # released pages a tenant kept, now gone
-                self.tick_soon()  # waiting grants may fit now
+                self.tick_soon()  # waiting grants may fit now (a pass goes on when idle)
         if now >= self.next_watchdog:
             interval = self.notifier.watchdog_interval
             self.next_watchdog = now + (interval or NO_WATCHDOG_S)

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
+from kvpool.daemon.pool import Payer
 from kvpool.daemon.regions import GroupRecord
 
 NO_MEMORY_KINDS = ("monitor", "admin")  # session kinds that hold no memory (daemon-enforced)
@@ -45,6 +46,7 @@ class TenantRecord:
     pidfd: int | None = None
     name: str = ""
     kind: str = ""
+    policy_name: str = ""  # its name when the config gives it a policy ([tenants.NAME])
     identity: bytes | None = None  # ZeroMQ routing id, set at register
     registered: bool = False
     endpoint: str = ""  # where it says it serves (Register.endpoint, validated; Locate)
@@ -70,6 +72,11 @@ class TenantRecord:
     def held(self) -> int:
         """Pages counted against the budget for this tenant: tables plus lease."""
         return self.granted + self.lease_pages
+
+    @property
+    def payer(self) -> Payer:
+        """Who pays for what it retains once its session has ended."""
+        return Payer(self.uid, self.policy_name)
 
     @property
     def cap_pages(self) -> int:

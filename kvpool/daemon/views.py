@@ -4,6 +4,12 @@ Nothing here changes state. Replies stay bounded: ``ps``/``stats`` list tenants 
 pages), ``map`` run-length encodes page tables and pages its reply at about
 :data:`p.MAP_REPLY_BYTES`. Monitor and admin sessions are left out of listings unless
 they hold something (none should: ``check`` says so).
+
+Who sees what (:func:`sees_all`): an admin identity (root, the daemon's uid, the admin
+group) and a tenant's own uid see everything; for another uid's tenants a session
+sees names, sizes and states only: no pid and no endpoint in ``ps``/``stats``, and no
+region bases, pfns or label in ``map`` (``pid`` 0, ``endpoint`` "", ``bases`` [],
+``pfns`` None, ``label`` "").
 """
 
 from __future__ import annotations
@@ -17,6 +23,12 @@ from kvpool.daemon.reclaim import Reclaimer
 from kvpool.daemon.regions import GroupIndex
 from kvpool.daemon.restart import Recovery
 from kvpool.daemon.tenants import NO_MEMORY_KINDS, TenantRecord, Tenants
+
+
+def sees_all(asker: TenantRecord | None, owner_uid: int) -> bool:
+    """Whether ``asker`` may see the pids, endpoints and addresses of a tenant of uid
+    ``owner_uid``: an admin, or the same uid."""
+    return asker is not None and (asker.admin or asker.uid == owner_uid)
 
 
 class Views:
@@ -61,20 +73,33 @@ class Views:
             retained=pool.retained_pages() * ps, renewed=pool.renewed,
         )
 
-    def listed(self) -> list[p.TenantInfo]:
+    def listed(self, asker: TenantRecord | None = None) -> list[p.TenantInfo]:
         """Tenants for ``ps``/``stats``: every session but monitor and admin ones, and
-        every session that holds anything whatever its kind (none should)."""
+        every session that holds anything whatever its kind (none should). With
+        ``asker``, other uids' tenants lose what only their uid and admins may see
+        (:func:`sees_all`); without, everything (the daemon's own observers)."""
         shares = self.reclaimer.shares()
-        return [self.tenant_info(x, shares) for x in self.tenants
-                if x.kind not in NO_MEMORY_KINDS or x.held or x.groups]
+        out = []
+        for x in self.tenants:
+            if x.kind in NO_MEMORY_KINDS and not x.held and not x.groups:
+                continue
+            info = self.tenant_info(x, shares)
+            if asker is not None and not sees_all(asker, x.uid):
+                info.pid, info.endpoint = 0, ""
+            out.append(info)
+        return out
 
     def ps(self, t: TenantRecord, sender: Sender, r: p.Ps) -> p.Reply:
-        return p.PsReply(id=r.id, tenants=self.listed(), pool=self.pool_info())
+        ps = self.page_size
+        uids = {x.id: x.uid for x in self.tenants}
+        by_uid = {u: n * ps for u, n in self.pool.retained_by_uid(uids).items()}
+        return p.PsReply(id=r.id, tenants=self.listed(t), pool=self.pool_info(),
+                         retained_by_uid=by_uid)
 
     def stats(self, t: TenantRecord, sender: Sender, r: p.Stats) -> p.Reply:
         n = self.counters
         return p.StatsReply(
-            id=r.id, pool=self.pool_info(), tenants=self.listed(),
+            id=r.id, pool=self.pool_info(), tenants=self.listed(t),
             uptime_s=n.uptime_s, requests=n.requests, errors=n.errors,
         )
 
@@ -86,6 +111,7 @@ class Views:
         if r.tenant is not None and not tenants:
             raise Fail(p.NOT_FOUND, f"no tenant {r.tenant!r}")
         names = {x.id: x.name for x in tenants}
+        open_ = {x.id for x in tenants if sees_all(t, x.uid)}  # the rest: sizes, states
         ids = sorted(g.id for x in tenants for g in x.groups.values() if g.id > r.after)
         groups: list[p.GroupInfo] = []
         size = 0
@@ -99,10 +125,12 @@ class Views:
                 return p.MapReply(id=r.id, pool=self.pool_info(), groups=groups,
                                   next=groups[-1].id, truncated=len(ids) - n)
             size += cost
+            shown = g.tenant in open_
             groups.append(p.GroupInfo(
-                id=g.id, tenant=g.tenant, tenant_name=names.get(g.tenant, ""), label=g.label,
-                n_regions=g.n_regions, npages=g.npages, bases=g.bases[: p.MAP_BASES],
-                runs=runs, pfns=dict(g.units) if r.pfns else None,
+                id=g.id, tenant=g.tenant, tenant_name=names.get(g.tenant, ""),
+                label=g.label if shown else "", n_regions=g.n_regions, npages=g.npages,
+                bases=g.bases[: p.MAP_BASES] if shown else [], runs=runs,
+                pfns=dict(g.units) if r.pfns and shown else None,
             ))
         return p.MapReply(id=r.id, pool=self.pool_info(), groups=groups)
 

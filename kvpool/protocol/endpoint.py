@@ -3,8 +3,11 @@ successor it may hand pages to can find it (``Locate``; docs/PD-HANDOFF.md "Warm
 restart").
 
 Only loopback HTTP URLs are accepted, and only in one spelling: ``http://HOST:PORT``
-with ``HOST`` one of ``127.x.y.z``, ``[::1]`` or ``localhost`` and ``PORT`` in
-1..65535, no path, no user info, no query. The daemon never connects to an endpoint
+with ``HOST`` one of ``127.x.y.z`` (decimal octets without leading zeros), ``[::1]`` or
+``localhost`` and ``PORT`` in 1..65535 without leading zeros, no path, no user info, no
+query. Two endpoints name the same listener (:func:`same_listener`) when their ports
+are equal and their hosts are equal or one is ``localhost`` (which may resolve to
+either loopback address); the daemon lets one live tenant at a time register it. The daemon never connects to an endpoint
 (it only stores and returns it); the rule keeps what a tenant can make its successor
 contact to this machine's loopback interface, where the successor can check which
 process listens (``kvpool.engine_adapters.bundled.locate``).
@@ -39,10 +42,24 @@ def why_not(endpoint: str) -> str | None:
         try:
             ipaddress.IPv4Address(host)
         except ValueError:
-            return f"endpoint {shown!r}: {host} is not an IPv4 address"
+            return (f"endpoint {shown!r}: {host} is not an IPv4 address in its one "
+                    f"spelling (decimal octets 0..255, no leading zeros)")
+        if str(ipaddress.IPv4Address(host)) != host:
+            return (f"endpoint {shown!r} is not in its one spelling: write the address as "
+                    f"{ipaddress.IPv4Address(host)}")
+    if m.group(2) != str(port):
+        return f"endpoint {shown!r} is not in its one spelling: write the port as {port}"
     if not 1 <= port <= 65535:
         return f"endpoint {shown!r}: port {port} is not in 1..65535"
     return None
+
+
+def same_listener(a: str, b: str) -> bool:
+    """Whether valid endpoints ``a`` and ``b`` may reach the same listener: the same
+    port, and the same host or ``localhost`` on either side."""
+    ha, pa = a[len("http://"):].rsplit(":", 1)
+    hb, pb = b[len("http://"):].rsplit(":", 1)
+    return pa == pb and (ha == hb or "localhost" in (ha, hb))
 
 
 def port_of(endpoint: str) -> int:

@@ -53,7 +53,7 @@ class TenantInfo(Struct, kw_only=True):
     id: int
     name: str
     kind: str
-    pid: int
+    pid: int  # 0: not shown (another uid's tenant, to a non-admin asker)
     uid: int
     registered: bool
     groups: int
@@ -108,7 +108,8 @@ class GroupInfo(Struct, kw_only=True):
     label: str
     n_regions: int
     npages: int
-    bases: list[int]  # the first MAP_BASES region bases (informational)
+    bases: list[int]  # the first MAP_BASES region bases (informational; [] and no label
+    #                   or pfns for another uid's group, unless the asker is an admin)
     runs: list[Run] = []  # the page table, run-length encoded (size: O(mapped units))
     pfns: Optional[dict[int, list[int]]] = None  # unit -> pfn per region (on request)
 
@@ -140,6 +141,9 @@ class GroupInfo(Struct, kw_only=True):
 class PsReply(Reply, tag="ps"):
     tenants: list[TenantInfo]
     pool: Optional[PoolInfo] = None
+    # uid -> bytes of released pages still referenced, charged to that uid: its live
+    # sessions' and its ended sessions' (which count against its later sessions' max)
+    retained_by_uid: dict[int, int] = {}
 
 
 class StatsReply(Reply, tag="stats"):

@@ -214,6 +214,13 @@ class Backend(abc.ABC):
         descriptor or a mapping); None when this backend cannot tell."""
         return None
 
+    def reopen(self, page: Page) -> Page | None:
+        """A new handle of ``page``'s memory that shares nothing with the handles and
+        descriptors given out so far, so that :meth:`referenced` on it tells whether
+        those are all gone; ``page`` stays valid (release it). None when this backend
+        cannot make one (then it cannot tell either)."""
+        return None
+
     # ---- mappings -----------------------------------------------------------------
     @abc.abstractmethod
     def map_pages(

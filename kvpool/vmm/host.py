@@ -240,6 +240,16 @@ class HostBackend(Backend):
         fcntl.fcntl(probe.handle, fcntl.F_SETLEASE, fcntl.F_UNLCK)
         return False
 
+    def reopen(self, page: Page) -> Page | None:
+        """A new open file description of the memfd (``/proc/self/fd``): descriptors
+        exported so far share the old one, so a lease on the new one is granted only
+        once they and their mappings are gone."""
+        self._check_live("reopen", page)
+        try:
+            return Page(handle=_reopen(page.handle), size=page.size)
+        except OSError:
+            return None
+
     def resident_bytes(self, page: Page) -> int:
         """Bytes of ``page`` backed by memory now (shmem blocks in use)."""
         self._check_live("resident_bytes", page)

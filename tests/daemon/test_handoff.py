@@ -177,7 +177,10 @@ def test_a_reused_ticket_is_refused(daemon):
 def test_a_lost_settled_notice_is_recovered_from_the_daemons_map(daemon, monkeypatch, end):
     """The daemon's word that a ticket is over never reaches the giver: its cancel
     learns how it ended from the daemon's map (claimed: the giver's mapping goes, as a
-    Settled would have it; expired: the pages stay the giver's), never guessing."""
+    Settled would have it; expired: the pages stay the giver's), never guessing. A
+    claim whose giver never lets go is not handed over (it would share the pages with
+    its giver): void after ``handoff_letgo_s``, the pages charged to the giver until
+    its cancel drops the mapping."""
     d = daemon
     giver, gg = giver_with_data(d)
     with giver, d.connect("decode") as receiver:
@@ -186,7 +189,9 @@ def test_a_lost_settled_notice_is_recovered_from_the_daemons_map(daemon, monkeyp
         rg = receiver.region_group(REGIONS, CAP)
         ticket = handoff.offer(gg, [1, 2], to="decode", ttl_s=0.3 if end == "expired" else 60)
         if end == "claimed":
-            handoff.claim(rg, ticket, [0, 1])
+            with pytest.raises(KvpoolError, match="still references"):
+                handoff.claim(rg, ticket, [0, 1])
+            assert rg.mapped == set()
         wait_for(lambda: lost, "the daemon's Settled (dropped here)")
         assert lost[0].state == end and not ticket.settled and gg.mapped == {0, 1, 2}
         monkeypatch.undo()  # the recovery goes through the real handler
@@ -195,6 +200,8 @@ def test_a_lost_settled_notice_is_recovered_from_the_daemons_map(daemon, monkeyp
         assert gg.mapped == ({0} if end == "claimed" else {0, 1, 2})
         if end == "expired":
             assert read(gg, 2, 1) == pattern(2, 1, PAGE)
+        else:  # the mapping gone, the kept pages go too
+            wait_for(lambda: d.stats().pool.retained == 0, "the giver's kept pages freed")
         assert d.check() == []
 
 

@@ -147,7 +147,7 @@ def _with(req: p.Request, token: str) -> p.Request:
 
 @pytest.mark.parametrize("paired", [False, True])
 def test_across_uids_only_a_configured_pairing_locates(paired):
-    policy = {"old": TenantPolicy(handoff_to=["new"])} if paired else {}
+    policy = {"old": TenantPolicy(handoff_to=["new"], uids=[1000])} if paired else {}
     session, close = _sessions(policy)
     try:
         session("old", uid=1000, endpoint=OLD_URL)
@@ -172,7 +172,7 @@ def test_as_giver_the_direction_turns(paired):
     """``Locate(as_giver=True)``: the asker is the giver (a retiring server checking who
     asks it): "old" finds "new" with its pid and uid only when it may hand pages to it,
     and the pairing old -> new does not let "new" find "old" that way."""
-    policy = {"old": TenantPolicy(handoff_to=["new"])} if paired else {}
+    policy = {"old": TenantPolicy(handoff_to=["new"], uids=[1000])} if paired else {}
     session, close = _sessions(policy)
     try:
         old = session("old", uid=1000, endpoint=OLD_URL)

@@ -13,7 +13,9 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
@@ -23,6 +25,7 @@ from daemon.conftest import start_daemon  # noqa: F401  (fixture)
 from daemon.helpers import PAGE, REPO
 from daemon.test_locate import endpoints_of as endpoints  # tenant -> endpoint (ps --json)
 from kvpool import launch
+from kvpool.client_lib import KvpoolError
 
 from .test_pd_handoff import accounted
 from .test_pd_serve import free_port
@@ -73,11 +76,14 @@ def test_a_name_that_cannot_be_taken_over_ends_the_new_server(start_daemon, tiny
     d = start_daemon(budget="8MiB")
     old, old_url = serve(d, tiny_dir, tmp_path / "old.log", tenant="tiny")
     first = complete(old_url, 130)
+    with pytest.raises(KvpoolError, match="one endpoint per live tenant"):
+        d.connect("liar", endpoint=old_url)  # a live tenant's endpoint: refused at register
+    other = listener(d)  # a server of another process, no tenant: the liar names it
     with d.connect("bare"), d.connect("dead", endpoint=f"http://127.0.0.1:{free_port()}"), \
-            d.connect("liar", endpoint=old_url):  # (this test's pid, not the server's)
+            d.connect("liar", endpoint=other[1]):  # (this test's pid, not the server's)
         cases = {"ghost": "no tenant 'ghost' that may hand pages to 'tiny-next'",
                  "bare": "registered no endpoint", "dead": "nothing listens on port",
-                 "liar": f"is served by pid {old.pid}, not by tenant 'liar'"}
+                 "liar": f"is served by pid {other[0].pid}, not by tenant 'liar'"}
         for source, why in cases.items():
             line = failed_start(d, tiny_dir, tmp_path / f"{source}.log", source)
             assert f"--handoff-from {source}: " in line and why in line, line
@@ -87,6 +93,23 @@ def test_a_name_that_cannot_be_taken_over_ends_the_new_server(start_daemon, tiny
     assert complete(old_url, 130) == first
     assert httpx.get(f"{old_url}/v1/stats").json()["prefix_hit_tokens"] >= 128 - 16
     assert sorted(accounted(d)) == ["tiny"] and d.check() == []
+
+
+def listener(d) -> tuple[subprocess.Popen, str]:
+    """An HTTP server in a process of its own (no tenant) and its endpoint."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind",
+                             "127.0.0.1"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, cwd=tempfile.gettempdir())
+    d.workers.append(proc)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return proc, f"http://127.0.0.1:{port}"
+        except OSError:
+            assert time.monotonic() < deadline and proc.poll() is None, "no listener"
+            time.sleep(0.05)
 
 
 # ---- who may ask a server to retire (kvpool.engine_adapters.bundled.retire_auth) ------
