@@ -114,3 +114,38 @@ def problem(body: CommonBody, vocab: int) -> str | None:
         if value != neutral and value not in NEUTRAL_TOO.get(name, ()):
             return f"{name} is not supported by this server (got {str(value)[:40]})"
     return None
+
+
+# the SamplingParams fields a public request sets (a relayed request carries only these)
+PUBLIC_SAMPLING = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop",
+                   "stop_token_ids", "ignore_eos")
+
+
+def public_sampling(params: object, vocab: int) -> dict[str, Any]:
+    """Sampling parameters a peer forwards (``/pd/adopt``), as ``SamplingParams``
+    keywords: only :data:`PUBLIC_SAMPLING`, each checked as in a public request. Raises
+    RequestError (one line naming the field) otherwise — e.g. ``return_logits``."""
+    from pydantic import ValidationError
+
+    from kvpool.engine.errors import RequestError
+
+    if not isinstance(params, dict):
+        raise RequestError("params must be an object of sampling parameters")
+    extra = sorted(str(k)[:40] for k in params if k not in PUBLIC_SAMPLING)
+    if extra:
+        raise RequestError(f"params: {extra[0]} is not a public sampling parameter "
+                           f"(allowed: {', '.join(PUBLIC_SAMPLING)})")
+    try:
+        body = CommonBody.model_validate(params)
+    except ValidationError as e:
+        raise RequestError(f"params: {describe(e)}") from None
+    why = problem(body, vocab)
+    if why is not None:
+        raise RequestError(f"params: {why}")
+    return {k: params[k] for k in PUBLIC_SAMPLING if k in params}
+
+
+def describe(e: Any) -> str:
+    """A pydantic validation error as one line naming each field."""
+    return "; ".join(f"{'.'.join(str(x) for x in err.get('loc', ()))}: {err.get('msg')}"
+                     for err in e.errors())

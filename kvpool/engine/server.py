@@ -34,7 +34,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvpool.engine.api_bodies import (ChatBody, CommonBody, CompletionBody, OpenAIPrompt,
-                                      problem)
+                                      describe, problem)
 from kvpool.engine.async_engine import AsyncEngine
 from kvpool.engine.chat_template import ChatTemplateError
 from kvpool.engine.config import EngineConfig
@@ -91,9 +91,7 @@ def create_app(aengine: AsyncEngine) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
-        msgs = "; ".join(f"{'.'.join(str(x) for x in err.get('loc', ()))}: {err.get('msg')}"
-                         for err in e.errors())
-        return _error(400, f"invalid request body: {msgs}", "invalid_request")
+        return _error(400, f"invalid request body: {describe(e)}", "invalid_request")
 
     @app.get("/health")
     async def health() -> JSONResponse:
