@@ -110,10 +110,8 @@ def test_tensor_data_survives_reserve_churn(daemon):
         slow = a.slow_allocs
         assert slow <= 1
         fill(first)
-        deadline = time.monotonic() + 5
-        while a.reserve_chunks < 1 and time.monotonic() < deadline:
-            time.sleep(0.005)
-        assert a.reserve_chunks >= 1, "the refill thread built no reserve"
+        wait_for(lambda: a.reserve_chunks >= 1, 30.0, every=0.005,
+                 what="the refill thread's reserve")
         more = a.alloc(4)  # fast path: the partial chunk, then a reserve chunk
         assert a.slow_allocs == slow
         fill(more)
@@ -128,11 +126,9 @@ def test_tensor_data_survives_reserve_churn(daemon):
                 verify()
         a.check_integrity()
         releases = a.releases
-        time.sleep(0.6)  # idle: the reserve drains to nothing
-        deadline = time.monotonic() + 5
-        while a.reserve_chunks and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert a.reserve_chunks == 0 and a.releases > releases
+        # idle: the reserve drains to nothing (after idle_timeout_s)
+        wait_for(lambda: a.reserve_chunks == 0, 30.0, every=0.01, what="the reserve drained")
+        assert a.releases > releases
         verify()
         big = a.alloc(12)  # slow path again after the drain
         assert big is not None and a.slow_allocs > slow
@@ -181,7 +177,7 @@ def test_map_shows_exactly_the_daemon_state(daemon):
 
 def test_daemon_rss_and_fds_flat_over_10k_grant_release_cycles(daemon):
     proc = psutil.Process(daemon.pid)
-    with daemon.connect("cycler") as t:
+    with daemon.connect("cycler") as t, daemon.monitor() as m:  # (no connection per look)
         g = t.region_group(2, 16 * PAGE)
 
         def cycles(n):
@@ -190,12 +186,21 @@ def test_daemon_rss_and_fds_flat_over_10k_grant_release_cycles(daemon):
                 g.grant([u])
                 g.release([u])
 
+        def settled() -> int | None:
+            """Once idle maintenance has retired every released page: the daemon's
+            descriptors other than its pages' (one each; how many pages the warm pool
+            holds at that moment varies)."""
+            pool = m.stats().pool
+            if pool.dirty:
+                return None
+            return proc.num_fds() - (pool.granted + pool.warm) // PAGE
+
         cycles(1000)
-        time.sleep(0.2)
-        rss0, fds0 = proc.memory_info().rss, proc.num_fds()
+        fds0 = wait_for(settled, 30.0, what="released pages retired")
+        rss0 = proc.memory_info().rss
         cycles(10_000)
-        time.sleep(0.2)
-        rss1, fds1 = proc.memory_info().rss, proc.num_fds()
-    assert fds1 == fds0, f"daemon fds grew from {fds0} to {fds1}"
+        fds1 = wait_for(settled, 30.0, what="released pages retired")
+        rss1 = proc.memory_info().rss
+    assert fds1 == fds0, f"daemon's own fds grew from {fds0} to {fds1}"
     assert rss1 - rss0 < 2 << 20, f"daemon RSS grew by {(rss1 - rss0) >> 10} KiB"
     assert daemon.check() == []
