@@ -207,12 +207,14 @@ def main() -> None:
                     help="the daemon's and the floor's memory backend")
     ap.add_argument("--metrics", action="store_true",
                     help="grant latency with vs without the Prometheus exporter (alloc_metrics.py)")
+    ap.add_argument("--flood", type=int, default=0, metavar="N",
+                    help="with --metrics: N threads scrape back to back (default: one, 10/s)")
     args = ap.parse_args()
     page_size = parse_size(args.page_size)
     if args.metrics:
         from alloc_metrics import run
 
-        run(page_size, args.backend, 100 if args.quick else 400, args.out)
+        run(page_size, args.backend, 100 if args.quick else 400, args.out, args.flood)
         return
     if args.floor_server:
         floor_server(args.floor_server, page_size, args.floor_pages, args.backend)

@@ -146,6 +146,7 @@ class Handoffs:
         self._lock = threading.Lock()
         self._early: dict[str, p.Settled] = {}  # a Settled read before its Offered returned
         self._next_giver = 0  # the tenant id the next claim must come from (0: any)
+        self._givers: dict[str, str] = {}  # ticket claimed -> its giver's name (the daemon's)
 
     def offer(self, group: HandoffGroup, units: Sequence[int], to: str,
               ttl_s: float = 10.0) -> Ticket:
@@ -217,7 +218,17 @@ class Handoffs:
         reply, fds = self.tenant.call(
             p.Claim(ticket=tid, group=group.id, units=at, giver=giver), p.Claimed)
         group.map_granted(at, fds, populate)
+        with self._lock:
+            self._givers[tid] = reply.giver
+            while len(self._givers) > 1024:
+                self._givers.pop(next(iter(self._givers)))
         return at
+
+    def giver_of(self, ticket: str) -> str | None:
+        """The name of the tenant whose offer ``ticket`` was, as the daemon said when this
+        tenant claimed it (one of the last 1024 claims); None if not claimed here."""
+        with self._lock:
+            return self._givers.get(ticket)
 
     # ---- the daemon's word ----------------------------------------------------------------
     def settled(self, m: p.Settled) -> None:

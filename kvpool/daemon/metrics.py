@@ -1,13 +1,21 @@
 """The daemon's Prometheus exporter (``--metrics-address HOST:PORT``, off by default).
 
-``prometheus_client`` serves ``/metrics`` from its own thread; the single-threaded event
-loop never waits for a scraper. At each scrape the collector asks its
-:class:`SnapshotSource` (the loop's observer) for a
-:class:`~kvpool.daemon.measures.Snapshot` (built between two requests, the same view
-``kvpool ps`` gets) and turns it into metric families: nothing is computed on the grant
-path but a few integer increments (see :mod:`kvpool.daemon.observe`). If the loop does
-not answer within two seconds the previous snapshot is served, and
-``kvpool_snapshot_age_seconds`` says how old it is.
+One thread of its own serves ``/metrics``; the single-threaded event loop never waits
+for a scraper. At each scrape the collector asks its :class:`SnapshotSource` (the loop's
+observer) for a :class:`~kvpool.daemon.measures.Snapshot` (built between two requests,
+the same view ``kvpool ps`` gets, always newer than the scrape) and turns it into metric
+families: nothing is computed on the grant path but a few integer increments (see
+:mod:`kvpool.daemon.observe`). If the loop does not answer within two seconds the
+previous snapshot is served, and ``kvpool_snapshot_age_seconds`` says how old it is.
+
+What scrapes cost the loop is bounded whatever their rate (issue 24): scrapes are
+answered one at a time by that one thread (others wait in the listen backlog), and a
+scrape that comes less than :data:`MIN_INTERVAL_S` after the previous snapshot waits
+(sleeping, off the loop and the GIL) until that interval has passed — so the loop builds
+at most one snapshot per interval and the exporter renders at most one text per
+interval, whether one Prometheus or a flood asks. ``kvpool_snapshots_built`` counts the
+snapshots. A client that connects and sends nothing is dropped after
+:data:`CLIENT_TIMEOUT_S`; it delays other scrapes meanwhile, never a grant.
 
 Tenant names are visible in the metrics, so the exporter listens on loopback only unless
 ``metrics_allow_remote`` is set.
@@ -16,10 +24,14 @@ Tenant names are visible in the metrics, so the exporter listens on loopback onl
 from __future__ import annotations
 
 import ipaddress
+import socket
+import threading
 import time
-from typing import TYPE_CHECKING, Iterator, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Protocol
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCollector,
+                               generate_latest)
 from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
                                     HistogramMetricFamily)
 from prometheus_client.metrics_core import Metric
@@ -56,6 +68,8 @@ TENANT_GAUGES = (("mapped", "Bytes granted to the tenant."),
                  ("asked", "Bytes the daemon is waiting for the tenant to give back."),
                  ("waiting", "Bytes of the tenant's requests waiting for reclaim."))
 LOOPBACK_NAMES = ("localhost",)
+MIN_INTERVAL_S = 0.1  # at most one snapshot (and one rendered text) per this
+CLIENT_TIMEOUT_S = 2.0  # a scraper that sends nothing this long is dropped
 
 
 class SnapshotSource(Protocol):
@@ -65,6 +79,10 @@ class SnapshotSource(Protocol):
         """From the exporter's thread: a snapshot built by the event loop (or the last
         one, when the loop does not get to it in time); None before the first. Must
         not touch the daemon's state from this thread."""
+
+    @property
+    def snapshots_built(self) -> int:
+        """How many snapshots the loop built for this exporter so far."""
 
 
 class AddressError(ValueError):
@@ -119,6 +137,11 @@ class DaemonCollector:
                                   "spent building that state (between two requests).")
         build.add_metric([], snap.build_s)
         yield build
+        built = CounterMetricFamily("kvpool_snapshots_built", "Snapshots the event loop "
+                                    "built for scrapes (at most one per "
+                                    f"{MIN_INTERVAL_S:g} s, whatever the scrape rate).")
+        built.add_metric([], self.source.snapshots_built)
+        yield built
 
     @staticmethod
     def _pool(snap: Snapshot) -> Iterator[Metric]:
@@ -263,16 +286,71 @@ def tenant_state(t: p.TenantInfo) -> str:
 
 
 class Exporter:
-    """``/metrics`` on ``host:port`` from a thread of prometheus_client's own."""
+    """``/metrics`` on ``host:port``, one scrape at a time from a thread of its own, at
+    most one snapshot per ``interval_s`` (see the module docstring)."""
 
-    def __init__(self, source: SnapshotSource, host: str, port: int):
+    def __init__(self, source: SnapshotSource, host: str, port: int,
+                 interval_s: float = MIN_INTERVAL_S):
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(DaemonCollector(source))
         ProcessCollector(namespace="kvpool_daemon", registry=self.registry)
-        self.httpd, self.thread = start_http_server(port, host, registry=self.registry)
+        self.interval_s = interval_s
+        self._next = 0.0  # monotonic time before which no snapshot is asked
+        server_class = _V6Server if ":" in host else _V4Server
+        self.httpd = make_server(host, port, self._app, server_class=server_class,
+                                 handler_class=_QuietHandler)
         self.port = self.httpd.server_address[1]
         self.host = host
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True,
+                                       name="kvpool-metrics")
+        self.thread.start()
+
+    def render(self) -> bytes:
+        """The exposition text of a fresh snapshot, no sooner than ``interval_s`` after
+        the previous one (the server's one thread only)."""
+        wait = self._next - time.monotonic()
+        if wait > 0:
+            time.sleep(wait)
+        try:
+            return generate_latest(self.registry)
+        finally:
+            self._next = time.monotonic() + self.interval_s
+
+    def _app(self, environ: dict[str, Any],
+             start_response: Callable[..., Any]) -> Iterable[bytes]:
+        if environ.get("PATH_INFO", "/") not in ("/", "/metrics"):
+            start_response("404 Not Found", [("Content-Type", "text/plain")])
+            return [b"not found: /metrics only\n"]
+        body = self.render()
+        start_response("200 OK", [("Content-Type", CONTENT_TYPE_LATEST),
+                                  ("Content-Length", str(len(body)))])
+        return [body]
 
     def close(self) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()
+
+
+class _V4Server(WSGIServer):
+    """One request at a time (no thread per scrape)."""
+
+    request_queue_size = 64
+    timeout = CLIENT_TIMEOUT_S
+
+    def get_request(self) -> tuple[socket.socket, Any]:
+        conn, addr = super().get_request()
+        conn.settimeout(CLIENT_TIMEOUT_S)  # a silent client cannot hold the thread
+        return conn, addr
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass  # a client that hung up or timed out: nothing to say
+
+
+class _V6Server(_V4Server):
+    address_family = socket.AF_INET6
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+        pass
+

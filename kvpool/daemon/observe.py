@@ -84,6 +84,7 @@ class Observer:
         self._ready = threading.Event()
         self._snap_lock = threading.Lock()
         self.last: Snapshot | None = None
+        self.snapshots_built = 0  # by the loop for the exporter (bounded: metrics.Exporter)
         self.exporter: metrics.Exporter | None = None  # when configured
         fdwatch.watch(self._wake_r, self._on_wake)
 
@@ -275,6 +276,7 @@ class Observer:
         if self._want:
             self._want = False
             self.last = self.snapshot()
+            self.snapshots_built += 1
             self._ready.set()
         live = self.tenants.by_id
         for tid in [tid for tid in self.events.followers if tid not in live]:

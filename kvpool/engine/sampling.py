@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -37,18 +38,36 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        if self.max_tokens < 1:
-            raise RequestError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise RequestError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")
-        if any(not s for s in self.stop):
-            raise RequestError("stop strings must be non-empty")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise RequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not _is_num(self.temperature) or self.temperature < 0:
+            raise RequestError(f"temperature must be a finite number >= 0, "
+                               f"got {self.temperature!r}")
+        if not _is_num(self.top_p) or not 0 < self.top_p <= 1:
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise RequestError(f"top_k must be -1 or 0 (off) or >= 1, got {self.top_k!r}")
+        if self.seed is not None and (not _is_int(self.seed)
+                                      or not -2 ** 63 <= self.seed < 2 ** 63):
+            raise RequestError(f"seed must be a signed 64-bit integer, got {self.seed!r}")
+        if not isinstance(self.stop, list) or any(not isinstance(s, str) or not s
+                                                  for s in self.stop):
+            raise RequestError("stop strings must be non-empty strings")
+        if not isinstance(self.stop_token_ids, list) or not all(
+                _is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise RequestError("stop_token_ids must be token ids (integers >= 0)")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams],

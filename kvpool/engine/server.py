@@ -8,7 +8,8 @@ and ``num_preemptions`` besides the token counts. Errors use OpenAI's
 ``{"error": {"message", "type", "code"}}`` shape with a 4xx status.
 
 Extensions accepted in request bodies (as in vLLM): ``top_k``, ``stop_token_ids``,
-``ignore_eos``.
+``ignore_eos``. Every field is checked as vLLM checks it (:mod:`kvpool.engine.api_bodies`):
+a bad value is a 400 naming the field.
 
 Chat prompts are the checkpoint's own chat template rendered in a sandbox
 (:mod:`kvpool.engine.chat_template`; ChatML for a checkpoint without one, logged once at
@@ -31,8 +32,9 @@ from typing import Any, cast
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict
 
+from kvpool.engine.api_bodies import (ChatBody, CommonBody, CompletionBody, OpenAIPrompt,
+                                      describe, problem)
 from kvpool.engine.async_engine import AsyncEngine
 from kvpool.engine.chat_template import ChatTemplateError
 from kvpool.engine.config import EngineConfig
@@ -47,36 +49,6 @@ log = logging.getLogger(__name__)
 # a chat's message text beyond this many characters per context token is refused before
 # rendering (no real tokenizer packs that many characters into one token)
 MAX_CHARS_PER_TOKEN = 64
-
-
-class _Common(BaseModel):
-    model_config = ConfigDict(extra="allow")  # unknown OpenAI fields are ignored
-
-    model: str | None = None
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    return_token_ids: bool = False  # vLLM extension: token ids next to the text
-    n: int = 1
-    stream: bool = False
-    stream_options: dict[str, Any] | None = None
-
-
-OpenAIPrompt = str | list[int] | list[str] | list[list[int]]
-
-
-class CompletionRequest(_Common):
-    prompt: OpenAIPrompt
-
-
-class ChatRequest(_Common):
-    messages: list[dict[str, Any]]
-    max_completion_tokens: int | None = None
 
 
 class APIError(Exception):
@@ -119,9 +91,7 @@ def create_app(aengine: AsyncEngine) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
-        msgs = "; ".join(f"{'.'.join(str(x) for x in err.get('loc', ()))}: {err.get('msg')}"
-                         for err in e.errors())
-        return _error(400, f"invalid request body: {msgs}", "invalid_request")
+        return _error(400, f"invalid request body: {describe(e)}", "invalid_request")
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -145,16 +115,23 @@ def create_app(aengine: AsyncEngine) -> FastAPI:
     async def stats() -> dict[str, Any]:
         return aengine.stats()
 
-    def check(body: _Common, max_tokens: int | None) -> None:
+    vocab = engine.model_config.vocab_size
+
+    def check(body: CommonBody) -> None:
         if body.model is not None and body.model != name:
             raise APIError(404, f"model {body.model!r} not found; this server serves "
                            f"{name!r}", "model_not_found")
-        if body.n != 1:
-            raise APIError(400, "only n=1 is supported")
-        if max_tokens is not None and max_tokens < 1:
-            raise APIError(400, f"max_tokens must be >= 1, got {max_tokens}")
+        why = problem(body, vocab)
+        if why is not None:
+            raise APIError(400, why)
 
-    def params(body: _Common, prompt: list[int], max_tokens: int | None,
+    def encode(prompt: str | list[int]) -> list[int]:
+        try:
+            return engine.encode(prompt)
+        except RequestError as e:
+            raise APIError(400, f"prompt: {e}") from None
+
+    def params(body: CommonBody, prompt: list[int], max_tokens: int | None,
                extra_stop_ids: tuple[int, ...] = ()) -> SamplingParams:
         if len(prompt) >= engine.max_model_len:
             raise APIError(400, f"prompt has {len(prompt)} tokens; the context holds "
@@ -169,10 +146,10 @@ def create_app(aengine: AsyncEngine) -> FastAPI:
             ignore_eos=body.ignore_eos)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest) -> Any:
-        check(body, body.max_tokens)
+    async def completions(body: CompletionBody) -> Any:
+        check(body)
         prompts = _prompt_list(body.prompt)
-        ids = [engine.encode(p) for p in prompts]
+        ids = [encode(p) for p in prompts]
         sps = [params(body, p, body.max_tokens if body.max_tokens is not None else 16)
                for p in ids]
         rid = f"cmpl-{uuid.uuid4().hex}"
@@ -192,9 +169,9 @@ def create_app(aengine: AsyncEngine) -> FastAPI:
                 "usage": _usage(outs)}
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatRequest) -> Any:
+    async def chat(body: ChatBody) -> Any:
         max_tokens = body.max_completion_tokens or body.max_tokens
-        check(body, max_tokens)
+        check(body)
         if not body.messages:
             raise APIError(400, "messages must not be empty")
         tok = engine.tokenizer
@@ -229,8 +206,8 @@ def _prompt_list(prompt: OpenAIPrompt) -> list[str | list[int]]:
     return list(cast(list[str] | list[list[int]], prompt))
 
 
-def _include_usage(body: _Common) -> bool:
-    return bool((body.stream_options or {}).get("include_usage"))
+def _include_usage(body: CommonBody) -> bool:
+    return bool(body.stream_options is not None and body.stream_options.include_usage)
 
 
 async def _final(aengine: AsyncEngine, rid: str, ids: list[int], sp: SamplingParams

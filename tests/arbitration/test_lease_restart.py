@@ -8,7 +8,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -61,10 +60,10 @@ def test_a_killed_lease_holder_frees_its_lease_at_once(start_daemon):
 def test_kill9_of_the_daemon_loses_nothing(start_daemon):
     d = start_daemon(budget=str(96 * PAGE))
     holders = [spawn(d, "hold", "--name", f"h{i}", "--blocks", str(8 + 4 * i)) for i in range(3)]
-    for h in holders:
-        read_event(h, "ready")
-    time.sleep(1.2)  # the allocators have reported their reserves
+    ready = {f"h{i}": read_event(h, "ready") for i, h in enumerate(holders)}
+    # each holder's reserve settled and was reported before it said ready
     before = {t["name"]: t["mapped"] for t in d.cli_json("ps")["tenants"]}
+    assert before == {name: r["mapped"] for name, r in ready.items()}
     assert len(before) == 3 and all(before.values())
 
     d.proc.send_signal(signal.SIGKILL)

@@ -87,6 +87,17 @@ def allocator(t, args):
     return g, a
 
 
+def settle(a) -> None:
+    """Refill/trim steps until one changes nothing (the reserve is within its marks: the
+    background thread has nothing left to do while no block is taken), then report."""
+    while True:
+        before = a.holdings().mapped
+        a.rebalance()
+        if a.holdings().mapped == before:
+            break
+    a.report()
+
+
 def contend(args) -> None:
     rng = random.Random(args.seed)
     t = connect(args)
@@ -115,7 +126,10 @@ def idle(args) -> None:
         raise RuntimeError("initial allocation failed")
     if args.mode == "idle":
         t.set_shrink_callback(cache.shrink)
-    emit(event="ready", pid=os.getpid(), blocks=len(cache.held))
+    else:  # hold: the reserve settles before ready (a test compares ps across restarts)
+        settle(a)
+    emit(event="ready", pid=os.getpid(), blocks=len(cache.held),
+         mapped=a.holdings().mapped)
     if args.mode == "idle":
         while True:
             time.sleep(1)

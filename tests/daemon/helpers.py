@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
+import select
 import subprocess
 import sys
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -77,13 +80,49 @@ class DaemonProc:
         return self.log.read_text() if self.log.exists() else ""
 
 
-def read_event(proc: subprocess.Popen, event: str, timeout: float = 30.0) -> dict:
-    """The next JSON line from a worker whose ``event`` is ``event``."""
+# what was read from a worker's stdout past its last whole line (read_line's own buffer)
+_PENDING: weakref.WeakKeyDictionary[subprocess.Popen, bytearray] = weakref.WeakKeyDictionary()
+
+
+def read_line(proc: subprocess.Popen, timeout: float = 30.0) -> str | None:
+    """The next line a worker writes on stdout, waiting at most ``timeout`` seconds
+    (AssertionError after; None at end of file). It polls the pipe (select) and reads
+    what is there, never a readline that blocks past the deadline; every read of a
+    worker's stdout goes through here (it keeps what follows the line for the next)."""
+    assert proc.stdout is not None
+    buf = _PENDING.setdefault(proc, bytearray())
+    fd = proc.stdout.fileno()
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            err = proc.stderr.read() if proc.poll() is not None else ""
+    while True:
+        end = buf.find(b"\n")
+        if end >= 0:
+            line = bytes(buf[:end + 1])
+            del buf[:end + 1]
+            return line.decode(errors="replace")
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise AssertionError(f"no line from worker pid {proc.pid} in {timeout} s")
+        ready, _, _ = select.select([fd], [], [], left)
+        if not ready:
+            continue
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:  # end of file: a last line without its newline, or none
+            line, buf[:] = bytes(buf), b""
+            return line.decode(errors="replace") if line else None
+        buf += chunk
+
+
+def read_event(proc: subprocess.Popen, event: str, timeout: float = 30.0) -> dict:
+    """The next JSON line from a worker whose ``event`` is ``event``, within ``timeout``
+    seconds whatever the worker does (AssertionError after)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            line = read_line(proc, max(0.0, deadline - time.monotonic()))
+        except AssertionError:
+            raise AssertionError(f"no {event!r} from worker in {timeout} s") from None
+        if line is None:
+            err = proc.stderr.read() if proc.poll() is not None and proc.stderr else ""
             raise AssertionError(f"worker ended before {event!r}: rc={proc.poll()}\n{err}")
         try:
             msg = json.loads(line)
@@ -93,7 +132,6 @@ def read_event(proc: subprocess.Popen, event: str, timeout: float = 30.0) -> dic
             return msg
         if msg.get("event") == "error":
             raise AssertionError(f"worker failed: {msg}")
-    raise AssertionError(f"no {event!r} from worker in {timeout} s")
 
 
 def read_until(proc: subprocess.Popen, event: str, pred, timeout: float = 30.0) -> dict:

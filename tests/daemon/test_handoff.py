@@ -23,7 +23,7 @@ from kvpool import protocol as p
 from kvpool.client_lib import handoff
 
 from .handoff_worker import fill, pattern, read
-from .helpers import PAGE, REPO, read_event
+from .helpers import PAGE, REPO, read_event, read_line
 
 WORKER = Path(__file__).with_name("handoff_worker.py")
 REGIONS = 2
@@ -404,7 +404,7 @@ def test_another_uid_may_not_claim_without_a_pairing(start_daemon, tmp_path):
         read_event(taker, "ready")
         taker.stdin.write(ticket.id + "\n")
         taker.stdin.flush()
-        line = taker.stdout.readline()
+        line = read_line(taker) or ""
         assert "not the same uid" in line and "UNAUTHORIZED" in line, line
         assert not ticket.settled and gg.mapped == {0, 1, 2}
         assert handoff.cancel(giver, ticket) is True

@@ -22,6 +22,7 @@ from .helpers import PAGE, read_event
 from .rawpeer import RawPeer, daemon_usage
 
 N_MESSAGES = 10_000
+REPLY_DEADLINE_MS = 120_000  # generous: whether the daemon answers, not how fast
 BUDGET_PAGES = 1024
 SINK_PAGES = 400  # more fd messages than a socket buffer holds
 TENANT_OPS = ["grant", "release", "report", "create_group", "destroy_group", "bye",
@@ -113,7 +114,9 @@ def send(env: Env, frames: list[bytes], attacker: bool) -> p.Reply:
     sock = env.attacker_sock if attacker else env.anon
     sock.send_multipart(frames)
     env.sent += 1
-    assert sock.poll(5000), "the daemon stopped answering"
+    # an outcome, not a latency: a refusal may wait behind a 100,000-frame message and
+    # a busy machine (load 5-10) stretches that many times over an idle core's
+    assert sock.poll(REPLY_DEADLINE_MS), "the daemon stopped answering"
     return p.decode_reply(sock.recv_multipart()[-1])  # (a REQ-style envelope is echoed)
 
 
@@ -356,7 +359,7 @@ def test_ten_thousand_hostile_messages(start_daemon, tmp_path):
     s = d.stats()
     assert s.pool.granted == 0 and not s.tenants, s
     assert s.errors >= N_MESSAGES
-    deadline = time.monotonic() + 30  # (pages the sink never took are retained until
+    deadline = time.monotonic() + 120  # (pages the sink never took are retained until
     while daemon_usage(d.pid)[0] > fds0 + 2 and time.monotonic() < deadline:  # its socket
         time.sleep(0.1)  # is gone, then freed on the daemon's liveness timer)
     fds, rss = daemon_usage(d.pid)

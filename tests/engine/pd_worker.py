@@ -30,7 +30,7 @@ import sys
 import time
 
 
-from worker_loop import arguments, emit, serve  # noqa: E402 (a sibling module)
+from worker_loop import arguments, emit, integrity, serve  # noqa: E402 (a sibling module)
 
 
 def finish(engine, rid: str) -> list[int]:
@@ -103,7 +103,8 @@ def export(engine, msg) -> None:
     emit(event="cache", cache=json.loads(c.to_json()),
          units=engine.pool.allocator.units_of(c.chunks))
     state = handoff_cache.settle_cache(engine, c, ticket, msg.get("ttl", 10.0) + 10)
-    emit(event="settled", state=state, mapped=sorted(engine.pool.allocator.group.mapped))
+    emit(event="settled", state=state, mapped=sorted(engine.pool.allocator.group.mapped),
+         integrity=integrity(engine))
 
 
 def adopt(engine, msg) -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from daemon.conftest import start_daemon  # noqa: F401  (fixture)
-from daemon.helpers import REPO, read_event
+from daemon.helpers import REPO, read_event, read_line
 from kvpool.engine import Engine, EngineConfig, SamplingParams
 
 WORKER = Path(__file__).with_name("pd_worker.py")
@@ -187,13 +187,15 @@ def test_an_unclaimed_ticket_expires_and_the_giver_decodes_itself(start_daemon, 
 def read_event_any(proc: subprocess.Popen, events: tuple[str, ...],
                    timeout: float = 60.0) -> dict:
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
+    while True:
+        try:
+            line = read_line(proc, max(0.0, deadline - time.monotonic()))
+        except AssertionError:
+            raise AssertionError(f"none of {events} in {timeout} s") from None
+        if line is None:
             raise AssertionError(f"worker ended: rc={proc.poll()}")
         msg = json.loads(line)
         if msg.get("event") in events:
             return msg
         if msg.get("event") == "error":
             raise AssertionError(f"worker failed: {msg}")
-    raise AssertionError(f"none of {events} in {timeout} s")

@@ -45,6 +45,14 @@ def start_worker(d, script, model, name: str, *args: str) -> subprocess.Popen:
     return proc
 
 
+def settled_of(old) -> dict:
+    """The giver's ``settled`` event, its engine whole after the handoff (claimed or
+    not: ``check_integrity`` on the giver's side too)."""
+    settled = read_event(old, "settled")
+    assert settled["integrity"] == "ok", settled["integrity"]
+    return settled
+
+
 def run(proc, n: int, rid: str) -> dict:
     send(proc, cmd="run", id=rid, prompt=prompt(n), params=GREEDY)
     return read_event(proc, "done")
@@ -79,7 +87,7 @@ def test_the_new_engine_takes_over_the_cache(start_daemon, tiny_dir):
     send(new, cmd="import", cache=cache["cache"])
     adopted = read_event(new, "adopted")
     assert adopted["entries"] > 0 and adopted["cached"] == adopted["entries"]
-    settled = read_event(old, "settled")
+    settled = settled_of(old)
     assert settled["state"] == "claimed"
     assert_same_pages_moved(d, cache["units"], settled, before_old, before_new, granted)
     now = tenants(d)
@@ -113,7 +121,7 @@ def test_an_unclaimed_cache_offer_expires_and_the_old_engine_keeps_it(start_daem
     first = run(old, 130, "a")
     send(old, cmd="export", to="new", ttl=0.5)
     cache = read_event(old, "cache")
-    settled = read_event(old, "settled")
+    settled = settled_of(old)
     assert settled["state"] == "expired"
     assert set(cache["units"]) <= set(settled["mapped"])
     again = run(old, 130, "b")
@@ -183,7 +191,7 @@ def test_in_flight_requests_move_and_finish_as_if_uninterrupted(start_daemon, ti
     adopted = read_event(new, "adopted")
     assert adopted["requests"] == ["a", "b", "c", "d"]
     assert (adopted["running"], adopted["waiting"]) == (3, 1)
-    settled = read_event(old, "settled")
+    settled = settled_of(old)
     assert settled["state"] == "claimed"
     assert (settled["detached"], settled["requests"]) == (0, 0), "nothing left on the old"
     assert_same_pages_moved(d, cache["units"], settled, before_old, before_new, granted)
@@ -209,7 +217,7 @@ def test_an_unclaimed_in_flight_offer_expires_and_the_old_engine_finishes(
     start_mid_generation(old)
     send(old, cmd="export", to="nobody", ttl=0.5)
     cache = read_event(old, "cache")
-    settled = read_event(old, "settled")
+    settled = settled_of(old)
     assert settled["state"] == "expired"
     assert set(cache["units"]) <= set(settled["mapped"]), "the old engine keeps its pages"
     assert settled["requests"] == 4 and settled["detached"] == 0
@@ -227,7 +235,7 @@ def test_killing_the_new_engine_after_its_claim_returns_the_memory(start_daemon,
     send(old, cmd="export", to="new")
     send(new, cmd="import", cache=read_event(old, "cache")["cache"], hold=True)
     read_event(new, "adopted")
-    assert read_event(old, "settled")["state"] == "claimed"
+    assert settled_of(old)["state"] == "claimed"
     new.kill()
     new.wait()
     wait_for(lambda: "new" not in tenants(d), "the dead new engine is dropped")
@@ -285,6 +293,6 @@ def test_a_bad_handover_is_refused_whole_and_a_good_one_still_claims(
         assert (got["used"], got["requests"]) == (0, 0), f"{why}: something stayed"
     send(new, cmd="import", cache=c)  # the ticket was left for the real message
     read_event(new, "adopted")
-    assert read_event(old, "settled")["state"] == "claimed"
+    assert settled_of(old)["state"] == "claimed"
     assert read_event(new, "done", timeout=120)["tokens"] == uninterrupted
     assert d.check() == []

@@ -22,7 +22,7 @@ import json
 import time
 
 
-from worker_loop import arguments, emit, finish_all, serve  # noqa: E402 (a sibling)
+from worker_loop import arguments, emit, finish_all, integrity, serve  # noqa: E402 (a sibling)
 
 
 def phase(req) -> str:
@@ -51,7 +51,8 @@ def export(engine, msg) -> None:
          units=engine.pool.allocator.units_of(c.chunks))
     state = handoff_cache.settle_cache(engine, c, ticket, ttl + 10)
     emit(event="settled", state=state, mapped=sorted(engine.pool.allocator.group.mapped),
-         detached=len(engine.detached), requests=len(engine.requests))
+         detached=len(engine.detached), requests=len(engine.requests),
+         integrity=integrity(engine))
     if state != "claimed":
         engine.check_integrity()
         emit(event="done", tokens=finish_all(engine))

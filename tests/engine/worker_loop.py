@@ -37,6 +37,16 @@ def finish_all(engine: Any) -> dict[str, list[int]]:
     return out
 
 
+def integrity(engine: Any) -> str:
+    """``engine.check_integrity()``: "ok", or what it found (the giver of a handoff
+    reports it with ``settled``, so every handoff test checks both sides)."""
+    try:
+        engine.check_integrity()
+    except AssertionError as e:
+        return f"broken: {e}"
+    return "ok"
+
+
 def check(engine: Any, msg: dict) -> None:
     """``check``: engine and pool integrity; prints ``ok`` with the used block count."""
     engine.check_integrity()

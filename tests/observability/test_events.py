@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 
-from daemon.helpers import REPO
+from daemon.helpers import REPO, read_line
 
 from . import scenario
 
@@ -60,14 +60,15 @@ def test_follow_delivers_the_round_as_it_happens(start_daemon):
          str(since), "--run-dir", str(d.run_dir)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
     d.workers.append(follow)
-    time.sleep(0.5)  # parked in the daemon, nothing new yet
-    assert follow.poll() is None
+    # no wait for it to park first: --since makes it deliver every later event, whether
+    # it asks before or after they happen
     job, nbytes, _ = scenario.force_reclaim(d)
     seen = []
     deadline = time.monotonic() + 30
     while not any(e["kind"] == "reclaim" for e in seen):
-        assert time.monotonic() < deadline, seen
-        seen.append(json.loads(follow.stdout.readline()))
+        line = read_line(follow, max(0.0, deadline - time.monotonic()))
+        assert line is not None, (seen, follow.stderr.read())
+        seen.append(json.loads(line))
     assert seen[0]["seq"] == since + 1  # nothing skipped, nothing repeated
     assert [e["seq"] for e in seen] == list(range(since + 1, since + 1 + len(seen)))
     assert [e for e in seen if e["kind"] == "reclaim"][0]["bytes"] == nbytes

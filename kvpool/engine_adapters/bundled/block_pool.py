@@ -54,6 +54,7 @@ class ElasticBlockPool(FixedBlockPool):
 
     def __init__(self, provisional_capacity: int,
                  on_close: Callable[[], None] | None = None) -> None:
+        self._null_held = True  # block 0 (the engine's null block) is ours
         self._allocator: ElasticBlockAllocator | None = None
         self._policy: ElasticPolicy | None = None
         self.engine: PoolUser | None = None
@@ -75,6 +76,14 @@ class ElasticBlockPool(FixedBlockPool):
         null = allocator.first_blocks
         if null != [NULL_BLOCK]:
             raise AdapterError(f"expected the allocator's first block to be 0, got {null}")
+        self._null_held = True
+
+    def null_given_away(self) -> None:
+        """(``lock`` held) The null block's chunk went to another engine with a handover
+        (warm restart, :func:`~.handoff_cache.settle_cache`): this pool no longer holds
+        block 0, its books say so, and it hands out no block again (a later mapping of
+        that chunk must never give block 0 to a request): the engine is retired."""
+        self._null_held = False
 
     def bind_engine(self, engine: PoolUser) -> None:
         """Preempt through ``engine`` and serialize with its steps (its ``step_lock``)."""
@@ -172,6 +181,9 @@ class ElasticBlockPool(FixedBlockPool):
         # without the lock are only a hint; eviction rechecks under it.
         if n <= 0:
             return []
+        if not self._null_held:
+            raise AdapterError("this engine handed its null block over with its cache "
+                               "(warm restart): it allocates no more blocks")
         alloc = self.allocator
         if n > alloc.free_blocks and self._evictable:
             with self.lock:
@@ -236,7 +248,8 @@ class ElasticBlockPool(FixedBlockPool):
     def num_used_blocks(self) -> int:
         with self.lock:
             spare = self.aligned.num_spare if self.aligned is not None else 0
-            return self.allocator.used_blocks - len(self._evictable) - spare - 1  # minus null
+            null = 1 if self._null_held else 0
+            return self.allocator.used_blocks - len(self._evictable) - spare - null
 
     def held_bytes(self, block_bytes: int) -> int:
         return self.allocator.holdings().mapped
@@ -316,9 +329,10 @@ class ElasticBlockPool(FixedBlockPool):
                 for c, blocks in self.aligned.spare.items():
                     for b in blocks:
                         assert self._ref[b] == 0 and alloc.is_held(b), f"spare block {b}"
-            assert alloc.used_blocks == used + spare + 1, (
+            null = 1 if self._null_held else 0
+            assert alloc.used_blocks == used + spare + null, (
                 f"allocator holds {alloc.used_blocks} blocks, pool accounts for {used} + "
-                f"{spare} spare + null")
+                f"{spare} spare + {null} null")
             for h, dups in self._by_hash.items():
                 for b in dups:
                     assert self._entry[b].block_hash == h, f"hash index wrong for block {b}"

@@ -6,8 +6,9 @@ one's cache hits and goes on with its requests where they were.
     c, ticket = offer_cache(old, to="new-tenant", in_flight=True)  # units in escrow
     send(c.to_json())
     settle_cache(old, c, ticket)     # "claimed": those units and requests are gone; the
-                                     # old engine must not step again (its null block
-                                     # may be gone); else all of it runs here again
+                                     # old engine is retired (its null block went too:
+                                     # it allocates nothing more; its books still add
+                                     # up); else all of it runs here again
     # new engine
     adopt_cache(new, CacheHandover.from_json(msg))    # claimed; blocks cached, requests
                                                       # running (or waiting) here
@@ -125,6 +126,8 @@ def settle_cache(engine: Engine, c: CacheHandover, ticket: wire.Ticket,
                 engine.reattach(r.request_id)
             return state
         per = pool.allocator.blocks_per_chunk
+        if pool.allocator.chunk_of(NULL_BLOCK) in c.chunks:  # it went too: the books say so
+            pool.null_given_away()
         pool.forget_blocks(b for ch in set(c.chunks) for b in range(ch * per, (ch + 1) * per))
         pool.allocator.forget_chunks(c.chunks)
         for r in c.requests:

@@ -68,7 +68,7 @@ def check_peer(engine: Any, to: str, peer: tuple[str, int] | None,
     if peer is None or server is None:
         raise Refused(403, f"retire to {to!r} refused: the request came on no TCP "
                            f"connection this server can check")
-    if not _loopback(peer[0]):
+    if not loopback(peer[0]):
         raise Refused(403, f"retire to {to!r} refused: the request came from {peer[0]}, "
                            f"not from this machine's loopback")
     pid, endpoint = _locate(engine, to)
@@ -79,21 +79,23 @@ def check_peer(engine: Any, to: str, peer: tuple[str, int] | None,
 
 
 def check_connection(to: str, pid: int, peer: tuple[str, int],
-                     server: tuple[str, int]) -> None:
+                     server: tuple[str, int], action: str | None = None) -> None:
     """The TCP connection ``peer`` -> ``server`` is open in process ``pid`` (tenant
     ``to``'s); else :class:`Refused` (403), also when this process cannot see its
-    sockets (another uid, this one not root)."""
+    sockets (another uid, this one not root). ``action`` names what is refused in the
+    line (default: the retire to ``to``)."""
+    what = action or f"retire to {to!r}"
     try:
         conns = psutil.Process(pid).net_connections(kind="tcp")
     except psutil.NoSuchProcess:
-        raise Refused(403, f"retire to {to!r} refused: its process {pid} is gone") from None
+        raise Refused(403, f"{what} refused: its process {pid} is gone") from None
     except psutil.AccessDenied:
-        raise Refused(403, f"retire to {to!r} refused: its process {pid} runs as another "
+        raise Refused(403, f"{what} refused: its process {pid} runs as another "
                            f"user, whose sockets this server cannot see, so it cannot tell "
                            f"who asks (run the old server as root, or the new one as this "
                            f"server's user)") from None
     if not any(_same(c, peer, server) for c in conns):
-        raise Refused(403, f"retire to {to!r} refused: the request did not come from "
+        raise Refused(403, f"{what} refused: the request did not come from "
                            f"tenant {to!r}'s process {pid} (it came from port {peer[1]})")
 
 
@@ -123,7 +125,7 @@ def _ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
     return a
 
 
-def _loopback(host: str) -> bool:
+def loopback(host: str) -> bool:
     a = _ip(host)
     return a is not None and a.is_loopback
 
@@ -144,8 +146,8 @@ async def refusal(engine: Any, to: str, ttl_s: float, request: Any,
     from fastapi.responses import JSONResponse
 
     try:
-        await admit(engine, to, ttl_s, _addr(request.client),
-                    _addr(request.scope.get("server")), url)
+        await admit(engine, to, ttl_s, address(request.client),
+                    address(request.scope.get("server")), url)
     except Refused as e:
         code = "forbidden" if e.status == 403 else "invalid_request"
         return JSONResponse({"error": {"message": e.line, "type": "invalid_request_error",
@@ -153,5 +155,5 @@ async def refusal(engine: Any, to: str, ttl_s: float, request: Any,
     return None
 
 
-def _addr(a: Any) -> tuple[str, int] | None:
+def address(a: Any) -> tuple[str, int] | None:
     return None if a is None else (str(a[0]), int(a[1]))

@@ -34,6 +34,7 @@ from dataclasses import asdict
 from collections.abc import Sequence
 from typing import Any
 
+from kvpool.engine.api_bodies import PUBLIC_SAMPLING
 from kvpool.engine.async_engine import AbortRequest, AddRequest, AsyncEngine
 from kvpool.engine.errors import RequestError
 from kvpool.engine.request import RequestOutput
@@ -287,8 +288,9 @@ class RetiringEngine(AsyncEngine):
             _put(a.loop, a.out, RequestError(
                 "this server is retired: the engine that replaced it serves its requests"))
             return
+        params = dataclasses.asdict(a.params)  # the public ones: all a client could set
         body = {"id": a.request_id, "prompt": list(a.prompt),
-                "params": dataclasses.asdict(a.params)}
+                "params": {k: params[k] for k in PUBLIC_SAMPLING}}
         dec = warm_relay.Decoder(a.request_id, a.prompt, [], None)
         self._spawn(a.request_id, a.loop,
                     warm_relay.relay(self._target, dec, a.out.put_nowait, forward=body),

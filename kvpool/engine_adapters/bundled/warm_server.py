@@ -26,7 +26,8 @@ from pydantic import BaseModel
 from kvpool.engine.config import EngineConfig
 from kvpool.engine.errors import RequestError
 from kvpool.engine.sampling import SamplingParams
-from kvpool.engine_adapters.bundled import handoff_cache, retire_auth, warm_relay
+from kvpool.engine.api_bodies import public_sampling
+from kvpool.engine_adapters.bundled import handoff_cache, relay_auth, retire_auth, warm_relay
 from kvpool.engine_adapters.bundled.warm_engine import RetiringEngine
 
 log = logging.getLogger("kvpool.warm")
@@ -51,9 +52,9 @@ class AdoptBody(BaseModel):
 
 
 def take_over(engine: Any, url: str, to: str, timeout_s: float = 120.0,
-              follow_url: str | None = None) -> int:
-    """Ask the server at ``url`` for its prefix cache and adopt it; returns the entries.
-    With ``follow_url`` (where this server will serve) its in-flight requests come too
+              follow_url: str | None = None) -> tuple[int, str | None]:
+    """Ask the server at ``url`` for its prefix cache and adopt it; returns the entries
+    and the name of the tenant whose offer it was (the daemon's word, ``Claimed``). With ``follow_url`` (where this server will serve) its in-flight requests come too
     and run in ``engine`` (the old server relays their streams from there); without, it
     drains them first. Raises RuntimeError (one line) when it cannot."""
     import httpx
@@ -69,9 +70,15 @@ def take_over(engine: Any, url: str, to: str, timeout_s: float = 120.0,
     from kvpool.client_lib import KvpoolError
 
     try:  # (a refused claim, e.g. not the located tenant's offer: one line, no trace)
-        return handoff_cache.adopt_cache(engine, c)
+        entries = handoff_cache.adopt_cache(engine, c)
     except KvpoolError as e:
         raise RuntimeError(f"the cache {url} handed over cannot be claimed: {e}") from None
+    from kvpool.client_lib import handoff
+    from kvpool.engine_adapters.bundled import bridge_of
+
+    bridge = bridge_of(engine.config)
+    tenant = bridge.tenant if bridge is not None else None
+    return entries, (handoff.of(tenant).giver_of(c.ticket) if tenant is not None else None)
 
 
 def serve_elastic(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
@@ -86,12 +93,13 @@ def serve_elastic(config: EngineConfig, host: str = "127.0.0.1", port: int = 800
 
     locate.announce(config, host, port)  # our tenant registers where it serves
     engine = Engine(config)
+    giver = None
     if handoff_from:
         bridge = bridge_of(config)
         name = bridge.tenant.name if bridge is not None and bridge.tenant else ""
         try:  # a tenant name is located through the daemon (locate.resolve)
-            n = take_over(engine, locate.resolve(bridge, handoff_from), name,
-                          follow_url=_own_url(host, port))
+            n, giver = take_over(engine, locate.resolve(bridge, handoff_from), name,
+                                 follow_url=_own_url(host, port))
             log.warning("took over %d cached blocks and %d requests from %s", n,
                         len(engine.requests), handoff_from)
         except Exception:
@@ -99,14 +107,20 @@ def serve_elastic(config: EngineConfig, host: str = "127.0.0.1", port: int = 800
             raise
     aengine = RetiringEngine(engine, adopted=list(engine.requests))
     app = create_app(aengine)
-    add_routes(app, aengine)
+    add_routes(app, aengine, relay_auth.RelayAuth(engine, giver))
     uvicorn.run(app, host=host, port=port, log_level=log_level)
 
 
-def add_routes(app: FastAPI, aengine: RetiringEngine) -> None:
+def add_routes(app: FastAPI, aengine: RetiringEngine, relay: relay_auth.RelayGate) -> None:
     """``/pd/retire`` (as the old server), ``/pd/follow/{id}`` and ``/pd/adopt`` (as the
-    new one: the streams the old server relays, JSON lines of :mod:`.warm_relay`)."""
+    new one: the streams the old server relays, JSON lines of :mod:`.warm_relay`). The
+    relay routes answer only the server this one took over from (``relay``, 403 to
+    anyone else); ``/pd/adopt`` takes only the public sampling parameters, and an id in
+    use is refused at once (409)."""
     from fastapi.responses import JSONResponse, StreamingResponse
+
+    adopting: set[str] = set()  # ids of /pd/adopt streams open now (the loop's)
+    vocab = aengine.engine.model_config.vocab_size
 
     @app.post("/pd/retire")
     async def retire(body: RetireBody, request: Request) -> Any:
@@ -117,7 +131,10 @@ def add_routes(app: FastAPI, aengine: RetiringEngine) -> None:
         return await aengine.retire(body.to, body.ttl_s, body.in_flight, body.url)
 
     @app.get("/pd/follow/{rid}")
-    async def follow(rid: str) -> Any:
+    async def follow(rid: str, request: Request) -> Any:
+        refused = await relay.refusal(request, "follow")
+        if refused is not None:
+            return refused
         try:
             outs = await aengine.follow(rid)
         except LookupError as e:
@@ -126,19 +143,37 @@ def add_routes(app: FastAPI, aengine: RetiringEngine) -> None:
         return StreamingResponse(warm_relay.lines(outs), media_type="application/x-ndjson")
 
     @app.delete("/pd/follow/{rid}")
-    async def drop(rid: str) -> dict[str, Any]:
+    async def drop(rid: str, request: Request) -> Any:
+        refused = await relay.refusal(request, "drop")
+        if refused is not None:
+            return refused
         aengine.drop_soon(rid)  # only an adopted request nobody follows
         return {"dropped": rid}
 
     @app.post("/pd/adopt")
-    async def adopt(body: AdoptBody) -> Any:
+    async def adopt(body: AdoptBody, request: Request) -> Any:
+        refused = await relay.refusal(request, "adopt")
+        if refused is not None:
+            return refused
         try:
-            params = SamplingParams(**body.params)
+            params = SamplingParams(**public_sampling(body.params, vocab))
         except (TypeError, ValueError) as e:
             raise RequestError(f"sampling parameters: {e}") from None
         ids = aengine.engine.encode(body.prompt)
-        return StreamingResponse(warm_relay.lines(aengine.generate(body.id, ids, params)),
-                                 media_type="application/x-ndjson")
+        if body.id in adopting or body.id in aengine.engine.requests:  # no await since
+            return JSONResponse({"error": {"message": f"request id {body.id[:80]!r} is in "
+                                           f"use", "type": "invalid_request_error",
+                                           "code": "conflict"}}, 409)
+        adopting.add(body.id)
+
+        async def stream() -> Any:
+            try:
+                async for line in warm_relay.lines(aengine.generate(body.id, ids, params)):
+                    yield line
+            finally:
+                adopting.discard(body.id)
+
+        return StreamingResponse(stream(), media_type="application/x-ndjson")
 
 
 def _own_url(host: str, port: int) -> str:
