@@ -297,7 +297,10 @@ def test_adopt_descriptors_arriving_after_the_adopt_complete_it(start_daemon):
     peer = RawPeer(d.run_dir)
     peer.register("late")
     rid = peer.send(p.Adopt(nfds=2))
-    time.sleep(0.2)  # the Adopt is parked by now
+    # the event, not a sleep: the session's next request (ordered after the Adopt on its
+    # socket) is answered BUSY while, and only while, the Adopt is parked
+    busy = peer.call(p.Ps(), 30)
+    assert isinstance(busy, p.Error) and busy.code == p.BUSY, busy
     memfds = [os.memfd_create("late") for _ in range(2)]
     try:
         fdchannel.send_fds(peer.fd, p.encode(p.FdHeader(rid, 2, 0)), memfds)
