@@ -109,8 +109,9 @@ def test_kill_tenant_holding_1100_pages(start_daemon):
 
 def test_thousand_fd_channel_connections(start_daemon):
     """With 1,100 pages held (so every new descriptor is past 1024), 1,000 fd-channel
-    connections are opened, kept while the victim is served and closed: each got a hello (or a refusal past
-    the session caps), the daemon lives, closes every one, and serves the victim."""
+    connections are opened, kept open while the victim is served and closed: each got a
+    hello (or a refusal past the session caps), the daemon lives, closes every one, and
+    serves the victim."""
     d = start_daemon(budget="4GiB", extra=("--warm-max", "0"))
     allow_fds(4096)
     holder = d.worker("hold", "--name", "holder", "--units", "1100", "--regions", "1",
