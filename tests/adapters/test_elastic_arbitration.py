@@ -1,6 +1,7 @@
 """The arbitration acceptance tests again, with real ``kvpool serve --elastic`` engines
-instead of test workers (tests/arbitration uses a test-only shrink callback): the
-adapter's own shrink path (evict prefix-cached blocks, preempt) does the reclaiming.
+instead of test workers (tests/arbitration's workers keep a prefix cache in the bundled
+engine's elastic pool, with no requests to preempt): the adapter's own shrink path (evict
+prefix-cached blocks, preempt) does the reclaiming.
 
 * weights 1:1:2 — three engines under sustained load that wants more than the budget:
   their time-averaged shares converge to 25/25/50 %;

@@ -58,12 +58,12 @@ class Daemon:
         launch.stop(self.proc, 15.0)  # SIGTERM, SIGKILL after 15 s
 
 
-def start_daemon(budget: str = "4MiB", page_size: int = 65536, run_dir: Path | None = None
-                 ) -> Daemon:
+def start_daemon(budget: str = "4MiB", page_size: int = 65536, run_dir: Path | None = None,
+                 extra: tuple[str, ...] = ()) -> Daemon:
     run_dir = run_dir or Path(tempfile.mkdtemp(prefix="kvp-vllm-", dir="/tmp"))
     log = run_dir.with_suffix(".log")
     args = ("daemon", "--backend", "host", "--run-dir", str(run_dir), "--budget", budget,
-            "--page-size", str(page_size))
+            "--page-size", str(page_size), *extra)
     with open(log, "a") as f:
         proc = subprocess.Popen([sys.executable, "-m", "kvpool.cli.main", *args], stdout=f,
                                 stderr=subprocess.STDOUT, cwd=REPO)

@@ -9,6 +9,8 @@ from pathlib import Path
 from daemon.helpers import REPO, DaemonProc, wait_for  # noqa: F401  (wait_for re-exported)
 
 WORKER = Path(__file__).with_name("worker.py")
+# contend and idle workers import the bundled engine's pool (torch): seconds on a busy machine
+READY_S = 180.0
 
 
 def spawn(d: DaemonProc, *args: str, prefix: tuple[str, ...] = ()) -> subprocess.Popen:

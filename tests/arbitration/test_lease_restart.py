@@ -13,7 +13,7 @@ import pytest
 
 from daemon.helpers import PAGE, REPO, read_event, read_until, respawn
 
-from .helpers import mapped, spawn, wait_for
+from .helpers import READY_S, mapped, spawn, wait_for
 
 
 def test_lease_cli_gets_its_grant_while_engines_hold_memory_and_gives_it_back(start_daemon, tmp_path):
@@ -23,7 +23,7 @@ def test_lease_cli_gets_its_grant_while_engines_hold_memory_and_gives_it_back(st
     engines = [spawn(d, "contend", "--name", f"e{i}", "--seed", str(i), "--seconds", "60",
                      "--until-file", str(stop)) for i in range(2)]
     for e in engines:
-        read_event(e, "ready")
+        read_event(e, "ready", READY_S)
     wait_for(lambda: sum(mapped(d).values()) >= (budget - 4) * PAGE, 5.0, what="engines fill")
     marker = tmp_path / "leased"
     code = (f"import os,pathlib; pathlib.Path({str(marker)!r}).write_text("
@@ -108,7 +108,7 @@ def test_unprivileged_clients_are_refused(start_daemon, tmp_path):
     assert ((d.run_dir / "control.sock").stat().st_mode & 0o777) == 0o660
     assert d.run_dir.stat().st_gid == gid
     victim = spawn(d, "idle", "--name", "victim", "--blocks", "4")
-    read_event(victim, "ready")
+    read_event(victim, "ready", READY_S)
     with d.monitor() as m:
         (vgroup,) = [g.id for g in m.map("victim").groups]
 

@@ -1,10 +1,14 @@
-"""Issue 5 acceptance: arbitration between real tenant processes (host backend)."""
+"""Issue 5 acceptance: arbitration between real tenant processes (host backend).
+
+The contend and idle workers shrink through the project's own components: their blocks
+are prefix cache in the bundled engine's ``ElasticBlockPool``, whose ``ElasticPolicy``
+shrink is the tenant's shrink callback (tests/arbitration/worker.py)."""
 
 from __future__ import annotations
 
 from daemon.helpers import PAGE, read_event
 
-from .helpers import mapped, spawn, wait_for
+from .helpers import READY_S, mapped, spawn, wait_for
 
 
 def test_weights_1_1_2_converge_to_25_25_50(start_daemon, tmp_path):
@@ -20,7 +24,7 @@ def test_weights_1_1_2_converge_to_25_25_50(start_daemon, tmp_path):
                       "--seconds", "120", "--until-file", str(stop))
              for i, (n, w) in enumerate(ws.items())}
     for w in procs.values():
-        read_event(w, "ready")
+        read_event(w, "ready", READY_S)
     want = {"a": 24 * PAGE, "b": 24 * PAGE, "c": 48 * PAGE}
     slack = 4 * PAGE  # the contenders churn a block or two at a time around their share
 
@@ -51,11 +55,11 @@ def test_min_is_never_reclaimed(start_daemon, tmp_path):
     d = start_daemon(budget=str(budget * PAGE), extra=("--warm-max", "0"))
     mn = 24 * PAGE
     guarded = spawn(d, "idle", "--name", "guarded", "--min", str(mn), "--blocks", "40")
-    assert read_event(guarded, "ready")["blocks"] == 40
+    assert read_event(guarded, "ready", READY_S)["blocks"] == 40
     stop = tmp_path / "stop"
     hog = spawn(d, "contend", "--name", "hog", "--weight", "100", "--seconds", "120",
                 "--until-file", str(stop))
-    read_event(hog, "ready")
+    read_event(hog, "ready", READY_S)
     seen: list[int] = []
     with d.monitor() as m:
         def guarded_mapped() -> int:
@@ -78,7 +82,7 @@ def test_min_is_never_reclaimed(start_daemon, tmp_path):
 def test_lowering_an_idle_tenants_max_frees_memory(start_daemon):
     d = start_daemon(budget=str(64 * PAGE))
     w = spawn(d, "idle", "--name", "sleepy", "--blocks", "32")
-    assert read_event(w, "ready")["blocks"] == 32
+    assert read_event(w, "ready", READY_S)["blocks"] == 32
     assert mapped(d)["sleepy"] >= 32 * PAGE
     out = d.cli_json("limit", "sleepy", str(8 * PAGE))
     assert out["max"] == 8 * PAGE and out["applied"] is False and out["pending"] > 0

@@ -1,13 +1,19 @@
 """A tenant process for the arbitration tests. Prints one JSON object per line on stdout.
 
 Modes:
-  contend — wants every block it can get: allocates one or two blocks at a time and now
-            and then frees some; its shrink callback evicts whole chunks (fewest held
-            blocks first) like an engine dropping cached prefix blocks.
-  idle    — allocates ``--blocks`` blocks it keeps as "cache", says ready, then its main
-            thread sleeps; the shrink callback evicts cache (the library does the rest).
-  hold    — like ``idle`` without a shrink callback, then keeps reading and writing its
-            blocks (a pattern per block) and reports progress; survives daemon restarts.
+  contend — wants every block it can get: "requests" of one or two blocks whose blocks
+            become prefix cache when they end, and now and then it evicts some cache.
+  idle    — fills a prefix cache of ``--blocks`` blocks, says ready, then its main thread
+            sleeps.
+  hold    — allocates ``--blocks`` blocks with no shrink callback, then keeps reading and
+            writing them (a pattern per block) and reports progress; survives daemon
+            restarts.
+
+contend and idle are tenants the way an engine is one: their blocks live in the bundled
+engine's own elastic block pool (``ElasticBlockPool`` over the client library's
+``ElasticBlockAllocator``), and the pool's shrink (the adapter's ``ElasticPolicy``: whole
+chunks of cache fewest held first, then all of it) is the tenant's shrink callback, as
+``kvpool serve --elastic`` wires it. No shrink logic of the test's own.
 """
 
 from __future__ import annotations
@@ -29,13 +35,12 @@ def emit(**kw) -> None:
 
 
 class Cache:
-    """Held blocks, evictable by the shrink callback (thread-safe)."""
+    """Held blocks (hold mode: nothing reclaims them, there is no shrink callback)."""
 
     def __init__(self, alloc):
         self.a = alloc
         self.lock = threading.Lock()
         self.held: set[int] = set()
-        self.evictions = 0
 
     def add(self, n: int) -> bool:
         got = self.a.alloc(n)  # not under the lock: the slow path may wait for reclaim
@@ -45,26 +50,76 @@ class Cache:
             self.held.update(got)
         return True
 
-    def drop(self, rng: random.Random, n: int) -> None:
-        with self.lock:
-            victims = rng.sample(sorted(self.held), min(n, len(self.held)))
-            self.a.free(victims)
-            self.held.difference_update(victims)
 
-    def shrink(self, nbytes: int, urgent: bool) -> None:
-        with self.lock:
-            self.evictions += 1
-            per_chunk = self.a.holdings().chunk
-            by_chunk: dict[int, list[int]] = {}
-            for b in self.held:
-                by_chunk.setdefault(self.a.chunk_of(b), []).append(b)
-            freed = 0
-            for c in sorted(by_chunk, key=lambda c: len(by_chunk[c])):
-                if freed >= nbytes:
-                    break
-                self.a.free(by_chunk[c])
-                self.held.difference_update(by_chunk[c])
-                freed += per_chunk
+class EngineCache:
+    """A prefix cache in the bundled engine's elastic pool (the project's own shrink).
+
+    Every "step" runs under the pool's ``step_lock``, as an engine's does (the policy's
+    shrink takes it first, so it evicts between steps). A request takes blocks
+    (``get_new_blocks``: the allocator's reserve, then the pool's own cache, else demand
+    its thread asks the daemon for), caches them as one hash chain and frees them: they
+    stay mapped as evictable cache until the pool's own allocation, or the daemon's
+    reclaim, evicts them. ``wants_more``: each request first waits for its blocks from
+    the daemon (the allocator's slow path), as an engine under load that wants more than
+    its share does, instead of reusing its own cache."""
+
+    def __init__(self, t, args, wants_more: bool = False):
+        from kvpool.client_lib import ElasticBlockAllocator
+        from kvpool.engine_adapters.bundled.block_pool import ElasticBlockPool
+
+        self.group = t.region_group(args.regions, args.capacity)
+        self.pool = ElasticBlockPool(1)
+        self.pool.bind(ElasticBlockAllocator(
+            self.group, args.block, low=args.low, high=args.high,
+            idle_timeout_s=args.idle_timeout, tick_s=0.005, take_first=1))
+        t.set_shrink_callback(self.pool.shrink)
+        self.requests = 0
+        self.wants_more = wants_more
+
+    def request(self, n: int) -> bool:
+        """One request of ``n`` blocks that ends at once; False when the pool has no
+        memory for it now (the allocator's thread asks the daemon meanwhile)."""
+        from kvpool.engine.block_pool import NULL_BLOCK
+        from kvpool.engine.errors import PoolExhausted
+
+        if self.wants_more:
+            # the library's slow path: asks the daemon and waits while it reclaims from
+            # tenants above their share; the blocks go back to the reserve the step takes
+            got = self.pool.allocator.alloc(n)
+            if got is None:
+                return False
+            self.pool.allocator.free(got)
+        with self.pool.step_lock:
+            try:
+                blocks = self.pool.get_new_blocks(n)
+            except PoolExhausted:
+                return False
+            self.requests += 1
+            hashes = [hash((os.getpid(), self.requests, k)) for k in range(n)]
+            self.pool.cache_full_blocks(blocks, hashes, [(self.requests, k) for k in range(n)],
+                                        NULL_BLOCK)
+            self.pool.free_blocks(blocks)
+        return True
+
+    def evict(self, n: int) -> None:
+        with self.pool.step_lock:
+            self.pool.evict_cached_blocks(n)
+
+    def fill(self, n: int, timeout_s: float = 60.0) -> None:
+        """Cache ``n`` blocks, one request each (waits for the allocator's grants)."""
+        deadline = time.monotonic() + timeout_s
+        while self.pool.num_cached_blocks < n:
+            if not self.request(1):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{self.pool.num_cached_blocks} of {n} blocks cached")
+                time.sleep(0.005)  # the allocator's thread is asking the daemon
+
+    def done(self) -> dict:
+        with self.pool.step_lock:
+            self.pool.check_integrity()
+        pol = self.pool.policy
+        return {"shrinks": pol.shrinks, "evictions": pol.shrink_evictions,
+                "held": self.pool.num_cached_blocks}
 
 
 def connect(args):
@@ -99,47 +154,49 @@ def settle(a) -> None:
 
 
 def contend(args) -> None:
+    import kvpool.engine_adapters.bundled.block_pool  # noqa: F401  (torch: before connect)
+
     rng = random.Random(args.seed)
     t = connect(args)
-    g, a = allocator(t, args)
-    cache = Cache(a)
-    t.set_shrink_callback(cache.shrink)
+    cache = EngineCache(t, args, wants_more=True)
     emit(event="ready", pid=os.getpid())
     stop = Path(args.until_file) if args.until_file else None
     deadline = time.monotonic() + args.seconds
     while time.monotonic() < deadline and not (stop and stop.exists()):
-        if cache.held and rng.random() < 0.25:
-            cache.drop(rng, rng.randint(1, 2))
-        elif not cache.add(rng.randint(1, 2)):
+        if cache.pool.num_cached_blocks and rng.random() < 0.25:
+            cache.evict(rng.randint(1, 2))
+        elif not cache.request(rng.randint(1, 2)):
             time.sleep(0.005)
         time.sleep(0.001)
-    a.check_integrity()
-    emit(event="done", evictions=cache.evictions, reclaims=t.reclaims, held=len(cache.held))
+    emit(event="done", reclaims=t.reclaims, **cache.done())
     t.close()
 
 
 def idle(args) -> None:
+    if args.mode == "idle":
+        import kvpool.engine_adapters.bundled.block_pool  # noqa: F401  (torch)
     t = connect(args)
-    g, a = allocator(t, args)
-    cache = Cache(a)
-    if not cache.add(args.blocks):  # not inside an assert: python -O would skip the work
-        raise RuntimeError("initial allocation failed")
     if args.mode == "idle":
-        t.set_shrink_callback(cache.shrink)
-    else:  # hold: the reserve settles before ready (a test compares ps across restarts)
-        settle(a)
-    emit(event="ready", pid=os.getpid(), blocks=len(cache.held),
-         mapped=a.holdings().mapped)
-    if args.mode == "idle":
+        cache = EngineCache(t, args)
+        cache.fill(args.blocks)
+        emit(event="ready", pid=os.getpid(), blocks=cache.pool.num_cached_blocks,
+             mapped=cache.pool.allocator.holdings().mapped)
         while True:
             time.sleep(1)
+    g, a = allocator(t, args)
+    held = Cache(a)
+    if not held.add(args.blocks):  # not inside an assert: python -O would skip the work
+        raise RuntimeError("initial allocation failed")
+    settle(a)  # the reserve settles before ready (a test compares ps across restarts)
+    emit(event="ready", pid=os.getpid(), blocks=len(held.held),
+         mapped=a.holdings().mapped)
     # hold: write a pattern per block, keep verifying and rewriting it
     base = g.ranges[0].base
     gen = 1
     rounds = 0
     last = time.monotonic()
     while True:
-        for b in sorted(cache.held):
+        for b in sorted(held.held):
             addr = base + a.block_offset(b)
             if gen > 1:
                 got = ctypes.c_uint64.from_address(addr).value

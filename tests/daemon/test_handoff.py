@@ -49,6 +49,20 @@ def wait_for(pred, what: str, timeout: float = 30.0):
     raise AssertionError(f"{what}: not within {timeout} s")
 
 
+def check_both(d, *groups) -> None:
+    """Both sides after a handoff (the in-process giver's and receiver's groups): each
+    group's own books (the units it maps, the page handles it keeps) equal the daemon's
+    map of that group, and the daemon's books add up (``kvpool check``)."""
+    with d.monitor() as m:
+        daemon_units = {g.id: {int(u) for u in (g.pfns or {})}
+                        for g in m.map(pfns=True).groups}
+    for g in groups:
+        assert set(g.handles) == g.mapped, (g.id, sorted(g.handles), sorted(g.mapped))
+        assert daemon_units.get(g.id, set()) == g.mapped, (
+            g.id, sorted(daemon_units.get(g.id, ())), sorted(g.mapped))
+    assert d.check() == []
+
+
 def tenant_info(d, name: str):
     with d.monitor() as m:
         return next((t for t in m.ps().tenants if t.name == name), None)
@@ -97,7 +111,7 @@ def test_the_receiver_reads_the_givers_bytes_and_the_giver_lets_go(daemon):
         assert (gi.mapped, ri.mapped) == (REGIONS * PAGE, 2 * REGIONS * PAGE)
         assert d.stats().pool.granted == 3 * REGIONS * PAGE  # moved, not added
         assert read(gg, 0) == pattern(0, 0, PAGE)  # what it kept is intact
-        assert d.check() == []
+        check_both(d, gg, rg)
         with d.monitor() as m:  # `kvpool events`: a handoff, not a grant
             events = m.call(p.Events()).events
         moved = [e for e in events if e.kind == "handoff"]
@@ -154,7 +168,7 @@ def test_a_third_tenant_cannot_claim(daemon):
         handoff.claim(rg, ticket, [4])
         assert read(rg, 4, 0) == pattern(1, 0, PAGE)
         assert ticket.wait(10) == "claimed"
-        assert d.check() == []
+        check_both(d, gg, rg)
 
 
 def test_a_reused_ticket_is_refused(daemon):
@@ -170,7 +184,7 @@ def test_a_reused_ticket_is_refused(daemon):
         assert rg.mapped == {0} and tenant_info(d, "decode").mapped == REGIONS * PAGE
         assert ticket.wait(10) == "claimed"
         assert handoff.cancel(giver, ticket) is False  # over: the giver learns it was claimed
-        assert d.check() == []
+        check_both(d, gg, rg)
 
 
 @pytest.mark.parametrize("end", ["claimed", "expired"])
@@ -202,7 +216,7 @@ def test_a_lost_settled_notice_is_recovered_from_the_daemons_map(daemon, monkeyp
             assert read(gg, 2, 1) == pattern(2, 1, PAGE)
         else:  # the mapping gone, the kept pages go too
             wait_for(lambda: d.stats().pool.retained == 0, "the giver's kept pages freed")
-        assert d.check() == []
+        check_both(d, gg, rg)
 
 
 def test_an_expired_ticket_is_refused_and_the_giver_keeps_its_pages(daemon):
@@ -223,7 +237,8 @@ def test_an_expired_ticket_is_refused_and_the_giver_keeps_its_pages(daemon):
         assert handoff.cancel(giver, again) is True
         with pytest.raises(KvpoolError, match="cancelled already"):
             handoff.claim(rg, again, [0, 1])
-        assert gg.mapped == {0, 1, 2} and d.check() == []
+        assert gg.mapped == {0, 1, 2}
+        check_both(d, gg, rg)
 
 
 @pytest.mark.parametrize("ticket", ["0" * 32, "f" * 32])
@@ -252,7 +267,7 @@ def test_a_claim_past_the_receivers_max_is_refused_and_the_giver_keeps_them(daem
         assert read(rg, 7, 1) == pattern(0, 1, PAGE)
         assert handoff.cancel(giver, ticket) is True
         assert one.wait(10) == "claimed" and gg.mapped == {1, 2}
-        assert d.check() == []
+        check_both(d, gg, rg)
 
 
 def test_layouts_must_match(daemon):
@@ -272,7 +287,7 @@ def test_layouts_must_match(daemon):
             handoff.claim(rg, ticket, [1, 2])
         assert gg.mapped == {0, 1, 2} and not ticket.settled
         handoff.claim(rg, ticket, [1])
-        assert d.check() == []
+        check_both(d, gg, rg)
 
 
 def test_offers_are_checked(daemon):
@@ -300,7 +315,7 @@ def test_a_giver_released_unit_voids_the_ticket(daemon):
             handoff.claim(rg, ticket, [0])
         assert err.value.code == "NOT_FOUND" and rg.mapped == set()
         assert ticket.wait(10) == "cancelled"
-        assert d.check() == []
+        check_both(d, gg, rg)
 
 
 def test_giver_killed_with_pages_in_escrow_loses_no_memory(daemon):
@@ -316,7 +331,7 @@ def test_giver_killed_with_pages_in_escrow_loses_no_memory(daemon):
         with pytest.raises(KvpoolError, match="cancelled already") as err:
             handoff.claim(rg, tid, [0, 1])
         assert err.value.code == "NOT_FOUND" and rg.mapped == set()
-        assert d.check() == []
+        check_both(d, rg)  # the receiver's side (the giver's process is gone)
     s = d.stats()
     assert s.pool.granted == 0 and not s.tenants
 
@@ -334,7 +349,7 @@ def test_giver_killed_after_the_claim_leaves_the_receiver_its_pages(daemon):
         assert d.stats().pool.granted == 2 * REGIONS * PAGE  # exactly the receiver's
         for at, src in ((6, 1), (7, 2)):
             assert read(rg, at, 1) == pattern(src, 1, PAGE)
-        assert d.check() == []
+        check_both(d, rg)  # the receiver's side (the giver's process is gone)
     s = d.stats()
     assert s.pool.granted == 0 and not s.tenants and d.check() == []
 
@@ -362,7 +377,7 @@ def test_receiver_killed_mid_handoff_loses_no_memory(daemon, delay):
         kept = {0} if state == "claimed" else {0, 1, 2}
         assert gg.mapped == kept
         assert d.stats().pool.granted == len(kept) * REGIONS * PAGE
-        assert d.check() == []
+        check_both(d, gg)  # the giver's side (the receiver's process is gone)
         assert d.cli("check").returncode == 0  # `kvpool check`: clean
     s = d.stats()
     assert s.pool.granted == 0 and not s.tenants and d.check() == []
@@ -448,4 +463,4 @@ def test_a_daemon_restart_ends_pending_offers_and_the_giver_keeps_its_pages(daem
             with pytest.raises(KvpoolError, match="no ticket"):
                 handoff.claim(rg, ticket, [0, 1])
         assert tenant_info(d, "prefill").mapped == 3 * REGIONS * PAGE
-        assert d.check() == []
+        check_both(d, gg, rg)

@@ -109,8 +109,9 @@ def test_kill_tenant_holding_1100_pages(start_daemon):
 
 def test_thousand_fd_channel_connections(start_daemon):
     """With 1,100 pages held (so every new descriptor is past 1024), 1,000 fd-channel
-    connections are opened, kept 3 s and closed: each got a hello (or a refusal past
-    the session caps), the daemon lives, closes every one, and serves the victim."""
+    connections are opened, kept open while the victim is served and closed: each got a
+    hello (or a refusal past the session caps), the daemon lives, closes every one, and
+    serves the victim."""
     d = start_daemon(budget="4GiB", extra=("--warm-max", "0"))
     allow_fds(4096)
     holder = d.worker("hold", "--name", "holder", "--units", "1100", "--regions", "1",
@@ -133,7 +134,8 @@ def test_thousand_fd_channel_connections(start_daemon):
                 hello = b""
             answered += bool(hello)
         assert answered >= 60, answered  # sessions were opened (the rest refused)
-        time.sleep(3)
+        # kept open until the victim has been served meanwhile (an event, not 3 s)
+        assert victim.served_after(20), (victim.errors, d.logs()[-4000:])
     finally:
         for c in conns:
             c.close()
@@ -297,7 +299,10 @@ def test_adopt_descriptors_arriving_after_the_adopt_complete_it(start_daemon):
     peer = RawPeer(d.run_dir)
     peer.register("late")
     rid = peer.send(p.Adopt(nfds=2))
-    time.sleep(0.2)  # the Adopt is parked by now
+    # the event, not a sleep: the session's next request (ordered after the Adopt on its
+    # socket) is answered BUSY while, and only while, the Adopt is parked
+    busy = peer.call(p.Ps(), 30)
+    assert isinstance(busy, p.Error) and busy.code == p.BUSY, busy
     memfds = [os.memfd_create("late") for _ in range(2)]
     try:
         fdchannel.send_fds(peer.fd, p.encode(p.FdHeader(rid, 2, 0)), memfds)

@@ -124,10 +124,7 @@ def test_pair_equals_single_engine_and_the_pages_change_hands(start_daemon, tiny
         send(b, cmd="go")
         done = read_event(b, "done")
         assert done["tokens"] == reference[n], f"prompt of {n} tokens"
-    for p in (a, b):
-        send(p, cmd="check")
-        assert read_event(p, "ok")["used"] == 0
-    assert d.check() == []
+        check_both(d, a, b)  # after every handoff: the giver's and the receiver's books
     assert set(accounted(d)) == {"prefill", "decode"}
 
 
@@ -149,6 +146,7 @@ def test_killing_the_giver_mid_handoff_loses_no_memory(start_daemon, tiny_dir, r
     send(b, cmd="decode", handover=prefill(a2, 65)["handover"])
     assert read_event(b, "done")["tokens"] == reference[65]
     assert read_event(a2, "settled")["state"] == "claimed"
+    check_both(d, a2, b)
 
 
 def test_killing_the_receiver_mid_handoff_loses_no_memory(start_daemon, tiny_dir):
@@ -178,9 +176,15 @@ def test_an_unclaimed_ticket_expires_and_the_giver_decodes_itself(start_daemon, 
     assert read_event(a, "done")["tokens"] == reference[65]
     send(b, cmd="decode", handover=ho["handover"])  # a stale ticket
     assert read_event_any(b, ("refused", "claimed"))["event"] == "refused"
-    for p in (a, b):
-        send(p, cmd="check")
-        assert read_event(p, "ok")["used"] == 0
+    check_both(d, a, b)
+
+
+def check_both(d, giver: subprocess.Popen, receiver: subprocess.Popen) -> None:
+    """Both sides of a handoff whole: each engine's and pool's own integrity check (and
+    no block left in use), then the daemon's books."""
+    for proc in (giver, receiver):
+        send(proc, cmd="check")
+        assert read_event(proc, "ok")["used"] == 0
     assert d.check() == []
 
 
