@@ -139,6 +139,9 @@ class Grants:
         if self.recovery.active:
             raise Fail(p.BUSY, "the daemon is rebuilding its accounting after a restart")
         kept = self.pool.charged(t.id, t.payer)  # released pages still referenced
+        if t.held + kept + t.waiting_pages + n > t.cap_pages \
+                and self.pool.settle_ended(t.payer):  # unprobed pages may not be retained
+            kept = self.pool.charged(t.id, t.payer)
         if t.held + kept + t.waiting_pages + n > t.cap_pages:
             why = " (capped at its min: it ignored a reclaim)" if t.unresponsive else ""
             why += (f" ({kept} released pages it still references, or ended sessions of "

@@ -54,6 +54,11 @@ class PoolExhausted(Exception):
     """The budget (or the device) cannot supply the pages asked (answered ``NO_MEMORY``)."""
 
 
+def _same_payer(p: "Payer", payer: "Payer") -> bool:
+    """Whether ``p`` is charged with ``payer``: the same uid, or the same configured name."""
+    return p.uid == payer.uid or (bool(payer.name) and p.name == payer.name)
+
+
 @dataclass(frozen=True)
 class Payer:
     """Who pays for a vanished session's retained pages: its ``uid``, and its ``name``
@@ -126,13 +131,22 @@ class Pool:
         it holds: the retained pages it released, and those of ended sessions whose
         payer has its uid (or its configured name): retained, or released and not
         yet retired (they may turn out retained; counted until they are retired)."""
-        def ours(p: Payer) -> bool:
-            return p.uid == payer.uid or (bool(payer.name) and p.name == payer.name)
-
         n = sum(1 for r in self.retained if r.tenant == tenant
-                or (r.payer is not None and r.tenant == 0 and ours(r.payer)))
+                or (r.payer is not None and r.tenant == 0 and _same_payer(r.payer, payer)))
         return n + sum(len(self._dirty_of.get(t, ())) for t, p in self._ended.items()
-                       if ours(p))
+                       if _same_payer(p, payer))
+
+    def settle_ended(self, payer: Payer) -> int:
+        """Retire now the released pages of ended sessions paid for by ``payer``'s uid (or
+        name), so that :meth:`charged` counts only those still referenced (retained) and
+        not those nobody maps any more (a killed tenant's). For a grant that
+        :meth:`charged` would otherwise refuse; each page is probed once, after which it
+        is either gone or retained. Returns how many pages were retired."""
+        pfns = [pfn for t, p in list(self._ended.items()) if _same_payer(p, payer)
+                for pfn in list(self._dirty_of.get(t, ()))]
+        for pfn in pfns:
+            self._retire(pfn)
+        return len(pfns)
 
     def retained_by_uid(self, live_uids: dict[int, int]) -> dict[int, int]:
         """Retained pages per uid: live sessions' (``live_uids``: tenant id -> uid) and
