@@ -12,6 +12,12 @@ client from the checkpoint's tensor bytes) and lives through two states:
   page is read-only for good (``Backend.seal_read_only``) and any tenant may attach it
   (``WeightAttach``: the descriptors, mapped read-only).
 
+Scope: a set is attachable by tenants of its creator's uid, and by everyone when an
+admin identity created it (:meth:`WeightSets.visible`); another uid's set of the same
+key is invisible (``NOT_FOUND``), since a key derived from public bytes proves nothing
+about what its creator loaded. Two uids of one checkpoint hold two copies unless an
+admin loads it.
+
 Accounting: a set's pages are taken from the pool once (``Pool.take_sealable``, owned in
 the pool by the set's negative id), so the budget counts them once however many hold
 it. Each holder's ``max`` counts the whole set (``TenantRecord.weight_pages``): attaching
@@ -40,6 +46,7 @@ from kvpool.vmm import VmmError
 
 log = logging.getLogger("kvpool.daemon.weights")
 
+ADMIN_SCOPE = -1  # the scope of sets an admin identity created: visible to every uid
 MAX_SETS = 256  # weight sets in the pool, at most (a tenant could otherwise flood it)
 MAX_HELD = 16  # sets one tenant may hold at once
 KEY_SHOWN = 12  # hex digits of a key that ps shows
@@ -52,6 +59,7 @@ class WeightSet:
     nbytes: int
     pfns: list[int]
     creator: int  # tenant id
+    scope: int  # who may attach it: the creator's uid, or ADMIN_SCOPE
     state: str = "loading"  # | "sealed"
     holders: set[int] = field(default_factory=set)  # tenant ids
     idle_since: float = 0.0  # monotonic: when its last holder let go
@@ -75,7 +83,7 @@ class WeightSets:
         self.page_size = pool.page_size
         self.tenants = tenants
         self.owed = owed
-        self.sets: dict[str, WeightSet] = {}
+        self.sets: dict[tuple[int, str], WeightSet] = {}  # (scope, key) -> set
         self.by_id: dict[int, WeightSet] = {}
         self._next_id = 1
 
@@ -127,8 +135,9 @@ class WeightSets:
         if not self.pool.backend.caps.read_only_shares:
             raise Fail(p.BAD_REQUEST, f"the {self.pool.backend.name} backend cannot share "
                                       "pages read-only: no weight sets")
-        if r.key in self.sets:
-            s = self.sets[r.key]
+        scope = ADMIN_SCOPE if t.admin else t.uid
+        if (scope, r.key) in self.sets:
+            s = self.sets[(scope, r.key)]
             raise Fail(p.BUSY, "this weight set exists: attach it" if s.state == "sealed"
                        else "this weight set is being loaded by another tenant")
         if len(self.sets) >= MAX_SETS:
@@ -146,15 +155,15 @@ class WeightSets:
             raise Fail(p.NO_MEMORY, str(e)) from e
         self._next_id += 1
         s = WeightSet(id=sid, key=r.key, nbytes=r.nbytes, pfns=pfns, creator=t.id,
-                      holders={t.id})
-        self.sets[r.key] = s
+                      scope=scope, holders={t.id})
+        self.sets[(scope, r.key)] = s
         self.by_id[sid] = s
         t.weight_pages += n
         return self._granted(t, r.id, s)
 
     def seal(self, t: TenantRecord, sender: Sender, r: p.WeightSeal) -> p.Reply:
-        s = self.sets.get(r.key)
-        if s is None or t.id not in s.holders:
+        s = self._held(t, r.key)
+        if s is None:
             raise Fail(p.NOT_FOUND, "this session holds no such weight set")
         if s.state != "loading" or s.creator != t.id:
             raise Fail(p.BAD_REQUEST, "the weight set is sealed already")
@@ -169,7 +178,7 @@ class WeightSets:
         self._require_holder(t, "weight_attach")
         if r.write:
             raise Fail(p.UNAUTHORIZED, "a weight set is attached read-only")
-        s = self.sets.get(r.key)
+        s = self.visible(t, r.key)
         if s is None or s.state != "sealed":  # a loading set is nobody else's business
             raise Fail(p.NOT_FOUND, "no sealed weight set has this key")
         if t.id in s.holders:
@@ -180,8 +189,8 @@ class WeightSets:
         return self._granted(t, r.id, s)
 
     def detach(self, t: TenantRecord, sender: Sender, r: p.WeightDetach) -> p.Reply:
-        s = self.sets.get(r.key)
-        if s is None or t.id not in s.holders:
+        s = self._held(t, r.key)
+        if s is None:
             raise Fail(p.NOT_FOUND, "this session holds no such weight set")
         self._let_go(t, s)
         return p.Done(id=r.id)
@@ -192,6 +201,20 @@ class WeightSets:
             self._let_go(t, s)
 
     # ---- helpers --------------------------------------------------------------------
+    def visible(self, t: TenantRecord, key: str) -> WeightSet | None:
+        """The set ``key`` that ``t`` may attach: one its own uid created, else one an
+        admin identity created. Another uid's set is invisible: a content key is
+        computed from public bytes, so anyone could create a set under a popular
+        checkpoint's key and load something else into it; a tenant trusts only its own
+        uid's loads and the admins'."""
+        own = self.sets.get((ADMIN_SCOPE if t.admin else t.uid, key))
+        if own is not None and own.state == "sealed":
+            return own
+        return self.sets.get((ADMIN_SCOPE, key)) or own
+
+    def _held(self, t: TenantRecord, key: str) -> WeightSet | None:
+        return next((s for s in self.held_by(t) if s.key == key), None)
+
     @staticmethod
     def _require_holder(t: TenantRecord, op: str) -> None:
         if t.kind in NO_MEMORY_KINDS:
@@ -233,7 +256,7 @@ class WeightSets:
             if holder is not None:
                 holder.weight_pages -= s.pages
         s.holders.clear()
-        del self.sets[s.key]
+        del self.sets[(s.scope, s.key)]
         del self.by_id[s.id]
         self.pool.give_back(s.pfns, s.owner)  # dirty: retired, never handed on as is
 

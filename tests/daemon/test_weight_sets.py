@@ -6,6 +6,7 @@ every count when all its holders are killed."""
 
 from __future__ import annotations
 
+import json
 import mmap
 import os
 import signal
@@ -22,6 +23,7 @@ from kvpool.client_lib.weights import WeightSet
 from kvpool.demo.cluster import free_port
 
 from .helpers import PAGE, REPO, read_event, wait_for
+from .test_attacks_round3 import group_daemon, needs_root, nobody_proc
 from observability.helpers import scrape, value
 
 WORKER = Path(__file__).with_name("weight_worker.py")
@@ -214,3 +216,40 @@ def test_kill_all_holders_leaves_check_clean(start_daemon):
     wait_for(holders_gone, what="the killed holders dropped")
     assert daemon.check() == []
     assert weights_bytes(daemon) == 5 * PAGE  # cached for the next start
+
+
+NOBODY_LOADS = """
+    from kvpool.client_lib import connect, KvpoolError
+    from kvpool.client_lib.weights import WeightSet
+    t = connect(name="nob", run_dir=run_dir)
+    admins = WeightSet.attach(t, sys.argv[1])  # an admin's set: anyone may attach it
+    mine = WeightSet.create(t, sys.argv[2], 65536)
+    mine.view[:4] = b"evil"
+    mine.seal()
+    print(json.dumps({"admins": bytes(admins.view[:4]).hex()}), flush=True)
+    sys.stdin.readline()
+"""
+
+
+@needs_root
+def test_another_uids_set_is_invisible(start_daemon, tmp_path):
+    """A content key is computed from public bytes: uid 65534 loads "evil" under a key;
+    the admin's tenants never see that set (NOT_FOUND, as for an unknown key), while
+    uid 65534 may attach a set an admin loaded."""
+    d = group_daemon(start_daemon, tmp_path)
+    with d.connect("root") as a:
+        loaded(a, KEY_A, PATTERN)
+        proc = nobody_proc(d, NOBODY_LOADS.replace("sys.argv[1]", repr(KEY_A))
+                           .replace("sys.argv[2]", repr(KEY_B)))
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read()
+        assert json.loads(line)["admins"] == PATTERN[:4].hex()
+        with pytest.raises(KvpoolError) as e:
+            WeightSet.attach(a, KEY_B)
+        assert e.value.code == p.NOT_FOUND
+        ours = loaded(a, KEY_B, b"good")  # its own copy, under the same key
+        assert bytes(ours.view) == b"good"
+        assert weights_bytes(d) == (-(-len(PATTERN) // PAGE) + 2) * PAGE
+        assert d.check() == []
+        proc.stdin.close()
+        proc.wait(timeout=30)
