@@ -24,6 +24,7 @@ read-only at once. A memoryview or array taken from a set is valid until
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -289,16 +290,22 @@ class WeightSet:
     # ---- seal / detach ----------------------------------------------------------------
     def seal(self) -> None:
         """Loaded: give up the writable mapping, have the daemon seal the pages, map
-        them back read-only. (Views taken while loading are invalid afterwards.)"""
+        them back read-only. (Views taken while loading are invalid afterwards.) When
+        the daemon refuses (another writable mapping of a page exists somewhere), the
+        set is dropped (detached) and the error raised: load it again."""
         if self.state != "loading":
             raise ValueError("the weight set is sealed already")
         assert self.range is not None
         self.backend.unmap(self.range, 0, self.npages)
         try:
             self.session.call(p.WeightSeal(key=self.key), p.Done)
-        finally:
-            self.state = "sealed"  # mapped read-only either way (a failed seal: detach)
-            self._map()
+        except BaseException:  # some pages may be sealed already: the set is lost
+            self._unmap_all()
+            with contextlib.suppress(KvpoolError):
+                self.session.call(p.WeightDetach(key=self.key), p.Done)  # dropped
+            raise
+        self.state = "sealed"
+        self._map()
 
     def detach(self) -> None:
         """Unmap the pages and stop holding the set (a loading set is dropped)."""

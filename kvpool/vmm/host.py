@@ -175,6 +175,9 @@ class HostBackend(Backend):
         the memfd exists anywhere."""
         self._check_live("seal_read_only", page)
         try:
+            if fcntl.fcntl(page.handle, fcntl.F_GET_SEALS) & SEALED_READ_ONLY == \
+                    SEALED_READ_ONLY:
+                return  # sealed by an earlier try (one that failed on a later page)
             fcntl.fcntl(page.handle, fcntl.F_ADD_SEALS, SEALED_READ_ONLY)
         except OSError as e:
             if e.errno == errno.EBUSY:

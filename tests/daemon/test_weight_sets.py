@@ -253,3 +253,33 @@ def test_another_uids_set_is_invisible(start_daemon, tmp_path):
         assert d.check() == []
         proc.stdin.close()
         proc.wait(timeout=30)
+
+
+def test_a_refused_seal_drops_the_set_and_a_raw_retry_seals(daemon):
+    """A writable mapping kept elsewhere makes the seal fail for that page: the library
+    drops the set (some pages may be sealed, it can no longer be loaded); a raw client
+    that retries once that mapping is gone gets it sealed (sealing is idempotent)."""
+    with daemon.connect("creator") as a, daemon.connect("reader") as b:
+        ws = WeightSet.create(a, KEY_A, 2 * PAGE)
+        fd = os.dup(ws.pages[1].handle)  # page 1 mapped writable besides the library's
+        extra = mmap.mmap(fd, PAGE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        with pytest.raises(KvpoolError, match="mapped writable") as e:
+            ws.seal()
+        assert e.value.code == p.BUSY and ws.range is None
+        assert weights_bytes(daemon) == 0 and daemon.check() == []
+        extra.close()
+        os.close(fd)
+        reply, fds = a.call(p.WeightCreate(key=KEY_A, nbytes=2 * PAGE), p.WeightGranted)
+        extra = mmap.mmap(fds[1], PAGE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        extra[:4] = b"more"
+        with pytest.raises(KvpoolError, match="mapped writable"):
+            a.call(p.WeightSeal(key=KEY_A), p.Done)  # page 0 sealed, page 1 refused
+        with pytest.raises(KvpoolError) as e:
+            WeightSet.attach(b, KEY_A)
+        assert e.value.code == p.NOT_FOUND  # still loading
+        extra.close()
+        a.call(p.WeightSeal(key=KEY_A), p.Done)
+        for fd in fds:
+            os.close(fd)
+        assert bytes(WeightSet.attach(b, KEY_A).view[PAGE:PAGE + 4]) == b"more"
+        assert daemon.check() == []
