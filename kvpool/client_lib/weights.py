@@ -29,6 +29,7 @@ import hashlib
 import json
 import os
 import struct
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Protocol
@@ -243,22 +244,34 @@ class WeightSet:
 
     @classmethod
     def open(cls, session: WeightSession, key: str, nbytes: int,
-             load: Callable[[memoryview], None]) -> "WeightSet":
+             load: Callable[[memoryview], None], wait_s: float = 600.0) -> "WeightSet":
         """Attach ``key`` when the pool has it sealed; otherwise create it, ``load`` the
-        tensors into its writable view, and seal it."""
-        try:
-            return cls.attach(session, key)
-        except KvpoolError as e:
-            if e.code != p.NOT_FOUND:
+        tensors into its writable view, and seal it. While another tenant of this uid
+        loads the same key, wait (up to ``wait_s``) for it to seal, then attach; if it
+        gives up instead, load it here."""
+        deadline = time.monotonic() + wait_s
+        pause = 0.01
+        while True:
+            try:
+                return cls.attach(session, key)
+            except KvpoolError as e:
+                if e.code != p.NOT_FOUND:
+                    raise
+            try:
+                ws = cls.create(session, key, nbytes)
+            except KvpoolError as e:
+                if e.code != p.BUSY or time.monotonic() >= deadline:
+                    raise
+                time.sleep(pause)  # another tenant is loading it: attach once it seals
+                pause = min(pause * 2, 0.5)
+                continue
+            try:
+                load(ws.view)
+                ws.seal()
+            except BaseException:
+                ws.detach()
                 raise
-        ws = cls.create(session, key, nbytes)
-        try:
-            load(ws.view)
-            ws.seal()
-        except BaseException:
-            ws.detach()
-            raise
-        return ws
+            return ws
 
     # ---- the pages ------------------------------------------------------------------
     @property

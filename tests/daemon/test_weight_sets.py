@@ -283,3 +283,27 @@ def test_a_refused_seal_drops_the_set_and_a_raw_retry_seals(daemon):
             os.close(fd)
         assert bytes(WeightSet.attach(b, KEY_A).view[PAGE:PAGE + 4]) == b"more"
         assert daemon.check() == []
+
+
+def test_open_attaches_what_another_tenant_is_loading_once_sealed(daemon):
+    """Two starts of one checkpoint: the second ``open`` waits while the first loads
+    and attaches the sealed set (one copy); it loads nothing itself."""
+    import threading
+
+    with daemon.connect("first") as a, daemon.connect("second") as b:
+        ws = WeightSet.create(a, KEY_A, len(PATTERN))
+        errors = daemon.stats().errors
+        got: list = []
+        second = threading.Thread(target=lambda: got.append(
+            WeightSet.open(b, KEY_A, len(PATTERN), load=lambda buf: got.append("loaded"))))
+        second.start()
+        # its attach (NOT_FOUND: loading) and create (BUSY) were refused: it waits now
+        wait_for(lambda: daemon.stats().errors >= errors + 2, what="the second open waits")
+        assert second.is_alive()
+        ws.view[:] = PATTERN
+        ws.seal()
+        second.join(timeout=60)
+        assert not second.is_alive() and len(got) == 1, got
+        assert got[0].state == "sealed" and bytes(got[0].view) == PATTERN
+        assert weights_bytes(daemon) == -(-len(PATTERN) // PAGE) * PAGE
+        assert daemon.check() == []
