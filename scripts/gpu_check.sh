@@ -18,6 +18,9 @@
 #   diagnostics   nvidia-smi, kernel, versions, `kvpool info`, the CUDA capability probe
 #   pytest-gpu    pytest -m gpu (every file with GPU tests); fails if any is skipped on a
 #                 machine with a GPU (scripts/gpu_junit.py reads the JUnit XML)
+#                 (among them test_vmm_cuda.py::test_map_read_only_refuses_writes: the
+#                 read-only mapping weight sets need, CudaBackend.map_read_only, untested
+#                 on a GPU until this runs)
 #   pytest-stub   the libcuda stub tests (calling conventions; skip without gcc)
 #   vmm-bench     benchmarks/vmm_bench.py --backend cuda: per-op cost per 2 MiB page
 #   alloc-bench   benchmarks/alloc_bench.py --backend cuda --quick: fast path, slow/floor

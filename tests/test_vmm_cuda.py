@@ -574,3 +574,39 @@ def test_a_page_changing_tenant_is_a_fresh_allocation(backend, torch_cuda):
     pool.give_back(second, tenant=2)
     assert pool.check() == []
     pool.close()
+
+
+READ_ONLY = """
+import torch
+from kvpool.client_lib.tensors import tensor_view
+b = CudaBackend()
+rw, ro = b.reserve(2 * MiB), b.reserve(2 * MiB)
+p = b.create_page()
+b.map(rw, 0, p)
+tensor_view(b, rw, torch.uint8).fill_(0x42)
+torch.cuda.synchronize()
+b.map_read_only(ro, 0, [p])
+t = tensor_view(b, ro, torch.uint8)
+say({"head": t[:8].cpu().tolist()})
+try:
+    t.fill_(7)
+    torch.cuda.synchronize()
+    say({"write": "done", "head": t[:8].cpu().tolist()})
+except Exception as e:  # the store faults: the context is lost, nothing to clean up
+    say({"write": "refused", "error": str(e)[:200]})
+os._exit(0)
+"""
+
+
+def test_map_read_only_refuses_writes(torch_cuda):
+    # weight sets (docs/ARCHITECTURE.md, "Weight sets"): an attacher's mapping is
+    # cuMemSetAccess read-only; a kernel's store through it faults (in a child: the
+    # fault ends its CUDA context)
+    child = Child(READ_ONLY)
+    assert child.recv()["head"] == [0x42] * 8
+    try:
+        got = child.recv()
+    except AssertionError:  # the child died of the fault before it could say so
+        got = {"write": "refused"}
+    rc, out, err = child.finish()
+    assert got["write"] == "refused", (got, err)

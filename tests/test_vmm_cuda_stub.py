@@ -483,3 +483,32 @@ def test_no_driver_is_unsupported(tmp_path):
         """,
     )
     assert out.strip() == "ok"
+
+
+def test_map_read_only_sets_read_access(stub_dir):
+    # weight sets (docs/ARCHITECTURE.md, "Weight sets"): attachers map read-only; the
+    # stub turns cuMemSetAccess's flags into mprotect, so a store through the mapping
+    # would fault and the bytes written through a writable mapping read back
+    code = """
+        b = CudaBackend()
+        assert not b.caps.read_only_shares  # a handle holder could map it writable: no seal
+        rw, ro = b.reserve(2 * MiB), b.reserve(2 * MiB)
+        page = b.create_page()
+        b.map_pages(rw, 0, [page])
+        ctypes.memset(rw.base, 0x5A, 16)
+        sys.stderr.write("=== ro\\n"); sys.stderr.flush()
+        b.map_read_only(ro, 0, [page])
+        sys.stderr.write("=== end\\n"); sys.stderr.flush()
+        assert peek(ro.base, 4) == b"ZZZZ"
+        b.unmap(ro, 0); b.unmap(rw, 0); b.release(page)
+        b.free_range(ro); b.free_range(rw); b.close()
+    """
+    environ = dict(os.environ, LD_LIBRARY_PATH=str(stub_dir), KVPOOL_STUB_LOG="1")
+    environ["PYTHONPATH"] = str(REPO)
+    proc = subprocess.run(
+        [sys.executable, "-c", PRELUDE + textwrap.dedent(code)],
+        capture_output=True, text=True, env=environ, timeout=120, cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stderr
+    mapping = proc.stderr.split("=== ro")[1].split("=== end")[0]
+    assert mapping.count("cuMemSetAccess(") == 1 and "flags=1)" in mapping  # PROT_READ

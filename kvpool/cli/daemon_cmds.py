@@ -130,7 +130,8 @@ def daemon(backend: str | None, device: int | None, budget: int | str | None,
 @query_command
 def ps(run_dir: str | None, as_json: bool) -> None:
     """List tenants: name, pid, kind, mapped, in use, reserve, limit (and the endpoint
-    a tenant says it serves on, when one does); then the retained memory per uid."""
+    a tenant says it serves on, when one does; the weight sets it holds, when any
+    does); then the retained memory per uid and the pool's weight sets."""
     reply = _call(run_dir, lambda m: m.ps())
     if as_json:
         _json({"tenants": reply.tenants, "pool": reply.pool,
@@ -144,6 +145,8 @@ def ps(run_dir: str | None, as_json: bool) -> None:
             "MIN", "LIMIT", "WEIGHT", "GROUPS", "STATE")
     serving = any(t.endpoint for t in reply.tenants)  # (tenant-supplied: Register.endpoint)
     cols += ("ENDPOINT",) if serving else ()
+    weights = any(t.weights for t in reply.tenants)  # weight sets (kvpool.daemon.weights)
+    cols += ("WEIGHTS", "SETS") if weights else ()
     for col in cols:
         table.add_column(col, justify="left" if col in ("NAME", "KIND", "STATE") else "right")
     for t in reply.tenants:
@@ -163,9 +166,15 @@ def ps(run_dir: str | None, as_json: bool) -> None:
                       format_size(t.mapped), format_size(t.in_use), format_size(t.reserve),
                       format_size(t.lease), format_size(t.share), format_size(t.min),
                       format_size(t.max), f"{t.weight:g}", str(t.groups), ", ".join(state),
-                      *((t.endpoint or "-",) if serving else ()))
+                      *((t.endpoint or "-",) if serving else ()),
+                      *((format_size(t.weights), ",".join(t.weight_sets) or "-")
+                        if weights else ()))
     console = Console(width=None if sys.stdout.isatty() else 200)
     console.print(table)
+    pool = reply.pool
+    if pool is not None and pool.weight_sets:
+        console.print(f"weight sets: {pool.weight_sets}, {format_size(pool.weights)} in the "
+                      f"pool ({format_size(pool.weights_cached)} cached, held by nobody)")
     if reply.retained_by_uid:  # released pages still referenced, charged to each uid
         console.print("retained by uid: " + ", ".join(
             f"uid {uid} {format_size(n)}" for uid, n in sorted(reply.retained_by_uid.items())))

@@ -15,6 +15,7 @@ on: :mod:`~kvpool.daemon.registry` (sessions, register, knobs, set_limit, drop),
 :mod:`~kvpool.daemon.grants` (groups, grant, release, report, lease, reclaimed),
 :mod:`~kvpool.daemon.adoption` (Adopt after a restart), :mod:`~kvpool.daemon.handoff`
 (offer, claim, cancel), :mod:`~kvpool.daemon.locate` (locate a tenant by name),
+:mod:`~kvpool.daemon.weights` (weight sets: create, seal, attach, detach),
 :mod:`~kvpool.daemon.views` (ps, stats, map, check) and
 :mod:`~kvpool.daemon.integrity` (the self-check). Reclaim policy lives in
 :mod:`kvpool.daemon.reclaim`, the weighted shares in :mod:`kvpool.daemon.fairshare`.
@@ -58,6 +59,7 @@ from kvpool.daemon.registry import Registry
 from kvpool.daemon.restart import Recovery
 from kvpool.daemon.tenants import TenantRecord, Tenants
 from kvpool.daemon.views import Views
+from kvpool.daemon.weights import WeightSets
 
 __all__ = ["Arbiter", "Fail", "Outcome"]
 
@@ -77,9 +79,10 @@ class Arbiter:
         self.counters = Counters()
         self.observer: ArbiterObserver = NoObserver()
         most, vmost = cfg.max_groups_per_tenant, cfg.max_virtual_pages_per_tenant
+        self.weights = WeightSets(pool, self.tenants, lambda: self.reclaimer.waiting_pages)
         self.reclaimer = Reclaimer(self.tenants, pool, budget, self.outbox,
                                    cfg.reclaim_timeout_s, cfg.short_backoff_s,
-                                   POLICIES[cfg.reclaim_policy])
+                                   POLICIES[cfg.reclaim_policy], self.weights)
         self.registry = Registry(cfg, pool, budget, self.tenants, self.groups,
                                  self.reclaimer, self.recovery)
         self.grants = Grants(pool, self.groups, self.reclaimer, self.recovery,
@@ -88,9 +91,10 @@ class Arbiter:
         self.handoff = Handoff(pool, self.tenants, self.groups, self.reclaimer,
                                self.recovery, self.outbox, cfg.handoff_pairs(),
                                cfg.handoff_letgo_s)
-        self.integrity = Integrity(pool, self.tenants, self.groups, self.handoff, most, vmost)
+        self.integrity = Integrity(pool, self.tenants, self.groups, self.handoff, most, vmost,
+                                   self.weights)
         self.views = Views(pool, self.tenants, self.groups, self.reclaimer, self.recovery,
-                           self.counters, self.integrity)
+                           self.counters, self.integrity, self.weights)
         locator = Locator(self.tenants, self.handoff.pairs)
         g, v, h = self.grants, self.views, self.handoff
         self._handlers: dict[type[p.Request], Handler] = {
@@ -115,6 +119,10 @@ class Arbiter:
             p.Claim: h.claim,
             p.Cancel: h.cancel,
             p.Locate: locator.locate,
+            p.WeightCreate: self.weights.create,
+            p.WeightSeal: self.weights.seal,
+            p.WeightAttach: self.weights.attach,
+            p.WeightDetach: self.weights.detach,
         }
 
     def observe(self, observer: ArbiterObserver) -> None:
@@ -193,6 +201,7 @@ class Arbiter:
     def drop(self, t: TenantRecord, why: str) -> None:
         held, arbitrated, t0 = t.held, t.arbitrated, time.perf_counter()
         self.handoff.dropped(t)  # its offers end; its pages go back with the rest
+        self.weights.dropped(t)  # its holds end; a set it was loading goes
         self.registry.drop(t, why)
         self.observer.dropped(t, why, held, arbitrated, time.perf_counter() - t0)
 

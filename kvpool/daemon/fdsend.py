@@ -13,7 +13,7 @@ over ``max_queued_fds`` drops the tenant; so does a socket that stays full for
 from __future__ import annotations
 
 import time
-from typing import Callable, Union
+from typing import Callable, Protocol, Union
 
 from kvpool import fdchannel
 from kvpool import protocol as p
@@ -27,15 +27,32 @@ Reply = Callable[[list[bytes], Union[p.Reply, bytes]], None]  # send on the cont
 Drop = Callable[[TenantRecord, str], None]  # end a session (``Server.drop``)
 
 
+class SharedPages(Protocol):
+    """Pages a tenant holds without owning them (a weight set it holds:
+    :class:`kvpool.daemon.weights.WeightSets`)."""
+
+    def holds(self, tenant: int, pfn: int) -> bool:
+        """Whether tenant ``tenant`` holds page ``pfn`` now (its descriptor may go)."""
+        ...
+
+
+class NoSharedPages:
+    def holds(self, tenant: int, pfn: int) -> bool:
+        return False
+
+
 class FdSender:
-    """Sends the pages of ``pool`` owned by live ``tenants`` on their fd channels,
+    """Sends the pages of ``pool`` owned by live ``tenants`` (or ``shared`` pages they
+    hold) on their fd channels,
     waking on ``POLLOUT`` through ``fdwatch``; replies go out with ``reply`` after
     their descriptors, and a tenant whose queue overflows (``max_queued_fds``) or
     stays stuck (``send_timeout_s``) is ended with ``drop``."""
 
     def __init__(self, pool: Pool, tenants: Tenants, fdwatch: FdWatch, reply: Reply,
-                 drop: Drop, max_queued_fds: int, send_timeout_s: float):
+                 drop: Drop, max_queued_fds: int, send_timeout_s: float,
+                 shared: SharedPages | None = None):
         self.pool = pool
+        self.shared: SharedPages = shared if shared is not None else NoSharedPages()
         self.tenants = tenants
         self.fdwatch = fdwatch
         self.reply = reply
@@ -105,7 +122,8 @@ class FdSender:
         """One fd message; False when the socket is full. Only pages ``t`` still owns
         are ever sent (a queued pfn it gave back meanwhile is a bug: the tenant drops)."""
         pool, backend = self.pool, self.pool.backend
-        if any(pool.owner.get(pfn) != t.id for pfn in item.pfns):
+        if any(pool.owner.get(pfn) != t.id and not self.shared.holds(t.id, pfn)
+               for pfn in item.pfns):
             raise OSError("a queued page is no longer this tenant's")
         if self._handles_are_fds:
             # host pages are memfds already: SCM_RIGHTS copies them, no dup needed

@@ -130,6 +130,8 @@ class Grants:
         if being_granted(self.reclaimer, t, g, r.units):
             raise Fail(p.BAD_REQUEST, f"a unit of group {g.id} is already being granted")
         self._admit(t, n)
+        if not r.speculative:  # cached weight sets nobody holds go first
+            self.reclaimer.make_room(n)
         if not self._fits(t, n, r.speculative):
             return self._defer(t, sender, r, n)
         return self._grant_now(t, g, r)
@@ -139,11 +141,13 @@ class Grants:
         if self.recovery.active:
             raise Fail(p.BUSY, "the daemon is rebuilding its accounting after a restart")
         kept = self.pool.charged(t.id, t.payer)  # released pages still referenced
-        if t.held + kept + t.waiting_pages + n > t.cap_pages \
+        used = t.held + t.weight_pages + t.waiting_pages + n
+        if used + kept > t.cap_pages \
                 and self.pool.settle_ended(t.payer):  # unprobed pages may not be retained
             kept = self.pool.charged(t.id, t.payer)
-        if t.held + kept + t.waiting_pages + n > t.cap_pages:
+        if used + kept > t.cap_pages:
             why = " (capped at its min: it ignored a reclaim)" if t.unresponsive else ""
+            why += f" ({t.weight_pages} pages of weight sets count)" if t.weight_pages else ""
             why += (f" ({kept} released pages it still references, or ended sessions of "
                     f"uid {t.uid} do, count)") if kept else ""
             raise Fail(p.OVER_LIMIT, f"{t.name}: {t.held} + {n} pages would exceed its limit "
@@ -234,6 +238,7 @@ class Grants:
         if any(w.tenant is t for w in self.reclaimer.waiters):
             raise Fail(p.BUSY, "a request of this tenant is already waiting")
         self._admit(t, n)
+        self.reclaimer.make_room(n)
         if not self._fits(t, n, False):
             return self._defer(t, sender, r, n)
         return self._lease_now(t, r, n)

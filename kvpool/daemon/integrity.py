@@ -6,6 +6,8 @@ list of problems (empty when all hold). Read-only; O(pages).
 * per-tenant counts equal their tables, and their sum the pool's ``granted``;
 * tenants' leases add up to the pool's ``leased``;
 * monitor and admin sessions hold nothing;
+* every weight set's pages are owned by it in the pool, its holders are live tenants,
+  and each tenant's weight pages are those of the sets it holds;
 * the group index is exactly the tenants' groups, ids in ``1..MAX_GROUP_ID``, and no
   tenant is past its caps on groups and virtual pages.
 """
@@ -17,6 +19,7 @@ from kvpool.daemon.handoff import Handoff
 from kvpool.daemon.pool import Pool
 from kvpool.daemon.regions import GroupIndex
 from kvpool.daemon.tenants import NO_MEMORY_KINDS, TenantRecord, Tenants
+from kvpool.daemon.weights import WeightSets
 
 
 def check_groups(tenants: Tenants, groups: GroupIndex, most: int, vmost: int) -> list[str]:
@@ -72,16 +75,18 @@ def check_tables(pool: Pool, t: TenantRecord, seen: dict[int, tuple[int, int, in
 
 class Integrity:
     """The self-check over ``pool``, ``tenants``, the group index ``groups`` (with the
-    per-tenant caps ``max_groups`` and ``max_virtual_pages``) and ``handoff``'s book."""
+    per-tenant caps ``max_groups`` and ``max_virtual_pages``), ``handoff``'s book and
+    the ``weights`` sets."""
 
     def __init__(self, pool: Pool, tenants: Tenants, groups: GroupIndex, handoff: Handoff,
-                 max_groups: int, max_virtual_pages: int):
+                 max_groups: int, max_virtual_pages: int, weights: WeightSets):
         self.pool = pool
         self.tenants = tenants
         self.groups = groups
         self.handoff = handoff
         self.max_groups = max_groups
         self.max_virtual_pages = max_virtual_pages
+        self.weights = weights
 
     def check(self) -> list[str]:
         """Every invariant above; the problems found (empty: all hold)."""
@@ -94,10 +99,14 @@ class Integrity:
         leased = sum(t.lease_pages for t in tenants)
         if leased != pool.leased:
             problems.append(f"tenants lease {leased} pages, the pool counts {pool.leased}")
-        if set(seen) != set(pool.owner):
-            orphans = set(pool.owner) - set(seen)
+        in_sets: set[int] = set(seen)
+        problems += self.weights.check(in_sets)
+        if in_sets != set(pool.owner):
+            orphans = set(pool.owner) - in_sets
             problems.append(f"pfns {sorted(orphans)[:8]} are granted but in no table")
+        total += self.weights.pages
         if total != pool.granted:
-            problems.append(f"tables hold {total} pages, the pool counts {pool.granted}")
+            problems.append(f"tables and weight sets hold {total} pages, the pool counts "
+                            f"{pool.granted}")
         problems += self.handoff.check()  # tickets in escrow (kvpool.daemon.handoff)
         return problems

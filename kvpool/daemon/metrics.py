@@ -57,7 +57,9 @@ POOL_GAUGES = (("budget", "Bytes the daemon may hand out."),
                ("leased", "Bytes leased to tenants (outside kvpool's mappings)."),
                ("free", "Budget not granted, warm, dirty (nor leased)."),
                ("waiting", "Bytes asked by requests waiting for reclaim."),
-               ("retained", "Bytes released but still referenced by their tenant."))
+               ("retained", "Bytes released but still referenced by their tenant."),
+               ("weights", "Bytes of weight sets, each counted once (in granted too)."),
+               ("weights_cached", "Bytes of weight sets nobody holds (reclaimed first)."))
 TENANT_GAUGES = (("mapped", "Bytes granted to the tenant."),
                  ("in_use", "Bytes the tenant reports in use."),
                  ("reserve", "Bytes mapped but idle (the tenant's reserve)."),
@@ -66,7 +68,8 @@ TENANT_GAUGES = (("mapped", "Bytes granted to the tenant."),
                  ("min", "Guaranteed memory (never reclaimed)."),
                  ("max", "Hard limit."),
                  ("asked", "Bytes the daemon is waiting for the tenant to give back."),
-                 ("waiting", "Bytes of the tenant's requests waiting for reclaim."))
+                 ("waiting", "Bytes of the tenant's requests waiting for reclaim."),
+                 ("weights", "Bytes of the weight sets the tenant holds (each whole)."))
 LOOPBACK_NAMES = ("localhost",)
 MIN_INTERVAL_S = 0.1  # at most one snapshot (and one rendered text) per this
 CLIENT_TIMEOUT_S = 2.0  # a scraper that sends nothing this long is dropped

@@ -199,6 +199,39 @@ class Pool:
             self.owner[pfn] = tenant
         return out
 
+    def take_sealable(self, n: int, owner: int) -> list[int]:
+        """``n`` fresh pages for a weight set (``owner``: its id in ``owner``, negative),
+        created now so that they can be sealed read-only later (warm pages are sealed
+        for good already); room is made by retiring released pages, then by destroying
+        warm ones. All or none."""
+        if n > self.available:
+            raise PoolExhausted(f"{n} pages asked, {self.available} available")
+        while self.free < n and self.dirty:
+            self._retire(next(iter(self.dirty)))
+        while self.free < n and self.warm:
+            self._destroy(self.warm.pop(0))
+        if self.free < n:  # retired pages were still referenced
+            raise PoolExhausted(f"{n} pages asked, {self.free} can be created "
+                                f"({len(self.retained)} retained pages still referenced)")
+        out: list[int] = []
+        try:
+            for _ in range(n):
+                out.append(self._hold(self.backend.create_sealable_page()))
+                self.created += 1
+        except (VmmError, OSError) as e:
+            for pfn in out:
+                self._destroy(pfn)
+            raise PoolExhausted(f"could not create {n} weight pages: {e}") from e
+        for pfn in out:
+            self.owner[pfn] = owner
+        return out
+
+    def seal(self, pfns: list[int]) -> None:
+        """Make pages ``pfns`` read-only for good (``Backend.seal_read_only``; raises
+        its ``VmmError`` while one is still mapped writable somewhere)."""
+        for pfn in pfns:
+            self.backend.seal_read_only(self.pages[pfn])
+
     def give_back(self, pfns: list[int], tenant: int) -> None:
         """Pages ``tenant`` no longer maps: only ``tenant`` may get them back; they are
         retired before anyone else is served."""

@@ -3,7 +3,9 @@
 When a grant (or a lease) does not fit, the requester becomes a :class:`Waiter` with a
 deadline and the daemon reclaims, cheapest first:
 
-a. its warm pool and dirty pages (already counted in ``Pool.available``: free for the taking);
+a. its warm pool and dirty pages (already counted in ``Pool.available``: free for the taking),
+   and cached memory nobody holds (weight sets no tenant holds: :class:`Evictable`,
+   dropped at once, before any tenant is asked);
 b. tenants' reserves — an :class:`Ask` in mode ``reserve`` for mapped-but-unused units,
    never below the tenant's ``min``;
 c. tenants above their share under the reclaim policy (:mod:`kvpool.daemon.policy`;
@@ -32,7 +34,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import AbstractSet
+from typing import AbstractSet, Protocol
 
 from kvpool import protocol as p
 from kvpool.daemon.fairshare import Claim
@@ -53,6 +55,33 @@ daemon_log = logging.getLogger("kvpool.daemon")
 # its deadline behind one round.
 
 
+class Evictable(Protocol):
+    """Memory in the pool that no tenant holds and the daemon may drop on its own (the
+    cached weight sets, :class:`kvpool.daemon.weights.WeightSets`), and memory no tenant
+    can be asked for (held sets). The reclaimer evicts before it asks any tenant."""
+
+    @property
+    def pinned_pages(self) -> int:
+        """Pages counted in the pool's ``granted`` that no tenant's ``held`` includes
+        and that cannot be reclaimed now: the fair-share policy divides the budget
+        less these."""
+        ...
+
+    def evict(self, pages: int) -> int:
+        """Drop cached memory until ``pages`` pages are back in the pool (given back:
+        ``Pool.available`` grows by what this returns); returns how many were."""
+        ...
+
+
+class NoCache:
+    """No evictable memory (the default)."""
+
+    pinned_pages = 0
+
+    def evict(self, pages: int) -> int:
+        return 0
+
+
 @dataclass(eq=False)
 class Waiter:
     """A grant or lease growth queued until ``pages`` are free (or ``deadline``)."""
@@ -67,12 +96,13 @@ class Waiter:
 class Reclaimer:
     """Waiters and asks over ``tenants``, for pages of ``pool`` within ``budget`` bytes;
     asks are queued in ``outbox``; ``policy`` decides shares, who gives back and who
-    may grow by reclaim."""
+    may grow by reclaim; ``cache`` is evicted before any tenant is asked."""
 
     def __init__(self, tenants: Tenants, pool: Pool, budget: int, outbox: Outbox,
                  timeout_s: float, short_backoff_s: float = 0.5,
-                 policy: ReclaimPolicy | None = None):
+                 policy: ReclaimPolicy | None = None, cache: Evictable | None = None):
         self.tenants = tenants
+        self.cache: Evictable = cache if cache is not None else NoCache()
         self.policy: ReclaimPolicy = policy or FairShare()
         self.pool = pool
         self.page_size = pool.page_size
@@ -89,6 +119,17 @@ class Reclaimer:
         self.observer = observer
 
     # ---- bookkeeping ---------------------------------------------------------------
+    @property
+    def shared_budget(self) -> int:
+        """The bytes the policy divides: the budget less held weight sets (pinned)."""
+        return max(0, self.budget - self.cache.pinned_pages * self.page_size)
+
+    def make_room(self, pages: int) -> None:
+        """Evict cached memory so that ``pages`` more fit beside what waiters are owed."""
+        short = pages + self.waiting_pages - self.pool.available
+        if short > 0:
+            self.cache.evict(short)
+
     @property
     def waiting_pages(self) -> int:
         return sum(w.pages for w in self.waiters)
@@ -148,7 +189,7 @@ class Reclaimer:
 
     def shares(self) -> dict[int, int]:
         """Each arbitrated tenant's share under the policy now (bytes), by tenant id."""
-        got = self.policy.shares(self.budget, self.claims(), self.page_size)
+        got = self.policy.shares(self.shared_budget, self.claims(), self.page_size)
         return {int(k): v for k, v in got.items()}
 
     def may_grow(self, t: TenantRecord, pages: int, lease: bool = False) -> bool:
@@ -158,8 +199,8 @@ class Reclaimer:
         if lease:
             floors = sum(max(x.min_pages, x.lease_pages) for x in self.tenants
                          if x.arbitrated and x is not t)
-            return t.held + t.waiting_pages + pages <= self.budget // ps - floors
-        return self.policy.may_grow(self.budget, self.claims(extra=(t, pages)), str(t.id),
+            return t.held + t.waiting_pages + pages <= self.shared_budget // ps - floors
+        return self.policy.may_grow(self.shared_budget, self.claims(extra=(t, pages)), str(t.id),
                                     pages * ps, ps)
 
     # ---- the step ---------------------------------------------------------------------
@@ -169,10 +210,11 @@ class Reclaimer:
         ``(waiter, error reply)``."""
         done: list[tuple[Waiter, p.Reply | None]] = []
         self._expire_asks(now)
+        self.make_room(0)  # cached weight sets go before anyone is asked
         avail = self.pool.available
         while self.waiters:
             w = self.waiters[0]
-            if w.tenant.held + w.pages > w.tenant.cap_pages:
+            if w.tenant.held + w.tenant.weight_pages + w.pages > w.tenant.cap_pages:
                 self._pop(w)
                 done.append((w, p.error(w.req.id, p.OVER_LIMIT, f"{w.tenant.name}: its limit "
                                         f"changed while the request waited")))
@@ -271,7 +313,7 @@ class Reclaimer:
         ps = self.page_size
         victims = {t.id: t for t in self._victims() if t.short_until <= now}
         protect = {t.id for t in self.tenants if t.id not in victims}
-        plan = self.policy.plan(self.budget, self.claims(protect=protect), need * ps, ps)
+        plan = self.policy.plan(self.shared_budget, self.claims(protect=protect), need * ps, ps)
         urgent = any(w.deadline - now < self.timeout_s / 2 for w in self.waiters)
         asked: dict[int, int] = {}
         for name, nbytes in plan:

@@ -103,7 +103,8 @@ class Server:
         self.sockets = Sockets(self.run_dir)
         self.fdwatch = FdWatch()
         self.fdsend = FdSender(self.pool, self.arbiter.tenants, self.fdwatch, self.reply,
-                               self.drop, cfg.max_queued_fds, cfg.send_timeout_s)
+                               self.drop, cfg.max_queued_fds, cfg.send_timeout_s,
+                               self.arbiter.weights)
         self._stop = False
         self._state_dirty = False
         self._need_tick = False

@@ -58,6 +58,9 @@ class TenantRecord:
     groups: dict[int, GroupRecord] = field(default_factory=dict)
     granted: int = 0  # pages in this tenant's tables (sum over groups)
     lease_pages: int = 0  # pages leased (no table: the tenant's own allocator uses them)
+    # pages of the weight sets it holds (kvpool.daemon.weights): each counts against its
+    # max, none in ``held`` (they are not its to give back: the pool counts a set once)
+    weight_pages: int = 0
     since: float = field(default_factory=time.monotonic)
     # reclaim state (see kvpool.daemon.reclaim)
     ask: Ask | None = None  # the outstanding ask, if any

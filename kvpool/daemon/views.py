@@ -23,6 +23,7 @@ from kvpool.daemon.reclaim import Reclaimer
 from kvpool.daemon.regions import GroupIndex
 from kvpool.daemon.restart import Recovery
 from kvpool.daemon.tenants import NO_MEMORY_KINDS, TenantRecord, Tenants
+from kvpool.daemon.weights import WeightSets
 
 
 def sees_all(asker: TenantRecord | None, owner_uid: int) -> bool:
@@ -34,11 +35,11 @@ def sees_all(asker: TenantRecord | None, owner_uid: int) -> bool:
 class Views:
     """Views of ``pool``, ``tenants`` and their groups (``groups``), with the shares and
     waiting pages of ``reclaimer``, whether ``recovery`` is active, the request
-    ``counters``, and ``integrity``'s self-check."""
+    ``counters``, ``integrity``'s self-check, and the ``weights`` sets."""
 
     def __init__(self, pool: Pool, tenants: Tenants, groups: GroupIndex,
                  reclaimer: Reclaimer, recovery: Recovery, counters: Counters,
-                 integrity: Integrity):
+                 integrity: Integrity, weights: WeightSets):
         self.pool = pool
         self.page_size = pool.page_size
         self.tenants = tenants
@@ -47,6 +48,7 @@ class Views:
         self.recovery = recovery
         self.counters = counters
         self.integrity = integrity
+        self.weights = weights
 
     def tenant_info(self, t: TenantRecord, shares: dict[int, int] | None = None) -> p.TenantInfo:
         ps = self.page_size
@@ -59,6 +61,7 @@ class Views:
             asked=max(0, t.ask.pages) * ps if t.ask is not None else 0,
             ignored=t.ignored, unresponsive=t.unresponsive, waiting=t.waiting_pages * ps,
             retained=self.pool.retained_pages(t.id) * ps, endpoint=t.endpoint,
+            weights=t.weight_pages * ps, weight_sets=self.weights.keys_of(t),
         )
 
     def pool_info(self) -> p.PoolInfo:
@@ -71,6 +74,8 @@ class Views:
             leased=pool.leased * ps, waiting=self.reclaimer.waiting_pages * ps,
             recovering=self.recovery.active,
             retained=pool.retained_pages() * ps, renewed=pool.renewed,
+            weights=self.weights.pages * ps, weights_cached=self.weights.cached_pages * ps,
+            weight_sets=len(self.weights.sets),
         )
 
     def listed(self, asker: TenantRecord | None = None) -> list[p.TenantInfo]:
@@ -81,7 +86,8 @@ class Views:
         shares = self.reclaimer.shares()
         out = []
         for x in self.tenants:
-            if x.kind in NO_MEMORY_KINDS and not x.held and not x.groups:
+            if x.kind in NO_MEMORY_KINDS and not x.held and not x.groups \
+                    and not x.weight_pages:
                 continue
             info = self.tenant_info(x, shares)
             if asker is not None and not sees_all(asker, x.uid):

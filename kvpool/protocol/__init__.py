@@ -57,13 +57,14 @@ from kvpool.protocol.requests import (
     Request, Register, CreateGroup, DestroyGroup, Grant, Release, Report, Lease,
     Reclaimed, AdoptGroup, Adopt, Bye, Ping, Ps, Stats, MapReq, SetLimit, Shutdown,
     Check, EVENTS_LIMIT, Events, REQUESTS, AnyRequest, MONITOR_OPS, ADMIN_OPS,
-    TicketId, MAX_TTL_MS, Offer, Claim, Cancel, Locate,
+    TicketId, MAX_TTL_MS, Offer, Claim, Cancel, Locate, WeightKey, WeightCreate,
+    WeightSeal, WeightAttach, WeightDetach,
 )
 from kvpool.protocol.replies import (
     Reply, Error, Registered, GroupCreated, Granted, Done, TenantInfo, PoolInfo, Run,
     GroupInfo, PsReply, StatsReply, MapReply, CheckReply, Reclaim, LimitSet, Leased,
     Adopted, EventInfo, EventsReply, REPLIES, AnyReply, SETTLED_STATES, Offered, Claimed,
-    Settled, Located,
+    Settled, Located, WeightGranted,
 )
 from kvpool.protocol.endpoint import MAX_ENDPOINT, Endpoint
 from kvpool.protocol.fd import (
@@ -90,5 +91,6 @@ __all__ = [
     "DecodeError", "decode_request", "decode_reply", "decode_hello", "decode_header",
     "error", "to_builtins", "TicketId", "MAX_TTL_MS", "Offer", "Claim", "Cancel",
     "SETTLED_STATES", "Offered", "Claimed", "Settled", "Locate", "Located",
-    "MAX_ENDPOINT", "Endpoint",
+    "MAX_ENDPOINT", "Endpoint", "WeightKey", "WeightCreate", "WeightSeal",
+    "WeightAttach", "WeightDetach", "WeightGranted",
 ]

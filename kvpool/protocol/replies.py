@@ -71,6 +71,8 @@ class TenantInfo(Struct, kw_only=True):
     waiting: int = 0  # bytes of this tenant's requests waiting for reclaim
     retained: int = 0  # bytes of pages it released but still references (charged to it)
     endpoint: str = ""  # where it says it serves (Register.endpoint; tenant-supplied)
+    weights: int = 0  # bytes of the weight sets it holds (each counts against its max)
+    weight_sets: list[str] = []  # the keys of those sets, first 12 hex digits each
 
 
 class PoolInfo(Struct, kw_only=True):
@@ -90,6 +92,9 @@ class PoolInfo(Struct, kw_only=True):
     recovering: bool = False  # rebuilding its accounting after a restart (no grants)
     retained: int = 0  # bytes released by tenants that still reference them (charged)
     renewed: int = 0  # fresh pages created in place of released ones since start
+    weights: int = 0  # bytes of weight sets, each counted once (in ``granted`` too)
+    weights_cached: int = 0  # of which in sets nobody holds (reclaimed first)
+    weight_sets: int = 0  # sets in the pool (loading or sealed)
 
 
 class Run(Struct, array_like=True):
@@ -273,9 +278,20 @@ class Located(Reply, tag="located"):
     uid: int = -1
 
 
+class WeightGranted(Granted, tag="weights"):
+    """The pages of weight set ``key`` (``nfds`` descriptors already on the fd channel,
+    in page order; ``group`` 0, ``units`` empty): ``state`` ``loading`` (the creator
+    maps them writable, loads, unmaps, seals) or ``sealed`` (map them read-only).
+    ``nbytes`` is what was asked; the pages cover it."""
+
+    key: str = ""
+    state: str = ""
+    nbytes: int = 0
+
+
 REPLIES = (
     Error, Registered, GroupCreated, Granted, Done, PsReply, StatsReply, MapReply,
     CheckReply, Reclaim, LimitSet, Leased, Adopted, EventsReply, Offered, Claimed, Settled,
-    Located,
+    Located, WeightGranted,
 )
 AnyReply = Union[REPLIES]  # type: ignore[valid-type]  # built from the tuple for msgspec

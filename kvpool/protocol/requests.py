@@ -240,10 +240,48 @@ class Locate(Request, tag="locate"):
     as_giver: bool = False
 
 
+# ---- weight sets (kvpool.daemon.weights; docs/ARCHITECTURE.md "Weight sets") -----------
+# A set's content key: the sha256 hex digest of the checkpoint's tensors
+# (kvpool.client_lib.weights.content_key), lower case, exactly 64 digits.
+WeightKey = Annotated[str, Meta(pattern=r"^[0-9a-f]{64}$")]
+
+
+class WeightCreate(Request, tag="weight_create"):
+    """Create the weight set ``key`` of ``nbytes`` (rounded up to whole pages), held
+    by this tenant while it loads the tensors: answered ``WeightGranted`` (the
+    descriptors precede it, as for a grant). Nobody else sees the set until it is
+    sealed; the creator's death or detach drops it. Refused when the key exists."""
+
+    key: WeightKey
+    nbytes: Annotated[int, Meta(ge=1, le=MAX_BYTES)]
+
+
+class WeightSeal(Request, tag="weight_seal"):
+    """The creator has loaded set ``key`` and unmapped every writable mapping of it: the
+    daemon makes its pages read-only for good and the set attachable by its key."""
+
+    key: WeightKey
+
+
+class WeightAttach(Request, tag="weight_attach"):
+    """Hold the sealed set ``key``: answered ``WeightGranted`` with its descriptors,
+    to be mapped read-only. ``write`` is always refused (a sealed set never changes)."""
+
+    key: WeightKey
+    write: bool = False
+
+
+class WeightDetach(Request, tag="weight_detach"):
+    """Stop holding set ``key`` (unmap it first). The creator detaching a set it has
+    not sealed drops the set."""
+
+    key: WeightKey
+
+
 REQUESTS = (
     Register, CreateGroup, DestroyGroup, Grant, Release, Report, Bye, Ping,
     Ps, Stats, MapReq, SetLimit, Check, Lease, Reclaimed, Adopt, Shutdown, Events,
-    Offer, Claim, Cancel, Locate,
+    Offer, Claim, Cancel, Locate, WeightCreate, WeightSeal, WeightAttach, WeightDetach,
 )
 AnyRequest = Union[REQUESTS]  # type: ignore[valid-type]  # built from the tuple for msgspec
 MONITOR_OPS = frozenset({"ps", "stats", "map", "ping", "check", "events"})

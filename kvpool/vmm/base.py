@@ -221,6 +221,31 @@ class Backend(abc.ABC):
         cannot make one (then it cannot tell either)."""
         return None
 
+    # ---- read-only shares (weight sets; ``caps.read_only_shares``) -----------------
+    def create_sealable_page(self) -> Page:
+        """A fresh page (reads zeros) that :meth:`seal_read_only` can make read-only
+        later; until then its holders may write it."""
+        raise Unsupported("create_sealable_page", f"the {self.name} backend has no "
+                          "read-only shares")
+
+    def import_sealable(self, fd: int) -> Page:
+        """:meth:`import_owned` for a page of :meth:`create_sealable_page` (not yet
+        sealed for good); ``fd`` is taken over on success."""
+        raise Unsupported("import_sealable", f"the {self.name} backend has no read-only "
+                          "shares")
+
+    def seal_read_only(self, page: Page) -> None:
+        """Make ``page`` read-only for every holder, for good. Raises
+        :class:`InvalidArgument` while some process still maps it writable (the caller
+        must have every writer unmap first)."""
+        raise Unsupported("seal_read_only", f"the {self.name} backend has no read-only "
+                          "shares")
+
+    def map_read_only(self, rng: Range, offset: int, pages: Sequence[Page]) -> None:
+        """:meth:`map_pages`, readable only: a write through the mapping faults."""
+        raise Unsupported("map_read_only", f"the {self.name} backend has no read-only "
+                          "shares")
+
     # ---- mappings -----------------------------------------------------------------
     @abc.abstractmethod
     def map_pages(

@@ -32,6 +32,12 @@ class Capabilities:
     device type): ``"cpu"`` (host RAM) or ``"cuda"`` (memory of device ``Backend.device``).
 
     ``huge_pages``: pages can be backed by hugetlb memory (``huge_pages = true``).
+
+    ``read_only_shares``: a page can be made read-only for good once loaded
+    (:meth:`~kvpool.vmm.base.Backend.seal_read_only`) and mapped read-only
+    (:meth:`~kvpool.vmm.base.Backend.map_read_only`): what weight sets need
+    (docs/ARCHITECTURE.md, "Weight sets"). Host: memfd write seals and ``PROT_READ``
+    mappings. CUDA would use ``cuMemSetAccess`` with read-only flags (not written yet).
     """
 
     handles_are_fds: bool
@@ -39,11 +45,13 @@ class Capabilities:
     device_memory_bounded: bool
     tensor_device: Literal["cpu", "cuda"]
     huge_pages: bool
+    read_only_shares: bool = False
 
 
 #: memfd pages in RAM (:mod:`kvpool.vmm.host`)
 HOST_CAPS = Capabilities(handles_are_fds=True, fresh_pages_zeroed=True,
-                         device_memory_bounded=False, tensor_device="cpu", huge_pages=True)
+                         device_memory_bounded=False, tensor_device="cpu", huge_pages=True,
+                         read_only_shares=True)
 #: CUDA VMM allocations on a GPU (:mod:`kvpool.vmm.cuda`)
 CUDA_CAPS = Capabilities(handles_are_fds=False, fresh_pages_zeroed=False,
                          device_memory_bounded=True, tensor_device="cuda", huge_pages=False)

@@ -68,6 +68,7 @@ class CudaBackend(Backend):
             self._min_page_size = drv.min_granularity(cu, self._prop)
             super().__init__(device, page_size)
             self._access = drv.access_descs(cu, device)
+            self._access_ro = drv.access_descs(cu, device, read_only=True)
             # Alignment for reservations: the page size when it is a power of two (so a
             # slot never straddles a larger-page boundary), else the minimum page size.
             ps = self.page_size
@@ -272,6 +273,18 @@ class CudaBackend(Backend):
         self, rng: Range, offset: int, pages: Sequence[Page], populate: bool = False
     ) -> None:
         # `populate` is a no-op: cuMemCreate commits the physical memory up front.
+        self._map(rng, offset, pages, self._access, "READWRITE")
+
+    def map_read_only(self, rng: Range, offset: int, pages: Sequence[Page]) -> None:
+        """Map with ``cuMemSetAccess(CU_MEM_ACCESS_FLAGS_PROT_READ)``: a kernel's store
+        through the mapping faults. UNTESTED on a GPU (the libcuda stub only; the check
+        is ``tests/test_vmm_cuda.py::test_map_read_only_refuses_writes``, run by
+        ``scripts/gpu_check.sh``). Not a seal: whoever holds a page's handle may map
+        it writable in its own process, so ``caps.read_only_shares`` stays False."""
+        self._map(rng, offset, pages, self._access_ro, "READ")
+
+    def _map(self, rng: Range, offset: int, pages: Sequence[Page], access: list[Any],
+             what: str) -> None:
         slots = self._check_map(rng, offset, pages)
         ps = self.page_size
         self._make_current("map")
@@ -292,8 +305,8 @@ class CudaBackend(Backend):
                 for start, count in contiguous_runs(slots, ps):
                     va, size = rng.base + start, count * ps
                     self._driver(
-                        "map", "cuMemSetAccess", va, size, self._access, 1,
-                        show=f"cuMemSetAccess({va:#x}, {size}, READWRITE on device "
+                        "map", "cuMemSetAccess", va, size, access, 1,
+                        show=f"cuMemSetAccess({va:#x}, {size}, {what} on device "
                         f"{self.device}) (offset {start} of range {rng.base:#x})",
                     )
             except BaseException:

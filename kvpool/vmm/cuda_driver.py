@@ -203,13 +203,15 @@ def min_granularity(cu: Any, prop: Any) -> int:
     return int(call(cu, "init", "cuMemGetAllocationGranularity", prop, flag))
 
 
-def access_descs(cu: Any, device: int) -> list[Any]:
-    """Read-write access for ``device``: the ``cuMemSetAccess`` argument. One object per
-    device (never ``[desc] * n``)."""
+def access_descs(cu: Any, device: int, read_only: bool = False) -> list[Any]:
+    """Read-write (or read-only) access for ``device``: the ``cuMemSetAccess``
+    argument. One object per device (never ``[desc] * n``)."""
     desc = cu.CUmemAccessDesc()
     desc.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
     desc.location.id = device
-    desc.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+    flags = cu.CUmemAccess_flags
+    desc.flags = flags.CU_MEM_ACCESS_FLAGS_PROT_READ if read_only \
+        else flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
     return [desc]
 
 

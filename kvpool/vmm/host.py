@@ -52,7 +52,9 @@ from kvpool.vmm.base import (
 )
 from kvpool.vmm.libc import MAP_FAILED
 from kvpool.vmm.libc import libc as _libc
-from kvpool.vmm.page_check import REQUIRED_SEALS, PageCheck
+from kvpool.vmm.page_check import (
+    REQUIRED_SEALS, SEALABLE_SEALS, SEALED_READ_ONLY, PageCheck,
+)
 
 PROT_NONE, PROT_READ, PROT_WRITE = 0, 1, 2
 MAP_SHARED, MAP_PRIVATE, MAP_FIXED, MAP_ANONYMOUS = 0x1, 0x2, 0x10, 0x20
@@ -156,6 +158,37 @@ class HostBackend(Backend):
 
     # ---- physical pages -----------------------------------------------------------
     def create_page(self) -> Page:
+        return self._create_page(REQUIRED_SEALS)
+
+    def create_sealable_page(self) -> Page:
+        """A memfd sealed against resizing only: :meth:`seal_read_only` adds the rest."""
+        return self._create_page(SEALABLE_SEALS)
+
+    def import_sealable(self, fd: int) -> Page:
+        self._page_check.check(fd, SEALABLE_SEALS)
+        return Page(handle=fd, size=self.page_size)
+
+    def seal_read_only(self, page: Page) -> None:
+        """``F_SEAL_WRITE | F_SEAL_FUTURE_WRITE | F_SEAL_SEAL``: no ``write(2)``, no
+        writable shared mapping, no ``mprotect`` to writable, and no seal changes, for
+        any holder. The kernel refuses (``EBUSY``) while a writable shared mapping of
+        the memfd exists anywhere."""
+        self._check_live("seal_read_only", page)
+        try:
+            if fcntl.fcntl(page.handle, fcntl.F_GET_SEALS) & SEALED_READ_ONLY == \
+                    SEALED_READ_ONLY:
+                return  # sealed by an earlier try (one that failed on a later page)
+            fcntl.fcntl(page.handle, fcntl.F_ADD_SEALS, SEALED_READ_ONLY)
+        except OSError as e:
+            if e.errno == errno.EBUSY:
+                raise InvalidArgument("seal_read_only", "the page is still mapped writable "
+                                      "somewhere (unmap it first)") from e
+            raise InvalidArgument("seal_read_only", f"F_ADD_SEALS: {e.strerror}") from e
+
+    def map_read_only(self, rng: Range, offset: int, pages: Sequence[Page]) -> None:
+        self._map(rng, offset, pages, False, PROT_READ)
+
+    def _create_page(self, seals: int) -> Page:
         flags = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING
         try:
             fd = (hugetlb.create_fd if self.huge_pages else os.memfd_create)("kvpool-page", flags)
@@ -163,7 +196,7 @@ class HostBackend(Backend):
             raise ResourceLimit("create_page", f"memfd_create: {e.strerror}") from e
         try:
             os.ftruncate(fd, self.page_size)
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, REQUIRED_SEALS)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
             if self.huge_pages:
                 hugetlb.reserve(fd, self.page_size, "create_page")
         except OSError as e:
@@ -259,6 +292,10 @@ class HostBackend(Backend):
     def map_pages(
         self, rng: Range, offset: int, pages: Sequence[Page], populate: bool = False
     ) -> None:
+        self._map(rng, offset, pages, populate, PROT_READ | PROT_WRITE)
+
+    def _map(self, rng: Range, offset: int, pages: Sequence[Page], populate: bool,
+             prot: int) -> None:
         slots = self._check_map(rng, offset, pages)
         use_madvise = populate and self._madvise_populate
         flags = MAP_SHARED | MAP_FIXED | (MAP_POPULATE if populate and not use_madvise else 0)
@@ -269,7 +306,7 @@ class HostBackend(Backend):
             try:
                 for slot, page in zip(slots, pages):
                     addr = _libc.mmap(
-                        rng.base + slot, self.page_size, PROT_READ | PROT_WRITE, flags,
+                        rng.base + slot, self.page_size, prot, flags,
                         page.handle, 0,
                     )
                     if addr in (None, MAP_FAILED):

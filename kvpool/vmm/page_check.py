@@ -26,6 +26,12 @@ from kvpool.vmm.base import InvalidArgument
 
 # Seals every page carries: its size is fixed for good, and no one can add or drop seals.
 REQUIRED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+# A weight page while it is loaded: its size fixed, its seals still open (the daemon
+# adds SEALED_READ_ONLY when the set is sealed).
+SEALABLE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+# What sealing a weight page adds: no write, now or by a later mapping, and no more seals.
+F_SEAL_FUTURE_WRITE = 0x0010
+SEALED_READ_ONLY = fcntl.F_SEAL_WRITE | F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL
 
 
 def target(fd: int) -> str:
@@ -43,8 +49,9 @@ class PageCheck:
         self.page_size = page_size
         self.memfd_devs: set[int] = set()  # st_dev of filesystems proven to hold memfds
 
-    def check(self, fd: int) -> None:
-        """Raise :class:`InvalidArgument` unless ``fd`` is a page (see the module)."""
+    def check(self, fd: int, required: int = REQUIRED_SEALS) -> None:
+        """Raise :class:`InvalidArgument` unless ``fd`` is a page (see the module)
+        carrying the seals ``required``."""
         try:
             st = os.fstat(fd)
         except (OSError, TypeError) as e:
@@ -55,9 +62,9 @@ class PageCheck:
             seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
         except OSError as e:
             raise InvalidArgument("import", f"fd {fd}: cannot read its seals: {e}") from e
-        if seals & REQUIRED_SEALS != REQUIRED_SEALS:
+        if seals & required != required:
             raise InvalidArgument(
-                "import", f"fd {fd} lacks seals {REQUIRED_SEALS & ~seals:#x} (has {seals:#x}): "
+                "import", f"fd {fd} lacks seals {required & ~seals:#x} (has {seals:#x}): "
                 "a holder could resize it under the other mappings"
             )
         if st.st_size != self.page_size:

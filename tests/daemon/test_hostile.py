@@ -1,4 +1,4 @@
-"""Ten thousand hostile control messages over all 22 request types (forged and foreign
+"""Ten thousand hostile control messages over all 26 request types (weight sets among them) (forged and foreign
 handoff tickets, hostile endpoints and locates among them), while two hostile
 fd-channel peers misbehave (one never reads its descriptors, one announces Adopt
 descriptors it never sends): each message gets an error reply, a live tenant keeps being
@@ -26,7 +26,8 @@ REPLY_DEADLINE_MS = 120_000  # generous: whether the daemon answers, not how fas
 BUDGET_PAGES = 1024
 SINK_PAGES = 400  # more fd messages than a socket buffer holds
 TENANT_OPS = ["grant", "release", "report", "create_group", "destroy_group", "bye",
-              "lease", "reclaimed", "adopt", "offer", "claim", "cancel", "locate"]
+              "lease", "reclaimed", "adopt", "offer", "claim", "cancel", "locate",
+              "weight_create", "weight_seal", "weight_attach", "weight_detach"]
 ALL_OPS = ["register", *TENANT_OPS, "ping", "ps", "stats", "map", "set_limit", "check", "events",
            "shutdown"]
 assert sorted(ALL_OPS) == sorted(t.__struct_config__.tag for t in p.REQUESTS)  # all covered
@@ -50,6 +51,10 @@ FIELDS = {
     "claim": {"ticket": "ticket", "group": "int", "units": "list", "giver": "oint"},
     "cancel": {"ticket": "ticket"},
     "locate": {"name": "str", "as_giver": "bool"},
+    "weight_create": {"key": "wkey", "nbytes": "huge"},
+    "weight_seal": {"key": "wkey"},
+    "weight_attach": {"key": "wkey", "write": "bool"},
+    "weight_detach": {"key": "wkey"},
 }
 for op in ALL_OPS:
     FIELDS.setdefault(op, {})
@@ -80,6 +85,10 @@ WRONG = {
                         st.text(alphabet="0123456789abcdef", max_size=31),
                         st.text(alphabet="0123456789abcdef", min_size=33, max_size=200),
                         st.text(alphabet="0123456789ABCDEFG-", min_size=32, max_size=32)),
+    "wkey": st.one_of(ints, st.none(), st.binary(max_size=16),  # malformed content keys
+                      st.text(alphabet="0123456789abcdef", max_size=63),
+                      st.text(alphabet="0123456789abcdef", min_size=65, max_size=200),
+                      st.text(alphabet="0123456789ABCDEFG-", min_size=64, max_size=64)),
     "ttl": st.one_of(st.integers(-(2**63), 0), st.integers(p.MAX_TTL_MS + 1, 2**64 - 1),
                      st.floats(), st.text(max_size=4)),
     "groups": st.one_of(ints, st.text(max_size=8), st.lists(ints, min_size=1, max_size=3),
@@ -95,6 +104,7 @@ GOOD = {
     "zero": st.just(0), "groups": st.just([]),
     "ticket": st.text(alphabet="0123456789abcdef", min_size=32, max_size=32),  # forged
     "ttl": st.integers(1, 100),
+    "wkey": st.text(alphabet="0123456789abcdef", min_size=64, max_size=64),  # forged
 }
 
 
@@ -182,7 +192,10 @@ def hostile(env: Env):
                   "lease": {"bytes": PAGE}, "reclaimed": {"seq": 1}, "adopt": {},
                   "offer": {"group": env.attacker_group, "units": [0], "to": "victim"},
                   "claim": {"ticket": env.ticket, "group": env.attacker_group, "units": [3]},
-                  "cancel": {"ticket": env.ticket}, "locate": {"name": "victim"}}[op]
+                  "cancel": {"ticket": env.ticket}, "locate": {"name": "victim"},
+                  "weight_create": {"key": "ab" * 32, "nbytes": PAGE},
+                  "weight_seal": {"key": "ab" * 32}, "weight_attach": {"key": "ab" * 32},
+                  "weight_detach": {"key": "ab" * 32}}[op]
         return ("anon", [p.encode({"op": op, **with_header(fields, rid, token)})], rid)
 
     @st.composite

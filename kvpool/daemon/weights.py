@@ -1,0 +1,286 @@
+"""Weight sets: pages of the pool shared read-only by every tenant that opens the same
+checkpoint (docs/ARCHITECTURE.md, "Weight sets").
+
+A set is named by its content key (:data:`kvpool.protocol.WeightKey`, derived by the
+client from the checkpoint's tensor bytes) and lives through two states:
+
+* ``loading`` — created by one tenant (``WeightCreate``), which alone holds it, maps its
+  pages writable and loads the tensors. Nobody else can see it: an attach of its key is
+  ``NOT_FOUND``, the same as for a key nobody created. When the creator detaches or its
+  session ends before sealing, the set is dropped and its pages return.
+* ``sealed`` — the creator unmapped its writable mappings and sent ``WeightSeal``: every
+  page is read-only for good (``Backend.seal_read_only``) and any tenant may attach it
+  (``WeightAttach``: the descriptors, mapped read-only).
+
+Scope: a set is attachable by tenants of its creator's uid, and by everyone when an
+admin identity created it (:meth:`WeightSets.visible`); another uid's set of the same
+key is invisible (``NOT_FOUND``), since a key derived from public bytes proves nothing
+about what its creator loaded. Two uids of one checkpoint hold two copies unless an
+admin loads it.
+
+Accounting: a set's pages are taken from the pool once (``Pool.take_sealable``, owned in
+the pool by the set's negative id), so the budget counts them once however many hold
+it. Each holder's ``max`` counts the whole set (``TenantRecord.weight_pages``): attaching
+never lets a tenant exceed its max. A held set is never reclaimed; its pages are left
+out of the budget the fair-share policy divides (:attr:`pinned_pages`). A sealed set
+nobody holds stays *cached* (a restart attaches it without loading) and is the first
+memory reclaimed under pressure (:meth:`evict`, called by the reclaimer before it asks
+any tenant), least recently held first.
+
+Limitation of this slice: sets are not part of the restart state; after a daemon restart
+they are gone (holders keep their mappings, no longer counted).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from kvpool import protocol as p
+from kvpool.daemon.outcome import Fail, Outcome, Sender
+from kvpool.daemon.pool import Pool, PoolExhausted
+from kvpool.daemon.tenants import NO_MEMORY_KINDS, TenantRecord, Tenants
+from kvpool.vmm import VmmError
+
+log = logging.getLogger("kvpool.daemon.weights")
+
+ADMIN_SCOPE = -1  # the scope of sets an admin identity created: visible to every uid
+MAX_SETS = 256  # weight sets in the pool, at most (a tenant could otherwise flood it)
+MAX_HELD = 16  # sets one tenant may hold at once
+KEY_SHOWN = 12  # hex digits of a key that ps shows
+
+
+@dataclass(eq=False)
+class WeightSet:
+    id: int
+    key: str
+    nbytes: int
+    pfns: list[int]
+    creator: int  # tenant id
+    scope: int  # who may attach it: the creator's uid, or ADMIN_SCOPE
+    state: str = "loading"  # | "sealed"
+    holders: set[int] = field(default_factory=set)  # tenant ids
+    idle_since: float = 0.0  # monotonic: when its last holder let go
+
+    @property
+    def owner(self) -> int:
+        """Its id in ``Pool.owner`` (negative: no tenant id is)."""
+        return -self.id
+
+    @property
+    def pages(self) -> int:
+        return len(self.pfns)
+
+
+class WeightSets:
+    """The weight sets over ``pool``, held by ``tenants``; ``owed()`` is how many free
+    pages waiting grants are owed (a new set does not take them)."""
+
+    def __init__(self, pool: Pool, tenants: Tenants, owed: Callable[[], int]):
+        self.pool = pool
+        self.page_size = pool.page_size
+        self.tenants = tenants
+        self.owed = owed
+        self.sets: dict[tuple[int, str], WeightSet] = {}  # (scope, key) -> set
+        self.by_id: dict[int, WeightSet] = {}
+        self._next_id = 1
+
+    # ---- accounting (the reclaimer's and views' inputs) ----------------------------------
+    @property
+    def pages(self) -> int:
+        return sum(s.pages for s in self.sets.values())
+
+    @property
+    def pinned_pages(self) -> int:
+        """Pages of sets that cannot be reclaimed now: loading, or held."""
+        return sum(s.pages for s in self.sets.values() if s.holders)
+
+    @property
+    def cached_pages(self) -> int:
+        return self.pages - self.pinned_pages
+
+    def evict(self, pages: int) -> int:
+        """Drop sealed sets nobody holds, least recently held first, until ``pages``
+        pages are back (or none is left). Returns the pages freed."""
+        freed = 0
+        idle = sorted((s for s in self.sets.values() if not s.holders),
+                      key=lambda s: s.idle_since)
+        for s in idle:
+            if freed >= pages:
+                break
+            freed += s.pages
+            log.info("weight set %s reclaimed (%d pages, cached, nobody held it)",
+                     s.key[:KEY_SHOWN], s.pages)
+            self._drop(s)
+        return freed
+
+    def holds(self, tenant: int, pfn: int) -> bool:
+        """Whether tenant id ``tenant`` holds a set with page ``pfn`` (its descriptors
+        may be sent to it: ``FdSender``)."""
+        owner = self.pool.owner.get(pfn, 0)
+        s = self.by_id.get(-owner) if owner < 0 else None
+        return s is not None and tenant in s.holders
+
+    def held_by(self, t: TenantRecord) -> list[WeightSet]:
+        return [s for s in self.sets.values() if t.id in s.holders]
+
+    def keys_of(self, t: TenantRecord) -> list[str]:
+        return [s.key[:KEY_SHOWN] for s in self.held_by(t)]
+
+    # ---- requests ------------------------------------------------------------------
+    def create(self, t: TenantRecord, sender: Sender, r: p.WeightCreate) -> Outcome:
+        self._require_holder(t, "weight_create")
+        if not self.pool.backend.caps.read_only_shares:
+            raise Fail(p.BAD_REQUEST, f"the {self.pool.backend.name} backend cannot share "
+                                      "pages read-only: no weight sets")
+        scope = ADMIN_SCOPE if t.admin else t.uid
+        if (scope, r.key) in self.sets:
+            s = self.sets[(scope, r.key)]
+            raise Fail(p.BUSY, "this weight set exists: attach it" if s.state == "sealed"
+                       else "this weight set is being loaded by another tenant")
+        if len(self.sets) >= MAX_SETS:
+            raise Fail(p.OVER_LIMIT, f"the pool holds {MAX_SETS} weight sets already")
+        n = -(-r.nbytes // self.page_size)
+        self._admit(t, n, "create")
+        self.evict(n + self.owed() - self.pool.available)
+        if n > self.pool.available - self.owed():
+            raise Fail(p.NO_MEMORY, f"a weight set of {n} pages does not fit: "
+                                    f"{self.pool.available} pages available")
+        sid = self._next_id
+        try:
+            pfns = self.pool.take_sealable(n, -sid)
+        except PoolExhausted as e:
+            raise Fail(p.NO_MEMORY, str(e)) from e
+        self._next_id += 1
+        s = WeightSet(id=sid, key=r.key, nbytes=r.nbytes, pfns=pfns, creator=t.id,
+                      scope=scope, holders={t.id})
+        self.sets[(scope, r.key)] = s
+        self.by_id[sid] = s
+        t.weight_pages += n
+        return self._granted(t, r.id, s)
+
+    def seal(self, t: TenantRecord, sender: Sender, r: p.WeightSeal) -> p.Reply:
+        s = self._held(t, r.key)
+        if s is None:
+            raise Fail(p.NOT_FOUND, "this session holds no such weight set")
+        if s.state != "loading" or s.creator != t.id:
+            raise Fail(p.BAD_REQUEST, "the weight set is sealed already")
+        try:
+            self.pool.seal(s.pfns)
+        except VmmError as e:
+            raise Fail(p.BUSY, f"cannot seal the weight set: {e}") from e
+        s.state = "sealed"
+        return p.Done(id=r.id)
+
+    def attach(self, t: TenantRecord, sender: Sender, r: p.WeightAttach) -> Outcome:
+        self._require_holder(t, "weight_attach")
+        if r.write:
+            raise Fail(p.UNAUTHORIZED, "a weight set is attached read-only")
+        s = self.visible(t, r.key)
+        if s is None or s.state != "sealed":  # a loading set is nobody else's business
+            raise Fail(p.NOT_FOUND, "no sealed weight set has this key")
+        if t.id in s.holders:
+            raise Fail(p.BAD_REQUEST, "this session holds the weight set already")
+        self._admit(t, s.pages, "attach")
+        s.holders.add(t.id)
+        t.weight_pages += s.pages
+        return self._granted(t, r.id, s)
+
+    def detach(self, t: TenantRecord, sender: Sender, r: p.WeightDetach) -> p.Reply:
+        s = self._held(t, r.key)
+        if s is None:
+            raise Fail(p.NOT_FOUND, "this session holds no such weight set")
+        self._let_go(t, s)
+        return p.Done(id=r.id)
+
+    def dropped(self, t: TenantRecord) -> None:
+        """``t``'s session ended: it holds nothing any more; a set it was loading goes."""
+        for s in self.held_by(t):
+            self._let_go(t, s)
+
+    # ---- helpers --------------------------------------------------------------------
+    def visible(self, t: TenantRecord, key: str) -> WeightSet | None:
+        """The set ``key`` that ``t`` may attach: one its own uid created, else one an
+        admin identity created. Another uid's set is invisible: a content key is
+        computed from public bytes, so anyone could create a set under a popular
+        checkpoint's key and load something else into it; a tenant trusts only its own
+        uid's loads and the admins'."""
+        own = self.sets.get((ADMIN_SCOPE if t.admin else t.uid, key))
+        if own is not None and own.state == "sealed":
+            return own
+        return self.sets.get((ADMIN_SCOPE, key)) or own
+
+    def _held(self, t: TenantRecord, key: str) -> WeightSet | None:
+        return next((s for s in self.held_by(t) if s.key == key), None)
+
+    @staticmethod
+    def _require_holder(t: TenantRecord, op: str) -> None:
+        if t.kind in NO_MEMORY_KINDS:
+            raise Fail(p.UNAUTHORIZED, f"a {t.kind} session holds no memory ({op} refused)")
+
+    def _admit(self, t: TenantRecord, n: int, op: str) -> None:
+        """One clear refusal for a set that can never fit: past the budget, or past the
+        tenant's max (its KV, lease, waiting pages and other sets count)."""
+        budget = self.pool.budget_pages
+        if n > budget:
+            raise Fail(p.OVER_LIMIT, f"a weight set of {n} pages is larger than the budget "
+                                     f"of {budget} pages")
+        if len(self.held_by(t)) >= MAX_HELD:
+            raise Fail(p.OVER_LIMIT, f"a tenant may hold at most {MAX_HELD} weight sets")
+        kept = self.pool.charged(t.id, t.payer)
+        have = t.held + kept + t.waiting_pages + t.weight_pages
+        if have + n > t.cap_pages:
+            raise Fail(p.OVER_LIMIT, f"{t.name}: a weight set of {n} pages on top of the "
+                                     f"{have} it holds would exceed its limit of "
+                                     f"{t.cap_pages} pages ({op} refused)")
+
+    def _granted(self, t: TenantRecord, rid: int, s: WeightSet) -> Outcome:
+        reply = p.WeightGranted(id=rid, group=0, units=[], nfds=s.pages, key=s.key,
+                                state=s.state, nbytes=s.nbytes)
+        return Outcome(reply, pfns_to_send=list(s.pfns), tenant=t)
+
+    def _let_go(self, t: TenantRecord, s: WeightSet) -> None:
+        s.holders.discard(t.id)
+        t.weight_pages -= s.pages
+        if s.state == "loading":  # never sealed: never attachable, its pages return
+            log.info("weight set %s dropped before it was sealed", s.key[:KEY_SHOWN])
+            self._drop(s)
+        elif not s.holders:
+            s.idle_since = time.monotonic()
+
+    def _drop(self, s: WeightSet) -> None:
+        for tid in s.holders:  # (only a loading set's creator, when it dies)
+            holder = self.tenants.by_id.get(tid)
+            if holder is not None:
+                holder.weight_pages -= s.pages
+        s.holders.clear()
+        del self.sets[(s.scope, s.key)]
+        del self.by_id[s.id]
+        self.pool.give_back(s.pfns, s.owner)  # dirty: retired, never handed on as is
+
+    # ---- integrity ------------------------------------------------------------------
+    def check(self, seen: set[int]) -> list[str]:
+        """Each set's pages are owned by it in the pool (added to ``seen``), holders
+        are live tenants and count exactly the sets they hold."""
+        problems: list[str] = []
+        for s in self.sets.values():
+            for pfn in s.pfns:
+                if pfn in seen:
+                    problems.append(f"pfn {pfn} of weight set {s.id} is also elsewhere")
+                seen.add(pfn)
+                if self.pool.owner.get(pfn) != s.owner:
+                    problems.append(f"pfn {pfn} of weight set {s.id} is owned by "
+                                    f"{self.pool.owner.get(pfn)} in the pool")
+            gone = [h for h in s.holders if h not in self.tenants.by_id]
+            if gone:
+                problems.append(f"weight set {s.id} is held by dead tenants {gone[:8]}")
+            if s.state == "loading" and s.holders != {s.creator}:
+                problems.append(f"weight set {s.id} is loading but held by {sorted(s.holders)}")
+        for t in self.tenants:
+            want = sum(s.pages for s in self.held_by(t))
+            if t.weight_pages != want:
+                problems.append(f"tenant {t.id} counts {t.weight_pages} weight pages, its "
+                                f"sets hold {want}")
+        return problems
