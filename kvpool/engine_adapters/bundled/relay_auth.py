@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 from kvpool.engine_adapters.bundled.bridge import bridge_of
 from kvpool.engine_adapters.bundled.retire_auth import (Refused, address, check_connection,
-                                                        loopback)
+                                                        check_local_peer)
 
 
 class RelayGate(Protocol):
@@ -65,12 +65,7 @@ class RelayAuth:
         if self.giver is None:
             raise Refused(403, f"{what}: this server took nothing over, so no server may "
                                f"relay requests to it")
-        if peer is None or server is None:
-            raise Refused(403, f"{what}: the request came on no TCP connection this "
-                               f"server can check")
-        if not loopback(peer[0]):
-            raise Refused(403, f"{what}: the request came from {peer[0]}, not from this "
-                               f"machine's loopback")
+        peer, server = check_local_peer(what, peer, server)
         check_connection(self.giver, self._pid(self.giver, what), peer, server, action=route)
 
     def _pid(self, giver: str, what: str) -> int:

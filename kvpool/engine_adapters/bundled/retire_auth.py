@@ -60,17 +60,26 @@ def check_ttl(ttl_s: float) -> None:
         raise Refused(400, f"ttl_s {ttl_s:g} is not in {MIN_TTL_S:g}..{MAX_TTL_S:g} s")
 
 
+def check_local_peer(what: str, peer: tuple[str, int] | None,
+                     server: tuple[str, int] | None
+                     ) -> tuple[tuple[str, int], tuple[str, int]]:
+    """(peer, server) when the request came on a TCP connection ``peer`` -> ``server``
+    from this machine's loopback; else :class:`Refused` (403), its line led by ``what``."""
+    if peer is None or server is None:
+        raise Refused(403, f"{what}: the request came on no TCP connection this server "
+                           f"can check")
+    if not loopback(peer[0]):
+        raise Refused(403, f"{what}: the request came from {peer[0]}, not from this "
+                           f"machine's loopback")
+    return peer, server
+
+
 def check_peer(engine: Any, to: str, peer: tuple[str, int] | None,
                server: tuple[str, int] | None, url: str | None = None) -> None:
     """Tenant ``to`` may receive this server's pages, the connection ``peer`` ->
     ``server`` is open in its process and ``url`` (if any) is its registered endpoint;
     else :class:`Refused` (403)."""
-    if peer is None or server is None:
-        raise Refused(403, f"retire to {to!r} refused: the request came on no TCP "
-                           f"connection this server can check")
-    if not loopback(peer[0]):
-        raise Refused(403, f"retire to {to!r} refused: the request came from {peer[0]}, "
-                           f"not from this machine's loopback")
+    peer, server = check_local_peer(f"retire to {to!r} refused", peer, server)
     pid, endpoint = _locate(engine, to)
     if url is not None and url.rstrip("/") != (endpoint or "").rstrip("/"):
         raise Refused(403, f"retire to {to!r} refused: url {url[:80]!r} is not the endpoint "
