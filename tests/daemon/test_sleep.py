@@ -22,9 +22,12 @@ from kvpool import protocol as p
 from kvpool.client_lib import KvpoolError
 from kvpool.daemon.config import Config
 
-from .helpers import PAGE, wait_for
+from kvpool.demo.cluster import free_port
+
+from .helpers import PAGE, respawn, stop_daemon, wait_for
 from .rawpeer import RawPeer
 from .test_attacks_round3 import as_nobody, group_daemon, needs_root
+from observability.helpers import scrape, value
 
 BUDGET = 16  # pages (make_arb's pool)
 
@@ -269,7 +272,9 @@ def states(d, name: str) -> list[tuple[str, int]]:
         return [(t.state, t.mapped) for t in m.ps().tenants if t.name == name]
 
 
-def test_operator_sleep_and_wake_reach_the_handler_and_ps_shows_them(daemon):
+def test_operator_sleep_and_wake_reach_the_handler_and_ps_shows_them(start_daemon):
+    port = free_port()
+    daemon = start_daemon(extra=("--metrics-address", f"127.0.0.1:{port}"))
     with daemon.connect("srv", timeout_s=30) as srv:
         g = srv.region_group(1, 8 * PAGE)
         g.grant(range(4))
@@ -283,6 +288,8 @@ def test_operator_sleep_and_wake_reach_the_handler_and_ps_shows_them(daemon):
         assert states(daemon, "srv") == [("asleep", 0)]  # asleep, holding nothing
         shown = daemon.cli_json("ps")["tenants"]
         assert [(t["state"], t["sleepable"]) for t in shown] == [("asleep", False)]
+        assert wait_for(lambda: value(scrape(port), "kvpool_tenant_asleep", tenant="srv"),
+                        what="the asleep gauge") == 1
         out = daemon.cli("wake", "srv", "--wait", "60")
         assert out.stdout.strip() == "srv: awake", out
         assert handler.calls[-1] == ("wake", "operator")
@@ -345,6 +352,17 @@ def test_a_flood_of_state_changes_is_answered_and_harmless(daemon):
     finally:
         peer.close()
     assert daemon.check() == []
+
+
+def test_the_state_is_sent_again_after_a_daemon_restart(daemon):
+    with daemon.connect("srv", timeout_s=30) as srv:
+        srv.report_state("idle")
+        srv.report_state("idle")  # unchanged: not sent again
+        stop_daemon(daemon)
+        respawn(daemon)
+        wait_for(lambda: srv.reconnects == 1, what="the tenant's reconnect")
+        assert states(daemon, "srv") == [("idle", 0)]
+        assert srv.state == "idle"
 
 
 @needs_root
