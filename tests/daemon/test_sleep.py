@@ -146,6 +146,23 @@ def test_without_sleepable_the_grant_ends_no_memory(make_arb):
     assert [o.reply.code for o in done] == [p.NO_MEMORY]
 
 
+@pytest.mark.parametrize("sleepable", [True, False])
+def test_a_grant_past_its_fair_share_waits_for_a_sleep_that_covers_it(make_arb, sleepable):
+    """x (idle) holds 10 of 16 pages; y asks for 12, past its fair share (8): refused at
+    once unless x may be put to sleep, which then frees enough: y waits and is served."""
+    a = Arb(make_arb(config()))
+    x = a.join("x", 10, "idle", sleepable=sleepable)
+    y = a.join("y", state="busy")
+    if not sleepable:
+        assert a.grant(y, range(12)).reply.code == p.NO_MEMORY
+        return
+    out, asks = needy_round(a, y, 12)
+    assert list(asks) == [a.idents[x.id]]
+    a.release(x, range(10))
+    a.say(x, "asleep")
+    assert [isinstance(o.reply, p.Granted) for o in a.arb.tick()] == [True]
+
+
 @pytest.mark.parametrize("case", ["busy", "awake", "asker", "empty", "not_sleepable"])
 def test_who_is_never_asked(make_arb, case):
     """A busy tenant, one that never said its state, one that holds nothing, one that
@@ -332,6 +349,48 @@ def test_daemon_puts_an_idle_sleepable_tenant_to_sleep_for_a_needy_grant(start_d
                 gy.grant(range(8))
             assert e.value.code == p.NO_MEMORY
             assert handler.calls == [] and states(d, "x") == [("idle", 12 * PAGE)]
+    assert d.check() == []
+
+
+class Detacher:
+    """A sleep handler that lets go of a weight set (and refuses to wake: not needed)."""
+
+    def __init__(self, ws):
+        self.ws = ws
+        self.calls: list[str] = []
+
+    def sleep(self, reason: str) -> bool:
+        self.calls.append(reason)
+        self.ws.detach()
+        return True
+
+    def wake(self, reason: str) -> bool:
+        return False
+
+
+def test_a_sleeping_tenants_weight_set_is_evicted_for_a_needy_grant(start_daemon):
+    """x (idle, sleepable) holds a 10-page weight set of a 16-page pool, so y's fair
+    share of the rest is 6 pages; y asks for 8 KV pages: x is put to sleep, detaches,
+    the set (cached, held by nobody) is evicted and y's grant goes through."""
+    from kvpool.client_lib.weights import WeightSet
+
+    d = start_daemon(budget=str(BUDGET * PAGE), extra=("--reclaim-timeout", "30",
+                                                      "--warm-max", "0"))
+    with d.connect("x", timeout_s=60, sleepable=True) as x, \
+            d.connect("y", timeout_s=60) as y:
+        ws = WeightSet.create(x, "cd" * 32, 10 * PAGE)
+        ws.seal()
+        handler = Detacher(ws)
+        x.set_sleep_handler(handler)
+        x.report_state("idle")
+        gy = y.region_group(1, BUDGET * PAGE)
+        gy.grant(range(8))
+        assert handler.calls == ["pressure"]
+        assert wait_for(lambda: states(d, "x") == [("asleep", 0)], what="x asleep")
+        with d.monitor() as m:
+            ps = m.ps()
+        assert ps.pool is not None and ps.pool.weights == 0  # evicted
+        assert [t.weights for t in ps.tenants if t.name == "x"] == [0]
     assert d.check() == []
 
 
