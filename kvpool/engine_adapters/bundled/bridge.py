@@ -31,6 +31,7 @@ from kvpool.engine_adapters.bundled.settings import AdapterError, Settings
 
 if TYPE_CHECKING:
     from kvpool.client_lib import RegionGroup, Tenant
+    from kvpool.engine_adapters.sleep import SleepController
 
 ADAPTER_KEY = "kvpool"
 
@@ -44,6 +45,7 @@ class Bridge:
         self.pool: ElasticBlockPool | None = None
         self.tenant: Tenant | None = None
         self.group: RegionGroup | None = None
+        self.sleep: SleepController | None = None  # set by .sleep.attach; closed here
 
     def make_pool(self, num_blocks: int) -> ElasticBlockPool:
         """The engine's block pool (``block_pool_factory``): closing it closes this."""
@@ -61,7 +63,8 @@ class Bridge:
         name = s.name or self.config.served_model_name or os.path.basename(
             os.path.normpath(self.config.model))
         self.tenant = connect(name=name, device=s.device, run_dir=s.run_dir, kind="engine",
-                              min=s.min_bytes, weight=s.weight, endpoint=s.endpoint)
+                              min=s.min_bytes, weight=s.weight, endpoint=s.endpoint,
+                              sleepable=s.sleepable)
         try:
             per_region = spec.buffer_block_bytes
             chunk = math.lcm(self.tenant.page_size, per_region)
@@ -90,6 +93,8 @@ class Bridge:
     def close(self) -> None:
         """Stop the idle watcher, then close the tenant (its thread, the allocator's
         thread, the mappings, the daemon session). Idempotent."""
+        if self.sleep is not None:
+            self.sleep.close()
         if self.pool is not None:
             self.pool.stop()
         if self.tenant is not None:
