@@ -18,9 +18,10 @@ what serving needs. Four callers, one controller per engine:
   does the request get :class:`WakeFailed`, one line (the servers answer 503).
 
 **A sleep while requests run is refused**: :meth:`~SleepController.sleep` returns False
-(the HTTP route answers 409) when a request is admitted, the engine reports work
-(:meth:`SleepTarget.busy`, :meth:`~SleepController.note_work`) or the target finds work
-when it looks under its own lock (:class:`SleepRefused`). Requests that arrive while the
+(the HTTP route answers 409) when a request is admitted, the engine has work
+(:meth:`SleepTarget.busy`) or the target finds work when it looks under its own lock
+(:class:`SleepRefused`). (:meth:`~SleepController.note_work` only feeds the reports and
+the idle timer.) Requests that arrive while the
 engine is falling asleep wait for that to end, then wake it.
 
 The controller tells the tenant what the engine does (``report_state``): ``busy`` from
@@ -182,7 +183,7 @@ class SleepController:
             with self._cond:
                 if self._state == ASLEEP:
                     return True
-                if self._active or self._engine_busy or self.target.busy():
+                if self._active or self.target.busy():
                     self.refusals += 1
                     log.info("kvpool: sleep (%s) refused: %d request(s) running", reason,
                              self._active)
@@ -204,6 +205,8 @@ class SleepController:
             else:
                 ok = True
                 self.sleeps += 1
+                with self._cond:
+                    self._engine_busy = False  # asleep: no work, whatever was reported
                 self._set(ASLEEP)
                 log.warning("kvpool: asleep (%s): KV and weights given back", reason)
         self.report()
@@ -330,7 +333,8 @@ class SleepController:
 
     def note_work(self, busy: bool) -> None:
         """The engine says whether it has work (for engines whose requests do not come
-        through :meth:`enter`, e.g. vLLM's engine core between steps). Cheap when
+        through :meth:`enter`, e.g. vLLM's engine core between steps): for the reports
+        and the idle timer (a sleep asks :meth:`SleepTarget.busy`). Cheap when
         unchanged."""
         if busy == self._engine_busy:  # a plain read: only this caller writes it
             return

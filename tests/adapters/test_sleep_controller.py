@@ -109,9 +109,6 @@ def test_sleep_is_refused_when_the_engine_has_work() -> None:
     t.work = True
     assert not c.sleep("pressure") and t.released == 0
     t.work = False
-    c.note_work(True)
-    assert not c.sleep("pressure")
-    c.note_work(False)
     t.refuse_inside = True  # the target finds work under its own lock
     assert not c.sleep("pressure") and c.state == AWAKE and t.restored == 0
     t.refuse_inside = False
@@ -204,6 +201,19 @@ def test_idle_timer_puts_an_idle_engine_to_sleep() -> None:
     c.leave()
     r.wait_for("asleep")
     assert t.released == 2
+    c.close()
+
+
+def test_reported_work_is_busy_for_the_tenant_and_the_timer() -> None:
+    t, r = FakeTarget(), FakeTenant()
+    c = SleepController(t, r, sleep_after_s=0.05)
+    c.note_work(True)  # before the timer starts
+    c.start()
+    assert r.states == ["busy"]
+    time.sleep(0.2)  # four idle periods with work reported: no sleep (negative check)
+    assert c.state == AWAKE and t.released == 0
+    c.note_work(False)
+    r.wait_for("asleep")
     c.close()
 
 

@@ -29,7 +29,11 @@ def enable(config: EngineConfig, settings: Settings | None = None) -> None:
     """Make the engine built from ``config`` allocate its KV cache through kvpool; the
     engine gets a ``close()`` that gives the memory and the daemon session back."""
     check_engine(config)
-    settings = settings or Settings.from_env()
+    if settings is None:
+        try:
+            settings = Settings.from_env()
+        except ValueError as e:  # a bad KVPOOL_* value: one line (SettingsError)
+            raise AdapterError(str(e)) from None
     if settings.request_aligned:
         config.enable_prefix_caching = False  # a shared block would tie requests' units
     bridge = Bridge(config, settings)
