@@ -129,7 +129,8 @@ def daemon(backend: str | None, device: int | None, budget: int | str | None,
 
 @query_command
 def ps(run_dir: str | None, as_json: bool) -> None:
-    """List tenants: name, pid, kind, mapped, in use, reserve, limit (and the endpoint
+    """List tenants: name, pid, kind, mapped, in use, reserve, limit, state (asleep,
+    idle, busy; sleepable) (and the endpoint
     a tenant says it serves on, when one does; the weight sets it holds, when any
     does); then the retained memory per uid and the pool's weight sets."""
     reply = _call(run_dir, lambda m: m.ps())
@@ -151,6 +152,8 @@ def ps(run_dir: str | None, as_json: bool) -> None:
         table.add_column(col, justify="left" if col in ("NAME", "KIND", "STATE") else "right")
     for t in reply.tenants:
         state: list[str] = []
+        if t.state != "awake" or t.sleepable:  # (kvpool.daemon.sleep)
+            state.append(t.state + (" (sleepable)" if t.sleepable else ""))
         if t.unresponsive:
             state.append(f"UNRESPONSIVE (ignored {t.ignored})")
         elif t.ignored:

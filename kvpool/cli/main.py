@@ -11,6 +11,7 @@ from kvpool.cli import (
     engine_cmds,
     events_cmd,
     lease_cmds,
+    sleep_cmds,
     top,
     vmm_cmds,
 )
@@ -22,7 +23,8 @@ def cli() -> None:
     """kvpool: share one accelerator's memory between model servers and jobs."""
 
 
-for module in (vmm_cmds, daemon_cmds, lease_cmds, engine_cmds, demo_cmds, events_cmd, top):
+for module in (vmm_cmds, daemon_cmds, lease_cmds, engine_cmds, demo_cmds, events_cmd, top,
+               sleep_cmds):
     module.register(cli)
 
 

@@ -109,7 +109,8 @@ def frame(view: View, ps: p.PsReply, width: int = 80) -> Group:
     table = Table(box=None, padding=(0, 1), pad_edge=False, expand=False)
     columns: tuple[tuple[str, Literal["left", "right"]], ...] = (
         ("TENANT", "left"), ("MAPPED", "right"), ("USE▒RES▓LEASE|SHARE", "left"),
-        ("LIMIT", "right"), ("GR/s", "right"), ("RC/s", "right"), ("HISTORY", "left"))
+        ("LIMIT", "right"), ("STATE", "left"), ("GR/s", "right"), ("RC/s", "right"),
+        ("HISTORY", "left"))
     for col, justify in columns:
         table.add_column(col, justify=justify, no_wrap=True)
     for t in ps.tenants:
@@ -118,7 +119,7 @@ def frame(view: View, ps: p.PsReply, width: int = 80) -> Group:
         if t.unresponsive:
             name += "!"
         table.add_row(name, format_size(t.mapped), bar(t), format_size(t.max),
-                      f"{g:.0f}", f"{r:.0f}", sparkline(view.history.get(t.name, ())))
+                      t.state + ("*" if t.sleepable else ""), f"{g:.0f}", f"{r:.0f}", sparkline(view.history.get(t.name, ())))
     pool = ps.pool
     assert pool is not None, "the daemon's ps reply always carries the pool"
     line = (f"pool {pool.backend}:{pool.device}  budget {format_size(pool.budget)}  granted "

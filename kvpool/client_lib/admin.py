@@ -71,6 +71,11 @@ class Monitor:
         return self.call(p.SetLimit(tenant=tenant, max=nbytes, min=min, weight=weight),
                          p.LimitSet)
 
+    def sleep(self, tenant: str, wake: bool = False) -> int:
+        """Ask every tenant called ``tenant`` to sleep (or wake): how many were asked
+        (0: none is connected). Its own uid's tenants, or any for an admin."""
+        return self.call(p.SleepTenant(name=tenant, wake=wake), p.SleepAsked).tenants
+
     def shutdown(self) -> None:
         """Stop the daemon (admin)."""
         self.call(p.Shutdown(), p.Done)

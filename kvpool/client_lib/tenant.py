@@ -13,7 +13,10 @@ tenant whose own threads do nothing, at once:
 * ``Reclaim(mode="reserve")`` — release empty chunks of the allocators' reserves;
 * ``Reclaim(mode="shrink")`` — the same, then the shrink callback (see
   :meth:`Tenant.set_shrink_callback`) frees blocks and the chunks that became empty are
-  released, repeated until enough is free or the deadline nears; then ``Reclaimed``.
+  released, repeated until enough is free or the deadline nears; then ``Reclaimed``;
+* ``SleepAsk`` — the engine's sleep handler (:meth:`Tenant.set_sleep_handler`) runs on a
+  worker thread (:mod:`kvpool.client_lib.sleep`) and the new state is reported
+  (:meth:`Tenant.report_state`); without a handler the ask is ignored (logged).
 
 The keeper also notices the daemon's death (fd-channel EOF). The tenant keeps serving
 with the pages it maps, reconnects with backoff, registers again and *adopts*: it sends
@@ -39,6 +42,7 @@ from kvpool.client_lib.errors import KvpoolError
 from kvpool.client_lib.handoff import Handoffs
 from kvpool.client_lib.lease import Lease
 from kvpool.client_lib.regions import RegionGroup
+from kvpool.client_lib.sleep import SleepHandler, SleepWorker
 from kvpool.limits import raise_fd_limit
 from kvpool.vmm import open_backend
 
@@ -54,11 +58,11 @@ class Tenant:
     def __init__(self, name: str, device: int = 0, run_dir: str | os.PathLike[str] | None = None,
                  kind: str = "engine", timeout_s: float = 10.0, *, min: int | None = None,
                  max: int | None = None, weight: float | None = None, keeper: bool = True,
-                 endpoint: str | None = None):
+                 endpoint: str | None = None, sleepable: bool | None = None):
         self.run_dir = paths.run_dir(run_dir)
         self.timeout_s = timeout_s
         self._register = p.Register(name=name, kind=kind, device=device, min=min, max=max,
-                                    weight=weight, endpoint=endpoint)
+                                    weight=weight, endpoint=endpoint, sleepable=sleepable)
         raise_fd_limit()  # host tenants keep one descriptor per mapped page
         self.conn = Connection(Path(self.run_dir), timeout_s=timeout_s)
         self.closed = False
@@ -85,6 +89,11 @@ class Tenant:
         self.reconnects = 0
         self.reclaims = 0  # reclaim requests handled
         self._shrink: ShrinkCallback | None = None
+        self._sleep_handler: SleepHandler | None = None
+        self._sleep = SleepWorker(self.report_state, name=f"kvpool-sleep-{name}")
+        self._state_lock = threading.Lock()
+        self._state: str | None = None  # what we last said (TenantState), None: never
+        self._state_sent = True  # False: the daemon has not heard ``_state`` yet
         self._stop = threading.Event()
         self._keeper: threading.Thread | None = None
         if keeper:
@@ -95,7 +104,7 @@ class Tenant:
     def _fresh_register(self) -> p.Register:
         r = self._register
         return p.Register(name=r.name, kind=r.kind, device=r.device, min=r.min, max=r.max,
-                          weight=r.weight, endpoint=r.endpoint)
+                          weight=r.weight, endpoint=r.endpoint, sleepable=r.sleepable)
 
     @property
     def connected(self) -> bool:
@@ -160,6 +169,38 @@ class Tenant:
             self.reclaim(m)
         elif isinstance(m, p.Settled):  # an offer of ours ended (kvpool.client_lib.handoff)
             self.handoffs.settled(m)
+        elif isinstance(m, p.SleepAsk):  # (kvpool.client_lib.sleep)
+            self._sleep.ask(m, self._sleep_handler)
+
+    # ---- sleep and wake ---------------------------------------------------------------
+    def set_sleep_handler(self, handler: SleepHandler | None) -> None:
+        """Run ``handler.sleep``/``wake`` when the daemon asks (``kvpool sleep|wake``,
+        or memory pressure when this tenant is ``sleepable`` and says ``idle``); on a
+        worker thread, never the keeper. None: asks are ignored."""
+        self._sleep_handler = handler
+
+    def report_state(self, state: str) -> None:
+        """Tell the daemon this tenant is ``busy``, ``idle`` or ``asleep`` (only when it
+        changed). Thread-safe; never raises for a gone daemon (the state is sent again
+        after a reconnect). ``ValueError`` for any other state."""
+        if state not in p.SLEEP_STATES:
+            raise ValueError(f"state {state!r} is not one of {', '.join(p.SLEEP_STATES)}")
+        with self._state_lock:
+            if state == self._state and self._state_sent:
+                return
+            self._state, self._state_sent = state, False
+            if self.closed:
+                return
+            try:
+                self.conn.call(p.TenantState(state=state), p.Done)  # type: ignore[arg-type]
+                self._state_sent = True
+            except KvpoolError as e:
+                log.debug("state %s not sent (sent after a reconnect): %s", state, e)
+
+    @property
+    def state(self) -> str | None:
+        """What this tenant last said it is doing (None: never said)."""
+        return self._state
 
     def reclaim(self, m: p.Reclaim) -> int:
         """Answer one reclaim request; returns the bytes released."""
@@ -289,6 +330,14 @@ class Tenant:
         old.close()
         self.info = reply
         self.id = reply.tenant
+        with self._state_lock:  # the new daemon has not heard our state
+            if self._state is not None:
+                try:
+                    conn.call(p.TenantState(state=self._state), p.Done)  # type: ignore[arg-type]
+                    self._state_sent = True
+                except KvpoolError as e:
+                    self._state_sent = False
+                    log.warning("state %s not sent after reconnecting: %s", self._state, e)
         self.reconnects += 1
         self.handoffs.void("the daemon restarted")  # the new daemon knows no ticket
         log.warning("reconnected to the kvpool daemon as tenant %d; adopted %d groups",
@@ -311,6 +360,7 @@ class Tenant:
         self.conn.wake()
         if self._keeper is not None and self._keeper is not threading.current_thread():
             self._keeper.join()
+        self._sleep.join(self.timeout_s)
         try:
             for g in list(self.groups.values()):
                 try:
@@ -336,10 +386,12 @@ class Tenant:
 def connect(name: str, device: int = 0, run_dir: str | os.PathLike[str] | None = None,
             kind: str = "engine", timeout_s: float = 10.0, *, min: int | None = None,
             max: int | None = None, weight: float | None = None,
-            endpoint: str | None = None) -> Tenant:
+            endpoint: str | None = None, sleepable: bool | None = None) -> Tenant:
     """Register with the daemon serving ``run_dir`` (see :mod:`kvpool.paths`). ``min``,
     ``max`` (bytes) and ``weight`` are this tenant's own knobs, used unless the daemon's
     config names it (the config and live admin changes win); ``endpoint`` is where it
-    serves (loopback http, :mod:`kvpool.protocol.endpoint`), for ``locate``."""
+    serves (loopback http, :mod:`kvpool.protocol.endpoint`), for ``locate``;
+    ``sleepable``: the daemon may put it to sleep when it is idle and memory is short
+    (the config's ``[tenants.NAME] sleepable`` wins; :meth:`Tenant.set_sleep_handler`)."""
     return Tenant(name, device=device, run_dir=run_dir, kind=kind, timeout_s=timeout_s,
-                  min=min, max=max, weight=weight, endpoint=endpoint)
+                  min=min, max=max, weight=weight, endpoint=endpoint, sleepable=sleepable)

@@ -16,6 +16,8 @@ on: :mod:`~kvpool.daemon.registry` (sessions, register, knobs, set_limit, drop),
 :mod:`~kvpool.daemon.adoption` (Adopt after a restart), :mod:`~kvpool.daemon.handoff`
 (offer, claim, cancel), :mod:`~kvpool.daemon.locate` (locate a tenant by name),
 :mod:`~kvpool.daemon.weights` (weight sets: create, seal, attach, detach),
+:mod:`~kvpool.daemon.sleep` (sleep states, the operator's sleep/wake, who the reclaimer
+puts to sleep),
 :mod:`~kvpool.daemon.views` (ps, stats, map, check) and
 :mod:`~kvpool.daemon.integrity` (the self-check). Reclaim policy lives in
 :mod:`kvpool.daemon.reclaim`, the weighted shares in :mod:`kvpool.daemon.fairshare`.
@@ -57,6 +59,7 @@ from kvpool.daemon.reclaim import Reclaimer
 from kvpool.daemon.regions import GroupIndex
 from kvpool.daemon.registry import Registry
 from kvpool.daemon.restart import Recovery
+from kvpool.daemon.sleep import SleepBook
 from kvpool.daemon.tenants import TenantRecord, Tenants
 from kvpool.daemon.views import Views
 from kvpool.daemon.weights import WeightSets
@@ -80,9 +83,10 @@ class Arbiter:
         self.observer: ArbiterObserver = NoObserver()
         most, vmost = cfg.max_groups_per_tenant, cfg.max_virtual_pages_per_tenant
         self.weights = WeightSets(pool, self.tenants, lambda: self.reclaimer.waiting_pages)
+        self.sleep = SleepBook(cfg, self.tenants, self.outbox, cfg.reclaim_timeout_s)
         self.reclaimer = Reclaimer(self.tenants, pool, budget, self.outbox,
                                    cfg.reclaim_timeout_s, cfg.short_backoff_s,
-                                   POLICIES[cfg.reclaim_policy], self.weights)
+                                   POLICIES[cfg.reclaim_policy], self.weights, self.sleep)
         self.registry = Registry(cfg, pool, budget, self.tenants, self.groups,
                                  self.reclaimer, self.recovery)
         self.grants = Grants(pool, self.groups, self.reclaimer, self.recovery,
@@ -94,11 +98,11 @@ class Arbiter:
         self.integrity = Integrity(pool, self.tenants, self.groups, self.handoff, most, vmost,
                                    self.weights)
         self.views = Views(pool, self.tenants, self.groups, self.reclaimer, self.recovery,
-                           self.counters, self.integrity, self.weights)
+                           self.counters, self.integrity, self.weights, self.sleep)
         locator = Locator(self.tenants, self.handoff.pairs)
         g, v, h = self.grants, self.views, self.handoff
         self._handlers: dict[type[p.Request], Handler] = {
-            p.Register: self.registry.register,
+            p.Register: self._register,
             p.CreateGroup: g.create_group,
             p.DestroyGroup: g.destroy_group,
             p.Grant: g.grant,
@@ -123,7 +127,14 @@ class Arbiter:
             p.WeightSeal: self.weights.seal,
             p.WeightAttach: self.weights.attach,
             p.WeightDetach: self.weights.detach,
+            p.SleepTenant: self.sleep.sleep_tenant,
+            p.TenantState: lambda t, s, r: self.sleep.tenant_state(t, s, r, time.monotonic()),
         }
+
+    def _register(self, t: TenantRecord, sender: Sender, r: p.Register) -> p.Reply:
+        reply = self.registry.register(t, sender, r)  # raises Fail when refused
+        self.sleep.registered(t, r)
+        return reply
 
     def observe(self, observer: ArbiterObserver) -> None:
         """Report what the arbiter (and its reclaimer) decide to ``observer``."""
@@ -202,6 +213,7 @@ class Arbiter:
         held, arbitrated, t0 = t.held, t.arbitrated, time.perf_counter()
         self.handoff.dropped(t)  # its offers end; its pages go back with the rest
         self.weights.dropped(t)  # its holds end; a set it was loading goes
+        self.sleep.dropped(t)  # its sleep state is forgotten
         self.registry.drop(t, why)
         self.observer.dropped(t, why, held, arbitrated, time.perf_counter() - t0)
 

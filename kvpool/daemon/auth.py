@@ -18,6 +18,9 @@ Rules:
 * ``ping`` is open to anyone who can connect; the other read-only ops (``ps``,
   ``stats``, ``map``, ``check``) need a registered session of any kind (a monitor
   registers as kind ``monitor``): their replies are bounded, but not free to build;
+* ``sleep_tenant`` (``p.SESSION_OPS``) needs a registered session of any kind, sent from
+  the identity that registered it; the handler (:mod:`kvpool.daemon.sleep`) refuses a
+  tenant of another uid unless the session is an admin identity (:func:`may_act_on`);
 * admin ops (``set_limit``, ``shutdown``) need the token of a session whose peer is an
   *admin identity*: root, the daemon's own uid, or a member of ``admin_group``;
 * every other op needs the token of a registered tenant, sent from the ZeroMQ identity
@@ -35,6 +38,7 @@ from kvpool.daemon.config import TenantPolicy
 from kvpool.daemon.tenants import TenantRecord, Tenants
 
 READ_ONLY_OPS = frozenset(p.MONITOR_OPS | {"check"})
+ANY_SESSION_OPS = frozenset(READ_ONLY_OPS | p.SESSION_OPS)  # registered, any kind
 
 
 class Denied(Exception):
@@ -88,6 +92,12 @@ def may_claim(name: str, policy: TenantPolicy, uid: int, groups: set[int]) -> st
     return f"tenant name {name!r} is reserved by the daemon's config for {who}; uid {uid} is not one"
 
 
+def may_act_on(asker: TenantRecord, target: TenantRecord) -> bool:
+    """Whether ``asker`` may put ``target`` to sleep or wake it: its own uid, or an
+    admin identity."""
+    return asker.admin or asker.uid == target.uid
+
+
 def authorize(op: str, token: str, identity: bytes, tenants: Tenants) -> TenantRecord | None:
     """The tenant a request acts as (None for anonymous monitor requests)."""
     tenant = tenants.by_token.get(token) if token else None
@@ -99,7 +109,7 @@ def authorize(op: str, token: str, identity: bytes, tenants: Tenants) -> TenantR
         if token and tenant is None:
             raise Denied("unknown session token")
         return tenant
-    if op in READ_ONLY_OPS:  # bounded but not free: only for registered sessions
+    if op in ANY_SESSION_OPS:  # bounded but not free: only for registered sessions
         if tenant is None:
             raise Denied(f"{op} needs a registered session (connect the fd channel and "
                          f"register, e.g. as kind 'monitor')")

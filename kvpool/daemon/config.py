@@ -26,6 +26,8 @@ TOML layout (see ``systemd/kvpool.toml``)::
     uids = [1001]             # who may claim the name (and/or group = "llm"); neither:
                               # the daemon's own uid only (a warning at start says so)
     handoff_to = ["decode"]   # may hand pages to these tenants though another uid runs them
+    sleepable = true          # may be put to sleep when idle and a grant needs its memory
+                              # (unset: what the tenant asks at registration; else no)
 
 Validation (:meth:`Config.load`): each value is converted with ``msgspec`` against the
 field's annotated type (``Meta`` bounds: timers finite and positive, counts at least 1,
@@ -93,6 +95,9 @@ class TenantPolicy:
     # tenants this one may hand pages to although they run as another uid (page handoff)
     handoff_to: list[Annotated[str, Meta(min_length=1, max_length=64)]] = field(
         default_factory=list)
+    # the daemon may put it to sleep when a grant cannot be met otherwise (kvpool.daemon
+    # .sleep); None: what the tenant asked at registration (Register.sleepable), else no
+    sleepable: bool | None = None
 
 
 @dataclass

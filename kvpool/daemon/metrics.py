@@ -193,6 +193,16 @@ class DaemonCollector:
         for lv, t in rows:
             g.add_metric([*lv, tenant_state(t)], 1)
         yield g
+        g = GaugeMetricFamily("kvpool_tenant_asleep", "1 while the tenant says it is "
+                              "asleep (holds no KV, no weight set), else 0.", labels=labels)
+        for lv, t in rows:
+            g.add_metric(lv, 1 if t.state == "asleep" else 0)
+        yield g
+        g = GaugeMetricFamily("kvpool_tenant_sleepable", "1 when the daemon may put the "
+                              "tenant to sleep under memory pressure.", labels=labels)
+        for lv, t in rows:
+            g.add_metric(lv, 1 if t.sleepable else 0)
+        yield g
         c = CounterMetricFamily("kvpool_tenant_reclaims_ignored", "Reclaim asks the tenant "
                                 "let expire.", labels=labels)
         for lv, t in rows:

@@ -11,7 +11,10 @@ b. tenants' reserves — an :class:`Ask` in mode ``reserve`` for mapped-but-unus
 c. tenants above their share under the reclaim policy (:mod:`kvpool.daemon.policy`;
    the default ``fair_share`` is weighted max-min fairness),
    never below ``max(min, share)`` — an :class:`Ask` in mode ``shrink``: the tenant's shrink
-   callback frees cached blocks so whole units empty, and the library releases them.
+   callback frees cached blocks so whole units empty, and the library releases them;
+d. when b and c leave pages missing (nobody else to ask, or the asked answered short):
+   ONE idle tenant that opted in is asked to sleep (:class:`SleepSource`,
+   :mod:`kvpool.daemon.sleep`): it releases all its KV and its weight-set holds.
 
 A tenant above its hard limit (``max`` lowered by an admin) gets an urgent shrink ask for
 the excess at once, idle or not. Every ask has a deadline; a tenant that lets one expire
@@ -73,6 +76,24 @@ class Evictable(Protocol):
         ...
 
 
+class SleepSource(Protocol):
+    """Tenants the daemon may put to sleep (:class:`kvpool.daemon.sleep.SleepBook`)."""
+
+    def put_one_to_sleep(self, spare: AbstractSet[int], now: float) -> TenantRecord | None:
+        """Waiting grants miss pages that no ask covers: ask at most one tenant (never
+        one whose id is in ``spare``, the waiters') to sleep, unless one was asked
+        already and has not answered. Returns the tenant asked, or None. Called at every
+        reclaim step that still misses pages: it must be cheap and must not ask twice."""
+        ...
+
+
+class NoSleep:
+    """Nobody is ever put to sleep (the default)."""
+
+    def put_one_to_sleep(self, spare: AbstractSet[int], now: float) -> TenantRecord | None:
+        return None
+
+
 class NoCache:
     """No evictable memory (the default)."""
 
@@ -96,12 +117,15 @@ class Waiter:
 class Reclaimer:
     """Waiters and asks over ``tenants``, for pages of ``pool`` within ``budget`` bytes;
     asks are queued in ``outbox``; ``policy`` decides shares, who gives back and who
-    may grow by reclaim; ``cache`` is evicted before any tenant is asked."""
+    may grow by reclaim; ``cache`` is evicted before any tenant is asked; ``sleep`` puts
+    an idle tenant to sleep when asking leaves pages missing."""
 
     def __init__(self, tenants: Tenants, pool: Pool, budget: int, outbox: Outbox,
                  timeout_s: float, short_backoff_s: float = 0.5,
-                 policy: ReclaimPolicy | None = None, cache: Evictable | None = None):
+                 policy: ReclaimPolicy | None = None, cache: Evictable | None = None,
+                 sleep: SleepSource | None = None):
         self.tenants = tenants
+        self.sleep: SleepSource = sleep if sleep is not None else NoSleep()
         self.cache: Evictable = cache if cache is not None else NoCache()
         self.policy: ReclaimPolicy = policy or FairShare()
         self.pool = pool
@@ -250,6 +274,8 @@ class Reclaimer:
                 self._send_ask(victims[tid], pages, "shrink", urgent, "fair share", now)
             else:
                 self._send_ask(victims[tid], pages, "reserve", False, "reserve", now)
+        if rest - sum(shrinks.values()) > 0:  # nobody else to ask: one idle tenant sleeps
+            self.sleep.put_one_to_sleep({w.tenant.id for w in self.waiters}, now)
 
     def _pop(self, w: Waiter) -> None:
         self.waiters.remove(w)

@@ -22,6 +22,7 @@ from kvpool.daemon.pool import Pool
 from kvpool.daemon.reclaim import Reclaimer
 from kvpool.daemon.regions import GroupIndex
 from kvpool.daemon.restart import Recovery
+from kvpool.daemon.sleep import SleepBook
 from kvpool.daemon.tenants import NO_MEMORY_KINDS, TenantRecord, Tenants
 from kvpool.daemon.weights import WeightSets
 
@@ -35,11 +36,12 @@ def sees_all(asker: TenantRecord | None, owner_uid: int) -> bool:
 class Views:
     """Views of ``pool``, ``tenants`` and their groups (``groups``), with the shares and
     waiting pages of ``reclaimer``, whether ``recovery`` is active, the request
-    ``counters``, ``integrity``'s self-check, and the ``weights`` sets."""
+    ``counters``, ``integrity``'s self-check, the ``weights`` sets and the tenants'
+    ``sleep`` states."""
 
     def __init__(self, pool: Pool, tenants: Tenants, groups: GroupIndex,
                  reclaimer: Reclaimer, recovery: Recovery, counters: Counters,
-                 integrity: Integrity, weights: WeightSets):
+                 integrity: Integrity, weights: WeightSets, sleep: SleepBook):
         self.pool = pool
         self.page_size = pool.page_size
         self.tenants = tenants
@@ -49,10 +51,12 @@ class Views:
         self.counters = counters
         self.integrity = integrity
         self.weights = weights
+        self.sleep = sleep
 
     def tenant_info(self, t: TenantRecord, shares: dict[int, int] | None = None) -> p.TenantInfo:
         ps = self.page_size
         share = (shares or {}).get(t.id, 0)
+        rest = self.sleep.record(t)
         return p.TenantInfo(
             id=t.id, name=t.name, kind=t.kind, pid=t.pid, uid=t.uid, registered=t.registered,
             groups=len(t.groups), mapped=t.granted * ps, in_use=t.in_use_bytes(ps),
@@ -62,6 +66,7 @@ class Views:
             ignored=t.ignored, unresponsive=t.unresponsive, waiting=t.waiting_pages * ps,
             retained=self.pool.retained_pages(t.id) * ps, endpoint=t.endpoint,
             weights=t.weight_pages * ps, weight_sets=self.weights.keys_of(t),
+            state=rest.state, sleepable=rest.sleepable,
         )
 
     def pool_info(self) -> p.PoolInfo:

@@ -58,13 +58,14 @@ from kvpool.protocol.requests import (
     Reclaimed, AdoptGroup, Adopt, Bye, Ping, Ps, Stats, MapReq, SetLimit, Shutdown,
     Check, EVENTS_LIMIT, Events, REQUESTS, AnyRequest, MONITOR_OPS, ADMIN_OPS,
     TicketId, MAX_TTL_MS, Offer, Claim, Cancel, Locate, WeightKey, WeightCreate,
-    WeightSeal, WeightAttach, WeightDetach,
+    WeightSeal, WeightAttach, WeightDetach, SLEEP_STATES, SleepTenant, TenantState,
+    SESSION_OPS,
 )
 from kvpool.protocol.replies import (
     Reply, Error, Registered, GroupCreated, Granted, Done, TenantInfo, PoolInfo, Run,
     GroupInfo, PsReply, StatsReply, MapReply, CheckReply, Reclaim, LimitSet, Leased,
     Adopted, EventInfo, EventsReply, REPLIES, AnyReply, SETTLED_STATES, Offered, Claimed,
-    Settled, Located, WeightGranted,
+    Settled, Located, WeightGranted, SleepAsked, SleepAsk,
 )
 from kvpool.protocol.endpoint import MAX_ENDPOINT, Endpoint
 from kvpool.protocol.fd import (
@@ -92,5 +93,6 @@ __all__ = [
     "error", "to_builtins", "TicketId", "MAX_TTL_MS", "Offer", "Claim", "Cancel",
     "SETTLED_STATES", "Offered", "Claimed", "Settled", "Locate", "Located",
     "MAX_ENDPOINT", "Endpoint", "WeightKey", "WeightCreate", "WeightSeal",
-    "WeightAttach", "WeightDetach", "WeightGranted",
+    "WeightAttach", "WeightDetach", "WeightGranted", "SLEEP_STATES", "SleepTenant",
+    "TenantState", "SESSION_OPS", "SleepAsked", "SleepAsk",
 ]

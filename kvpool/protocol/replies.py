@@ -73,6 +73,8 @@ class TenantInfo(Struct, kw_only=True):
     endpoint: str = ""  # where it says it serves (Register.endpoint; tenant-supplied)
     weights: int = 0  # bytes of the weight sets it holds (each counts against its max)
     weight_sets: list[str] = []  # the keys of those sets, first 12 hex digits each
+    state: str = "awake"  # busy | idle | asleep as it said (TenantState); awake: never said
+    sleepable: bool = False  # the daemon may put it to sleep under pressure
 
 
 class PoolInfo(Struct, kw_only=True):
@@ -289,9 +291,28 @@ class WeightGranted(Granted, tag="weights"):
     nbytes: int = 0
 
 
+# ---- sleep and wake (kvpool.daemon.sleep) --------------------------------------------------
+class SleepAsked(Reply, tag="sleep_asked"):
+    """The answer to ``SleepTenant``: ``tenants`` of that name were sent a ``SleepAsk``
+    (0: none is connected)."""
+
+    tenants: int = 0
+
+
+class SleepAsk(Reply, tag="sleep_ask"):
+    """Unsolicited (``id`` 0): go to sleep (release every KV page and weight-set hold),
+    or with ``wake`` wake up; ``reason`` is ``operator`` (``kvpool sleep``/``wake``) or
+    ``pressure`` (the daemon needs the memory for a waiting grant). Answer by reporting
+    the new state (``TenantState``: ``asleep``, or ``idle`` when woken or refusing)."""
+
+    wake: bool = False
+    reason: str = ""
+    seq: int = 0
+
+
 REPLIES = (
     Error, Registered, GroupCreated, Granted, Done, PsReply, StatsReply, MapReply,
     CheckReply, Reclaim, LimitSet, Leased, Adopted, EventsReply, Offered, Claimed, Settled,
-    Located, WeightGranted,
+    Located, WeightGranted, SleepAsked, SleepAsk,
 )
 AnyReply = Union[REPLIES]  # type: ignore[valid-type]  # built from the tuple for msgspec

@@ -10,7 +10,7 @@ send it.
 
 from __future__ import annotations
 
-from typing import Annotated, Optional, Union
+from typing import Annotated, Literal, Optional, Union
 
 from msgspec import Meta, Struct
 
@@ -42,6 +42,9 @@ class Register(Request, tag="register"):
     weight: Optional[Weight] = None
     # where it serves (kvpool.protocol.endpoint: loopback http only), for Locate
     endpoint: Optional[Endpoint] = None
+    # it may be put to sleep under memory pressure (kvpool.daemon.sleep); the config's
+    # ``[tenants.NAME] sleepable`` wins
+    sleepable: Optional[bool] = None
 
 
 class CreateGroup(Request, tag="create_group"):
@@ -278,11 +281,38 @@ class WeightDetach(Request, tag="weight_detach"):
     key: WeightKey
 
 
+# ---- sleep and wake (kvpool.daemon.sleep; docs/ARCHITECTURE.md "Sleep and wake") ------
+SLEEP_STATES = ("busy", "idle", "asleep")  # what a tenant may say it is doing
+
+
+class SleepTenant(Request, tag="sleep_tenant"):
+    """Ask every tenant called ``name`` to sleep (release all its KV and its weight-set
+    holds), or with ``wake`` to wake up: the daemon sends each a ``SleepAsk`` and
+    answers ``SleepAsked`` (``tenants`` 0: none connected). Needs a registered session
+    of any kind (a monitor's is enough) whose uid is the tenants' own, or an admin's;
+    another uid's tenant is refused (``UNAUTHORIZED``)."""
+
+    name: Name
+    wake: bool = False
+
+
+class TenantState(Request, tag="tenant_state"):
+    """The tenant says what it is doing: ``busy`` (serving), ``idle`` (may be put to
+    sleep when it opted in), ``asleep`` (holds nothing until it wakes). The daemon
+    records it and when it became idle."""
+
+    state: Literal["busy", "idle", "asleep"]
+
+
 REQUESTS = (
     Register, CreateGroup, DestroyGroup, Grant, Release, Report, Bye, Ping,
     Ps, Stats, MapReq, SetLimit, Check, Lease, Reclaimed, Adopt, Shutdown, Events,
     Offer, Claim, Cancel, Locate, WeightCreate, WeightSeal, WeightAttach, WeightDetach,
+    SleepTenant, TenantState,
 )
 AnyRequest = Union[REQUESTS]  # type: ignore[valid-type]  # built from the tuple for msgspec
 MONITOR_OPS = frozenset({"ps", "stats", "map", "ping", "check", "events"})
 ADMIN_OPS = frozenset({"set_limit", "shutdown"})
+# ops any registered session may send (a monitor's too); the handler decides whose
+# tenants it may act on (sleep_tenant: its own uid's, or any for an admin)
+SESSION_OPS = frozenset({"sleep_tenant"})

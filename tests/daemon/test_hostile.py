@@ -1,4 +1,4 @@
-"""Ten thousand hostile control messages over all 26 request types (weight sets among them) (forged and foreign
+"""Ten thousand hostile control messages over all 28 request types (weight sets and sleep/wake among them) (forged and foreign
 handoff tickets, hostile endpoints and locates among them), while two hostile
 fd-channel peers misbehave (one never reads its descriptors, one announces Adopt
 descriptors it never sends): each message gets an error reply, a live tenant keeps being
@@ -27,9 +27,10 @@ BUDGET_PAGES = 1024
 SINK_PAGES = 400  # more fd messages than a socket buffer holds
 TENANT_OPS = ["grant", "release", "report", "create_group", "destroy_group", "bye",
               "lease", "reclaimed", "adopt", "offer", "claim", "cancel", "locate",
-              "weight_create", "weight_seal", "weight_attach", "weight_detach"]
+              "weight_create", "weight_seal", "weight_attach", "weight_detach",
+              "tenant_state"]
 ALL_OPS = ["register", *TENANT_OPS, "ping", "ps", "stats", "map", "set_limit", "check", "events",
-           "shutdown"]
+           "shutdown", "sleep_tenant"]
 assert sorted(ALL_OPS) == sorted(t.__struct_config__.tag for t in p.REQUESTS)  # all covered
 
 # A field spec per op: name -> kind ("int", "list", "str", "bool", "oint", "olist", "ostr")
@@ -55,6 +56,8 @@ FIELDS = {
     "weight_seal": {"key": "wkey"},
     "weight_attach": {"key": "wkey", "write": "bool"},
     "weight_detach": {"key": "wkey"},
+    "sleep_tenant": {"name": "str", "wake": "bool"},
+    "tenant_state": {"state": "state"},
 }
 for op in ALL_OPS:
     FIELDS.setdefault(op, {})
@@ -89,6 +92,9 @@ WRONG = {
                       st.text(alphabet="0123456789abcdef", max_size=63),
                       st.text(alphabet="0123456789abcdef", min_size=65, max_size=200),
                       st.text(alphabet="0123456789ABCDEFG-", min_size=64, max_size=64)),
+    "state": st.one_of(ints, st.none(), st.booleans(), st.binary(max_size=8),  # bad states
+                       st.text(max_size=12).filter(lambda s: s not in p.SLEEP_STATES),
+                       st.sampled_from(["awake", "ASLEEP", "idle ", "sleeping", ""])),
     "ttl": st.one_of(st.integers(-(2**63), 0), st.integers(p.MAX_TTL_MS + 1, 2**64 - 1),
                      st.floats(), st.text(max_size=4)),
     "groups": st.one_of(ints, st.text(max_size=8), st.lists(ints, min_size=1, max_size=3),
@@ -105,6 +111,7 @@ GOOD = {
     "ticket": st.text(alphabet="0123456789abcdef", min_size=32, max_size=32),  # forged
     "ttl": st.integers(1, 100),
     "wkey": st.text(alphabet="0123456789abcdef", min_size=64, max_size=64),  # forged
+    "state": st.sampled_from(p.SLEEP_STATES),
 }
 
 
@@ -195,7 +202,8 @@ def hostile(env: Env):
                   "cancel": {"ticket": env.ticket}, "locate": {"name": "victim"},
                   "weight_create": {"key": "ab" * 32, "nbytes": PAGE},
                   "weight_seal": {"key": "ab" * 32}, "weight_attach": {"key": "ab" * 32},
-                  "weight_detach": {"key": "ab" * 32}}[op]
+                  "weight_detach": {"key": "ab" * 32},
+                  "tenant_state": {"state": "idle"}}[op]
         return ("anon", [p.encode({"op": op, **with_header(fields, rid, token)})], rid)
 
     @st.composite
@@ -230,7 +238,7 @@ def hostile(env: Env):
     def bad_values(draw):
         rid = draw(ids)
         case = draw(st.sampled_from(["capacity", "regions", "limit", "map", "register", "huge_bases",
-                                     "locate", "endpoint"]))
+                                     "locate", "endpoint", "sleep"]))
         tok = env.attacker_token
         if case == "capacity":
             cap = draw(st.integers(0, 64)) * PAGE + draw(st.integers(1, PAGE - 1))
@@ -247,6 +255,10 @@ def hostile(env: Env):
             req = {"op": "register", "name": "again", "version": draw(st.integers(0, 10))}
         elif case == "locate":  # names nobody it may receive from holds (or its own)
             req = {"op": "locate", "name": draw(st.sampled_from(["nobody", "ghost", "attacker"]))}
+        elif case == "sleep":  # malformed names (a well-formed one is answered: no error)
+            req = {"op": "sleep_tenant", "name": draw(st.sampled_from(
+                ["", "bad name", "a/b", "x" * (p.MAX_NAME + 1), "\x00"])),
+                   "wake": draw(st.booleans())}
         elif case == "endpoint":  # hostile endpoints (and a second register)
             req = {"op": "register", "name": "again", "endpoint": draw(st.sampled_from(
                 ["http://10.0.0.1:80", "http://127.0.0.1:0", "file:///x", "http://127.0.0.1:80"]))}
