@@ -208,7 +208,7 @@ class SleepController:
                 with self._cond:
                     self._engine_busy = False  # asleep: no work, whatever was reported
                 self._set(ASLEEP)
-                log.warning("kvpool: asleep (%s): KV and weights given back", reason)
+                log.warning("kvpool: asleep (%s): what it held is back in the pool", reason)
         self.report()
         return ok
 
