@@ -173,13 +173,15 @@ class Grants:
         """Not enough free memory: wait for reclaim, when ``t`` is entitled to it (the
         answer goes to ``sender``'s envelope later)."""
         speculative = isinstance(r, p.Grant) and r.speculative
+        now = time.monotonic()
         if speculative or t.ask is not None or \
-                not self.reclaimer.may_grow(t, n, lease=isinstance(r, p.Lease)):
+                not (self.reclaimer.may_grow(t, n, lease=isinstance(r, p.Lease))
+                     or self.reclaimer.sleep_would_cover(t, n, now)):
             why = ("speculative grants use free memory only" if speculative else
                    f"{t.name} is being asked to give memory back" if t.ask is not None else
                    f"{t.name} is at its fair share")
             raise Fail(p.NO_MEMORY, f"{n} pages asked, {self.pool.available} available; {why}")
-        self.reclaimer.wait(t, sender.envelope, r, n, time.monotonic())
+        self.reclaimer.wait(t, sender.envelope, r, n, now)
         return Outcome(None, tenant=t, deferred=True)
 
     def _grant_now(self, t: TenantRecord, g: GroupRecord, r: p.Grant) -> Outcome:

@@ -86,12 +86,20 @@ class SleepSource(Protocol):
         reclaim step that still misses pages: it must be cheap and must not ask twice."""
         ...
 
+    def could_free(self, spare: AbstractSet[int], now: float) -> int:
+        """Pages (KV and weight sets) that the tenant :meth:`put_one_to_sleep` would ask
+        now holds; 0 when it would ask nobody. Read-only."""
+        ...
+
 
 class NoSleep:
     """Nobody is ever put to sleep (the default)."""
 
     def put_one_to_sleep(self, spare: AbstractSet[int], now: float) -> TenantRecord | None:
         return None
+
+    def could_free(self, spare: AbstractSet[int], now: float) -> int:
+        return 0
 
 
 class NoCache:
@@ -226,6 +234,14 @@ class Reclaimer:
             return t.held + t.waiting_pages + pages <= self.shared_budget // ps - floors
         return self.policy.may_grow(self.shared_budget, self.claims(extra=(t, pages)), str(t.id),
                                     pages * ps, ps)
+
+    def sleep_would_cover(self, t: TenantRecord, pages: int, now: float) -> bool:
+        """Whether putting one idle tenant to sleep (not ``t``, not a waiter) would free
+        enough, with the memory free beyond the waiters', for ``pages`` more for ``t``:
+        a request past its fair share then waits for that instead of being refused."""
+        spare = {w.tenant.id for w in self.waiters} | {t.id}
+        freed = self.sleep.could_free(spare, now)
+        return freed > 0 and self.pool.available - self.waiting_pages + freed >= pages
 
     # ---- the step ---------------------------------------------------------------------
     def step(self, now: float) -> list[tuple[Waiter, p.Reply | None]]:

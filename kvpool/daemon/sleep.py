@@ -139,19 +139,31 @@ class SleepBook:
             if rec.asked_at is not None and now - rec.asked_at >= self.patience_s:
                 rec.asked_at = None
                 rec.not_before = now + self.patience_s
-        if self.pending:
+        victim = self._choose(spare, now)
+        if victim is None:
             return None
-        candidates = [t for t in self.tenants
-                      if t.arbitrated and t.id not in spare and self._may_ask(t, now)]
-        if not candidates:
-            return None
-        victim = min(candidates, key=lambda t: (self.records[t.id].idle_since, t.weight, t.id))
         self.records[victim.id].asked_at = now
         self._send(victim, False, "pressure")
         log.info("asked tenant %d (%s) to sleep: waiting grants need its memory (idle "
                  "%.1f s, %d pages held)", victim.id, victim.name,
                  now - self.records[victim.id].idle_since, victim.held + victim.weight_pages)
         return victim
+
+    def could_free(self, spare: AbstractSet[int], now: float) -> int:
+        """What the tenant :meth:`put_one_to_sleep` would ask now holds (0: nobody)."""
+        victim = self._choose(spare, now)
+        return 0 if victim is None else victim.held + victim.weight_pages
+
+    def _choose(self, spare: AbstractSet[int], now: float) -> TenantRecord | None:
+        """The longest idle, then lowest weight, of the tenants that may be asked (none
+        while a pressure ask is pending)."""
+        if self.pending:
+            return None
+        candidates = [t for t in self.tenants
+                      if t.arbitrated and t.id not in spare and self._may_ask(t, now)]
+        if not candidates:
+            return None
+        return min(candidates, key=lambda t: (self.records[t.id].idle_since, t.weight, t.id))
 
     def _may_ask(self, t: TenantRecord, now: float) -> bool:
         rec = self.records.get(t.id)

@@ -22,9 +22,12 @@ from kvpool import protocol as p
 from kvpool.client_lib import KvpoolError
 from kvpool.daemon.config import Config
 
-from .helpers import PAGE, wait_for
+from kvpool.demo.cluster import free_port
+
+from .helpers import PAGE, respawn, stop_daemon, wait_for
 from .rawpeer import RawPeer
 from .test_attacks_round3 import as_nobody, group_daemon, needs_root
+from observability.helpers import scrape, value
 
 BUDGET = 16  # pages (make_arb's pool)
 
@@ -141,6 +144,23 @@ def test_without_sleepable_the_grant_ends_no_memory(make_arb):
     assert asks == {}
     done = a.arb.tick(time.monotonic() + LATE)  # past its deadline
     assert [o.reply.code for o in done] == [p.NO_MEMORY]
+
+
+@pytest.mark.parametrize("sleepable", [True, False])
+def test_a_grant_past_its_fair_share_waits_for_a_sleep_that_covers_it(make_arb, sleepable):
+    """x (idle) holds 10 of 16 pages; y asks for 12, past its fair share (8): refused at
+    once unless x may be put to sleep, which then frees enough: y waits and is served."""
+    a = Arb(make_arb(config()))
+    x = a.join("x", 10, "idle", sleepable=sleepable)
+    y = a.join("y", state="busy")
+    if not sleepable:
+        assert a.grant(y, range(12)).reply.code == p.NO_MEMORY
+        return
+    out, asks = needy_round(a, y, 12)
+    assert list(asks) == [a.idents[x.id]]
+    a.release(x, range(10))
+    a.say(x, "asleep")
+    assert [isinstance(o.reply, p.Granted) for o in a.arb.tick()] == [True]
 
 
 @pytest.mark.parametrize("case", ["busy", "awake", "asker", "empty", "not_sleepable"])
@@ -269,7 +289,9 @@ def states(d, name: str) -> list[tuple[str, int]]:
         return [(t.state, t.mapped) for t in m.ps().tenants if t.name == name]
 
 
-def test_operator_sleep_and_wake_reach_the_handler_and_ps_shows_them(daemon):
+def test_operator_sleep_and_wake_reach_the_handler_and_ps_shows_them(start_daemon):
+    port = free_port()
+    daemon = start_daemon(extra=("--metrics-address", f"127.0.0.1:{port}"))
     with daemon.connect("srv", timeout_s=30) as srv:
         g = srv.region_group(1, 8 * PAGE)
         g.grant(range(4))
@@ -283,6 +305,8 @@ def test_operator_sleep_and_wake_reach_the_handler_and_ps_shows_them(daemon):
         assert states(daemon, "srv") == [("asleep", 0)]  # asleep, holding nothing
         shown = daemon.cli_json("ps")["tenants"]
         assert [(t["state"], t["sleepable"]) for t in shown] == [("asleep", False)]
+        assert wait_for(lambda: value(scrape(port), "kvpool_tenant_asleep", tenant="srv"),
+                        what="the asleep gauge") == 1
         out = daemon.cli("wake", "srv", "--wait", "60")
         assert out.stdout.strip() == "srv: awake", out
         assert handler.calls[-1] == ("wake", "operator")
@@ -328,6 +352,48 @@ def test_daemon_puts_an_idle_sleepable_tenant_to_sleep_for_a_needy_grant(start_d
     assert d.check() == []
 
 
+class Detacher:
+    """A sleep handler that lets go of a weight set (and refuses to wake: not needed)."""
+
+    def __init__(self, ws):
+        self.ws = ws
+        self.calls: list[str] = []
+
+    def sleep(self, reason: str) -> bool:
+        self.calls.append(reason)
+        self.ws.detach()
+        return True
+
+    def wake(self, reason: str) -> bool:
+        return False
+
+
+def test_a_sleeping_tenants_weight_set_is_evicted_for_a_needy_grant(start_daemon):
+    """x (idle, sleepable) holds a 10-page weight set of a 16-page pool, so y's fair
+    share of the rest is 6 pages; y asks for 8 KV pages: x is put to sleep, detaches,
+    the set (cached, held by nobody) is evicted and y's grant goes through."""
+    from kvpool.client_lib.weights import WeightSet
+
+    d = start_daemon(budget=str(BUDGET * PAGE), extra=("--reclaim-timeout", "30",
+                                                      "--warm-max", "0"))
+    with d.connect("x", timeout_s=60, sleepable=True) as x, \
+            d.connect("y", timeout_s=60) as y:
+        ws = WeightSet.create(x, "cd" * 32, 10 * PAGE)
+        ws.seal()
+        handler = Detacher(ws)
+        x.set_sleep_handler(handler)
+        x.report_state("idle")
+        gy = y.region_group(1, BUDGET * PAGE)
+        gy.grant(range(8))
+        assert handler.calls == ["pressure"]
+        assert wait_for(lambda: states(d, "x") == [("asleep", 0)], what="x asleep")
+        with d.monitor() as m:
+            ps = m.ps()
+        assert ps.pool is not None and ps.pool.weights == 0  # evicted
+        assert [t.weights for t in ps.tenants if t.name == "x"] == [0]
+    assert d.check() == []
+
+
 def test_a_flood_of_state_changes_is_answered_and_harmless(daemon):
     peer = RawPeer(daemon.run_dir)
     try:
@@ -345,6 +411,17 @@ def test_a_flood_of_state_changes_is_answered_and_harmless(daemon):
     finally:
         peer.close()
     assert daemon.check() == []
+
+
+def test_the_state_is_sent_again_after_a_daemon_restart(daemon):
+    with daemon.connect("srv", timeout_s=30) as srv:
+        srv.report_state("idle")
+        srv.report_state("idle")  # unchanged: not sent again
+        stop_daemon(daemon)
+        respawn(daemon)
+        wait_for(lambda: srv.reconnects == 1, what="the tenant's reconnect")
+        assert states(daemon, "srv") == [("idle", 0)]
+        assert srv.state == "idle"
 
 
 @needs_root

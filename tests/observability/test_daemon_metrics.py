@@ -47,6 +47,8 @@ def assert_matches_ps(m: dict, ps: dict) -> None:
         state = "unresponsive" if t["unresponsive"] else "waiting" if t["waiting"] else \
             "asked" if t["asked"] else "ok"
         assert value(m, "kvpool_tenant_state", state=state, **ids) == 1
+        assert value(m, "kvpool_tenant_asleep", **ids) == (t["state"] == "asleep")
+        assert value(m, "kvpool_tenant_sleepable", **ids) == t["sleepable"]
     for key in POOL_KEYS:
         assert value(m, f"kvpool_pool_{key}_bytes", device=0) == ps["pool"][key], key
 
