@@ -14,6 +14,9 @@ its ``EngineConfig``:
 :mod:`.bridge` builds and owns the tenant, group, allocator and pool of one engine; the
 engine binds itself to the pool and ``engine.close()`` closes the pool, which ends all of
 them (no engine method is patched); :mod:`.settings` holds the ``KVPOOL_*`` settings.
+With ``Settings.weights == "pool"`` (the default) the bridge also builds the model:
+its parameters live in a weight set shared by every engine of the same checkpoint
+(:mod:`.weights`; ``bridge_of(config).weights``).
 """
 
 from __future__ import annotations
@@ -37,6 +40,9 @@ def enable(config: EngineConfig, settings: Settings | None = None) -> None:
     if settings.request_aligned:
         config.enable_prefix_caching = False  # a shared block would tie requests' units
     bridge = Bridge(config, settings)
+    if settings.weights == "pool":  # the parameters in a shared weight set (.weights)
+        config.model_factory = bridge.make_model
+        config.prepack = False  # a private oneDNN copy would undo the sharing
     config.block_pool_factory = bridge.make_pool
     config.kv_cache_factory = bridge.make_kv_cache
     config.extra[ADAPTER_KEY] = bridge

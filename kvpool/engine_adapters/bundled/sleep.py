@@ -89,8 +89,7 @@ def attach(engine: Engine) -> SleepController | None:
     if bridge is None or bridge.tenant is None:
         return None
     tenant = bridge.tenant
-    weights: Weights | None = getattr(bridge, "weights", None)  # (A's PoolWeights; TODO merge)
-    controller = SleepController(BundledSleep(engine, elastic_pool(engine), weights),
+    controller = SleepController(BundledSleep(engine, elastic_pool(engine), bridge.weights),
                                  tenant, sleep_after_s=bridge.settings.sleep_after_s)
     bridge.sleep = controller
     tenant.set_sleep_handler(controller)
