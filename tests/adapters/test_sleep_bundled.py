@@ -6,7 +6,7 @@
   weights 0); a request to a sleeping server wakes it and is served; the first request
   after waking gives the same greedy tokens as before sleeping; a sleep while requests
   run is refused (409); a bad level is a 400;
-* ``KVPOOL_SLEEP_AFTER`` (``--sleep-after``) puts an idle server to sleep;
+* ``--sleep-after`` (``KVPOOL_SLEEP_AFTER``) puts an idle server to sleep;
 * daemon-initiated: a needy tenant's grant that needs an idle sleepable server's memory
   goes through (that server is put to sleep, then serves again), while an idle server
   that did not opt in is never put to sleep (the grant gets NO_MEMORY).
@@ -63,9 +63,8 @@ def fleet(daemon, tiny_model, tmp_path_factory):
     s = Servers(tiny_model, tmp_path_factory.mktemp("logs"))
     try:
         plain = s.start("plain", run_dir=daemon.run_dir)
-        lazy = s.start("lazy", run_dir=daemon.run_dir, env={"KVPOOL_SLEEP_AFTER": "1"})
-        willing = s.start("willing", run_dir=daemon.run_dir,
-                          env={"KVPOOL_SLEEPABLE": "1"})
+        lazy = s.start("lazy", run_dir=daemon.run_dir, extra=("--sleep-after", "1"))
+        willing = s.start("willing", run_dir=daemon.run_dir, extra=("--sleepable",))
         s.wait_healthy(timeout=DEADLINE_S)
         yield plain, lazy, willing
     finally:
@@ -97,7 +96,8 @@ def holds_nothing(daemon, name: str) -> None:
 def test_sleep_and_wake_by_http_and_cli(daemon, fleet):
     plain, _, _ = fleet
     before = tokens(plain.base)
-    assert ps(daemon, "plain")["mapped"] > 0
+    row = ps(daemon, "plain")
+    assert row["mapped"] > 0 and row["weights"] > 0, row  # KV and its weight set
     assert httpx.get(f"{plain.base}/is_sleeping").json() == {"is_sleeping": False}
     r = httpx.post(f"{plain.base}/sleep", timeout=DEADLINE_S)
     assert (r.status_code, r.json()) == (200, {"status": "sleeping", "level": 1})
@@ -142,11 +142,11 @@ def test_a_sleep_while_requests_run_is_refused(daemon, fleet):
 
     def load() -> None:  # keeps requests running until told to stop
         while not stop.is_set():
-            r = complete(plain.base, prompt(11), 400, timeout=DEADLINE_S)
+            r = complete(plain.base, prompt(11), 200, timeout=DEADLINE_S)
             assert r.status_code == 200, r.text
 
-    with ThreadPoolExecutor(4) as ex:
-        futs = [ex.submit(load) for _ in range(4)]
+    with ThreadPoolExecutor(2) as ex:
+        futs = [ex.submit(load) for _ in range(2)]
         try:
             wait_for(lambda: state(daemon, "plain") == "busy", DEADLINE_S, 0.05,
                      "plain busy")
