@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from kvpool.engine_adapters.sleep import SleepController, SleepRefused
 from kvpool.engine_adapters.vllm.settings import AdapterError
@@ -41,7 +41,6 @@ from kvpool.engine_adapters.vllm.settings import AdapterError
 if TYPE_CHECKING:
     from vllm.v1.engine.core import EngineCore
 
-    from kvpool.engine_adapters.vllm.block_pool import ElasticBlockPool
     from kvpool.engine_adapters.vllm.bridge import Bridge
 
 log = logging.getLogger("kvpool.vllm")
@@ -50,10 +49,20 @@ STEP_LOCK_WAIT_S = 10.0  # a transition waits this long for the engine's step
 WAKE_RETRY_S = 0.5  # a wake for waiting requests that failed is retried this often
 
 
+class SleepingPool(Protocol):
+    """The engine core's :class:`~kvpool.engine_adapters.vllm.block_pool.ElasticBlockPool`
+    as sleep uses it; both are called with the bridge's ``step_lock`` held and no
+    request in the scheduler."""
+
+    def sleep(self) -> int: ...
+
+    def wake(self) -> None: ...
+
+
 class VllmSleep:
     """What a vLLM engine core gives back asleep (its KV) and takes back awake."""
 
-    def __init__(self, bridge: Bridge, pool: ElasticBlockPool) -> None:
+    def __init__(self, bridge: Bridge, pool: SleepingPool) -> None:
         self.bridge = bridge
         self.pool = pool
 
@@ -117,7 +126,7 @@ class Waker:
                         "(%s); the request waits", e)
 
 
-def attach(bridge: Bridge, pool: ElasticBlockPool) -> SleepController:
+def attach(bridge: Bridge, pool: SleepingPool) -> SleepController:
     """The engine core's sleep controller: the tenant's sleep handler, kept (and closed)
     by the bridge, its idle timer running with ``KVPOOL_SLEEP_AFTER``."""
     tenant = bridge.tenant
