@@ -65,12 +65,12 @@ def tokens(base: str) -> list[list[int]]:
 def test_servers_of_one_checkpoint_share_one_copy(tiny_model, start_daemon, servers,
                                                   tmp_path):
     d = start_daemon(budget="32MiB")
-    a = servers.start("a", run_dir=d.run_dir)
-    b = servers.start("b", run_dir=d.run_dir)
-    loc = servers.start("loc", run_dir=d.run_dir, extra=("--weights", "local"))
+    a = servers.start("a", run_dir=d.run_dir, weights=None)  # the default: pool
+    b = servers.start("b", run_dir=d.run_dir, weights=None)
+    loc = servers.start("loc", run_dir=d.run_dir, weights=None, extra=("--weights", "local"))
     other = Servers(changed_copy(tiny_model, tmp_path / "changed"), tmp_path)
     try:
-        c = other.start("c", run_dir=d.run_dir)
+        c = other.start("c", run_dir=d.run_dir, weights=None)
         servers.wait_healthy(120)
         other.wait_healthy(120)
         held = tenants(d)
@@ -80,6 +80,8 @@ def test_servers_of_one_checkpoint_share_one_copy(tiny_model, start_daemon, serv
         assert held["c"]["weight_sets"] != held["a"]["weight_sets"]  # never attached
         pool = pool_info(d)
         assert pool["weight_sets"] == 2 and pool["weights"] == 2 * one  # a+b once, c once
+        shown = d.cli("ps").stdout  # the table too: each server's weights and set
+        assert "WEIGHTS" in shown and held["a"]["weight_sets"][0] in shown
         want = tokens(loc.base)
         assert tokens(a.base) == want and tokens(b.base) == want
         kill_all([a, b, c], 30.0)
@@ -183,8 +185,8 @@ def test_two_smollm2_servers_share_one_set(smollm2_dir, start_daemon, tmp_path):
     d = start_daemon(budget="2GiB")
     s = Servers(smollm2_dir, tmp_path)
     try:
-        a = s.start("a", run_dir=d.run_dir)
-        b = s.start("b", run_dir=d.run_dir)
+        a = s.start("a", run_dir=d.run_dir, weights=None)
+        b = s.start("b", run_dir=d.run_dir, weights=None)
         s.wait_healthy(300)
         held = tenants(d)
         assert held["a"]["weights"] == held["b"]["weights"] > 500 << 20  # fp32 135 M
