@@ -62,9 +62,12 @@ def fleet(daemon, tiny_model, tmp_path_factory):
     """plain: elastic, not sleepable; lazy: sleeps after 1 s idle; willing: sleepable."""
     s = Servers(tiny_model, tmp_path_factory.mktemp("logs"))
     try:
-        plain = s.start("plain", run_dir=daemon.run_dir)
-        lazy = s.start("lazy", run_dir=daemon.run_dir, extra=("--sleep-after", "1"))
-        willing = s.start("willing", run_dir=daemon.run_dir, extra=("--sleepable",))
+        # weights in the pool (the CLI's default): one set, shared by the three
+        plain = s.start("plain", run_dir=daemon.run_dir, weights=None)
+        lazy = s.start("lazy", run_dir=daemon.run_dir, extra=("--sleep-after", "1"),
+                       weights=None)
+        willing = s.start("willing", run_dir=daemon.run_dir, extra=("--sleepable",),
+                          weights=None)
         s.wait_healthy(timeout=DEADLINE_S)
         yield plain, lazy, willing
     finally:
