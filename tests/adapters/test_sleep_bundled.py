@@ -145,7 +145,7 @@ def test_a_sleep_while_requests_run_is_refused(daemon, fleet):
 
     def load() -> None:  # keeps requests running until told to stop
         while not stop.is_set():
-            r = complete(plain.base, prompt(11), 200, timeout=DEADLINE_S)
+            r = complete(plain.base, prompt(11), 120, timeout=DEADLINE_S)
             assert r.status_code == 200, r.text
 
     with ThreadPoolExecutor(2) as ex:
