@@ -29,7 +29,11 @@ def _enable_elastic(engine_config: EngineConfig) -> None:
         raise click.ClickException(
             "elastic mode needs kvpool.engine_adapters.bundled (not installed)") from None
     try:
-        bundled.enable(engine_config)
+        settings = bundled.Settings.from_env()
+    except ValueError as e:  # a KVPOOL_* variable that does not parse
+        raise click.ClickException(f"bad KVPOOL_* setting: {e}") from None
+    try:
+        bundled.enable(engine_config, settings)
     except bundled.AdapterError as e:
         raise click.ClickException(f"cannot make the KV cache elastic: {e}") from None
 

@@ -7,6 +7,7 @@ written once sealed."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import subprocess
@@ -178,6 +179,11 @@ def test_weights_pool_without_elastic_is_one_clear_error(tiny_model):
         assert out.returncode != 0
         lines = out.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("Error: "), out.stderr
+    out = subprocess.run([sys.executable, "-m", "kvpool.cli.main", "serve", str(tiny_model),
+                          "--elastic"], capture_output=True, text=True, timeout=60, cwd=REPO,
+                         env={**os.environ, "KVPOOL_WEIGHTS": "shared"})
+    assert out.returncode != 0 and out.stderr.strip().splitlines() == [
+        "Error: bad KVPOOL_* setting: weights must be pool or local, not 'shared'"], out.stderr
 
 
 @pytest.mark.real_model
