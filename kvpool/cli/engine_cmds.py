@@ -7,6 +7,7 @@ core install (no torch) answers these commands with one clear line.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from typing import TYPE_CHECKING, Any, cast
@@ -28,9 +29,40 @@ def _enable_elastic(engine_config: EngineConfig) -> None:
         raise click.ClickException(
             "elastic mode needs kvpool.engine_adapters.bundled (not installed)") from None
     try:
-        bundled.enable(engine_config)
+        settings = bundled.Settings.from_env()
+    except ValueError as e:  # a KVPOOL_* variable that does not parse
+        raise click.ClickException(f"bad KVPOOL_* setting: {e}") from None
+    try:
+        bundled.enable(engine_config, settings)
     except bundled.AdapterError as e:
         raise click.ClickException(f"cannot make the KV cache elastic: {e}") from None
+
+
+def _elastic_env(elastic: bool, weights: str | None, sleep_after: str | None,
+                 sleepable: bool) -> None:
+    """``--weights``, ``--sleep-after``, ``--sleepable``: checked, then handed to the
+    adapter's settings as ``KVPOOL_WEIGHTS`` / ``KVPOOL_SLEEP_AFTER`` /
+    ``KVPOOL_SLEEPABLE`` (so a ``--pd`` child inherits them too)."""
+    if weights == "pool" and not elastic:
+        raise click.ClickException("--weights pool needs --elastic (weights in the pool "
+                                   "are shared through the kvpool daemon)")
+    if sleep_after is not None:
+        try:
+            seconds = float(sleep_after)
+        except ValueError:
+            seconds = math.nan
+        if not math.isfinite(seconds) or seconds <= 0:
+            raise click.ClickException(f"--sleep-after must be a positive number of "
+                                       f"seconds, not {sleep_after!r}")
+        if not elastic:
+            raise click.ClickException("--sleep-after needs --elastic")
+        os.environ["KVPOOL_SLEEP_AFTER"] = repr(seconds)
+    if sleepable:
+        if not elastic:
+            raise click.ClickException("--sleepable needs --elastic")
+        os.environ["KVPOOL_SLEEPABLE"] = "1"
+    if weights is not None:
+        os.environ["KVPOOL_WEIGHTS"] = weights
 
 
 def register(cli: click.Group) -> None:
@@ -55,6 +87,16 @@ def register(cli: click.Group) -> None:
     @click.option("--no-prefix-caching", is_flag=True)
     @click.option("--elastic", is_flag=True, help="share KV memory through the kvpool daemon "
                   "(also KVPOOL_ENABLE=1)")
+    @click.option("--weights", type=click.Choice(["pool", "local"]), default=None,
+                  help="--elastic: the model's weights in a weight set of the pool, "
+                  "shared by every server of the same checkpoint and dtype (pool), or in "
+                  "this process's memory (local) [default: pool with --elastic, else "
+                  "local; also KVPOOL_WEIGHTS]")
+    @click.option("--sleep-after", default=None, metavar="SECONDS",
+                  help="--elastic: put the model to sleep after this long idle (sets "
+                  "KVPOOL_SLEEP_AFTER)")
+    @click.option("--sleepable", is_flag=True, help="--elastic: the daemon may put this "
+                  "server to sleep when idle and memory is short (sets KVPOOL_SLEEPABLE=1)")
     @click.option("--log-level", default="info", show_default=True)
     @click.option("--role", type=click.Choice(["both", "prefill", "decode"]), default="both",
                   show_default=True, help="half of a prefill/decode pair that hands each "
@@ -81,8 +123,12 @@ def register(cli: click.Group) -> None:
               no_prefix_caching: bool, elastic: bool, log_level: str, role: str = "both",
               prefill_url: str | None = None, handoff_to: str | None = None,
               handoff_from: str | None = None, pd: bool = False, cpus: str | None = None,
-              prefill_cpus: str | None = None, decode_cpus: str | None = None) -> None:
+              prefill_cpus: str | None = None, decode_cpus: str | None = None,
+              weights: str | None = None, sleep_after: str | None = None,
+              sleepable: bool = False) -> None:
         """Serve MODEL_DIR with an OpenAI-compatible HTTP API."""
+        _elastic_env(elastic or os.environ.get("KVPOOL_ENABLE") == "1" or pd
+                     or role != "both", weights, sleep_after, sleepable)
         require("engine", "serve")
         from kvpool.engine import cpus as pinning
 

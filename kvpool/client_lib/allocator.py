@@ -124,6 +124,8 @@ class ElasticBlockAllocator:
         self.report_interval_s = report_interval_s
         self.populate = populate
         self.slow_allocs = self.grants = self.releases = 0
+        #: asleep (:meth:`suspend`): nothing mapped, nothing granted until :meth:`resume`
+        self.suspended = False
         #: guards ``book`` and the refiller's demand; shared with the refiller only
         self.lock = threading.Lock()
         self.book = ChunkBook(nchunks, self.blocks_per_chunk)
@@ -167,13 +169,16 @@ class ElasticBlockAllocator:
                 self._refill.wake()
 
     # ---- slow path -------------------------------------------------------------------
-    def _alloc_slow(self, n: int, wait: bool = True) -> list[int] | None:
+    def _alloc_slow(self, n: int, wait: bool = True, resuming: bool = False
+                    ) -> list[int] | None:
         """Grant the chunks ``n`` blocks are missing and take the blocks in the same
         critical section that maps the chunks in: granted chunks go straight to this
         caller, so neither a reclaim nor the refill thread can release them first.
         Another thread may take free blocks while the grant is in flight; then more
         chunks are granted (each round grants at least one, so this ends)."""
         with self.lock:
+            if self.suspended and not resuming:
+                return None  # asleep: no memory until resume()
             self.slow_allocs += 1
         while True:
             with self.lock:
@@ -270,6 +275,8 @@ class ElasticBlockAllocator:
         if k <= 0:
             return []
         with self.lock:
+            if self.suspended:
+                return None
             out = self.book.take_empty_chunks(k)
             if out is not None:
                 if self.book.reserve_size < self.low and self.book.unmapped_size:
@@ -324,6 +331,42 @@ class ElasticBlockAllocator:
     def units_of(self, chunks: Iterable[int]) -> list[int]:
         """The units of ``chunks``, in order (chunk ``c``: ``c * pages_per_chunk ..``)."""
         return self._units(chunks)
+
+    # ---- sleep -----------------------------------------------------------------------
+    def suspend(self) -> int:
+        """Give every chunk back and grant nothing until :meth:`resume` (the engine
+        sleeps): no refill, no demand, ``alloc`` returns None. The caller has freed every
+        block first (ValueError, changing nothing, when one is still held). Waits for a
+        refill step under way to end, so no grant lands afterwards. Returns the chunks
+        released."""
+        with self._refill.quiet():  # no refill step runs while this holds
+            with self.lock:
+                if self.book.in_use:
+                    raise ValueError(f"suspend: {self.book.in_use} block(s) are still held")
+                self.suspended = True
+                self._refill.clear_demand()
+                self.book.demote_if_empty()
+                n = self.book.reserve_size
+            return self.release_reserve_chunks(n) if n else 0
+
+    def resume(self, take_first: int = 0) -> list[int] | None:
+        """Grant again after :meth:`suspend`. With ``take_first``, that many blocks are
+        allocated to the caller first (waiting for the grant like ``alloc``), before the
+        refill can map any chunk, so they are blocks ``0, 1, ...`` as at construction.
+        Returns them ([] without ``take_first``), or None when the memory did not come
+        (still suspended; call again)."""
+        with self._refill.quiet():
+            with self.lock:
+                if not self.suspended:
+                    return []
+            got = self._alloc_slow(take_first, wait=True, resuming=True) if take_first \
+                else []
+            if got is None:
+                return None
+            with self.lock:
+                self.suspended = False
+        self._refill.wake()
+        return got
 
     # ---- background thread -----------------------------------------------------------
     def rebalance(self) -> None:

@@ -22,9 +22,11 @@ the allocator, which builds it with ``Refiller(self, ...)``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Iterable, Protocol
 
 if TYPE_CHECKING:
@@ -50,9 +52,11 @@ class ReserveOwner(Protocol):
     ``release_reserve_chunks`` (release up to ``k`` reserve chunks; how many left the
     reserve) take the lock themselves and are called without it, as are
     ``reserve_units`` and ``in_use_bytes`` (what :meth:`Refiller.report` sends). The
-    watermarks and intervals may change at any time; each step reads them afresh."""
+    watermarks and intervals may change at any time; each step reads them afresh. While
+    ``suspended`` (the engine sleeps) a step does nothing."""
 
     lock: threading.Lock
+    suspended: bool
     book: ChunkBook
     group: RegionGroup
     low: int
@@ -80,6 +84,7 @@ class Refiller:
         self._demand = 0  # chunks non-waiting allocs could not get
         self._demand_after = 0.0
         self._thread: threading.Thread | None = None
+        self._step = threading.Lock()  # held across one rebalance (quiet() waits for it)
         if start:
             self.start()
 
@@ -101,6 +106,16 @@ class Refiller:
     def add_demand(self, chunks: int) -> None:
         """Ask for at least ``chunks`` chunks on the next step (one reclaim round)."""
         self._demand = max(self._demand, chunks)
+
+    def clear_demand(self) -> None:
+        """(allocator lock held) Forget the demand (the engine goes to sleep)."""
+        self._demand = 0
+
+    @contextlib.contextmanager
+    def quiet(self) -> Iterator[None]:
+        """No refill step runs inside (one under way is waited for)."""
+        with self._step:
+            yield
 
     def pause(self) -> None:
         """No refill for ``RECLAIM_PAUSE_S`` (a reclaim just took memory back)."""
@@ -141,6 +156,11 @@ class Refiller:
 
     def rebalance(self) -> None:
         """One demand/refill/trim step (the thread calls this; tests may too)."""
+        with self._step:
+            if not self._alloc.suspended:
+                self._rebalance()
+
+    def _rebalance(self) -> None:
         a = self._alloc
         if self._demand and time.monotonic() >= self._demand_after:
             self._serve_demand()

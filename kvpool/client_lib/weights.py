@@ -20,6 +20,13 @@ given up first (the kernel refuses a write seal while a writable shared mapping 
 the daemon seals the pages, and they are mapped back read-only. An attacher maps them
 read-only at once. A memoryview or array taken from a set is valid until
 :meth:`WeightSet.detach` (touching it afterwards faults, like any unmapped memory).
+
+Keeping the addresses: ``detach(keep_range=True)`` unmaps and lets go of the pages but
+hands the reserved virtual range back to the caller, who passes it as ``rng=`` to the
+next :meth:`WeightSet.attach` / :meth:`~WeightSet.create` / :meth:`~WeightSet.open` of
+the same key: the set is mapped at the same base again, so tensors made over the first
+mapping (the engine's parameters) stay valid (they fault while nothing is mapped). The
+caller frees a range it keeps with ``backend.free_range`` when done.
 """
 
 from __future__ import annotations
@@ -204,7 +211,8 @@ class WeightSet:
     reserved range, writable while ``loading`` (the creator), read-only once
     ``sealed``. Make one with :meth:`create`, :meth:`attach` or :meth:`open`."""
 
-    def __init__(self, session: WeightSession, reply: p.WeightGranted, fds: list[int]):
+    def __init__(self, session: WeightSession, reply: p.WeightGranted, fds: list[int],
+                 rng: Range | None = None):
         self.session = session
         self.backend = session.backend
         self.key = reply.key
@@ -214,51 +222,65 @@ class WeightSet:
         self.npages = reply.nfds
         self.pages: list[Page] = []
         self.range: Range | None = None
+        #: the range was the caller's (``rng``): a failure leaves it reserved
+        self.callers_range = rng is not None
         try:
             take = self.backend.import_sealable if self.state == "loading" \
                 else self.backend.import_owned
             for i, fd in enumerate(fds):
                 self.pages.append(take(fd))
                 fds[i] = -1
-            self.range = self.backend.reserve(max(1, self.npages) * ps)
+            if rng is not None and rng.size < self.npages * ps:
+                raise ValueError(f"the given range ({rng.size} bytes) cannot hold the set's "
+                                 f"{self.npages} pages")
+            self.range = rng if rng is not None else self.backend.reserve(
+                max(1, self.npages) * ps)
             self._map()
         except BaseException:
             fdchannel.close_all([fd for fd in fds if fd >= 0])
-            self._unmap_all()
+            if rng is not None and self.range is rng:  # the caller's range: keep it
+                self._unmap_keep()
+            else:
+                self._unmap_all()
             session.call(p.WeightDetach(key=self.key), p.Done)
             raise
 
     # ---- making one -----------------------------------------------------------------
     @classmethod
-    def create(cls, session: WeightSession, key: str, nbytes: int) -> "WeightSet":
+    def create(cls, session: WeightSession, key: str, nbytes: int,
+               rng: Range | None = None) -> "WeightSet":
         """A new set of ``nbytes`` for ``key``, loading: write it through :attr:`view`,
-        then :meth:`seal`."""
+        then :meth:`seal`. ``rng``: map it there (a range kept by ``detach``)."""
         reply, fds = session.call(p.WeightCreate(key=key, nbytes=nbytes), p.WeightGranted)
-        return cls(session, reply, fds)
+        return cls(session, reply, fds, rng)
 
     @classmethod
-    def attach(cls, session: WeightSession, key: str) -> "WeightSet":
-        """The sealed set ``key``, mapped read-only (``NotFound`` when there is none)."""
+    def attach(cls, session: WeightSession, key: str,
+               rng: Range | None = None) -> "WeightSet":
+        """The sealed set ``key``, mapped read-only (``NotFound`` when there is none);
+        ``rng``: map it there (a range kept by ``detach``)."""
         reply, fds = session.call(p.WeightAttach(key=key), p.WeightGranted)
-        return cls(session, reply, fds)
+        return cls(session, reply, fds, rng)
 
     @classmethod
     def open(cls, session: WeightSession, key: str, nbytes: int,
-             load: Callable[[memoryview], None], wait_s: float = 600.0) -> "WeightSet":
+             load: Callable[[memoryview], None], wait_s: float = 600.0,
+             rng: Range | None = None) -> "WeightSet":
         """Attach ``key`` when the pool has it sealed; otherwise create it, ``load`` the
         tensors into its writable view, and seal it. While another tenant of this uid
         loads the same key, wait (up to ``wait_s``) for it to seal, then attach; if it
-        gives up instead, load it here."""
+        gives up instead, load it here. ``rng``: map it there (a range kept by
+        ``detach``; it stays the caller's when this fails)."""
         deadline = time.monotonic() + wait_s
         pause = 0.01
         while True:
             try:
-                return cls.attach(session, key)
+                return cls.attach(session, key, rng)
             except KvpoolError as e:
                 if e.code != p.NOT_FOUND:
                     raise
             try:
-                ws = cls.create(session, key, nbytes)
+                ws = cls.create(session, key, nbytes, rng)
             except KvpoolError as e:
                 if e.code != p.BUSY or time.monotonic() >= deadline:
                     raise
@@ -269,7 +291,7 @@ class WeightSet:
                 load(ws.view)
                 ws.seal()
             except BaseException:
-                ws.detach()
+                ws.detach(keep_range=rng is not None)
                 raise
             return ws
 
@@ -313,19 +335,31 @@ class WeightSet:
         try:
             self.session.call(p.WeightSeal(key=self.key), p.Done)
         except BaseException:  # some pages may be sealed already: the set is lost
-            self._unmap_all()
+            if self.callers_range:
+                self._unmap_keep()  # unmapped already; the range stays the caller's
+            else:
+                self._unmap_all()
             with contextlib.suppress(KvpoolError):
                 self.session.call(p.WeightDetach(key=self.key), p.Done)  # dropped
             raise
         self.state = "sealed"
         self._map()
 
-    def detach(self) -> None:
-        """Unmap the pages and stop holding the set (a loading set is dropped)."""
+    def detach(self, keep_range: bool = False) -> Range | None:
+        """Unmap the pages and stop holding the set (a loading set is dropped).
+        ``keep_range``: the reserved range is not freed but returned (now mapping
+        nothing: touching it faults); pass it to the next attach/create to get the
+        same addresses back, or free it with ``backend.free_range``."""
         if self.range is None:
-            return
-        self._unmap_all()
+            return None
+        rng: Range | None = self.range
+        if keep_range:
+            self._unmap_keep()
+        else:
+            self._unmap_all()
+            rng = None
         self.session.call(p.WeightDetach(key=self.key), p.Done)
+        return rng
 
     def _map(self) -> None:
         assert self.range is not None
@@ -338,6 +372,16 @@ class WeightSet:
         if self.range is not None:
             self.backend.free_range(self.range)
             self.range = None
+        self._release_pages()
+
+    def _unmap_keep(self) -> None:
+        """Unmap every mapped page but keep the range reserved (the caller's now)."""
+        rng, self.range = self.range, None
+        if rng is not None and rng.mapped:  # _map maps all pages or none
+            self.backend.unmap(rng, 0, self.npages)
+        self._release_pages()
+
+    def _release_pages(self) -> None:
         for page in self.pages:
             self.backend.release(page)
         self.pages = []

@@ -8,6 +8,11 @@ Extending it (the adapters' prefill/decode and warm-restart servers do): a subcl
 posts commands of its own (:meth:`~AsyncEngine.post`) and handles them by overriding
 ``_handle`` (passing :class:`AddRequest` / :class:`AbortRequest` and anything else it
 does not know to ``super()._handle``); everything in ``_handle`` runs on the step thread.
+
+Admission (``gate``, a :class:`RequestGate`, e.g. an adapter's sleep controller): every
+request passes ``gate.enter()`` before it reaches the step thread and ``gate.leave()``
+when it ends, however it ends; a gate that refuses makes the request raise
+:class:`~kvpool.engine.errors.EngineUnavailable` (the server's 503).
 """
 
 from __future__ import annotations
@@ -20,9 +25,10 @@ import threading
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from kvpool.engine.engine import Engine
+from kvpool.engine.errors import EngineUnavailable
 from kvpool.engine.request import RequestOutput
 from kvpool.engine.sampling import SamplingParams
 
@@ -49,9 +55,23 @@ class AbortRequest:
     request_id: str
 
 
+class RequestGate(Protocol):
+    """Admission of requests (e.g. wake a sleeping model first).
+
+    ``enter`` is awaited once per request before it is queued; it may wait (a wake) and
+    raises (one-line message) when the request cannot be served. Every ``enter`` that
+    returned is paired with exactly one ``leave`` (called on the event loop's thread,
+    never blocking)."""
+
+    async def enter(self) -> None: ...
+
+    def leave(self) -> None: ...
+
+
 class AsyncEngine:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, gate: RequestGate | None = None) -> None:
         self.engine = engine
+        self.gate = gate
         self._inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._streams: dict[str, AddRequest] = {}
         self._lock = threading.Lock()  # guards engine state read by stats()
@@ -78,13 +98,36 @@ class AsyncEngine:
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams
                        ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's outputs until it finishes; aborts it if the consumer stops
-        early (client disconnect). Raises the engine's RequestError/exception if any."""
-        q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self.post(AddRequest(request_id, prompt, params, asyncio.get_running_loop(), q,
-                             time.perf_counter()))
-        async with contextlib.aclosing(self._relay(request_id, q)) as outs:
-            async for out in outs:
-                yield out
+        early (client disconnect). Raises the engine's RequestError/exception if any, and
+        EngineUnavailable when the gate refuses it."""
+        arrival = time.perf_counter()  # before the gate: a wake counts in the TTFT
+        await self._enter()
+        try:
+            q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+            self.post(AddRequest(request_id, prompt, params, asyncio.get_running_loop(), q,
+                                 arrival))
+            async with contextlib.aclosing(self._relay(request_id, q)) as outs:
+                async for out in outs:
+                    yield out
+        finally:
+            if self.gate is not None:
+                self.gate.leave()
+
+    async def _enter(self) -> None:
+        if self.gate is None:
+            return
+        try:
+            await self.gate.enter()
+        except Exception as e:
+            raise EngineUnavailable(str(e) or type(e).__name__) from None
+
+    async def ready(self) -> None:
+        """Pass the gate once and leave (a streaming route calls this before its response
+        starts, so a request that cannot be served gets a 503, not an error in the
+        stream)."""
+        await self._enter()
+        if self.gate is not None:
+            self.gate.leave()
 
     async def _relay(self, request_id: str, q: asyncio.Queue[RequestOutput | BaseException]
                      ) -> AsyncGenerator[RequestOutput, None]:

@@ -9,10 +9,14 @@ from typing import TYPE_CHECKING, Any, Callable, Literal
 from kvpool.sizes import parse_size  # shared with the CLI and the daemon; no daemon import
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     import torch
 
     from kvpool.engine.block_pool import BlockPool
     from kvpool.engine.kv_cache import KVCache, KVCacheSpec
+    from kvpool.engine.model import LlamaForCausalLM
+    from kvpool.engine.model_config import ModelConfig
 
 # A KV layout (kvpool.engine.kv_cache.KVLayout), or "auto": chosen from the device.
 KVLayoutOption = Literal["auto", "block_major", "per_layer"]
@@ -29,6 +33,13 @@ class EngineConfig:
     returns the :class:`~kvpool.engine.block_pool.BlockPool` the scheduler allocates from and
     ``kv_cache_factory(spec, num_blocks, device)`` returns the
     :class:`~kvpool.engine.kv_cache.KVCache` storage; both default to plain preallocation.
+    ``model_factory(path, device, dtype, model_config)`` builds the model with its
+    parameters filled (default: :func:`kvpool.engine.loader.load_model`, private
+    memory); it runs first, before both others, and must raise CheckpointError for a
+    checkpoint that does not match (``kvpool.engine.loader``'s checks). ``prepack``:
+    give fp32 linear layers on CPU a private oneDNN copy of their weights
+    (:func:`kvpool.engine.fused.prepack`: faster GEMMs at 5-256 rows, one more copy of
+    those weights in memory); a model whose weights are shared turns it off.
     """
 
     model: str
@@ -51,6 +62,9 @@ class EngineConfig:
     served_model_name: str | None = None
     block_pool_factory: Callable[[int], BlockPool] | None = None
     kv_cache_factory: Callable[[KVCacheSpec, int, torch.device], KVCache] | None = None
+    model_factory: Callable[[Path, torch.device, torch.dtype, ModelConfig],
+                            LlamaForCausalLM] | None = None
+    prepack: bool = True
     extra: dict[str, Any] = field(default_factory=dict)  # free-form, for adapters
 
     def __post_init__(self) -> None:

@@ -59,7 +59,8 @@ class Engine:
         path = Path(config.model)
         self.model_config = ModelConfig.from_dir(path)
         self.dtype = resolve_dtype(config.dtype, self.model_config, self.device)
-        self.model = load_model(path, self.device, self.dtype, self.model_config)
+        self.model = (config.model_factory or load_model)(path, self.device, self.dtype,
+                                                          self.model_config)
         self.tokenizer = Tokenizer.from_dir(path)
         self.served_model_name = config.served_model_name or path.resolve().name
         mc = self.model_config
@@ -86,7 +87,7 @@ class Engine:
                                    config.max_num_seqs)
         self.runner = ModelRunner(self.model, kv_cache, config.block_size, self.device,
                                   self.dtype, config.attention_backend,
-                                  config.max_num_batched_tokens)
+                                  config.max_num_batched_tokens, prepack=config.prepack)
         self.eos_token_ids = set(mc.eos_token_ids)
         if self.tokenizer is not None:
             self.eos_token_ids |= self.tokenizer.eos_token_ids

@@ -14,3 +14,8 @@ class PoolExhausted(RuntimeError):
 
 class RequestError(ValueError):
     """A request the engine cannot accept (prompt too long, bad parameters, ...)."""
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine cannot take a request now (an asleep model that could not wake); the
+    server answers 503 with this one-line message."""

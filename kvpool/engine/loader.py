@@ -14,10 +14,11 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any, NamedTuple, cast
+from typing import Any, Mapping, NamedTuple, cast
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from kvpool.engine.errors import CheckpointError
 from kvpool.engine.layers import PackedLinear
@@ -100,12 +101,12 @@ def sources(shard: Path, key: str, shape: list[int]) -> dict[str, Source]:
     return out
 
 
-def expected_tensors(model: LlamaForCausalLM) -> dict[str, tuple[torch.Tensor, int, int]]:
-    """Checkpoint tensor name (canonical, see :func:`canonical_name`) -> (our parameter,
-    row offset, rows) for every tensor the model needs. A tied lm_head is absent: it
-    shares the embedding's parameter. Experts are named per expert."""
+def expected_tensors(model: LlamaForCausalLM) -> dict[str, tuple[str, int, int]]:
+    """Checkpoint tensor name (canonical, see :func:`canonical_name`) -> (the name of our
+    parameter, row offset, rows) for every tensor the model needs. A tied lm_head is
+    absent: it shares the embedding's parameter. Experts are named per expert."""
     modules = dict(model.named_modules())
-    out: dict[str, tuple[torch.Tensor, int, int]] = {}
+    out: dict[str, tuple[str, int, int]] = {}
     for name, param in model.named_parameters():  # shared (tied) parameters listed once
         mod_name, _, leaf = name.rpartition(".")
         mod = modules[mod_name]
@@ -113,28 +114,40 @@ def expected_tensors(model: LlamaForCausalLM) -> dict[str, tuple[torch.Tensor, i
             parent = mod_name.rpartition(".")[0]
             offset = 0
             for part, rows in mod.parts:
-                out[f"{parent}.{part}.{leaf}"] = (param, offset, rows)
+                out[f"{parent}.{part}.{leaf}"] = (name, offset, rows)
                 offset += rows
         else:
-            out[name] = (param, 0, param.shape[0])
+            out[name] = (name, 0, param.shape[0])
     return out
 
 
-def load_model(path: str | Path, device: torch.device, dtype: torch.dtype,
-               config: ModelConfig | None = None) -> LlamaForCausalLM:
-    """Build the model on ``device`` in ``dtype`` and fill every parameter from the folder.
+class Plan(NamedTuple):
+    """What :func:`fill` reads: the checkpoint folder, canonical tensor name -> (our
+    parameter's name, row offset, rows), and where each tensor lies."""
+
+    path: Path
+    expected: dict[str, tuple[str, int, int]]
+    where: dict[str, Source]
+
+
+def meta_model(config: ModelConfig) -> LlamaForCausalLM:
+    """The model's modules with storage-less (meta) parameters: their names and shapes,
+    for :func:`check_checkpoint` and for placing the parameters somewhere."""
+    with torch.device("meta"):
+        return LlamaForCausalLM(config)
+
+
+def check_checkpoint(path: str | Path, model: LlamaForCausalLM,
+                     config: ModelConfig) -> Plan:
+    """Match the folder's tensors (headers only, no tensor bytes read) to ``model``'s
+    parameters.
 
     Raises:
-        CheckpointError: missing config/shards, missing or unexpected tensors (the message
-            lists them), or a tensor whose shape differs from what config.json implies.
+        CheckpointError: missing shards, unreadable files, missing or unexpected tensors
+            (the message lists them).
     """
     path = Path(path)
-    config = config or ModelConfig.from_dir(path)
     shards = find_shards(path)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
-    model = model.to_empty(device=device).to(dtype)
-    model.tie_weights()  # to_empty replaced the shared parameter by two copies
     expected = expected_tensors(model)
     where: dict[str, Source] = {}  # canonical name -> where it lies
     for shard in shards:
@@ -157,22 +170,68 @@ def load_model(path: str | Path, device: torch.device, dtype: torch.dtype,
             parts.append(f"unexpected tensor(s): {_names(unexpected)}")
         raise CheckpointError(f"{path} does not match its config.json "
                               f"(model_type={config.model_type}): " + "; ".join(parts))
+    return Plan(path, expected, where)
+
+
+def fill(plan: Plan, params: Mapping[str, torch.Tensor]) -> None:
+    """Copy every checkpoint tensor into its rows of ``params[name]`` (converted to that
+    tensor's dtype): the model's own parameters, or tensors over other storage.
+
+    Raises:
+        CheckpointError: a tensor whose shape differs from what config.json implies.
+    """
     by_shard: dict[Path, list[str]] = {}
-    for name in expected:
-        by_shard.setdefault(where[name].shard, []).append(name)
+    for name in plan.expected:
+        by_shard.setdefault(plan.where[name].shard, []).append(name)
     with torch.no_grad():
         for shard, names in by_shard.items():
             with safe_open(shard, framework="pt") as f:
                 for name in names:
-                    param, offset, rows = expected[name]
-                    src = where[name]
+                    pname, offset, rows = plan.expected[name]
+                    param = params[pname]
+                    src = plan.where[name]
                     t = src.read(f)
                     key = src.key if src.expert is None else f"{src.key}[{src.expert}]"
                     want = (rows, *param.shape[1:])
                     if tuple(t.shape) != want:
                         raise CheckpointError(f"{shard.name}: tensor {key} has shape "
                                               f"{tuple(t.shape)}, config.json implies {want}")
-                    param[offset:offset + rows].copy_(t.to(dtype))
+                    param[offset:offset + rows].copy_(t.to(param.dtype))
+
+
+def place(model: LlamaForCausalLM, tensors: Mapping[str, torch.Tensor]) -> LlamaForCausalLM:
+    """Make ``tensors`` (one per name of ``model.named_parameters()``, same shape) the
+    model's parameters, used in place (no copy, no grad); ties the embeddings again.
+    Returns the model in eval mode."""
+    modules = dict(model.named_modules())
+    names = [n for n, _ in model.named_parameters()]
+    if sorted(names) != sorted(tensors):
+        raise ValueError("the tensors do not name the model's parameters")
+    for name in names:
+        mod_name, _, leaf = name.rpartition(".")
+        t = tensors[name]
+        if tuple(t.shape) != tuple(modules[mod_name].get_parameter(leaf).shape):
+            raise ValueError(f"{name}: shape {tuple(t.shape)} is not the parameter's")
+        modules[mod_name].register_parameter(leaf, nn.Parameter(t, requires_grad=False))
+    model.tie_weights()
+    return model.eval()
+
+
+def load_model(path: str | Path, device: torch.device, dtype: torch.dtype,
+               config: ModelConfig | None = None) -> LlamaForCausalLM:
+    """Build the model on ``device`` in ``dtype`` and fill every parameter from the folder.
+
+    Raises:
+        CheckpointError: missing config/shards, missing or unexpected tensors (the message
+            lists them), or a tensor whose shape differs from what config.json implies.
+    """
+    path = Path(path)
+    config = config or ModelConfig.from_dir(path)
+    model = meta_model(config)
+    plan = check_checkpoint(path, model, config)
+    model = model.to_empty(device=device).to(dtype)
+    model.tie_weights()  # to_empty replaced the shared parameter by two copies
+    fill(plan, dict(model.named_parameters()))
     return model.eval()
 
 

@@ -21,8 +21,8 @@ from kvpool.engine.request import Request
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, block_size: int,
                  device: torch.device, dtype: torch.dtype,
-                 attention_backend: AttentionBackend = "auto", max_num_tokens: int = 512
-                 ) -> None:
+                 attention_backend: AttentionBackend = "auto", max_num_tokens: int = 512,
+                 prepack: bool = True) -> None:
         c = model.config
         self.model = model
         self.kv_cache = kv_cache
@@ -35,7 +35,8 @@ class ModelRunner:
         self._attn_out = torch.empty(0)
         if device.type == "cpu":
             native.tune_malloc()
-            if dtype == torch.float32:  # bf16: no prepacked copy (it would be fp32)
+            # bf16: no prepacked copy (it would be fp32); shared weights: none either
+            if dtype == torch.float32 and prepack:
                 fused.prepack(model)
         if self.backend == "native":
             self._attn_out = torch.empty(max_num_tokens, c.num_heads, c.head_dim, dtype=dtype)

@@ -38,7 +38,7 @@ from kvpool.engine.api_bodies import (ChatBody, CommonBody, CompletionBody, Open
 from kvpool.engine.async_engine import AsyncEngine
 from kvpool.engine.chat_template import ChatTemplateError
 from kvpool.engine.config import EngineConfig
-from kvpool.engine.errors import RequestError
+from kvpool.engine.errors import EngineUnavailable, RequestError
 from kvpool.engine.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from kvpool.engine.metrics import EngineMetrics
 from kvpool.engine.request import RequestOutput
@@ -88,6 +88,10 @@ def create_app(aengine: AsyncEngine) -> FastAPI:
     @app.exception_handler(RequestError)
     async def _request_error(_: Request, e: RequestError) -> JSONResponse:
         return _error(400, str(e), "invalid_request")
+
+    @app.exception_handler(EngineUnavailable)
+    async def _unavailable(_: Request, e: EngineUnavailable) -> JSONResponse:
+        return _error(503, str(e), "unavailable")
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
@@ -156,6 +160,7 @@ def create_app(aengine: AsyncEngine) -> FastAPI:
         if body.stream:
             if len(ids) != 1:
                 raise APIError(400, "streaming supports a single prompt")
+            await aengine.ready()  # a model that cannot wake: 503 before the stream
             return _sse(_stream_completion(aengine, rid, name, ids[0], sps[0],
                                            _include_usage(body), body.return_token_ids))
         outs = await asyncio.gather(*(_final(aengine, f"{rid}-{i}", p, sp)
@@ -185,6 +190,7 @@ def create_app(aengine: AsyncEngine) -> FastAPI:
         sp = params(body, ids, max_tokens, tok.chat_stop_ids)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if body.stream:
+            await aengine.ready()
             return _sse(_stream_chat(aengine, rid, name, ids, sp, _include_usage(body)))
         out = await _final(aengine, rid, ids, sp)
         return {"id": rid, "object": "chat.completion", "created": int(time.time()),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
@@ -14,6 +15,34 @@ def _size(text: str) -> int:
     return parse_size(text)
 
 
+def flag(text: str) -> bool:
+    """``1``/``true``/``yes``/``on`` or ``0``/``false``/``no``/``off`` (any case)."""
+    t = text.strip().lower()
+    if t in ("1", "true", "yes", "on"):
+        return True
+    if t in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError("expected 1 or 0")
+
+
+def seconds_or_off(text: str) -> float | None:
+    """Positive seconds; ``0``, ``off`` or empty: None (off)."""
+    t = text.strip().lower()
+    if t in ("", "0", "off", "none"):
+        return None
+    try:
+        v = float(t)
+    except ValueError:
+        raise ValueError("expected seconds (a positive number) or 0/off") from None
+    if not math.isfinite(v) or v <= 0:
+        raise ValueError("expected seconds (a positive number) or 0/off")
+    return v
+
+
+class SettingsError(ValueError):
+    """A ``KVPOOL_*`` variable has a value its setting cannot take; one line naming it."""
+
+
 #: variable -> (settings field, parser)
 TENANT_VARS: dict[str, tuple[str, Callable[[str], Any]]] = {
     "KVPOOL_TENANT": ("name", str),
@@ -23,15 +52,21 @@ TENANT_VARS: dict[str, tuple[str, Callable[[str], Any]]] = {
     "KVPOOL_MAX": ("max_bytes", _size),
     "KVPOOL_WEIGHT": ("weight", float),
     "KVPOOL_IDLE_TIMEOUT": ("idle_timeout_s", float),
+    "KVPOOL_SLEEPABLE": ("sleepable", flag),
+    "KVPOOL_SLEEP_AFTER": ("sleep_after_s", seconds_or_off),
 }
 
 
 def tenant_fields(env: Mapping[str, str], fields: set[str]) -> dict[str, Any]:
-    """The settings among ``fields`` that ``env`` sets, parsed (a bad value raises)."""
+    """The settings among ``fields`` that ``env`` sets, parsed; a bad value raises
+    :class:`SettingsError` (one line: the variable, its value, what it takes)."""
     out: dict[str, Any] = {}
     for var, (field, parse) in TENANT_VARS.items():
         if field in fields and var in env:
-            out[field] = parse(env[var])
+            try:
+                out[field] = parse(env[var])
+            except (ValueError, TypeError) as e:
+                raise SettingsError(f"{var}={env[var][:60]!r}: {e}") from None
     return out
 
 
@@ -51,6 +86,10 @@ class TenantSettings:
     low: int = 1  # reserve watermarks, in chunks
     high: int = 2
     idle_timeout_s: float = 5.0
+    # the daemon may put this tenant to sleep when a grant needs its memory (Register's
+    # ``sleepable``; the daemon's config for the tenant wins)
+    sleepable: bool = False
+    sleep_after_s: float | None = None  # sleep after this long without a request
 
     @classmethod
     def from_env(cls: type[S]) -> S:

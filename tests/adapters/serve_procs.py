@@ -65,13 +65,17 @@ class Servers:
 
     def start(self, name: str, *, run_dir: Path | None = None, elastic: bool = True,
               idle_timeout: float = 1.0, extra: tuple[str, ...] = (),
-              env: dict[str, str] | None = None) -> Server:
+              env: dict[str, str] | None = None, weights: str | None = "local") -> Server:
+        """``weights``: KVPOOL_WEIGHTS of an elastic server; "local" by default, as the
+        KV tests' budgets are sized for KV alone; None: the CLI's default (pool)."""
         port = free_port()
         log = self.log_dir / f"serve-{name}-{port}.log"
         extra_env = env or {}
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}
         if elastic:
             env.update(KVPOOL_RUN_DIR=str(run_dir), KVPOOL_IDLE_TIMEOUT=str(idle_timeout))
+            if weights is not None:
+                env.update(KVPOOL_WEIGHTS=weights)
         env.update(extra_env)  # e.g. KVPOOL_WEIGHT, KVPOOL_MIN
         cmd = launch.serve_argv(self.model, "--max-model-len", "512", *extra, port=port,
                                 name=name, kv_cache_size="4MiB", elastic=elastic)

@@ -42,9 +42,10 @@ def run(engine: Engine, during=None, params: SamplingParams = GREEDY) -> dict[st
     return outs
 
 
-def elastic(model, daemon, name: str, **kw) -> Engine:
+def elastic(model, daemon, name: str, weights: str = "pool", **kw) -> Engine:
     cfg = EngineConfig(model=str(model), **kw)
-    enable(cfg, Settings(run_dir=str(daemon.run_dir), name=name, idle_timeout_s=1.0))
+    enable(cfg, Settings(run_dir=str(daemon.run_dir), name=name, idle_timeout_s=1.0,
+                         weights=weights))
     return Engine(cfg)
 
 
@@ -78,7 +79,8 @@ def test_elastic_equals_static_across_reclaim(tiny_model, start_daemon):
     reference = run(Engine(EngineConfig(model=str(tiny_model), kv_cache_size="8MiB")),
                     params=long)
     d = start_daemon(budget="2MiB", extra=("--reclaim-timeout", "60"))  # generous
-    e = elastic(tiny_model, d, "victim", kv_cache_size="2MiB")
+    # the whole 2 MiB budget is for KV here (the weights would take most of it)
+    e = elastic(tiny_model, d, "victim", weights="local", kv_cache_size="2MiB")
     other = connect(name="trainer", run_dir=d.run_dir, kind="lease")
     lease: dict = {}
     granted = threading.Event()

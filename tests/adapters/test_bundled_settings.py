@@ -24,3 +24,33 @@ def test_from_env_defaults_and_bad_values(monkeypatch):
     monkeypatch.setenv("KVPOOL_DEVICE", "gpu0")
     with pytest.raises(ValueError):
         Settings.from_env()
+
+
+@pytest.mark.parametrize("var,value,want", [
+    ("KVPOOL_SLEEPABLE", "1", ("sleepable", True)),
+    ("KVPOOL_SLEEPABLE", "off", ("sleepable", False)),
+    ("KVPOOL_SLEEP_AFTER", "2.5", ("sleep_after_s", 2.5)),
+    ("KVPOOL_SLEEP_AFTER", "0", ("sleep_after_s", None)),
+])
+def test_sleep_settings(monkeypatch, var, value, want):
+    monkeypatch.setenv(var, value)
+    assert getattr(Settings.from_env(), want[0]) == want[1]
+
+
+@pytest.mark.parametrize("var,value", [
+    ("KVPOOL_SLEEPABLE", "maybe"), ("KVPOOL_SLEEP_AFTER", "soon"),
+    ("KVPOOL_SLEEP_AFTER", "-3"), ("KVPOOL_SLEEP_AFTER", "inf"), ("KVPOOL_SLEEP_AFTER", "nan"),
+])
+def test_bad_sleep_settings_are_one_line_naming_the_variable(monkeypatch, tiny_model, var,
+                                                             value):
+    from kvpool.engine.config import EngineConfig
+    from kvpool.engine_adapters.bundled import AdapterError, enable
+    from kvpool.engine_adapters.env import SettingsError
+
+    monkeypatch.setenv(var, value)
+    with pytest.raises(SettingsError) as e:
+        Settings.from_env()
+    msg = str(e.value)
+    assert msg.startswith(f"{var}=") and "\n" not in msg, msg
+    with pytest.raises(AdapterError, match=f"^{var}="):  # what `kvpool serve` prints
+        enable(EngineConfig(model=str(tiny_model)))

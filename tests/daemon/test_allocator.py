@@ -232,3 +232,31 @@ def test_take_first_gets_block_zero_even_when_the_refill_thread_runs_first(daemo
         wait_for(lambda: a.mapped_chunks >= 2, what="the reserve filled after block 0")
         a.check_integrity()
         a.close()
+
+
+def test_suspend_gives_every_chunk_back_and_resume_takes_block_0_first(daemon):
+    """The sleep of an engine (issue 22): suspended, the allocator holds nothing and the
+    refill thread grants nothing; resume's first block is block 0 again (an engine's
+    null block), before the refill maps anything."""
+    with daemon.connect("sleeper") as t:
+        g = t.region_group(2, 16 * PAGE)
+        a = ElasticBlockAllocator(g, 16 << 10, low=2, high=4, tick_s=0.005,
+                                  idle_timeout_s=60, take_first=1)
+        assert a.first_blocks == [0]
+        more = a.alloc(9)
+        wait_for(lambda: a.reserve_chunks >= 2, what="a refilled reserve")
+        with pytest.raises(ValueError, match="still held"):
+            a.suspend()  # blocks held: nothing released
+        assert not a.suspended and a.mapped_chunks > 0
+        a.free([0, *more])
+        assert a.suspend() > 0
+        assert a.suspended and a.mapped_chunks == 0 and not g.mapped
+        assert daemon.stats().pool.granted == 0
+        a.rebalance()  # the refill step does nothing while suspended
+        assert a.mapped_chunks == 0 and a.alloc(1) is None and a.alloc_chunks(1) is None
+        a.check_integrity()
+        assert a.resume(take_first=1) == [0]
+        assert not a.suspended
+        wait_for(lambda: a.reserve_chunks >= 2, what="the refill after resume")
+        a.check_integrity()
+        a.close()

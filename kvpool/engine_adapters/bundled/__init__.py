@@ -14,6 +14,9 @@ its ``EngineConfig``:
 :mod:`.bridge` builds and owns the tenant, group, allocator and pool of one engine; the
 engine binds itself to the pool and ``engine.close()`` closes the pool, which ends all of
 them (no engine method is patched); :mod:`.settings` holds the ``KVPOOL_*`` settings.
+With ``Settings.weights == "pool"`` (the default) the bridge also builds the model:
+its parameters live in a weight set shared by every engine of the same checkpoint
+(:mod:`.weights`; ``bridge_of(config).weights``).
 """
 
 from __future__ import annotations
@@ -29,10 +32,17 @@ def enable(config: EngineConfig, settings: Settings | None = None) -> None:
     """Make the engine built from ``config`` allocate its KV cache through kvpool; the
     engine gets a ``close()`` that gives the memory and the daemon session back."""
     check_engine(config)
-    settings = settings or Settings.from_env()
+    if settings is None:
+        try:
+            settings = Settings.from_env()
+        except ValueError as e:  # a bad KVPOOL_* value: one line (SettingsError)
+            raise AdapterError(str(e)) from None
     if settings.request_aligned:
         config.enable_prefix_caching = False  # a shared block would tie requests' units
     bridge = Bridge(config, settings)
+    if settings.weights == "pool":  # the parameters in a shared weight set (.weights)
+        config.model_factory = bridge.make_model
+        config.prepack = False  # a private oneDNN copy would undo the sharing
     config.block_pool_factory = bridge.make_pool
     config.kv_cache_factory = bridge.make_kv_cache
     config.extra[ADAPTER_KEY] = bridge

@@ -63,6 +63,7 @@ class ElasticBlockPool(FixedBlockPool):
         self.lock = threading.RLock()
         self._unbound_step_lock = threading.RLock()  # until an engine is bound
         self.aligned: RequestChunks | None = None  # request-aligned mode when set
+        self.asleep = False  # every block given back (sleep), until wake
 
     # ---- binding ------------------------------------------------------------------
     def bind(self, allocator: ElasticBlockAllocator) -> None:
@@ -130,6 +131,51 @@ class ElasticBlockPool(FixedBlockPool):
         if self._on_close is not None:
             self._on_close()
 
+    # ---- sleep ------------------------------------------------------------------------
+    def sleep(self) -> int:
+        """(the engine's ``step_lock`` held, no request in the engine) Give every block
+        back: the prefix cache is evicted, the null block freed and the allocator
+        suspended (every chunk released, no refill until :meth:`wake`). Returns the
+        chunks released. Raises AdapterError (nothing given back) when a block is still
+        in use or the pool is request-aligned with spare chunks."""
+        with self.lock:
+            if self.asleep:
+                return 0
+            if not self._null_held:
+                raise AdapterError("this engine handed its cache over (retired): it "
+                                   "cannot sleep")
+            self.evict_cached_blocks(None)
+            spare = self.aligned.num_spare if self.aligned is not None else 0
+            if self.allocator.used_blocks != 1 + spare or spare:
+                raise AdapterError(f"cannot sleep: {self.allocator.used_blocks - 1} KV "
+                                   "block(s) are in use")
+            self.allocator.free([NULL_BLOCK])
+            self._null_held = False
+            self.asleep = True
+        try:
+            return self.allocator.suspend()
+        except BaseException:
+            self.wake()  # not suspended after all: the null block back
+            raise
+
+    def wake(self) -> None:
+        """Grant again after :meth:`sleep` and take the null block back (block 0 again,
+        waiting for memory like a grant); raises AdapterError when the memory did not
+        come (still asleep: call again)."""
+        with self.lock:
+            if not self.asleep:
+                return
+        got = self.allocator.resume(take_first=1)
+        if got is None:
+            raise AdapterError("no memory for the KV cache's first chunk (the daemon "
+                               "refused the grant)")
+        if got != [NULL_BLOCK]:
+            self.allocator.free(got)
+            raise AdapterError(f"expected block 0 back on wake, got {got}")
+        with self.lock:
+            self._null_held = True
+            self.asleep = False
+
     @property
     def capacity(self) -> int:
         return self._provisional if self._allocator is None else self._capacity
@@ -182,8 +228,10 @@ class ElasticBlockPool(FixedBlockPool):
         if n <= 0:
             return []
         if not self._null_held:
-            raise AdapterError("this engine handed its null block over with its cache "
-                               "(warm restart): it allocates no more blocks")
+            raise AdapterError("this engine is asleep: it allocates no blocks until it "
+                               "wakes" if self.asleep else "this engine handed its null "
+                               "block over with its cache (warm restart): it allocates no "
+                               "more blocks")
         alloc = self.allocator
         if n > alloc.free_blocks and self._evictable:
             with self.lock:

@@ -8,7 +8,13 @@ The engine's own seams do the rest, nothing is patched: ``EngineConfig``'s
 (``BlockPool.bind_engine``: the pool preempts through it and waits for its
 ``step_lock``); ``Engine.close`` closes the pool, whose ``on_close`` is :meth:`Bridge.close`.
 
-Lifetime: connected in :meth:`Bridge.make_kv_cache` (during ``Engine(config)``); closed by
+With pool weights (``Settings.weights == "pool"``) the bridge is also the config's
+``model_factory`` (:meth:`Bridge.make_model`): the tenant connects there, before the KV
+cache, and the model's parameters become views into a weight set (:mod:`.weights`,
+:attr:`Bridge.weights`); one tenant holds both the set and the KV.
+
+Lifetime: connected in :meth:`Bridge.make_model` (pool weights) or
+:meth:`Bridge.make_kv_cache` (during ``Engine(config)``); closed by
 :meth:`Bridge.close` (``engine.close()``, or a failed start). After close the daemon no
 longer lists the tenant, its pages are back in the pool and the adapter's threads (the
 idle-cache watcher, the allocator's refill thread, the tenant's thread) have ended; the
@@ -17,20 +23,29 @@ engine must not step again.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
+from kvpool.engine import loader
 from kvpool.engine.config import EngineConfig
 from kvpool.engine.kv_cache import KVCache, KVCacheSpec
+from kvpool.engine.model import LlamaForCausalLM
+from kvpool.engine.model_config import ModelConfig
 from kvpool.engine_adapters.bundled.block_pool import ElasticBlockPool
 from kvpool.engine_adapters.bundled.checks import KNOWN_LAYOUTS
 from kvpool.engine_adapters.bundled.settings import AdapterError, Settings
+from kvpool.engine_adapters.bundled.weights import Layout, PoolWeights, set_key
 
 if TYPE_CHECKING:
     from kvpool.client_lib import RegionGroup, Tenant
+    from kvpool.engine_adapters.sleep import SleepController
+
+log = logging.getLogger("kvpool.engine_adapters.bundled")
 
 ADAPTER_KEY = "kvpool"
 
@@ -44,43 +59,94 @@ class Bridge:
         self.pool: ElasticBlockPool | None = None
         self.tenant: Tenant | None = None
         self.group: RegionGroup | None = None
+        #: the model's parameters in the pool (None: local weights, or not built yet)
+        self.weights: PoolWeights | None = None
+        self.sleep: SleepController | None = None  # set by .sleep.attach; closed here
 
+    def _connect(self) -> Tenant:
+        """The engine's one tenant (connected on the first call)."""
+        from kvpool.client_lib import connect
+
+        if self.tenant is None:
+            s = self.settings
+            self.tenant = connect(name=self.name, device=s.device, run_dir=s.run_dir,
+                                  kind="engine", min=s.min_bytes, weight=s.weight,
+                                  endpoint=s.endpoint, sleepable=s.sleepable)
+        return self.tenant
+
+    @property
+    def name(self) -> str:
+        return self.settings.name or self.config.served_model_name or os.path.basename(
+            os.path.normpath(self.config.model))
+
+    def make_model(self, path: Path, device: torch.device, dtype: torch.dtype,
+                   model_config: ModelConfig) -> LlamaForCausalLM:
+        """The engine's model with its parameters in a weight set (``model_factory``):
+        attached when the pool has the set sealed, else loaded into it from the
+        checkpoint and sealed. The checkpoint is checked as the local loader checks it
+        (missing / unexpected tensors, shapes). A backend that cannot share pages
+        read-only gets local weights (logged)."""
+        from kvpool.client_lib.weights import content_key
+
+        model = loader.meta_model(model_config)
+        plan = loader.check_checkpoint(path, model, model_config)
+        tenant = self._connect()
+        try:
+            if not tenant.backend.caps.read_only_shares:
+                log.warning("the %s backend cannot share pages read-only: local weights",
+                            tenant.backend.name)
+                self.config.prepack = True
+                return loader.load_model(path, device, dtype, model_config)
+            layout = Layout.of(model, dtype)
+            key = set_key(content_key(path).key, layout)
+            self.weights = PoolWeights(tenant, key, layout,
+                                       load=lambda tensors: loader.fill(plan, tensors))
+            tensors = self.weights.open()
+            first = next(iter(tensors.values()))
+            if first.device.type != device.type:
+                raise AdapterError(f"the engine runs on {device} but kvpool's "
+                                   f"{tenant.backend.name} backend maps memory on "
+                                   f"{first.device}")
+            log.info("weights: set %s (%d bytes), %s", key[:12], layout.nbytes,
+                     "loaded" if self.weights.loads else "attached")
+            return loader.place(model, tensors)
+        except BaseException:
+            self.close()
+            raise
     def make_pool(self, num_blocks: int) -> ElasticBlockPool:
         """The engine's block pool (``block_pool_factory``): closing it closes this."""
         self.pool = ElasticBlockPool(num_blocks, on_close=self.close)
         return self.pool
 
     def make_kv_cache(self, spec: KVCacheSpec, capacity: int, device: torch.device) -> KVCache:
-        from kvpool.client_lib import ElasticBlockAllocator, connect
+        from kvpool.client_lib import ElasticBlockAllocator
 
         if spec.layout not in KNOWN_LAYOUTS:
             raise AdapterError(f"unknown KV layout {spec.layout!r}")
         if self.pool is None:
             raise AdapterError("the engine built its KV storage before its block pool")
         s = self.settings
-        name = s.name or self.config.served_model_name or os.path.basename(
-            os.path.normpath(self.config.model))
-        self.tenant = connect(name=name, device=s.device, run_dir=s.run_dir, kind="engine",
-                              min=s.min_bytes, weight=s.weight, endpoint=s.endpoint)
+        name = self.name
+        tenant = self._connect()
         try:
             per_region = spec.buffer_block_bytes
-            chunk = math.lcm(self.tenant.page_size, per_region)
+            chunk = math.lcm(tenant.page_size, per_region)
             region_bytes = math.ceil(capacity * per_region / chunk) * chunk
-            self.group = self.tenant.region_group(spec.num_buffers, region_bytes, label=name)
+            self.group = tenant.region_group(spec.num_buffers, region_bytes, label=name)
             allocator = ElasticBlockAllocator(
                 self.group, per_region, low=s.low, high=s.high,
                 idle_timeout_s=s.idle_timeout_s, populate=s.populate, take_first=1)
             self.pool.bind(allocator)
             if s.request_aligned:
                 self.pool.align_requests()
-            self.tenant.set_shrink_callback(self.pool.shrink)
+            tenant.set_shrink_callback(self.pool.shrink)
             self.pool.start_idle_release(s.idle_timeout_s)
             nblocks = allocator.num_blocks
             buffers = [self.group.tensor(i, torch.uint8, nbytes=nblocks * per_region)
                        for i in range(spec.num_buffers)]
             if device.type != buffers[0].device.type:
                 raise AdapterError(f"the engine runs on {device} but kvpool's "
-                                   f"{self.tenant.backend.name} backend maps memory on "
+                                   f"{tenant.backend.name} backend maps memory on "
                                    f"{buffers[0].device}")
             return KVCache.from_buffers(spec, buffers, nblocks)
         except BaseException:
@@ -88,10 +154,15 @@ class Bridge:
             raise
 
     def close(self) -> None:
-        """Stop the idle watcher, then close the tenant (its thread, the allocator's
-        thread, the mappings, the daemon session). Idempotent."""
+        """Stop the sleep controller's timer and the idle watcher, let go of the weight
+        set, then close the tenant (its thread, the allocator's thread, the mappings, the
+        daemon session). Idempotent."""
+        if self.sleep is not None:
+            self.sleep.close()
         if self.pool is not None:
             self.pool.stop()
+        if self.weights is not None:
+            self.weights.close()  # the set stays cached in the daemon (evictable)
         if self.tenant is not None:
             tenant, self.tenant = self.tenant, None
             tenant.close()

@@ -3,9 +3,15 @@ adapter's error."""
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from dataclasses import dataclass
+from typing import TypeVar
 
 from kvpool.engine_adapters.env import TenantSettings
+
+WEIGHTS_MODES = ("pool", "local")
+B = TypeVar("B", bound="Settings")
 
 
 class AdapterError(RuntimeError):
@@ -23,3 +29,16 @@ class Settings(TenantSettings):
     # where the server this engine runs in listens (loopback http; kvpool.protocol.endpoint),
     # registered with the tenant so a successor can find it by name (.locate.announce)
     endpoint: str | None = None
+    # "pool": the model's parameters live in a weight set shared with every engine of the
+    # same checkpoint (.weights); "local": in the engine's own memory. KVPOOL_WEIGHTS
+    weights: str = "pool"
+
+    def __post_init__(self) -> None:
+        if self.weights not in WEIGHTS_MODES:
+            raise ValueError(f"weights must be pool or local, not {self.weights!r}")
+
+    @classmethod
+    def from_env(cls: type[B]) -> B:
+        s = super().from_env()
+        mode = os.environ.get("KVPOOL_WEIGHTS")
+        return s if mode is None else dataclasses.replace(s, weights=mode.strip().lower())

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvpool.engine.api_bodies import PUBLIC_SAMPLING
-from kvpool.engine.async_engine import AbortRequest, AddRequest, AsyncEngine
+from kvpool.engine.async_engine import AbortRequest, AddRequest, AsyncEngine, RequestGate
 from kvpool.engine.errors import RequestError
 from kvpool.engine.request import RequestOutput
 from kvpool.engine_adapters.bundled import handoff_cache, warm_relay
@@ -52,8 +52,9 @@ class RetiringEngine(AsyncEngine):
     """An AsyncEngine that can hand its cache and requests to a successor and retire,
     and, as the successor, serve the followers of the requests it adopted."""
 
-    def __init__(self, engine: Any, adopted: Sequence[str] = ()) -> None:
-        super().__init__(engine)
+    def __init__(self, engine: Any, adopted: Sequence[str] = (),
+                 gate: RequestGate | None = None) -> None:
+        super().__init__(engine, gate)
         self._retire: wc.Retire | None = None
         self._offer: tuple[handoff_cache.CacheHandover, Any] | None = None
         self._hold: Any = None  # the engine's step_lock, held while an offer is out

@@ -1,4 +1,7 @@
-"""Warm restart of an elastic bundled server (``kvpool serve MODEL --elastic
+"""The elastic bundled server (``kvpool serve MODEL --elastic``): the plain server's
+routes, sleep and wake (:mod:`.sleep`: ``/sleep``, ``/wake_up``, ``/is_sleeping``, every
+request admitted through the sleep controller, which wakes a sleeping model first), and
+warm restart (``kvpool serve MODEL --elastic
 --handoff-from TENANT`` — located through the daemon, :mod:`.locate` — or ``URL``): the
 new server asks the running one (``POST URL/pd/retire``) for
 its prefix cache, which comes over as pages (:mod:`.handoff_cache`), then serves.
@@ -84,12 +87,13 @@ def take_over(engine: Any, url: str, to: str, timeout_s: float = 120.0,
 def serve_elastic(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
                   log_level: str = "info", handoff_from: str | None = None) -> None:
     """``kvpool serve --elastic`` (the config enabled already): like the plain server,
-    plus ``/pd/retire``; with ``handoff_from`` it first takes that server's cache over."""
+    plus ``/pd/retire`` and the sleep routes; with ``handoff_from`` it first takes that
+    server's cache over."""
     import uvicorn
 
     from kvpool.engine.engine import Engine
     from kvpool.engine.server import create_app
-    from kvpool.engine_adapters.bundled import bridge_of, locate
+    from kvpool.engine_adapters.bundled import bridge_of, locate, sleep
 
     locate.announce(config, host, port)  # our tenant registers where it serves
     engine = Engine(config)
@@ -105,9 +109,12 @@ def serve_elastic(config: EngineConfig, host: str = "127.0.0.1", port: int = 800
         except Exception:
             engine.close()
             raise
-    aengine = RetiringEngine(engine, adopted=list(engine.requests))
+    controller = sleep.attach(engine)
+    aengine = RetiringEngine(engine, adopted=list(engine.requests), gate=controller)
     app = create_app(aengine)
     add_routes(app, aengine, relay_auth.RelayAuth(engine, giver))
+    if controller is not None:
+        sleep.add_routes(app, controller)
     uvicorn.run(app, host=host, port=port, log_level=log_level)
 
 

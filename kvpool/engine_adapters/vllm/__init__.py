@@ -39,7 +39,10 @@ def register() -> None:
 
     from kvpool.engine_adapters.vllm.patches import install
 
-    s = Settings.from_env()
+    try:
+        s = Settings.from_env()
+    except ValueError as e:  # a bad KVPOOL_* value: one line, no trace
+        raise SystemExit(f"kvpool: {e}") from None
     msg = check_version(vllm.__version__, s.untested_ok)
     if msg is not None and not s.untested_ok:
         raise SystemExit(msg)

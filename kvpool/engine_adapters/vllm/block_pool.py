@@ -23,7 +23,8 @@ ElasticHooks`: vLLM's free queue is the evictable set, preemption is vLLM's own
 uses), the step lock is the bridge's (held by the engine core's loop per step).
 
 Invariant: a block is in exactly one of {allocator free, stash, queue (ref 0, hashed),
-in use (ref > 0)}; block 0 is vLLM's null block and stays held.
+in use (ref > 0)}; block 0 is vLLM's null block and stays held, except asleep
+(:meth:`ElasticBlockPool.sleep`: every page given back; :mod:`.sleep`).
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from vllm.v1.core.block_pool import BlockPool
+from vllm.distributed.kv_events import AllBlocksCleared
+from vllm.v1.core.block_pool import BlockHashToBlockMap, BlockPool
 from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 
 from kvpool.engine_adapters.elastic import ElasticPolicy
@@ -76,6 +78,7 @@ class ElasticBlockPool(BlockPool):
         self._stash: list[int] = []
         self.lock: threading.RLock = threading.RLock()
         self.policy: ElasticPolicy = ElasticPolicy(self, allocator)
+        self.asleep = False  # every KV page given back (sleep), until wake
         b.pool = self
 
     # ---- allocation -----------------------------------------------------------------
@@ -150,13 +153,29 @@ class ElasticBlockPool(BlockPool):
             self._drop_unhashed()
 
     def reset_prefix_cache(self) -> bool:
+        """vLLM's reset (every hash gone) when no block is in use; the cached blocks go
+        back to the allocator. (vLLM's own check counts unmapped blocks as used, so its
+        body is done here: the hash maps, the blocks' hashes, metrics, the event.)"""
         with self.lock:
+            null = 0 if self.asleep else 1
             if self.allocator.used_blocks - self.free_block_queue.num_free_blocks - len(
-                    self._stash) != 1:
+                    self._stash) != null:
                 log.warning("Failed to reset prefix cache because some blocks are in use")
                 return False
             self.evict_cached(None)
-            return super().reset_prefix_cache()
+            self.stash_free()
+            self.cached_block_hash_to_block = BlockHashToBlockMap()  # type: ignore[no-untyped-call]
+            self.cached_block_hashes_by_block.clear()
+            if self._reuse_watchers:
+                self._notify_reuse([self.blocks[i] for i in list(self._reuse_watchers)])
+            for block in self.blocks:
+                block.reset_hash()  # type: ignore[no-untyped-call]
+            if self.metrics_collector:
+                self.metrics_collector.reset()
+            if self.enable_kv_cache_events:
+                self.kv_event_queue.append(AllBlocksCleared())
+            log.info("kvpool: prefix cache reset")
+            return True
 
     def get_usage(self) -> float:
         """Fraction of the mapped memory in use (of the virtual capacity it would be ~0)."""
@@ -263,14 +282,49 @@ class ElasticBlockPool(BlockPool):
     def stop(self) -> None:
         self.policy.stop()
 
+    # ---- sleep (:mod:`.sleep`; the bridge's step_lock held, no request) -----------------
+    def sleep(self) -> int:
+        """Give every KV page back: reset the prefix cache, free the null block, suspend
+        the allocator (no refill until :meth:`wake`). Returns the chunks released;
+        raises AdapterError (nothing given back) while a block is in use."""
+        with self.lock:
+            if self.asleep:
+                return 0
+            if not self.reset_prefix_cache():
+                raise AdapterError("kvpool: cannot sleep: KV blocks are in use")
+            self.allocator.free([0])
+            self.asleep = True
+        try:
+            return self.allocator.suspend()
+        except BaseException:
+            self.wake()
+            raise
+
+    def wake(self) -> None:
+        """Take the null block back (block 0, waiting for memory like a grant) and grant
+        again; raises AdapterError when the memory did not come (still asleep)."""
+        with self.lock:
+            if not self.asleep:
+                return
+        got = self.allocator.resume(take_first=1)
+        if got is None:
+            raise AdapterError("kvpool: no memory for the KV cache's first chunk (the "
+                               "daemon refused the grant)")
+        if got != [0]:
+            self.allocator.free(got)
+            raise AdapterError(f"kvpool: expected block 0 back on wake, got {got}")
+        with self.lock:
+            self.asleep = False
+
     def check_integrity(self) -> None:
         with self.lock:
             a = self.allocator
             a.check_integrity()
             queued = {b.block_id for b in self.free_block_queue.get_all_free_blocks()}
             used = sum(1 for blk in self.blocks[1:] if blk.ref_cnt > 0)
-            assert a.used_blocks == 1 + used + len(queued) + len(self._stash), (
-                f"allocator holds {a.used_blocks}, pool accounts for 1 + {used} + "
+            null = 0 if self.asleep else 1
+            assert a.used_blocks == null + used + len(queued) + len(self._stash), (
+                f"allocator holds {a.used_blocks}, pool accounts for {null} + {used} + "
                 f"{len(queued)} + {len(self._stash)}")
             for i in queued | set(self._stash):
                 assert a.is_held(i), f"free block {i} not held"

@@ -35,6 +35,8 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
     from kvpool.client_lib import ElasticBlockAllocator, RegionGroup, Tenant
+    from kvpool.engine_adapters.sleep import SleepController
+    from kvpool.engine_adapters.vllm.sleep import Waker
 
 log = logging.getLogger("kvpool.vllm")
 REFILL_TICK_S = 0.5  # the allocator's background tick (idle trim, reports)
@@ -77,6 +79,8 @@ class Bridge:
         self.scheduler: Scheduler | None = None  # vLLM's Scheduler, once built
         self.engine_core: EngineCore | None = None
         self.step_lock = threading.RLock()  # held by the engine core's loop per step
+        self.sleep: SleepController | None = None  # KV-level sleep (.sleep.attach)
+        self.waker: Waker | None = None
         self.num_blocks = 0
         self.block_bytes = 0  # per region
         self.n_regions = 0
@@ -92,7 +96,8 @@ class Bridge:
         s = self.settings
         try:
             self.tenant = connect(name=name, device=s.device, run_dir=s.run_dir, kind="engine",
-                                  min=s.min_bytes, max=s.max_bytes, weight=s.weight)
+                                  min=s.min_bytes, max=s.max_bytes, weight=s.weight,
+                                  sleepable=s.sleepable)
         except (KvpoolError, OSError) as e:
             raise AdapterError(f"kvpool: cannot reach the kvpool daemon ({e})") from None
         t = self.tenant
@@ -209,6 +214,8 @@ class Bridge:
         return kv_caches
 
     def close(self) -> None:
+        if self.sleep is not None:
+            self.sleep.close()
         if self.pool is not None:
             self.pool.stop()
         if self.tenant is not None:

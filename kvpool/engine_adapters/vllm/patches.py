@@ -20,7 +20,11 @@ Engine-core process:
   ``Scheduler.__init__``                binds the pool to the scheduler (shrink callback,
                                         idle release);
   ``EngineCore.step/add_request/abort_requests`` and ``EngineCoreProc._process_engine_step/
-  _handle_client_request``              one lock per step, so a shrink runs between steps.
+  _handle_client_request``              one lock per step, so a shrink runs between steps;
+  ``EngineCore.add_request``            wakes a sleeping engine first (:mod:`.sleep`);
+  ``EngineCoreProc._process_engine_step``  reports busy/idle to the daemon after a step;
+  ``EngineCore.is_sleeping``            also true when kvpool put the engine to sleep;
+  ``CPUWorker.sleep/wake_up``           (a no-op on CPU in vLLM) KV-level sleep and wake.
 """
 
 from __future__ import annotations
@@ -89,6 +93,7 @@ def _patch_cpu_worker(mod: ModuleType) -> None:
     functools.update_wrapper(determine_available_memory, cls.determine_available_memory,
                              assigned=(), updated=())
     cls.determine_available_memory = determine_available_memory
+    _patch_cpu_worker_sleep(cls)
 
 
 def _patch_gpu_worker(mod: ModuleType) -> None:
@@ -159,6 +164,79 @@ def _patch_engine_core(mod: ModuleType) -> None:
 
             functools.update_wrapper(locked, method)
             setattr(cls, name, locked)
+    _patch_sleep(mod)
+
+
+def _patch_sleep(mod: ModuleType) -> None:
+    """A request wakes a sleeping engine (before it is added), every step reports whether
+    the engine has work, and ``is_sleeping`` sees kvpool's sleep too (:mod:`.sleep`)."""
+    from kvpool.engine_adapters.vllm.bridge import current
+
+    add: Callable[..., Any] = mod.EngineCore.add_request
+
+    @functools.wraps(add)
+    def add_request(self: Any, *args: Any, **kwargs: Any) -> Any:
+        b = current()
+        if b is not None and b.waker is not None:
+            with b.step_lock:
+                b.waker.for_request(self)
+        return add(self, *args, **kwargs)
+
+    setattr(mod.EngineCore, "add_request", add_request)
+    step: Callable[..., Any] = mod.EngineCoreProc._process_engine_step
+
+    @functools.wraps(step)
+    def _process_engine_step(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = step(self, *args, **kwargs)
+        b = current()
+        if b is not None and b.waker is not None:
+            with b.step_lock:
+                b.waker.after_step(self)
+        return out
+
+    setattr(mod.EngineCoreProc, "_process_engine_step", _process_engine_step)
+    is_sleeping: Callable[[Any], bool] = mod.EngineCore.is_sleeping
+
+    @functools.wraps(is_sleeping)
+    def is_sleeping_too(self: Any) -> bool:
+        b = current()
+        return is_sleeping(self) or (b is not None and b.sleep is not None
+                                     and b.sleep.is_sleeping)
+
+    setattr(mod.EngineCore, "is_sleeping", is_sleeping_too)
+
+
+def _patch_cpu_worker_sleep(cls: Any) -> None:
+    """vLLM CPU's worker ``sleep``/``wake_up`` (no-ops that log a warning) become the
+    KV-level sleep: what ``EngineCore.sleep`` (after pausing the scheduler) and
+    ``wake_up`` call. A refusal or a failed wake raises one line (vLLM's route answers
+    with it)."""
+
+    def sleep(self: Any, level: int = 1) -> None:
+        c = _controller()
+        if not c.sleep("http"):
+            raise AdapterError("kvpool: the engine still has requests (mode=keep?); it "
+                               "sleeps only without them")
+
+    def wake_up(self: Any, tags: list[str] | None = None) -> None:
+        if tags and "kv_cache" not in tags:
+            return  # weights: they never left (no sleep mode for them on CPU)
+        c = _controller()
+        if not c.wake("http"):
+            raise AdapterError(f"kvpool: cannot wake: {c.last_error}")
+
+    for name, fn in (("sleep", sleep), ("wake_up", wake_up)):
+        functools.update_wrapper(fn, getattr(cls, name), assigned=(), updated=())
+        setattr(cls, name, fn)
+
+
+def _controller() -> Any:
+    from kvpool.engine_adapters.vllm.bridge import current
+
+    b = current()
+    if b is None or b.sleep is None:
+        raise AdapterError("kvpool: this process has no elastic KV cache to put to sleep")
+    return b.sleep
 
 
 # ---- engine-core process: the KV cache ------------------------------------------------------
@@ -210,6 +288,9 @@ def _patch_scheduler(mod: ModuleType) -> None:
             assert b.tenant is not None  # the pool was built over its allocator
             b.tenant.set_shrink_callback(pool.shrink)
             pool.start_idle_release(b.settings.idle_timeout_s)
+            from kvpool.engine_adapters.vllm import sleep
+
+            sleep.attach(b, pool)
 
     cls.__init__ = __init__
 

@@ -42,9 +42,13 @@ class Settings:
     high: int = 2
     idle_timeout_s: float = 5.0
     untested_ok: bool = False
+    sleepable: bool = False  # the daemon may put it to sleep (KVPOOL_SLEEPABLE)
+    sleep_after_s: float | None = None  # sleep when idle this long (KVPOOL_SLEEP_AFTER)
 
     @classmethod
     def from_env(cls) -> Settings:
+        """The settings ``KVPOOL_*`` sets; a bad value raises a ValueError of one line."""
+        from kvpool.engine_adapters.env import tenant_fields
         from kvpool.sizes import parse_size
 
         env = os.environ
@@ -60,6 +64,9 @@ class Settings:
             s.weight = float(env["KVPOOL_WEIGHT"])
         if env.get("KVPOOL_IDLE_TIMEOUT"):
             s.idle_timeout_s = float(env["KVPOOL_IDLE_TIMEOUT"])
+        sleep = tenant_fields(env, {"sleepable", "sleep_after_s"})  # SettingsError: one line
+        s.sleepable = sleep.get("sleepable", False)
+        s.sleep_after_s = sleep.get("sleep_after_s")
         return s
 
 

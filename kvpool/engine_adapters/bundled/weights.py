@@ -1,0 +1,184 @@
+"""The bundled engine's parameters in a weight set (docs/ARCHITECTURE.md, "Weight sets"):
+one copy in the pool for every engine of the same checkpoint, dtype and layout, used in
+place (zero-copy tensors over the set's read-only mapping, as the KV cache is).
+
+Layout (:class:`Layout`): the model's parameters in ``named_parameters()`` order (a tied
+embedding is one parameter), each at an offset aligned to :data:`ALIGN` bytes, in the
+engine's dtype. The set's key (:func:`set_key`) is the sha256 over the checkpoint's
+content key (:func:`kvpool.client_lib.weights.content_key`), the dtype, and the layout
+(names, shapes, offsets, :data:`LAYOUT_VERSION`): a bf16 engine never attaches an fp32
+set, a different checkpoint or model layout never attaches it.
+
+:class:`PoolWeights` keeps the set's virtual range for its whole life: ``release()``
+unmaps and lets go of the pages (the parameters fault when touched), ``restore()`` maps
+the set at the same addresses again (attached when the daemon still caches it, else
+created, loaded from the checkpoint and sealed), so the model's parameter tensors never
+change.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+import torch
+
+from kvpool import protocol as p
+from kvpool.client_lib.errors import KvpoolError
+from kvpool.client_lib.tensors import tensor_view
+from kvpool.client_lib.weights import WeightSession, WeightSet
+from kvpool.vmm import Range
+
+log = logging.getLogger("kvpool.engine_adapters.bundled.weights")
+
+LAYOUT_VERSION = 1  # bump when the way parameters are laid out in a set changes
+ALIGN = 256  # bytes: every parameter starts on a multiple (cache lines, SIMD loads)
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One parameter's place in the set."""
+
+    name: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each parameter of a model lies in its weight set, in ``dtype``."""
+
+    dtype: torch.dtype
+    slots: tuple[Slot, ...]
+    nbytes: int
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, dtype: torch.dtype) -> Layout:
+        """The layout of ``model``'s parameters (shapes only: a meta model will do)."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        slots, offset = [], 0
+        for name, param in model.named_parameters():  # a tied parameter once
+            n = param.numel() * itemsize
+            slots.append(Slot(name, tuple(param.shape), offset, n))
+            offset += -(-n // ALIGN) * ALIGN
+        return cls(dtype, tuple(slots), max(offset, 1))
+
+    def digest(self) -> str:
+        text = json.dumps([LAYOUT_VERSION, ALIGN, str(self.dtype),
+                           [[s.name, list(s.shape), s.offset] for s in self.slots]])
+        return hashlib.sha256(text.encode()).hexdigest()
+
+
+def set_key(checkpoint_key: str, layout: Layout) -> str:
+    """The weight set's key: a checkpoint's tensors laid out by ``layout``."""
+    h = hashlib.sha256(b"kvpool-engine-weights\0")
+    h.update(checkpoint_key.encode() + b"\0" + layout.digest().encode())
+    return h.hexdigest()
+
+
+class PoolWeights:
+    """The model's parameters as views into one weight set.
+
+    ``load(tensors)`` fills the parameters (name -> a writable tensor of the parameter's
+    shape and dtype) from the checkpoint; it runs only when this engine creates the set.
+    ``wait_s``: how long :meth:`open` / :meth:`restore` wait for memory (a create the
+    pool cannot meet now) and for another tenant loading the same key.
+    """
+
+    def __init__(self, session: WeightSession, key: str, layout: Layout,
+                 load: Callable[[Mapping[str, torch.Tensor]], None],
+                 wait_s: float = 600.0) -> None:
+        self.session = session
+        self.key = key
+        self.layout = layout
+        self._load_tensors = load
+        self.wait_s = wait_s
+        self.held = False  #: True between open/restore and release
+        self.loads = 0  #: how many times this process loaded the set from the checkpoint
+        self._set: WeightSet | None = None
+        self._range: Range | None = None  # the set's addresses while released
+        self._lock = threading.Lock()
+
+    # ---- holding --------------------------------------------------------------------
+    def open(self) -> dict[str, torch.Tensor]:
+        """Attach the set, or create, load and seal it; returns the parameters as tensors
+        over the set's (read-only) mapping, valid for the life of this object (they
+        fault while released). Called once."""
+        with self._lock:
+            assert self._set is None and self._range is None, "opened already"
+            self._set = self._open(None)
+            self.held = True
+            rng = self._set.range
+            assert rng is not None
+        backend = self.session.backend
+        return {s.name: tensor_view(backend, rng, self.layout.dtype, s.shape, s.offset)
+                for s in self.layout.slots}
+
+    def release(self) -> None:
+        """Unmap the set's pages and detach (WeightDetach); KEEP the virtual range, so
+        the parameter tensors keep their addresses (touching them faults until
+        :meth:`restore`). Idempotent."""
+        with self._lock:
+            if self._set is None:
+                return
+            ws, self._set = self._set, None
+            self.held = False
+            self._range = ws.detach(keep_range=True)
+
+    def restore(self) -> bool:
+        """Attach the set again into the SAME range (warm: the daemon still caches it);
+        when the daemon has no such set any more, create + load it from the checkpoint
+        (cold) and seal. Returns True when it was a warm attach (also when held
+        already). Waits up to ``wait_s`` for memory; raises KvpoolError with the
+        daemon's code when that fails."""
+        with self._lock:
+            if self._set is not None:
+                return True
+            assert self._range is not None, "restore before open"
+            loads = self.loads
+            self._set = self._open(self._range)
+            self._range = None
+            self.held = True
+            return self.loads == loads
+
+    def close(self) -> None:
+        """Let go of the set and free the range (the parameters must not be used
+        again). A gone daemon is no error here. Idempotent."""
+        with self._lock:
+            ws, self._set = self._set, None
+            rng, self._range = self._range, None
+            self.held = False
+        if ws is not None:
+            with contextlib.suppress(KvpoolError, OSError):
+                ws.detach()  # unmaps and frees the range before it tells the daemon
+        if rng is not None:
+            self.session.backend.free_range(rng)
+
+    # ---- inside -----------------------------------------------------------------------
+    def _open(self, rng: Range | None) -> WeightSet:
+        deadline = time.monotonic() + self.wait_s
+        pause = 0.05
+        while True:
+            try:
+                return WeightSet.open(self.session, self.key, self.layout.nbytes, self._load,
+                                      wait_s=max(0.0, deadline - time.monotonic()), rng=rng)
+            except KvpoolError as e:
+                if e.code != p.NO_MEMORY or time.monotonic() >= deadline:
+                    raise
+                log.info("weight set %s: no memory yet (%s); waiting", self.key[:12], e)
+            time.sleep(pause)  # the pool frees memory as others shrink or leave
+            pause = min(pause * 2, 1.0)
+
+    def _load(self, view: memoryview) -> None:
+        buf = torch.frombuffer(view, dtype=torch.uint8)
+        tensors = {s.name: buf[s.offset:s.offset + s.nbytes].view(self.layout.dtype)
+                   .view(s.shape) for s in self.layout.slots}
+        self._load_tensors(tensors)
+        self.loads += 1
