@@ -134,8 +134,10 @@ def main() -> None:
     from kvpool.engine_adapters.bundled import Settings, enable
 
     cfg = EngineConfig(model=args.model, kv_cache_size=args.kv)
+    # local weights: the tests count the pool's granted bytes as KV alone
     enable(cfg, Settings(run_dir=args.run_dir, name=args.name, request_aligned=args.aligned,
-                         idle_timeout_s=600.0 if not args.aligned else 1.0))  # keep the cache
+                         idle_timeout_s=600.0 if not args.aligned else 1.0,  # keep the cache
+                         weights="local"))
     engine = Engine(cfg)
     serve(engine, {"prefill": prefill, "decode": decode, "run": run, "export": export,
                    "import": adopt, "probe": probe})

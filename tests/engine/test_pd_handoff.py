@@ -78,10 +78,11 @@ def tenants(d) -> dict[str, dict]:
 
 
 def accounted(d) -> dict[str, int]:
-    """tenant -> mapped bytes, asserting (one daemon snapshot) that they add up to the
-    pool's granted bytes: every granted page is some live tenant's, once."""
+    """tenant -> mapped bytes, asserting (one daemon snapshot) that they and the weight
+    sets add up to the pool's granted bytes: every granted page is some live tenant's
+    KV or in a weight set, once."""
     s = d.stats()
-    assert s.pool.granted == sum(t.mapped for t in s.tenants), s
+    assert s.pool.granted == s.pool.weights + sum(t.mapped for t in s.tenants), s
     return {t.name: t.mapped for t in s.tenants}
 
 

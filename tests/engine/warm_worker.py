@@ -87,7 +87,9 @@ def main() -> None:
     cfg = EngineConfig(model=args.model, kv_cache_size=args.kv,
                        max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens)
-    enable(cfg, Settings(run_dir=args.run_dir, name=args.name, idle_timeout_s=600.0))
+    # local weights: the tests count the pool's granted bytes as KV alone
+    enable(cfg, Settings(run_dir=args.run_dir, name=args.name, idle_timeout_s=600.0,
+                         weights="local"))
     engine = Engine(cfg)
     serve(engine, {"start": start, "export": export, "import": adopt})
 
