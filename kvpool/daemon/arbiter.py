@@ -55,7 +55,7 @@ from kvpool.daemon.locate import Locator
 from kvpool.daemon.outcome import Fail, Handler, Outbox, Outcome, Sender
 from kvpool.daemon.policy import POLICIES
 from kvpool.daemon.pool import Pool
-from kvpool.daemon.reclaim import Reclaimer
+from kvpool.daemon.reclaim import Reclaimer, Waiter
 from kvpool.daemon.regions import GroupIndex
 from kvpool.daemon.registry import Registry
 from kvpool.daemon.restart import Recovery
@@ -82,7 +82,8 @@ class Arbiter:
         self.counters = Counters()
         self.observer: ArbiterObserver = NoObserver()
         most, vmost = cfg.max_groups_per_tenant, cfg.max_virtual_pages_per_tenant
-        self.weights = WeightSets(pool, self.tenants, lambda: self.reclaimer.waiting_pages)
+        self.weights = WeightSets(pool, self.tenants, lambda: self.reclaimer.waiting_pages,
+                                  self._weights_wait)
         self.sleep = SleepBook(cfg, self.tenants, self.outbox, cfg.reclaim_timeout_s)
         self.reclaimer = Reclaimer(self.tenants, pool, budget, self.outbox,
                                    cfg.reclaim_timeout_s, cfg.short_backoff_s,
@@ -188,12 +189,30 @@ class Arbiter:
             return []
         out = self.handoff.let_go(now)  # claims whose givers have let go (or failed to)
         for w, err in self.reclaimer.step(now):
-            o = Outcome(err, tenant=w.tenant) if err is not None else self.grants.serve(w)
+            o = Outcome(err, tenant=w.tenant) if err is not None else self._serve(w)
             if err is not None:
                 self.counters.errors += 1
             o.envelope = w.envelope
             out.append(o)
         return out
+
+    def _serve(self, w: Waiter) -> Outcome:
+        """A waiter whose pages are free: a weight set's create, or a grant/lease."""
+        if isinstance(w.req, p.WeightCreate):
+            return self.weights.serve(w.tenant, w.req, w.pages)
+        return self.grants.serve(w)
+
+    def _weights_wait(self, t: TenantRecord, sender: Sender, r: p.WeightCreate,
+                      n: int) -> Outcome | None:
+        """A weight set that does not fit waits for reclaim as a grant of ``n`` pages
+        would (up to ``t``'s fair share, or what putting an idle tenant to sleep frees);
+        None: ``t`` may not take memory from others now (refused ``NO_MEMORY``)."""
+        now = time.monotonic()
+        if t.ask is not None or not (self.reclaimer.may_grow(t, n)
+                                     or self.reclaimer.sleep_would_cover(t, n, now)):
+            return None
+        self.reclaimer.wait(t, sender.envelope, r, n, now)
+        return Outcome(None, tenant=t, deferred=True)
 
     def next_deadline(self) -> float | None:
         d = self.reclaimer.next_deadline()

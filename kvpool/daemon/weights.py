@@ -74,15 +74,25 @@ class WeightSet:
         return len(self.pfns)
 
 
+#: ``wait(t, sender, req, pages)``: queue a create that does not fit behind reclaim, like
+#: a grant (the Outcome of a deferred request), or None when ``t`` is not entitled to
+#: take memory from others (the create is then refused ``NO_MEMORY``).
+WaitForRoom = Callable[[TenantRecord, Sender, p.WeightCreate, int], "Outcome | None"]
+
+
 class WeightSets:
     """The weight sets over ``pool``, held by ``tenants``; ``owed()`` is how many free
-    pages waiting grants are owed (a new set does not take them)."""
+    pages waiting grants are owed (a new set does not take them); ``wait`` queues a
+    create that does not fit behind reclaim (:data:`WaitForRoom`; served later by
+    :meth:`serve`)."""
 
-    def __init__(self, pool: Pool, tenants: Tenants, owed: Callable[[], int]):
+    def __init__(self, pool: Pool, tenants: Tenants, owed: Callable[[], int],
+                 wait: WaitForRoom | None = None):
         self.pool = pool
         self.page_size = pool.page_size
         self.tenants = tenants
         self.owed = owed
+        self.wait = wait
         self.sets: dict[tuple[int, str], WeightSet] = {}  # (scope, key) -> set
         self.by_id: dict[int, WeightSet] = {}
         self._next_id = 1
@@ -146,8 +156,30 @@ class WeightSets:
         self._admit(t, n, "create")
         self.evict(n + self.owed() - self.pool.available)
         if n > self.pool.available - self.owed():
+            waiting = self.wait(t, sender, r, n) if self.wait is not None else None
+            if waiting is not None:  # reclaim asks others; served by serve() later
+                return waiting
             raise Fail(p.NO_MEMORY, f"a weight set of {n} pages does not fit: "
                                     f"{self.pool.available} pages available")
+        return self._create_now(t, r, n)
+
+    def serve(self, t: TenantRecord, r: p.WeightCreate, n: int) -> Outcome:
+        """A create that waited for reclaim, its ``n`` pages free now: checked again (a
+        set of its key may exist by now, its limits may have changed), then made."""
+        try:
+            scope = ADMIN_SCOPE if t.admin else t.uid
+            if (scope, r.key) in self.sets:
+                raise Fail(p.BUSY, "this weight set was created while the request waited: "
+                                   "attach it")
+            if len(self.sets) >= MAX_SETS:
+                raise Fail(p.OVER_LIMIT, f"the pool holds {MAX_SETS} weight sets already")
+            self._admit(t, n, "create")
+            return self._create_now(t, r, n)
+        except Fail as e:
+            return Outcome(p.error(r.id, e.code, str(e)), tenant=t)
+
+    def _create_now(self, t: TenantRecord, r: p.WeightCreate, n: int) -> Outcome:
+        scope = ADMIN_SCOPE if t.admin else t.uid
         sid = self._next_id
         try:
             pfns = self.pool.take_sealable(n, -sid)

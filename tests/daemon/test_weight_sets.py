@@ -181,6 +181,33 @@ def test_unheld_set_is_reclaimed_first_and_a_held_one_never(daemon):
         assert weights_bytes(daemon) == 40 * PAGE and daemon.check() == []
 
 
+def test_a_create_that_does_not_fit_waits_for_reclaim_like_a_grant(daemon):
+    """A model waking (or starting) while others' KV fills the pool: its weight set's
+    create waits while the daemon asks the tenant above its fair share to shrink, then
+    is made (it was refused NO_MEMORY at once, and nobody was asked)."""
+    budget_pages = (8 << 20) // PAGE  # 128
+    with daemon.connect("kv") as kv, daemon.connect("waker") as w:
+        g = kv.region_group(1, budget_pages * PAGE)
+        units = list(range(120))
+        g.grant(units)
+        freed: list[int] = []
+
+        def shrink(nbytes: int, urgent: bool) -> None:
+            give = units[-(-nbytes // PAGE):]
+            del units[-len(give):]
+            g.release(give)
+            freed.extend(give)
+
+        kv.set_shrink_callback(shrink)
+        ws = loaded(w, KEY_A, bytes(40 * PAGE))  # 8 pages free; its fair share is 64
+        assert len(freed) >= 32 and bytes(ws.view[:8]) == bytes(8)
+        assert weights_bytes(daemon) == 40 * PAGE and daemon.check() == []
+        kv.set_shrink_callback(None)
+        with pytest.raises(NoMemory):  # past its fair share: refused, nobody shrinks
+            WeightSet.create(w, KEY_B, 60 * PAGE)
+        assert weights_bytes(daemon) == 40 * PAGE and daemon.check() == []
+
+
 def test_kill_all_holders_leaves_check_clean(start_daemon):
     port = free_port()
     daemon = start_daemon(extra=("--metrics-address", f"127.0.0.1:{port}"))
