@@ -416,7 +416,8 @@ def peer_main(args: argparse.Namespace) -> None:
         "workloads_spec": ep.__doc__.split("Workloads")[1].strip(), **res,
         "w2_profile": {**prof, "table_file": str(prof_path.name)} if table else None,
         "runtime_s": time.perf_counter() - t0}, args.out)
-    console.print(f"wrote {out} and {prof_path} in {time.perf_counter() - t0:.0f}s")
+    console.print(f"wrote {out}" + (f" and {prof_path}" if table else "")
+                  + f" in {time.perf_counter() - t0:.0f}s")
 
 
 def profile_main(args: argparse.Namespace) -> None:
