@@ -13,13 +13,17 @@
 
 Writes benchmarks/results/engine_bench.json (or --out).
 
-(c) ``--peer vllm``: kvpool's engine against vLLM CPU on W1-W4 (see engine_peer.py) with
+(c) ``--peer vllm``: kvpool's engine against vLLM CPU on W1-W6 (see engine_peer.py) with
     the model of issue 11 (6 layers, hidden 512, 8/4 heads, vocab 32,000, random fp32
     weights, generated here), the same limits for both (128 sequences, 2,048 batched
-    tokens, 1 GiB KV, prefix caching, block 16, equal torch threads), >= 3 interleaved
-    repetitions, HF ``generate`` as the floor, and a torch.profiler table of W2 steps:
+    tokens, 1 GiB KV, prefix caching, block 16, max_model_len 4,096, equal torch threads),
+    one discarded warm-up and >= 3 measured repetitions in rotated order with the idle
+    engine paused (SIGSTOP of its process group), every repetition's pair in the table and
+    the JSON, HF ``generate`` as the floor (W1-W4 by default), and a torch.profiler table of
+    W2 steps:
 
-    python benchmarks/engine_bench.py --peer vllm      # ~10 min on 2 cores
+    python benchmarks/engine_bench.py --peer vllm      # ~30-40 min on 2 quiet cores
+    python benchmarks/engine_bench.py --peer vllm --workloads W3 --reps 1 --no-hf  # a peek
 
     Writes benchmarks/results/engine_vs_vllm.json and engine_w2_profile.txt.
 """
@@ -178,23 +182,31 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke run")
     ap.add_argument("--out", default=None)
     ap.add_argument("--peer", choices=["vllm"], default=None,
-                    help="compare with vLLM CPU on W1-W4 instead (issue 11 model)")
-    ap.add_argument("--reps", type=int, default=3, help="--peer: interleaved repetitions")
+                    help="compare with vLLM CPU on W1-W6 instead (issue 11 model)")
+    ap.add_argument("--reps", type=int, default=3,
+                    help="--peer: measured repetitions (the medians need >= 3)")
+    ap.add_argument("--warmup-reps", type=int, default=1,
+                    help="--peer: discarded repetitions before the measured ones")
     ap.add_argument("--model", default="issue11",
                     help="--peer: issue11 (generated Llama), smollm2 (the packaged real model, "
                          "converted), moe (a generated ~50M Mixtral), or an HF folder")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                     help="--peer: weights and KV dtype of both engines (and HF)")
-    ap.add_argument("--workloads", default="W1,W2,W3,W4", help="--peer: which ones")
+    ap.add_argument("--workloads", default="W1,W2,W3,W4,W5,W6", help="--peer: which ones")
     ap.add_argument("--threads", type=int, default=2, help="--peer: torch threads, both")
     ap.add_argument("--hf-batch", type=int, default=32, help="--peer: HF static batch")
     ap.add_argument("--hf-workloads", default=None,
-                    help="--peer: workloads that also run HF generate (default: all of them)")
+                    help="--peer: workloads that also run HF generate (default: those of "
+                         "W1-W4 in --workloads; W5/W6 take HF minutes each)")
     ap.add_argument("--hf-parity", action="store_true",
                     help="only kvpool vs HF generate greedy agreement on --workloads "
                          "(issue 11 model) -> engine_vs_hf.json")
+    ap.add_argument("--no-profile", action="store_true",
+                    help="--peer: skip the W2 step profile (and leave its file alone)")
     ap.add_argument("--profile-only", action="store_true",
-                    help="only the W2 step profile (issue 11 model) -> engine_w2_profile.txt")
+                    help="only the step profiles (issue 11 model, --threads): W2 -> "
+                         "engine_w2_profile.txt, W3 decode and W4 prefill -> "
+                         "engine_w3_w4_profile.txt")
     args = ap.parse_args()
     if args.profile_only:
         return profile_main(args)
@@ -342,10 +354,12 @@ def peer_main(args: argparse.Namespace) -> None:
         vocab = model["vocab"]
         model["dtype"] = args.dtype
         log(f"model {model}")
-        res = ep.compare(path, vocab, lim, args.reps, names, log)
+        res = ep.compare(path, vocab, lim, args.reps, names, log, args.warmup_reps)
         work = ep.workloads(vocab)
+        hf_names = (args.hf_workloads.split(",") if args.hf_workloads
+                    else [w for w in names if w in ("W1", "W2", "W3", "W4")])
         if not args.no_hf:
-            for w in (args.hf_workloads or args.workloads).split(","):
+            for w in hf_names:
                 hf = ep.hf_floor(path, work[w], args.hf_batch, args.threads, args.dtype)
                 e = res["workloads"][w]
                 e["hf_generate"] = {k: v for k, v in hf.items() if k != "outputs"}
@@ -353,24 +367,30 @@ def peer_main(args: argparse.Namespace) -> None:
                                                                hf["outputs"])
                 log(f"HF {w}: {hf['tokens_per_s']:.0f} tok/s, kvpool agrees "
                     f"{e['greedy_agreement_kvpool_hf']:.4f}")
-        table, prof = (ep.profile_step(path, lim, vocab) if args.model == "issue11"
-                       else ("", {}))
+        table, prof = (ep.profile_step(path, lim, vocab)
+                       if args.model == "issue11" and not args.no_profile else ("", {}))
     for e in res["workloads"].values():
         del e["_kvpool_outputs"]
     t = Table(title=f"kvpool vs vLLM CPU, {model['name']} {args.dtype}, {args.reps} "
-                    "interleaved reps (median; min)")
-    for col in ("workload", "kvpool tok/s", "vLLM tok/s", "kvpool / vLLM", "paired", "HF tok/s",
-                "TPOT kvpool / vLLM", "faults kvpool / vLLM", "agree vLLM / HF"):
+                    "reps, rotated order, idle engine paused (median; min)")
+    for col in ("workload", "kvpool tok/s", "vLLM tok/s", "kvpool / vLLM",
+                "pairs (rep: kvpool / vLLM)", "HF tok/s", "TTFT, TPOT kvpool / vLLM",
+                "faults kvpool / vLLM", "agree vLLM / HF"):
         t.add_column(col, justify="right")
     for w, e in res["workloads"].items():
         k, v = e["kvpool"], e["vllm"]
-        tpot = (f"{k['tpot_ms']['median']:.2f} / {v['tpot_ms']['median']:.2f} ms"
+        tpot = (f"{k['ttft_ms']['median']:.0f} / {v['ttft_ms']['median']:.0f} ms, "
+                f"{k['tpot_ms']['median']:.2f} / {v['tpot_ms']['median']:.2f} ms"
                 if "tpot_ms" in k else "")
+        pairs = "\n".join(
+            f"{p['rep']}: {p['kvpool_tokens_per_s']:,.0f} / {p['vllm_tokens_per_s']:,.0f} = "
+            f"{p['ratio_kvpool_over_vllm']:.2f}"
+            + (f" (TTFT {p['ttft_ms']['kvpool']:.0f} / {p['ttft_ms']['vllm']:.0f})"
+               if "ttft_ms" in p else "") for p in e["pairs"])
         hf = e.get("hf_generate", {}).get("tokens_per_s")
         t.add_row(w, f"{k['tokens_per_s']['median']:,.0f} ({k['tokens_per_s']['min']:,.0f})",
                   f"{v['tokens_per_s']['median']:,.0f} ({v['tokens_per_s']['min']:,.0f})",
-                  f"{e['ratio_kvpool_over_vllm_tokens_per_s']:.2f}",
-                  f"{e['paired_ratio_median']:.2f}",
+                  f"{e['ratio_kvpool_over_vllm_tokens_per_s']:.2f}", pairs,
                   "" if hf is None else f"{hf:,.0f}", tpot,
                   f"{k['page_faults']['median']:,.0f} / {v['page_faults']['median']:,.0f}",
                   f"{e['greedy_agreement_kvpool_vllm']:.3f} / "
@@ -388,11 +408,16 @@ def peer_main(args: argparse.Namespace) -> None:
     default = "engine_vs_vllm" + ("" if args.model == "issue11" else f"_{model['name']}") \
         + ("" if args.dtype == "float32" else f"_{args.dtype}")
     out = write_result(default, {
-        "model": model, "limits": lim, "reps": args.reps, "machine": info,
+        "model": model, "limits": lim, "reps": args.reps, "warmup_reps": args.warmup_reps,
+        "protocol": "one worker process per engine, built once and warmed up; the idle "
+                    "engine's process group paused with SIGSTOP while the other runs; "
+                    "order rotated per repetition; medians over the measured repetitions",
+        "machine": info,
         "workloads_spec": ep.__doc__.split("Workloads")[1].strip(), **res,
         "w2_profile": {**prof, "table_file": str(prof_path.name)} if table else None,
         "runtime_s": time.perf_counter() - t0}, args.out)
-    console.print(f"wrote {out} and {prof_path} in {time.perf_counter() - t0:.0f}s")
+    console.print(f"wrote {out}" + (f" and {prof_path}" if table else "")
+                  + f" in {time.perf_counter() - t0:.0f}s")
 
 
 def profile_main(args: argparse.Namespace) -> None:
@@ -406,10 +431,15 @@ def profile_main(args: argparse.Namespace) -> None:
                                    heads=8, kv_heads=4, vocab=32000,
                                    max_position_embeddings=4096, seed=args.seed))
         table, prof = ep.profile_step(path, lim, 32000)
-    prof["load_avg"] = os.getloadavg()
-    prof_path = Path(__file__).resolve().parent / "results" / "engine_w2_profile.txt"
+        table34, prof34 = ep.profile_w3_w4(path, lim, 32000)
+    prof["load_avg"] = prof34["load_avg"] = os.getloadavg()
+    results = Path(__file__).resolve().parent / "results"
+    prof_path = results / "engine_w2_profile.txt"
     prof_path.write_text(f"kvpool engine, W2 (issue 11 model), {prof}\n{table}\n")
-    print(f"{prof}\n{table}\nwrote {prof_path}")
+    path34 = results / "engine_w3_w4_profile.txt"
+    path34.write_text(f"kvpool engine, W3 decode and W4 prefill (issue 11 model), {prof34}\n"
+                      f"{table34}\n")
+    print(f"{prof}\n{table}\n{prof34}\n{table34}\nwrote {prof_path} and {path34}")
 
 
 def hf_parity_main(args: argparse.Namespace) -> None:

@@ -81,6 +81,25 @@ def test_native_equals_gather_sdpa(layout, heads, kv_heads, d, bs):
     # decodes first (the torch backend's order), then cold, prefix-hit and mid-block chunks
     seqs = [(rng.randint(0, 90), 1) for _ in range(6)] + [(0, 1)] + \
            [(0, 37), (bs * 3, 20), (45, 1 + bs), (70, 70), (0, 2)]
+    _check(layout, heads, kv_heads, d, bs, seqs, rng)
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("seqs", [[(600, 1)], [(1000, 1), (300, 1)], [(257, 1)],
+                                  [(899, 3)], [(700, 1), (0, 40)]],
+                         ids=["one", "two", "short", "chunk3", "with-prefill"])
+def test_split_sequences_equal_gather_sdpa(seqs, threads):
+    """A small batch (fewer items than 2 per thread): long one-item sequences are split
+    into key ranges attended by separate threads and merged; same result (float rounding)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _check("block_major", 8, 4, 64, 5, seqs, random.Random(len(seqs)))
+    finally:
+        torch.set_num_threads(before)
+
+
+def _check(layout, heads, kv_heads, d, bs, seqs, rng):
     nb = sum(-(-(c + n) // bs) for c, n in seqs) + 3
     tables, slots, q_start, ctx = _batch(seqs, bs, nb, rng)
     t = q_start[-1]

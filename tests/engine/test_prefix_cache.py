@@ -95,3 +95,39 @@ def test_same_step_hit_reads_this_steps_kv(hf_dirs):
             assert got.output_token_ids == cold.output_token_ids
             torch.testing.assert_close(torch.stack(got.logits), torch.stack(cold.logits),
                                        atol=5e-5, rtol=0)  # hit vs cold: other summation order
+
+
+def _hf_greedy(path, p, n):
+    """transformers' greedy continuation of ``p`` and the logits of each new token."""
+    from .helpers import load_hf
+
+    ref = load_hf(path)
+    with torch.no_grad():
+        gen = ref.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)[0]
+        logits = ref(gen[None]).logits[0, len(p) - 1:-1]
+    return gen[len(p):].tolist(), logits
+
+
+def test_chunks_across_a_cached_prefix_match_transformers(hf_dirs):
+    """The prefix is written by chunks that split its blocks (5, 12 tokens), the hit's
+    remaining 33 tokens are prefilled in chunks that start mid-block after it (natively;
+    the torch backend at 12): greedy tokens identical to transformers and logits within
+    1e-4; the hit computes only the tokens after the prefix."""
+    first, _ = _pair()
+    (tail,) = prompts((33,), seed=8)
+    second = first[:32] + tail
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, return_logits=True)
+    ref_tokens, ref_logits = _hf_greedy(hf_dirs["llama"], second, sp.max_tokens)
+    for backend, chunk in (("native", 5), ("native", 12), ("torch", 12)):
+        llm = LLM(str(hf_dirs["llama"]), num_kv_blocks=64, block_size=16,
+                  max_num_batched_tokens=chunk, attention_backend=backend)
+        llm.generate([first], sp)
+        before = llm.engine.stats()["computed_tokens"]
+        out = llm.generate([second], sp)[0]
+        assert out.num_prefix_hit_tokens == 32, (backend, chunk)
+        # 33 prompt tokens after the prefix + 5 decode steps: nothing of the prefix
+        assert llm.engine.stats()["computed_tokens"] - before == 33 + 5
+        assert out.output_token_ids == ref_tokens, (backend, chunk)
+        torch.testing.assert_close(torch.stack(out.logits), ref_logits, atol=1e-4,
+                                   rtol=0)

@@ -15,9 +15,12 @@
 // governs this code too.
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
+#include <omp.h>
 #ifdef __AVX__
 #include <immintrin.h>
 #endif
@@ -41,8 +44,33 @@ static inline vf reduce8(const vf* x) {
 #endif
 }
 
+static inline float hsum8(vf v) {  // tree order (the attention sums are fp32 anyway)
+#ifdef __AVX__
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_add_ss(x, _mm_movehdup_ps(x));
+  return _mm_cvtss_f32(x);
+#else
+  return hsum(v);
+#endif
+}
+
+static inline float hmax8(vf v) {
+#ifdef __AVX__
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_max_ss(x, _mm_movehdup_ps(x));
+  return _mm_cvtss_f32(x);
+#else
+  float m = v[0];
+  for (int i = 1; i < 8; ++i) m = v[i] > m ? v[i] : m;
+  return m;
+#endif
+}
+
 namespace {
 
+const vi kIota = {0, 1, 2, 3, 4, 5, 6, 7};
 constexpr int KC = 16;    // keys per inner chunk
 constexpr int MAXR = 32;  // query rows (tokens x heads of one kv group) per work item
 
@@ -63,11 +91,14 @@ struct Args {
 };
 
 // Attends the rows of one work item: tokens [t0, t0 + nt) of sequence s x the query heads of
-// kv heads [kvh0, kvh0 + nkv). Row r is (token t0 + r / (nkv g), kv head kvh0 + (r / g) % nkv,
+// kv heads [kvh0, kvh0 + nkv), over the keys [kbeg, kstop) (all keys: 0, INT32_MAX).
+// With `partial` it writes each row's unnormalised state (m, l, acc[D]) there instead of
+// the output: one part of a sequence split across threads (merged by merge_parts). Row r is (token t0 + r / (nkv g), kv head kvh0 + (r / g) % nkv,
 // query head of that group r % g). An item spanning all kv heads (decode-sized sequences)
 // reads each key's whole [Hkv, D] row, which is contiguous in the cache.
 template <class T, int D>
-void attend_tile(const Args<T>& a, int s, int kvh0, int nkv, int t0, int nt) {
+void attend_tile(const Args<T>& a, int s, int kvh0, int nkv, int t0, int nt, int kbeg = 0,
+                 int kstop = INT32_MAX, float* partial = nullptr) {
   constexpr int NV = D / 8;
   const int g = a.H / a.Hkv;
   const int R = nt * g * nkv;
@@ -92,22 +123,22 @@ void attend_tile(const Args<T>& a, int s, int kvh0, int nkv, int t0, int nt) {
     l[r] = 0.f;
     qpos[r] = first_pos + t;
   }
-  const int kend = first_pos + t0 + nt;  // keys [0, kend) are visible to some row
+  const int kend = std::min(first_pos + t0 + nt, kstop);  // keys [.., kend) visible to some row
   const int32_t* bt = a.block_tables + (int64_t)s * a.bt_stride;
   const int64_t span = (int64_t)(nkv - 1) * a.head_stride + D;  // elements read per key
   constexpr int64_t line = 64 / sizeof(T);  // elements per cache line
   const int64_t base_off = (int64_t)kvh0 * a.head_stride;
   // key addresses: block index and offset advance incrementally (no division per key)
-  int blk = 0, boff = 0;
+  int blk = kbeg / a.bs, boff = kbeg % a.bs;
   auto key_off = [&]() {
     const int64_t off = (int64_t)bt[blk] * a.block_stride + (int64_t)boff * a.tok_stride;
     if (++boff == a.bs) { boff = 0; ++blk; }
     return off;
   };
   int64_t offs[KC];
-  int nnext = std::min(KC, kend);
+  int nnext = std::max(0, std::min(KC, kend - kbeg));
   for (int j = 0; j < nnext; ++j) offs[j] = key_off();
-  for (int j0 = 0; j0 < kend; j0 += KC) {
+  for (int j0 = kbeg; j0 < kend; j0 += KC) {
     const int n = nnext;
     const T* kp[KC];
     const T* vp[KC];
@@ -152,21 +183,29 @@ void attend_tile(const Args<T>& a, int s, int kvh0, int nkv, int t0, int nt) {
       }
       r = r1 + 1;
     }
-    for (int r = 0; r < R; ++r) {  // online softmax
+    for (int r = 0; r < R; ++r) {  // online softmax, 8 keys per vector op
       const int nv = nvr[r];
       if (nv <= 0) continue;
-      float mx = m[r];
-      for (int j = 0; j < nv; ++j) mx = std::max(mx, sc[r][j]);
+      vf sv[KC / 8];
+      vf mv = splat(-INFINITY);
+      for (int c = 0; c < KC / 8; ++c) {
+        const vi keep = kIota + (8 * c) < nv;  // keys past the row's position: masked
+        sv[c] = keep ? vload(sc[r] + 8 * c) : splat(-INFINITY);
+        mv = mv > sv[c] ? mv : sv[c];
+      }
+      const float mx = std::max(m[r], hmax8(mv));
       const float alpha = std::exp(m[r] - mx);  // 0 on the first chunk (m = -inf)
       m[r] = mx;
-      for (int j = nv; j < KC; ++j) sc[r][j] = -INFINITY;
-      for (int c = 0; c < KC; c += 8) vstore(sc[r] + c, vexp(vload(sc[r] + c) - splat(mx)));
-      float sum = 0.f;
-      for (int j = 0; j < nv; ++j) sum += sc[r][j];
-      l[r] = l[r] * alpha + sum;
-      // P is rounded to the storage type before P @ V (the sum above keeps fp32), as torch's
-      // CPU flash attention does for bf16: the bf16 variant then sees transformers' values.
-      for (int c = 0; c < KC; c += 8) vstore(sc[r] + c, as8(a.v_cache, vload(sc[r] + c)));
+      vf sum = splat(0.f);
+      for (int c = 0; c < KC / 8; ++c) {
+        const vi keep = kIota + (8 * c) < nv;
+        const vf e = keep ? vexp(sv[c] - splat(mx)) : splat(0.f);
+        sum += e;
+        // P is rounded to the storage type before P @ V (the sum keeps fp32), as torch's
+        // CPU flash attention does for bf16: the bf16 variant then sees transformers' values.
+        vstore(sc[r] + 8 * c, as8(a.v_cache, e));
+      }
+      l[r] = l[r] * alpha + hsum8(sum);
       vf acc_r[NV];  // P @ V with the row's accumulator in registers
       for (int c = 0; c < NV; ++c) acc_r[c] = vload(acc[r] + 8 * c) * splat(alpha);
       const int64_t ho = hoff[r];
@@ -178,6 +217,15 @@ void attend_tile(const Args<T>& a, int s, int kvh0, int nkv, int t0, int nt) {
       for (int c = 0; c < NV; ++c) vstore(acc[r] + 8 * c, acc_r[c]);
     }
   }
+  if (partial != nullptr) {
+    for (int r = 0; r < R; ++r) {
+      float* p = partial + (int64_t)r * (D + 2);
+      p[0] = m[r];
+      p[1] = l[r];
+      for (int c = 0; c < NV; ++c) vstore(p + 2 + 8 * c, vload(acc[r] + 8 * c));
+    }
+    return;
+  }
   for (int r = 0; r < R; ++r) {
     const int t = t0 + r / (g * nkv);
     T* dst = a.out + ((int64_t)(a.q_start[s] + t) * a.H + qh[r]) * D;
@@ -187,13 +235,52 @@ void attend_tile(const Args<T>& a, int s, int kvh0, int nkv, int t0, int nt) {
 }
 
 // Work items of sequence s: one for all its rows when they fit (qlen x H <= MAXR: decodes
-// and short chunks), else ceil(qlen / tq) token tiles x Hkv kv heads.
+// and short chunks), else ceil(qlen / tq) token tiles x Hkv kv heads. A one-item sequence
+// may instead be split into parts[s] key ranges (see attend_all).
 template <class T>
-inline int64_t num_items(const Args<T>& a, int s, int tq) {
+inline int64_t num_items(const Args<T>& a, int s, int tq, const int* parts) {
   const int qlen = a.q_start[s + 1] - a.q_start[s];
   if (qlen <= 0) return 0;
-  if ((int64_t)qlen * a.H <= MAXR) return 1;
+  if ((int64_t)qlen * a.H <= MAXR) return parts ? parts[s] : 1;
   return (int64_t)((qlen + tq - 1) / tq) * a.Hkv;
+}
+
+constexpr int kMinPart = 256;  // keys per part of a split sequence, at least
+constexpr int kMaxParts = 8;
+
+// Key range [k0, k1) of part i of p over kend keys, KC-aligned boundaries.
+inline void part_range(int kend, int i, int p, int* k0, int* k1) {
+  const int per = ((kend + p - 1) / p + KC - 1) / KC * KC;
+  *k0 = std::min(kend, i * per);
+  *k1 = i == p - 1 ? INT32_MAX : std::min(kend, (i + 1) * per);
+}
+
+// The parts' states of sequence s (rows as attend_tile's over all kv heads) merged into
+// its output rows: out = sum_i e^(m_i - M) acc_i / sum_i e^(m_i - M) l_i.
+template <class T, int D>
+void merge_parts(const Args<T>& a, int s, int p, const float* st) {
+  const int g = a.H / a.Hkv;
+  const int qlen = a.q_start[s + 1] - a.q_start[s];
+  const int R = qlen * a.H;
+  const int64_t part_stride = (int64_t)MAXR * (D + 2);
+  for (int r = 0; r < R; ++r) {
+    float mx = -INFINITY;
+    for (int i = 0; i < p; ++i) mx = std::max(mx, st[i * part_stride + (int64_t)r * (D + 2)]);
+    vf o[D / 8];
+    for (int c = 0; c < D / 8; ++c) o[c] = splat(0.f);
+    float lsum = 0.f;
+    for (int i = 0; i < p; ++i) {
+      const float* q = st + i * part_stride + (int64_t)r * (D + 2);
+      if (q[1] == 0.f) continue;  // the part saw no key of this row
+      const float w = std::exp(q[0] - mx);
+      lsum += w * q[1];
+      for (int c = 0; c < D / 8; ++c) o[c] += splat(w) * vload(q + 2 + 8 * c);
+    }
+    const int t = r / a.H, kvh = (r / g) % a.Hkv, qh = kvh * g + r % g;
+    T* dst = a.out + ((int64_t)(a.q_start[s] + t) * a.H + qh) * D;
+    const vf inv = splat(1.f / lsum);
+    for (int c = 0; c < D / 8; ++c) store8(dst + 8 * c, o[c] * inv);
+  }
 }
 
 template <class T, int D>
@@ -201,7 +288,40 @@ void attend_all(const Args<T>& a) {
   const int g = a.H / a.Hkv;
   const int tq = std::max(1, MAXR / g);  // query tokens per per-head work item
   int64_t total = 0;
-  for (int s = 0; s < a.S; ++s) total += num_items(a, s, tq);
+  for (int s = 0; s < a.S; ++s) total += num_items(a, s, tq, nullptr);
+  // Split-K: with fewer than 2 items per thread (one or a few decoding sequences), the
+  // keys of each one-item sequence are split into parts of >= kMinPart keys that threads
+  // attend separately; their softmax states are merged after. Results then differ from
+  // the unsplit ones in float rounding only.
+  const int nth = omp_get_max_threads();
+  std::vector<int> parts;
+  std::vector<int64_t> first_part;  // per sequence: its parts' index in the state buffer
+  std::vector<float> states;
+  std::vector<std::atomic<int>> done;  // per sequence: parts finished
+  if (nth > 1 && total > 0 && total < 2 * nth) {
+    const int want = (int)std::min<int64_t>(kMaxParts, (2 * nth + total - 1) / total);
+    parts.assign(a.S, 1);
+    first_part.assign(a.S, -1);
+    int64_t nparts = 0;
+    for (int s = 0; s < a.S; ++s) {
+      const int qlen = a.q_start[s + 1] - a.q_start[s];
+      if (qlen <= 0 || (int64_t)qlen * a.H > MAXR) continue;
+      parts[s] = std::max(1, std::min(want, a.ctx_len[s] / kMinPart));
+      if (parts[s] > 1) {
+        first_part[s] = nparts;
+        nparts += parts[s];
+      }
+    }
+    if (nparts == 0) {
+      parts.clear();
+    } else {
+      states.resize((size_t)nparts * MAXR * (D + 2));
+      std::vector<std::atomic<int>>(a.S).swap(done);  // value-initialised: zeros
+      total = 0;
+      for (int s = 0; s < a.S; ++s) total += num_items(a, s, tq, parts.data());
+    }
+  }
+  const int* pp = parts.empty() ? nullptr : parts.data();
 #pragma omp parallel
   {
     int s = 0;
@@ -211,17 +331,28 @@ void attend_all(const Args<T>& a) {
       // items arrive in increasing order per thread: advance the cursor monotonically
       if (item < base) { s = 0; base = 0; }
       for (;;) {
-        const int64_t n = num_items(a, s, tq);
+        const int64_t n = num_items(a, s, tq, pp);
         if (item < base + n) break;
         base += n;
         ++s;
       }
       const int qlen = a.q_start[s + 1] - a.q_start[s];
+      const int64_t local = item - base;
       if ((int64_t)qlen * a.H <= MAXR) {
-        attend_tile<T, D>(a, s, 0, a.Hkv, 0, qlen);
+        if (pp == nullptr || pp[s] == 1) {
+          attend_tile<T, D>(a, s, 0, a.Hkv, 0, qlen);
+          continue;
+        }
+        int k0, k1;
+        part_range(a.ctx_len[s], (int)local, pp[s], &k0, &k1);
+        float* st = states.data() + (first_part[s] + local) * MAXR * (D + 2);
+        attend_tile<T, D>(a, s, 0, a.Hkv, 0, qlen, k0, k1, st);
+        // the thread finishing a sequence's last part merges them (no extra barrier);
+        // acq_rel: the other parts' states are visible to it
+        if (done[s].fetch_add(1, std::memory_order_acq_rel) + 1 == pp[s])
+          merge_parts<T, D>(a, s, pp[s], states.data() + first_part[s] * MAXR * (D + 2));
         continue;
       }
-      const int64_t local = item - base;
       const int tile = (int)(local / a.Hkv), kvh = (int)(local % a.Hkv);
       const int t0 = tile * tq;
       attend_tile<T, D>(a, s, kvh, 1, t0, std::min(tq, qlen - t0));
