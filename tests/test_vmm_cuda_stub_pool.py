@@ -150,3 +150,39 @@ def test_a_weight_set_on_cuda_is_created_sealed_and_attached_read_only(stub_dir)
     assert create.count("cuMemCreate(") == 2 and create.count("cuMemsetD8Async(") == 2  # zeroed
     seal = proc.stderr.split("=== seal")[1].split("=== end")[0]
     assert "cuMemUnmap(" in seal and "flags=1)" in seal and "flags=3)" not in seal  # RW off, RO on
+
+
+def test_a_daemon_on_the_cuda_backend_shares_a_weight_set(stub_dir, tmp_path):  # noqa: F811
+    # the same through a real daemon process started with --backend cuda on the stub:
+    # weight_create is no longer refused there, the attacher (same uid) reads the
+    # creator's bytes through its read-only mapping, and a store through it faults
+    out = run_stub(
+        stub_dir,
+        f"""
+        import signal
+        from pathlib import Path
+        from kvpool.client_lib import connect
+        from kvpool.client_lib.weights import WeightSet
+        from kvpool.demo.cluster import Cluster
+        ps, key = 2 * MiB, "f6" * 32
+        n = ps + 100
+        with Cluster(Path({str(tmp_path)!r})) as cl:
+            cl.daemon(8 * ps, ps, extra=("--log-level", "WARNING"), backend="cuda")
+            with connect(name="creator", run_dir=cl.run_dir) as a, \\
+                    connect(name="reader", run_dir=cl.run_dir) as b:
+                ws = WeightSet.create(a, key, n)
+                ctypes.memset(ws.base, 0x42, n)
+                ws.seal()
+                r = WeightSet.attach(b, key)
+                assert r.state == "sealed" and peek(r.base, n) == b"\\x42" * n
+                pid = os.fork()
+                if pid == 0:
+                    ctypes.memset(r.base, 7, 1)
+                    os._exit(0)
+                _, status = os.waitpid(pid, 0)
+                assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGSEGV
+                r.detach(); ws.detach()
+        print("ok")
+        """,
+    )
+    assert out.strip() == "ok"
