@@ -610,3 +610,74 @@ def test_map_read_only_refuses_writes(torch_cuda):
         got = {"write": "refused"}
     rc, out, err = child.finish()
     assert got["write"] == "refused", (got, err)
+
+
+WEIGHT_ATTACHER = """
+import hashlib
+import torch
+from kvpool.client_lib import connect
+from kvpool.client_lib.tensors import tensor_view
+from kvpool.client_lib.weights import WeightSet
+(run_dir, key), _ = hear()
+t = connect(name="attacher", run_dir=run_dir)
+ws = WeightSet.attach(t, key)
+v = tensor_view(t.backend, ws.range, torch.uint8, (ws.nbytes,))
+say({"state": ws.state, "sha": hashlib.sha256(v.cpu().numpy().tobytes()).hexdigest()})
+hear()
+try:
+    v.fill_(7)
+    torch.cuda.synchronize()
+    say({"write": "done", "head": v[:8].cpu().tolist()})
+except Exception as e:  # the store faults: the context is lost, nothing to clean up
+    say({"write": "refused", "error": str(e)[:200]})
+os._exit(0)
+"""
+
+
+def test_weight_set_through_a_daemon(torch_cuda, tmp_path):
+    """Weight sets on CUDA (docs/ARCHITECTURE.md, "Weight sets"), through a real daemon
+    with the CUDA backend: this process creates a set (fresh pages read zeros), loads
+    it through its writable mapping and seals it; a second process of the same uid
+    attaches it, reads the same bytes through its read-only mapping, and its store
+    through that mapping faults (its CUDA context dies); the creator's bytes are
+    unchanged. (A CUDA set is shared within a uid only: no seal on CUDA.)"""
+    import hashlib
+
+    from kvpool.client_lib import connect
+    from kvpool.client_lib.tensors import tensor_view
+    from kvpool.client_lib.weights import WeightSet
+    from kvpool.demo.cluster import Cluster
+
+    torch = torch_cuda
+    ps = 2 * MiB
+    key = "e5" * 32
+    n = 3 * ps + 4096
+    with Cluster(tmp_path) as cl:
+        cl.daemon(16 * ps, ps, extra=("--log-level", "WARNING"), backend="cuda")
+        with connect(name="creator", run_dir=cl.run_dir) as t:
+            assert t.backend.caps.read_only_maps and not t.backend.caps.read_only_shares
+            ws = WeightSet.create(t, key, n)
+            assert ws.state == "loading"
+            w = tensor_view(t.backend, ws.range, torch.uint8, (ws.npages * ps,))
+            assert int(w.count_nonzero()) == 0, "fresh weight pages read zeros"
+            w[:n].copy_(torch.arange(n, device=w.device).remainder(251).to(torch.uint8))
+            torch.cuda.synchronize()
+            del w
+            ws.seal()
+            assert ws.state == "sealed"
+            r = tensor_view(t.backend, ws.range, torch.uint8, (n,))
+            want = hashlib.sha256(r.cpu().numpy().tobytes()).hexdigest()
+            child = Child(WEIGHT_ATTACHER)
+            child.send([str(cl.run_dir), key])
+            got = child.recv()
+            assert got == {"state": "sealed", "sha": want}
+            child.send("write")
+            try:
+                wrote = child.recv()
+            except AssertionError:  # the child died of the fault before it could say so
+                wrote = {"write": "refused"}
+            rc, out, err = child.finish()
+            assert wrote["write"] == "refused", (wrote, err)
+            assert hashlib.sha256(r.cpu().numpy().tobytes()).hexdigest() == want
+            del r
+            ws.detach()

@@ -54,3 +54,135 @@ def test_a_page_changing_tenant_is_a_fresh_allocation(stub_dir):  # noqa: F811
         """,
     )
     assert out.strip() == "ok"
+
+
+def test_a_weight_set_on_cuda_is_created_sealed_and_attached_read_only(stub_dir):  # noqa: F811
+    # weight sets on CUDA (docs/ARCHITECTURE.md, "Weight sets"): the daemon's WeightSets
+    # over a CudaBackend pool, and the client library's WeightSet driving the backend's
+    # calls (a session that hands the requests straight to WeightSets and the pages'
+    # exported fds back). The creator maps RW, writes, unmaps, seals (nothing to do to
+    # the allocations), maps read-only; an attacher maps read-only and sees the bytes;
+    # a store through its mapping faults (the stub mprotects PROT_READ); an admin's set
+    # stays its uid's (no seal on CUDA).
+    code = """
+        import signal
+        from kvpool import protocol as p
+        from kvpool.client_lib.weights import WeightSet
+        from kvpool.daemon.outcome import Sender
+        from kvpool.daemon.pool import Pool
+        from kvpool.daemon.tenants import Tenants
+        from kvpool.daemon.weights import WeightSets
+        b = CudaBackend()
+        assert b.caps.read_only_maps and not b.caps.read_only_shares
+        pool = Pool(b, budget_pages=8)
+        tenants = Tenants()
+        socks = []
+        def tenant(name, uid, admin):
+            a, c = socket.socketpair(); socks.extend((a, c))
+            return tenants.add(token=name, pid=1, uid=uid, gid=uid, conn=a, name=name,
+                               kind="engine", registered=True, admin=admin, max_pages=8)
+        ws = WeightSets(pool, tenants, owed=lambda: 0)
+        assert not ws.shared_across_uids
+        sender = Sender(identity=b"x", envelope=[b"x"])
+        class Session:
+            def __init__(self, t):
+                self.t, self.backend, self.page_size = t, b, b.page_size
+            def call(self, req, expect):
+                op = {p.WeightCreate: ws.create, p.WeightAttach: ws.attach,
+                      p.WeightSeal: ws.seal, p.WeightDetach: ws.detach}[type(req)]
+                out = op(self.t, sender, req)
+                reply = getattr(out, "reply", out)
+                fds = [b.export(pool.pages[x]) for x in getattr(out, "pfns_to_send", [])]
+                assert isinstance(reply, expect), reply
+                return reply, fds
+        admin, admin2, other = tenant("a", 0, True), tenant("a2", 0, True), tenant("o", 1000, False)
+        key = "d4" * 32
+        n = 2 * MiB + 100
+        sys.stderr.write("=== create\\n"); sys.stderr.flush()
+        mine = WeightSet.create(Session(admin), key, n)
+        sys.stderr.write("=== end\\n"); sys.stderr.flush()
+        assert peek(mine.base, 2 * MiB * 2) == bytes(4 * MiB), "fresh weight pages read zeros"
+        raises(ValueError, lambda: mine.view)  # device memory: tensor_view, not a memoryview
+        ctypes.memset(mine.base, 0x42, n)
+        sys.stderr.write("=== seal\\n"); sys.stderr.flush()
+        mine.seal()
+        sys.stderr.write("=== end\\n"); sys.stderr.flush()
+        assert [s.scope for s in ws.sets.values()] == [0], "an admin's set is its uid's on CUDA"
+        theirs = WeightSet.attach(Session(admin2), key)
+        assert peek(theirs.base, n) == b"\\x42" * n
+        try:
+            WeightSet.attach(Session(other), key)
+            raise AssertionError("another uid attached an unsealable set")
+        except Exception as e:
+            assert getattr(e, "code", None) == p.NOT_FOUND, e
+        pid = os.fork()
+        if pid == 0:  # the attacher writes through its read-only mapping
+            ctypes.memset(theirs.base, 7, 1)
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGSEGV, status
+        assert peek(mine.base, 4) == b"\\x42" * 4
+        assert ws.check(set()) == [] and pool.check() == []
+        theirs.detach(); mine.detach()
+        assert ws.pages == 2 and ws.cached_pages == 2  # cached, held by nobody
+        assert ws.evict(2) == 2 and not ws.sets
+        pool.close()
+        assert b.mem_info()[0] == 1 << 30, "every allocation was released"
+        b.close()
+        print("ok")
+    """
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    from test_vmm_cuda_stub import PRELUDE, REPO
+
+    environ = dict(os.environ, LD_LIBRARY_PATH=str(stub_dir), KVPOOL_STUB_LOG="1")
+    environ["PYTHONPATH"] = str(REPO)
+    environ.pop("CUDA_VISIBLE_DEVICES", None)
+    proc = subprocess.run(
+        [sys.executable, "-c", PRELUDE + textwrap.dedent(code)],
+        capture_output=True, text=True, env=environ, timeout=120, cwd=REPO,
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout + proc.stderr[-4000:]
+    create = proc.stderr.split("=== create")[1].split("=== end")[0]
+    assert create.count("cuMemCreate(") == 2 and create.count("cuMemsetD8Async(") == 2  # zeroed
+    seal = proc.stderr.split("=== seal")[1].split("=== end")[0]
+    assert "cuMemUnmap(" in seal and "flags=1)" in seal and "flags=3)" not in seal  # RW off, RO on
+
+
+def test_a_daemon_on_the_cuda_backend_shares_a_weight_set(stub_dir, tmp_path):  # noqa: F811
+    # the same through a real daemon process started with --backend cuda on the stub:
+    # weight_create is no longer refused there, the attacher (same uid) reads the
+    # creator's bytes through its read-only mapping, and a store through it faults
+    out = run_stub(
+        stub_dir,
+        f"""
+        import signal
+        from pathlib import Path
+        from kvpool.client_lib import connect
+        from kvpool.client_lib.weights import WeightSet
+        from kvpool.demo.cluster import Cluster
+        ps, key = 2 * MiB, "f6" * 32
+        n = ps + 100
+        with Cluster(Path({str(tmp_path)!r})) as cl:
+            cl.daemon(8 * ps, ps, extra=("--log-level", "WARNING"), backend="cuda")
+            with connect(name="creator", run_dir=cl.run_dir) as a, \\
+                    connect(name="reader", run_dir=cl.run_dir) as b:
+                ws = WeightSet.create(a, key, n)
+                ctypes.memset(ws.base, 0x42, n)
+                ws.seal()
+                r = WeightSet.attach(b, key)
+                assert r.state == "sealed" and peek(r.base, n) == b"\\x42" * n
+                pid = os.fork()
+                if pid == 0:
+                    ctypes.memset(r.base, 7, 1)
+                    os._exit(0)
+                _, status = os.waitpid(pid, 0)
+                assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGSEGV
+                r.detach(); ws.detach()
+        print("ok")
+        """,
+    )
+    assert out.strip() == "ok"

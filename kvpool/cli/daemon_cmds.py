@@ -177,7 +177,10 @@ def ps(run_dir: str | None, as_json: bool) -> None:
     pool = reply.pool
     if pool is not None and pool.weight_sets:
         console.print(f"weight sets: {pool.weight_sets}, {format_size(pool.weights)} in the "
-                      f"pool ({format_size(pool.weights_cached)} cached, held by nobody)")
+                      f"pool ({format_size(pool.weights_cached)} cached, held by nobody)"
+                      + ("" if pool.weights_across_uids else
+                         f"; the {pool.backend} backend has no seals: each set, an admin's "
+                         "too, is attachable by its creator's uid only"))
     if reply.retained_by_uid:  # released pages still referenced, charged to each uid
         console.print("retained by uid: " + ", ".join(
             f"uid {uid} {format_size(n)}" for uid, n in sorted(reply.retained_by_uid.items())))

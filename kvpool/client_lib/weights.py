@@ -264,13 +264,18 @@ class WeightSet:
 
     @classmethod
     def open(cls, session: WeightSession, key: str, nbytes: int,
-             load: Callable[[memoryview], None], wait_s: float = 600.0,
-             rng: Range | None = None) -> "WeightSet":
+             load: Callable[[memoryview], None] | None = None, wait_s: float = 600.0,
+             rng: Range | None = None,
+             load_set: Callable[["WeightSet"], None] | None = None) -> "WeightSet":
         """Attach ``key`` when the pool has it sealed; otherwise create it, ``load`` the
-        tensors into its writable view, and seal it. While another tenant of this uid
-        loads the same key, wait (up to ``wait_s``) for it to seal, then attach; if it
-        gives up instead, load it here. ``rng``: map it there (a range kept by
-        ``detach``; it stays the caller's when this fails)."""
+        tensors into its writable view (host memory), or have ``load_set`` fill the
+        writable set (any backend: a ``tensor_view`` over its :attr:`range`), and seal
+        it. While another tenant of this uid loads the same key, wait (up to
+        ``wait_s``) for it to seal, then attach; if it gives up instead, load it here.
+        ``rng``: map it there (a range kept by ``detach``; it stays the caller's when
+        this fails)."""
+        if (load is None) == (load_set is None):
+            raise ValueError("give one of load and load_set")
         deadline = time.monotonic() + wait_s
         pause = 0.01
         while True:
@@ -288,7 +293,11 @@ class WeightSet:
                 pause = min(pause * 2, 0.5)
                 continue
             try:
-                load(ws.view)
+                if load_set is not None:
+                    load_set(ws)
+                else:
+                    assert load is not None
+                    load(ws.view)
                 ws.seal()
             except BaseException:
                 ws.detach(keep_range=rng is not None)
@@ -303,8 +312,14 @@ class WeightSet:
 
     @property
     def view(self) -> memoryview:
-        """The set's ``nbytes`` as bytes (read-only once sealed)."""
+        """The set's ``nbytes`` as bytes (read-only once sealed); host memory only
+        (``caps.tensor_device == "cpu"``): device memory is reached through
+        ``kvpool.client_lib.tensors.tensor_view`` over :attr:`range`."""
         import ctypes
+
+        if self.backend.caps.tensor_device != "cpu":
+            raise ValueError(f"the {self.backend.name} backend's pages are not host "
+                             "memory: use tensor_view over the set's range")
 
         mv = memoryview((ctypes.c_char * self.nbytes).from_address(self.base)).cast("B")
         return mv if self.state == "loading" else mv.toreadonly()

@@ -81,6 +81,7 @@ class Views:
             retained=pool.retained_pages() * ps, renewed=pool.renewed,
             weights=self.weights.pages * ps, weights_cached=self.weights.cached_pages * ps,
             weight_sets=len(self.weights.sets),
+            weights_across_uids=self.weights.shared_across_uids,
         )
 
     def listed(self, asker: TenantRecord | None = None) -> list[p.TenantInfo]:

@@ -9,14 +9,20 @@ client from the checkpoint's tensor bytes) and lives through two states:
   ``NOT_FOUND``, the same as for a key nobody created. When the creator detaches or its
   session ends before sealing, the set is dropped and its pages return.
 * ``sealed`` — the creator unmapped its writable mappings and sent ``WeightSeal``: every
-  page is read-only for good (``Backend.seal_read_only``) and any tenant may attach it
-  (``WeightAttach``: the descriptors, mapped read-only).
+  page is read-only for good (``Backend.seal_read_only``; on a backend without seals
+  the state change itself) and any tenant of its scope may attach it (``WeightAttach``:
+  the descriptors, mapped read-only).
 
 Scope: a set is attachable by tenants of its creator's uid, and by everyone when an
-admin identity created it (:meth:`WeightSets.visible`); another uid's set of the same
-key is invisible (``NOT_FOUND``), since a key derived from public bytes proves nothing
-about what its creator loaded. Two uids of one checkpoint hold two copies unless an
-admin loads it.
+admin identity created it on a backend that seals for good (``caps.read_only_shares``,
+host; :meth:`WeightSets.scope_of`, :meth:`WeightSets.visible`); another uid's set of
+the same key is invisible (``NOT_FOUND``), since a key derived from public bytes proves
+nothing about what its creator loaded. Two uids of one checkpoint hold two copies unless
+an admin loads it. A backend whose pages can only be *mapped* read-only
+(``caps.read_only_maps`` without ``read_only_shares``: CUDA) has sets too, "sealed" by
+the state change alone, but scoped to the creator's uid even for an admin: within a
+uid a holder could write the others' memory anyway; across uids only a real seal
+protects.
 
 Accounting: a set's pages are taken from the pool once (``Pool.take_sealable``, owned in
 the pool by the set's negative id), so the budget counts them once however many hold
@@ -142,10 +148,10 @@ class WeightSets:
     # ---- requests ------------------------------------------------------------------
     def create(self, t: TenantRecord, sender: Sender, r: p.WeightCreate) -> Outcome:
         self._require_holder(t, "weight_create")
-        if not self.pool.backend.caps.read_only_shares:
-            raise Fail(p.BAD_REQUEST, f"the {self.pool.backend.name} backend cannot share "
+        if not self.pool.backend.caps.read_only_maps:
+            raise Fail(p.BAD_REQUEST, f"the {self.pool.backend.name} backend cannot map "
                                       "pages read-only: no weight sets")
-        scope = ADMIN_SCOPE if t.admin else t.uid
+        scope = self.scope_of(t)
         if (scope, r.key) in self.sets:
             s = self.sets[(scope, r.key)]
             raise Fail(p.BUSY, "this weight set exists: attach it" if s.state == "sealed"
@@ -167,7 +173,7 @@ class WeightSets:
         """A create that waited for reclaim, its ``n`` pages free now: checked again (a
         set of its key may exist by now, its limits may have changed), then made."""
         try:
-            scope = ADMIN_SCOPE if t.admin else t.uid
+            scope = self.scope_of(t)
             if (scope, r.key) in self.sets:
                 raise Fail(p.BUSY, "this weight set was created while the request waited: "
                                    "attach it")
@@ -179,7 +185,7 @@ class WeightSets:
             return Outcome(p.error(r.id, e.code, str(e)), tenant=t)
 
     def _create_now(self, t: TenantRecord, r: p.WeightCreate, n: int) -> Outcome:
-        scope = ADMIN_SCOPE if t.admin else t.uid
+        scope = self.scope_of(t)
         sid = self._next_id
         try:
             pfns = self.pool.take_sealable(n, -sid)
@@ -239,10 +245,26 @@ class WeightSets:
         computed from public bytes, so anyone could create a set under a popular
         checkpoint's key and load something else into it; a tenant trusts only its own
         uid's loads and the admins'."""
-        own = self.sets.get((ADMIN_SCOPE if t.admin else t.uid, key))
+        own = self.sets.get((self.scope_of(t), key))
         if own is not None and own.state == "sealed":
             return own
         return self.sets.get((ADMIN_SCOPE, key)) or own
+
+    @property
+    def shared_across_uids(self) -> bool:
+        """Whether an admin's sets are visible to every uid: only when sealing makes
+        pages read-only for good (``caps.read_only_shares``, host). Without a seal
+        (CUDA) a read-only mapping is each holder's own choice: a holder of another uid
+        could map the pages writable and change what every uid computes with, so an
+        admin's set is scoped to the admin's uid like anyone's."""
+        return self.pool.backend.caps.read_only_shares
+
+    def scope_of(self, t: TenantRecord) -> int:
+        """The scope of the sets ``t`` creates: :data:`ADMIN_SCOPE` for an admin
+        identity where sets are sealed for good, else ``t``'s uid. Within one uid the
+        holders' read-only mappings are enough: processes of one uid can write each
+        other's memory anyway (ptrace, ``/proc/PID/mem``)."""
+        return ADMIN_SCOPE if t.admin and self.shared_across_uids else t.uid
 
     def _held(self, t: TenantRecord, key: str) -> WeightSet | None:
         return next((s for s in self.held_by(t) if s.key == key), None)

@@ -97,6 +97,9 @@ class PoolInfo(Struct, kw_only=True):
     weights: int = 0  # bytes of weight sets, each counted once (in ``granted`` too)
     weights_cached: int = 0  # of which in sets nobody holds (reclaimed first)
     weight_sets: int = 0  # sets in the pool (loading or sealed)
+    # an admin's sets are visible to every uid (the backend seals pages for good); False:
+    # every set, an admin's too, is attachable by its creator's uid only (CUDA)
+    weights_across_uids: bool = True
 
 
 class Run(Struct, array_like=True):

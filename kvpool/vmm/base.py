@@ -221,7 +221,7 @@ class Backend(abc.ABC):
         cannot make one (then it cannot tell either)."""
         return None
 
-    # ---- read-only shares (weight sets; ``caps.read_only_shares``) -----------------
+    # ---- weight-set pages (``caps.read_only_maps``; sealed for good: ``read_only_shares``)
     def create_sealable_page(self) -> Page:
         """A fresh page (reads zeros) that :meth:`seal_read_only` can make read-only
         later; until then its holders may write it."""
@@ -235,9 +235,12 @@ class Backend(abc.ABC):
                           "shares")
 
     def seal_read_only(self, page: Page) -> None:
-        """Make ``page`` read-only for every holder, for good. Raises
-        :class:`InvalidArgument` while some process still maps it writable (the caller
-        must have every writer unmap first)."""
+        """Make ``page`` read-only for every holder, for good, where the backend can
+        (``caps.read_only_shares``); raises :class:`InvalidArgument` while some process
+        still maps it writable (the caller must have every writer unmap first).
+        Without ``read_only_shares`` it checks ``page`` and does nothing: the caller's
+        state change is the seal, and the holders' read-only mappings are their own
+        choice (CUDA)."""
         raise Unsupported("seal_read_only", f"the {self.name} backend has no read-only "
                           "shares")
 

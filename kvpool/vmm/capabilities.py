@@ -33,11 +33,19 @@ class Capabilities:
 
     ``huge_pages``: pages can be backed by hugetlb memory (``huge_pages = true``).
 
-    ``read_only_shares``: a page can be made read-only for good once loaded
-    (:meth:`~kvpool.vmm.base.Backend.seal_read_only`) and mapped read-only
-    (:meth:`~kvpool.vmm.base.Backend.map_read_only`): what weight sets need
-    (docs/ARCHITECTURE.md, "Weight sets"). Host: memfd write seals and ``PROT_READ``
-    mappings. CUDA would use ``cuMemSetAccess`` with read-only flags (not written yet).
+    ``read_only_maps``: pages can be created for a weight set
+    (:meth:`~kvpool.vmm.base.Backend.create_sealable_page`) and mapped read-only
+    (:meth:`~kvpool.vmm.base.Backend.map_read_only`), a write through such a mapping
+    faults, and :meth:`~kvpool.vmm.base.Backend.seal_read_only` exists; but the read-only
+    mapping may be the mapping process's own choice. Enough for weight sets shared
+    within one uid (docs/ARCHITECTURE.md, "Weight sets": processes of one uid can write
+    each other's memory anyway). Host and CUDA (``cuMemSetAccess`` read-only flags).
+
+    ``read_only_shares``: besides, :meth:`~kvpool.vmm.base.Backend.seal_read_only` makes
+    a page read-only *for good*, for every holder, whatever it maps (a seal): what a
+    set shared across uids (an admin's, visible to every uid) needs. Host: memfd write
+    seals. Not CUDA: a process holding a page's exported handle can map it writable.
+    Implies ``read_only_maps``.
     """
 
     handles_are_fds: bool
@@ -45,13 +53,19 @@ class Capabilities:
     device_memory_bounded: bool
     tensor_device: Literal["cpu", "cuda"]
     huge_pages: bool
+    read_only_maps: bool = False
     read_only_shares: bool = False
+
+    def __post_init__(self) -> None:
+        if self.read_only_shares and not self.read_only_maps:
+            raise ValueError("read_only_shares implies read_only_maps")
 
 
 #: memfd pages in RAM (:mod:`kvpool.vmm.host`)
 HOST_CAPS = Capabilities(handles_are_fds=True, fresh_pages_zeroed=True,
                          device_memory_bounded=False, tensor_device="cpu", huge_pages=True,
-                         read_only_shares=True)
+                         read_only_maps=True, read_only_shares=True)
 #: CUDA VMM allocations on a GPU (:mod:`kvpool.vmm.cuda`)
 CUDA_CAPS = Capabilities(handles_are_fds=False, fresh_pages_zeroed=False,
-                         device_memory_bounded=True, tensor_device="cuda", huge_pages=False)
+                         device_memory_bounded=True, tensor_device="cuda", huge_pages=False,
+                         read_only_maps=True)

@@ -24,6 +24,9 @@ How the protocol maps onto the driver:
   ``cuMemsetD8Async`` on a backend-owned stream and synchronizes that stream.
 * ``retire`` is ``cuMemRelease``: a page that changes tenant is a new allocation (the
   daemon's pool creates it), never one exported to the previous tenant.
+* weight-set pages (``create_sealable_page``) are zeroed allocations; ``map_read_only``
+  maps with ``CU_MEM_ACCESS_FLAGS_PROT_READ``; ``seal_read_only`` does nothing to the
+  allocation (the driver has no seal: ``caps.read_only_maps`` only, see its doc).
 
 Every driver error becomes a typed :class:`~kvpool.vmm.base.VmmError` naming the call
 and its values (:mod:`kvpool.vmm.cuda_driver`, which also loads the driver and checks
@@ -268,6 +271,35 @@ class CudaBackend(Backend):
         self.release(page)
         return None
 
+    # ---- weight-set pages (``caps.read_only_maps``; no seal: see seal_read_only) -----
+    def create_sealable_page(self) -> Page:
+        """A ``cuMemCreate`` page like :meth:`create_page`, zeroed (device memory is
+        not: the tail of a set's last page must not show anyone's old data). Any
+        allocation can be mapped read-only, so nothing else differs."""
+        page = self.create_page()
+        try:
+            self.zero(page)
+        except BaseException:
+            with contextlib.suppress(VmmError):
+                self.release(page)
+            raise
+        return page
+
+    def import_sealable(self, fd: int) -> Page:
+        """:meth:`import_owned` (a weight page is an ordinary allocation here): ``fd``
+        is closed on success, since an open one would pin the memory."""
+        return self.import_owned(fd)
+
+    def seal_read_only(self, page: Page) -> None:
+        """Nothing to do to the allocation: the driver has no seal, so "sealed" on CUDA
+        is the daemon's state change alone (the set becomes attachable, and the
+        library of every holder maps it ``PROT_READ``). It cannot see, and does not
+        refuse, a writable mapping kept somewhere: a holder of the handle may map it
+        writable whenever it likes. That is why ``caps.read_only_shares`` is False
+        and the daemon shares such a set within its creator's uid only
+        (docs/ARCHITECTURE.md, "Weight sets")."""
+        self._check_page("seal_read_only", page)
+
     # ---- mappings -----------------------------------------------------------------
     def map_pages(
         self, rng: Range, offset: int, pages: Sequence[Page], populate: bool = False
@@ -277,10 +309,12 @@ class CudaBackend(Backend):
 
     def map_read_only(self, rng: Range, offset: int, pages: Sequence[Page]) -> None:
         """Map with ``cuMemSetAccess(CU_MEM_ACCESS_FLAGS_PROT_READ)``: a kernel's store
-        through the mapping faults. UNTESTED on a GPU (the libcuda stub only; the check
-        is ``tests/test_vmm_cuda.py::test_map_read_only_refuses_writes``, run by
-        ``scripts/gpu_check.sh``). Not a seal: whoever holds a page's handle may map
-        it writable in its own process, so ``caps.read_only_shares`` stays False."""
+        through the mapping faults. Checked on the libcuda stub (calling conventions)
+        and on a GPU by ``tests/test_vmm_cuda.py::test_map_read_only_refuses_writes``
+        and ``::test_weight_set_through_a_daemon`` (``scripts/gpu_check.sh``; not yet
+        run on a GPU at this writing). Not a seal: whoever holds a page's handle may
+        map it writable in its own process, so ``caps.read_only_shares`` stays False
+        (``caps.read_only_maps`` is True: enough within one uid)."""
         self._map(rng, offset, pages, self._access_ro, "READ")
 
     def _map(self, rng: Range, offset: int, pages: Sequence[Page], access: list[Any],

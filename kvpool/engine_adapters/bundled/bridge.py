@@ -84,16 +84,16 @@ class Bridge:
         """The engine's model with its parameters in a weight set (``model_factory``):
         attached when the pool has the set sealed, else loaded into it from the
         checkpoint and sealed. The checkpoint is checked as the local loader checks it
-        (missing / unexpected tensors, shapes). A backend that cannot share pages
-        read-only gets local weights (logged)."""
+        (missing / unexpected tensors, shapes). A backend that cannot map pages
+        read-only (``caps.read_only_maps``) gets local weights (logged)."""
         from kvpool.client_lib.weights import content_key
 
         model = loader.meta_model(model_config)
         plan = loader.check_checkpoint(path, model, model_config)
         tenant = self._connect()
         try:
-            if not tenant.backend.caps.read_only_shares:
-                log.warning("the %s backend cannot share pages read-only: local weights",
+            if not tenant.backend.caps.read_only_maps:
+                log.warning("the %s backend cannot map pages read-only: local weights",
                             tenant.backend.name)
                 self.config.prepack = True
                 return loader.load_model(path, device, dtype, model_config)

@@ -167,8 +167,9 @@ class PoolWeights:
         pause = 0.05
         while True:
             try:
-                return WeightSet.open(self.session, self.key, self.layout.nbytes, self._load,
-                                      wait_s=max(0.0, deadline - time.monotonic()), rng=rng)
+                return WeightSet.open(self.session, self.key, self.layout.nbytes,
+                                      wait_s=max(0.0, deadline - time.monotonic()), rng=rng,
+                                      load_set=self._load)
             except KvpoolError as e:
                 if e.code != p.NO_MEMORY or time.monotonic() >= deadline:
                     raise
@@ -176,8 +177,10 @@ class PoolWeights:
             time.sleep(pause)  # the pool frees memory as others shrink or leave
             pause = min(pause * 2, 1.0)
 
-    def _load(self, view: memoryview) -> None:
-        buf = torch.frombuffer(view, dtype=torch.uint8)
+    def _load(self, ws: WeightSet) -> None:
+        assert ws.range is not None
+        # a tensor over the writable mapping: host RAM or device memory alike
+        buf = tensor_view(self.session.backend, ws.range, torch.uint8, (ws.nbytes,))
         tensors = {s.name: buf[s.offset:s.offset + s.nbytes].view(self.layout.dtype)
                    .view(s.shape) for s in self.layout.slots}
         self._load_tensors(tensors)
