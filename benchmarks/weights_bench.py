@@ -77,7 +77,7 @@ from kvpool.vmm import hugetlb  # noqa: E402
 PAGE = 2 << 20
 GOALS = {"attach": 10.0, "cold_wake": 2.0, "decode": 1.03}
 SMOLLM2_NAME = "SmolLM2-135M-Instruct"
-console = Console(width=130)
+console = Console(width=170)
 
 
 def log(msg: str) -> None:
@@ -314,13 +314,16 @@ class InProcess:
         return PoolWeights(self.tenants[i], self.key, self.layout,
                            load=lambda tensors: self.loader.fill(self.plan, tensors))
 
-    def rep(self, rep: int, out: dict[str, list[float]]) -> None:
+    def rep(self, rep: int, out: dict[str, list[float]], suffix: str = "") -> None:
+        """One repetition; ``suffix`` (a second backing): the set's steps only, their
+        names ending in it."""
         import torch
 
         assert evict(self.run_dir) == 0
         holder = self.pool_weights(0)
+        out = _Suffixed(out, suffix)
         try:
-            steps: list[str] = ["pool", "local", "memcpy"]
+            steps: list[str] = ["pool", "local", "memcpy"] if not suffix else ["pool"]
             for what in steps[rep % 3:] + steps[:rep % 3]:
                 if what == "pool":
                     t0 = time.perf_counter()
@@ -369,6 +372,42 @@ class InProcess:
     def close(self) -> None:
         for t in self.tenants:
             t.close()
+
+
+class _Suffixed(dict):  # type: ignore[type-arg]
+    """``out[name]`` is ``base[name + suffix]``."""
+
+    def __init__(self, base: dict[str, list[float]], suffix: str) -> None:
+        super().__init__()
+        self.base, self.suffix = base, suffix
+
+    def __getitem__(self, name: str) -> list[float]:
+        return self.base.setdefault(name + self.suffix, [])
+
+
+def inproc_huge(model: Path, tmp: Path, args: argparse.Namespace,
+                out: dict[str, list[float]]) -> str | None:
+    """The set's in-process steps on a ``huge_pages = true`` daemon (names ``*_huge``);
+    returns why they were skipped, or None."""
+    skip = hugetlb.shortage(PAGE)
+    if skip:
+        return skip
+    try:
+        with hugetlb.borrowed(args.huge_budget), \
+                daemon(tmp, "inproc-huge", args.huge_budget, huge=True) as run_dir:
+            ip = InProcess(model, run_dir)
+            try:
+                for rep in range(args.reps):
+                    ip.rep(rep, out, suffix="_huge")
+            finally:
+                ip.close()
+            problems = _check(run_dir)
+            if problems:
+                raise SystemExit(f"kvpool check (huge pages): {problems}")
+    except hugetlb.NoHugePages as e:
+        log(f"in-process on huge pages skipped: {e}")
+        return str(e)
+    return None
 
 
 # ---- 4: decode -------------------------------------------------------------------------
@@ -501,7 +540,7 @@ def main() -> None:
         "KVPOOL_REAL_MODEL_CACHE", str(Path.home() / ".cache" / "kvpool" / "models")))
     ap.add_argument("--server-reps", type=int, default=3)
     ap.add_argument("--reps", type=int, default=5, help="in-process repetitions")
-    ap.add_argument("--decode-reps", type=int, default=8, help="A/B/C/D decode repetitions")
+    ap.add_argument("--decode-reps", type=int, default=6, help="A/B/C/D decode repetitions")
     ap.add_argument("--steps", type=int, default=6, help="timed decode steps per repetition")
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--batches", default="1,8,32")
@@ -560,6 +599,7 @@ def main() -> None:
             "memcpy_fresh_dst", "release", "restore_warm", "restore_cold")}
         memory: list[dict] = []
         set_bytes = 0
+        huge_skip: str | None = "not run"
         if parts & {"start", "inproc"}:
             with daemon(tmp, "main", args.budget, huge=False) as run_dir:
                 if "start" in parts:
@@ -577,6 +617,7 @@ def main() -> None:
                             f"({time.perf_counter() - t_start:.0f} s)")
                     finally:
                         ip.close()
+                    huge_skip = inproc_huge(model, tmp, args, inproc)
                 problems = _check(run_dir)
                 if problems:
                     raise SystemExit(f"kvpool check: {problems}")
@@ -584,7 +625,7 @@ def main() -> None:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     report(args, model, nparams, set_bytes, starts, inproc, memory, decode,
-           time.perf_counter() - t_start)
+           time.perf_counter() - t_start, huge_skip)
 
 
 def _shapes(model: Path) -> dict[str, list[int]]:
@@ -607,7 +648,8 @@ def _check(run_dir: Path) -> list[str]:
 
 def report(args: argparse.Namespace, model: Path, nparams: int, set_bytes: int,
            starts: dict[str, list[float]], inproc: dict[str, list[float]],
-           memory: list[dict], decode: dict | None, took_s: float) -> None:
+           memory: list[dict], decode: dict | None, took_s: float,
+           huge_skip: str | None) -> None:
     ratios: list[tuple[str, float | None, str, str]] = []  # (what, value, goal, how)
     s = {k: med(v) for k, v in starts.items() if v}
     i = {k: med(v) for k, v in inproc.items() if v}
@@ -641,6 +683,16 @@ def report(args: argparse.Namespace, model: Path, nparams: int, set_bytes: int,
                        i["restore_cold"] / i["memcpy_floor"], "<= 2x", "PoolWeights.restore"))
         ratios.append(("cold wake (restore) / copy into fresh pages",
                        i["restore_cold"] / i["memcpy_fresh_dst"], "(info)", "PoolWeights.restore"))
+        if "restore_cold_huge" in i:
+            ratios.append(("cold wake (restore), huge pages / memcpy floor",
+                           i["restore_cold_huge"] / i["memcpy_floor"], "<= 2x",
+                           "PoolWeights.restore"))
+            ratios.append(("in-process, huge pages: create+load / attach",
+                           i["open_create_load_huge"] / i["open_attach_huge"], ">= 10x",
+                           "PoolWeights.open"))
+        elif huge_skip:
+            ratios.append(("cold wake (restore), huge pages: skipped", None, "<= 2x",
+                           huge_skip))
         ratios.append(("warm wake (restore) / memcpy floor",
                        i["restore_warm"] / i["memcpy_floor"], "<= 2x", "PoolWeights.restore"))
         if s:
@@ -710,6 +762,7 @@ def report(args: argparse.Namespace, model: Path, nparams: int, set_bytes: int,
         "server": {k: summary(v) for k, v in starts.items() if v},
         "in_process": {k: summary(v) for k, v in inproc.items() if v},
         "memory": memory, "decode": decode, "duration_s": took_s,
+        "in_process_huge_pages_skipped": huge_skip,
         "load_avg_at_end": os.getloadavg(),
         "thp_shmem_enabled": _thp(),
     }, args.out)
