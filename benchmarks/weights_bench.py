@@ -163,6 +163,20 @@ def wait_until(cond: Callable[[], bool], what: str, timeout_s: float = 60.0) -> 
 
 
 # ---- 1-3: servers ---------------------------------------------------------------------
+_client: Any = None
+
+
+def http() -> Any:
+    """One HTTP client for the run (a new httpx client per call costs ~80 ms of set-up,
+    its SSL context, which would be timed as the server's latency)."""
+    global _client
+    if _client is None:
+        import httpx
+
+        _client = httpx.Client(trust_env=False)
+    return _client
+
+
 class Server:
     def __init__(self, model: Path, run_dir: Path, tmp: Path, name: str, weights: str,
                  kv: str) -> None:
@@ -190,22 +204,26 @@ class Server:
         return health, time.perf_counter() - self.t0
 
     def complete(self, ids: list[int], n: int) -> list[int] | str:
-        import httpx
-
-        r = httpx.post(f"{self.base}/v1/completions", timeout=300, json={
+        r = http().post(f"{self.base}/v1/completions", timeout=300, json={
             "prompt": ids, "max_tokens": n, "temperature": 0, "ignore_eos": True})
         if r.status_code != 200:
             raise SystemExit(f"{self.name}: completion {r.status_code}: {r.text[:300]}")
         return str(r.json()["choices"][0]["text"])
 
     def post(self, route: str) -> float:
-        import httpx
-
         t0 = time.perf_counter()
-        r = httpx.post(f"{self.base}{route}", timeout=600)
+        r = http().post(f"{self.base}{route}", timeout=600)
         took = time.perf_counter() - t0
         if r.status_code != 200:
             raise SystemExit(f"{self.name}: POST {route}: {r.status_code} {r.text[:300]}")
+        return took
+
+    def get(self, route: str) -> float:
+        t0 = time.perf_counter()
+        r = http().get(f"{self.base}{route}", timeout=60)
+        took = time.perf_counter() - t0
+        if r.status_code != 200:
+            raise SystemExit(f"{self.name}: GET {route}: {r.status_code} {r.text[:300]}")
         return took
 
     def stop(self) -> None:
@@ -262,6 +280,7 @@ def server_rep(model: Path, run_dir: Path, tmp: Path, rep: int, args: argparse.N
         mem.update(pool_weights_while_asleep=pool.weights,
                    pool_weights_cached_while_asleep=pool.weights_cached)
         memory.append(mem)
+        out["http_roundtrip_asleep"].append(p2.get("/is_sleeping"))  # the route's floor
         out["wake_http_warm"].append(p2.post("/wake_up"))
         sleep(p2, run_dir)
         if evict(run_dir) != 0:
@@ -592,7 +611,7 @@ def main() -> None:
         starts: dict[str, list[float]] = {k: [] for k in (
             "start_local", "start_pool_first", "start_pool_attach", "first_completion_local",
             "first_completion_pool_first", "first_completion_pool_attach", "sleep_http",
-            "wake_http_held", "wake_http_warm", "wake_http_cold",
+            "wake_http_held", "http_roundtrip_asleep", "wake_http_warm", "wake_http_cold",
             "completions_after_cold_wake")}
         inproc: dict[str, list[float]] = {k: [] for k in (
             "open_create_load", "open_attach", "local_load", "memcpy_floor",
