@@ -18,7 +18,8 @@ GGUF file is unchanged), or ``--model DIR``. One host daemon (2 MiB pages) per b
 2. **Wake** — a pool server asleep (``POST /sleep``) is woken by ``POST /wake_up``
    (timed): ``held`` (another server holds the set: re-attach), ``warm`` (nobody holds it,
    the daemon caches it: re-attach), ``cold`` (evicted by a grant from another tenant:
-   create, load from the checkpoint, seal). In-process: ``PoolWeights.release()`` /
+   create, load from the checkpoint, seal); ``http_roundtrip_asleep`` (``GET
+   /is_sleeping``) is the route's own floor. In-process: ``PoolWeights.release()`` /
    ``restore()``, warm and cold. The floor: the set's bytes copied at memcpy speed
    (``Tensor.copy_`` between two pre-faulted buffers, best of 5, same threads), and the
    same copy into a fresh (not yet faulted) buffer. A cold wake = reading every tensor
@@ -38,8 +39,8 @@ GGUF file is unchanged), or ``--model DIR``. One host daemon (2 MiB pages) per b
    had). ``pool / local_noprepack`` is the backing's effect, ``pool / local`` what a
    server sees.
 
-    python benchmarks/weights_bench.py            # ~6-8 min on 2 loaded cores
-    python benchmarks/weights_bench.py --quick    # the tiny model, a smoke run (~1-2 min)
+    python benchmarks/weights_bench.py            # 4-9 min on 2 shared cores
+    python benchmarks/weights_bench.py --quick    # the tiny model, a smoke run (0.5-1.5 min)
     python benchmarks/weights_bench.py --model DIR --reps 5 --server-reps 3
 
 Prints the tables and writes benchmarks/results/weights_bench.json (or --out).
