@@ -80,6 +80,8 @@ class Cluster:
     def serve(self, name: str, model_dir: Path, kv_cache_size: int, elastic: bool,
               extra: tuple[str, ...] = (), env: dict[str, str] | None = None) -> Proc:
         port = free_port()
+        if elastic:  # weights stay in the process, as in the static run: the budget is
+            extra = ("--weights", "local", *extra)  # KV alone (weights: weights_bench)
         argv = launch.serve_argv(model_dir, *extra, port=port, name=name,
                                  kv_cache_size=kv_cache_size, elastic=elastic)
         env = dict(env or {})

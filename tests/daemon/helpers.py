@@ -162,7 +162,7 @@ def spawn_daemon(cmd: list[str], run_dir: Path, log: Path, page_size: int = PAGE
     return d
 
 
-def respawn(d: DaemonProc, timeout: float = 15.0) -> None:
+def respawn(d: DaemonProc, timeout: float = 60.0) -> None:
     """Start ``d``'s command line again once it has exited (:func:`kvpool.launch.restart`:
     the dead daemon's socket files removed, its log appended to); ``d.proc`` becomes the
     new process, serving when this returns."""
@@ -178,7 +178,7 @@ def stop_daemon(d: DaemonProc) -> int:
     return launch.stop(d.proc)
 
 
-def wait_ready(d: DaemonProc, timeout: float = 15.0) -> None:
+def wait_ready(d: DaemonProc, timeout: float = 60.0) -> None:
     """Both daemon sockets exist (:func:`kvpool.launch.wait_serving`); a daemon that exits
     first, or does not serve in ``timeout``, fails the test with its log."""
     try:
