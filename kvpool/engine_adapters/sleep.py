@@ -280,6 +280,10 @@ class SleepController:
             self._cond.notify_all()
         fut.set_result(ok)
 
+    def _wake_timed_out(self) -> WakeFailed:
+        return WakeFailed(f"the model is asleep and did not wake within "
+                          f"{self.wake_wait_s:g} s")
+
     async def enter(self) -> None:
         """Admit one request (asyncio): at once when awake; else wake the engine first
         (every waiting request shares one wake). Raises :class:`WakeFailed` (one line)
@@ -294,8 +298,7 @@ class SleepController:
                 ok = await asyncio.wait_for(asyncio.shield(wrapped),
                                             max(0.0, deadline - time.monotonic()))
             except asyncio.TimeoutError:
-                raise WakeFailed(f"the model is asleep and did not wake within "
-                                 f"{self.wake_wait_s:g} s") from None
+                raise self._wake_timed_out() from None
             if not ok:
                 raise WakeFailed(f"the model is asleep and cannot wake: {self.last_error}")
         if first:
@@ -311,8 +314,7 @@ class SleepController:
             try:
                 ok = self._wake_for_requests().result(max(0.0, deadline - time.monotonic()))
             except concurrent.futures.TimeoutError:
-                raise WakeFailed(f"the model is asleep and did not wake within "
-                                 f"{self.wake_wait_s:g} s") from None
+                raise self._wake_timed_out() from None
             if not ok:
                 raise WakeFailed(f"the model is asleep and cannot wake: {self.last_error}")
         if first:
