@@ -108,6 +108,10 @@ def serve(config: FleetConfig, *, with_daemon: bool = False, host: str | None = 
 
     host = host or config.host
     port = config.port if port is None else port
+    run_dir = paths.run_dir(None)
+    if not with_daemon and not launch.serving(run_dir):
+        raise FleetError(f"no kvpool daemon serves at {run_dir} (start one with `kvpool "
+                         f"daemon`, set KVPOOL_RUN_DIR, or use --with-daemon)")
     logs = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix=f"kvpool-fleet-"
                                                                        f"{config.name}-"))
     try:
@@ -118,7 +122,6 @@ def serve(config: FleetConfig, *, with_daemon: bool = False, host: str | None = 
     sock = _listen(host, port)
     daemon: launch.DaemonProcess | None = None
     supervisor: Supervisor | None = None
-    run_dir = paths.run_dir(None)
     try:
         if with_daemon:
             run_dir = Path(tempfile.mkdtemp(prefix="kvpool-fleet-", dir="/tmp"))
@@ -133,9 +136,6 @@ def serve(config: FleetConfig, *, with_daemon: bool = False, host: str | None = 
                                  f"{str(e).splitlines()[0]} (log {logs / 'daemon.log'})"
                                  ) from None
             say(f"fleet: started a daemon on run dir {run_dir} (log {logs / 'daemon.log'})")
-        elif not launch.serving(run_dir):
-            raise FleetError(f"no kvpool daemon serves at {run_dir} (start one with `kvpool "
-                             f"daemon`, set KVPOOL_RUN_DIR, or use --with-daemon)")
         supervisor, queues, metrics, client = build(config, run_dir, logs)
         app = create_app(queues, supervisor, metrics, client,
                          eager=[e.name for e in config.models if e.eager])

@@ -70,7 +70,7 @@ BAD = [
     ("args = [1]\n", "models[0].args", "expected a string"),
     ("kv_cache_size = 0\n", "models[0].kv_cache_size", "more than 0"),
     ("[[models]]\nname = \"alpha\"\ncheckpoint = \"alpha\"\n", "models[1].name",
-     "also models[0]"),
+     "'alpha' is also models[0]'s name"),
     ("[[models]]\nname = \"alpha-1\"\ncheckpoint = \"alpha\"\n[[models]]\nname = \"b\"\n"
      "checkpoint = \"alpha\"\nreplicas = 1\n", None, None),  # (valid: alpha has 1 replica)
     ("replicas = 2\n[[models]]\nname = \"alpha-1\"\ncheckpoint = \"alpha\"\n", "models[1].name",
@@ -147,3 +147,12 @@ def test_with_daemon_the_budget_must_hold_the_largest_model(folder: Path) -> Non
     assert load(f, with_daemon=True).models[0].weights == "local"
     f.write_text(text.replace("64KiB\"\npage", "1MiB\"\npage"))
     assert load(f, with_daemon=True).models  # ~0.4 MiB of float32 weights and a chunk fit
+
+
+def test_without_a_daemon_it_says_so(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVPOOL_RUN_DIR", str(folder / "no-daemon"))
+    f = folder / "fleet.toml"
+    f.write_text(GOOD)
+    r = CliRunner().invoke(cli, ["fleet", str(f), "--port", "0"])
+    assert r.exit_code == 1 and len(r.stderr.splitlines()) == 1, r.output
+    assert "no kvpool daemon serves at" in r.stderr and "--with-daemon" in r.stderr
