@@ -200,6 +200,7 @@ def test_three_models_where_two_fit_all_serve_their_tokens(fleet) -> None:
 
 
 def test_404_is_the_single_servers(fleet) -> None:
+    complete(fleet, "alpha")  # (awake)
     member = next(r["url"] for m in fleet.models().values() for r in m["replicas"]
                   if r["state"] == "awake")
     body = {"model": "nope", "prompt": "hi", "max_tokens": 2}
