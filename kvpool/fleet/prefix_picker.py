@@ -18,6 +18,12 @@ Choice, for a prompt with keys ``k0..kn`` among the ready replicas:
 3. Else the least-loaded replica (reason ``load``); replicas equally loaded (an idle
    fleet) are told apart by a rendezvous hash of the prompt's deepest key.
 
+Optional lanes (``long_prompt`` > 0): a prompt of at least ``long_prompt`` tokens (text:
+its characters / 4) goes to the ``long_replicas`` highest-index ready replicas, a
+shorter one to the others, so long prefills do not stall short requests' decoding; the
+rule above applies inside the lane. With too few ready replicas for two lanes, or every
+replica of the lane full, all ready replicas are the lane.
+
 Why least-loaded and not a consistent hash of the first block for a prefix nobody holds:
 the memory already keeps a group together once its first request is placed, so the hash
 is not needed for that; a hash of the first block would send every prompt that starts
@@ -82,15 +88,21 @@ class PrefixAffinity:
     (the engines' block size is 16 tokens); ``max_blocks``: blocks of a prompt keyed;
     ``memory_blocks``: keys remembered per replica; ``load_margin``: how much busier
     than the least-loaded replica (a fraction of its capacity, at least one request)
-    the replica holding the prefix may be and still be chosen."""
+    the replica holding the prefix may be and still be chosen; ``long_prompt`` (tokens,
+    0: off) and ``long_replicas``: the lanes for long prompts."""
 
     def __init__(self, *, chars_per_block: int = 64, tokens_per_block: int = 16,
                  max_blocks: int = 128, memory_blocks: int = 8192,
-                 load_margin: float = 0.25) -> None:
-        if min(chars_per_block, tokens_per_block, max_blocks, memory_blocks) < 1:
-            raise ValueError("block sizes, max_blocks and memory_blocks must be positive")
+                 load_margin: float = 0.25, long_prompt: int = 0,
+                 long_replicas: int = 1) -> None:
+        if min(chars_per_block, tokens_per_block, max_blocks, memory_blocks,
+               long_replicas) < 1 or long_prompt < 0:
+            raise ValueError("block sizes, max_blocks, memory_blocks and long_replicas "
+                             "must be positive, long_prompt not negative")
         if not 0.0 <= load_margin <= 1.0:
             raise ValueError(f"load_margin must be in [0, 1], not {load_margin!r}")
+        self.long_prompt = long_prompt
+        self.long_replicas = long_replicas
         self.chars_per_block = chars_per_block
         self.tokens_per_block = tokens_per_block
         self.max_blocks = max_blocks
@@ -110,6 +122,7 @@ class PrefixAffinity:
         if len(ready) == 1:
             chosen, reason = ready[0], "only"
         else:
+            ready = self._lane(prompt, ready)
             least = least_loaded(ready)
             fit = [r for r in ready if not self._saturated(r, least)] or [least]
             top = max(matched[r.index] for r in fit)
@@ -138,6 +151,16 @@ class PrefixAffinity:
         if memory is None:
             memory = self._routed[index] = RoutedPrefixes(self.memory_blocks)
         return memory
+
+    def _lane(self, prompt: Prompt, ready: list[ReplicaLoad]) -> list[ReplicaLoad]:
+        """The ready replicas that serve ``prompt``'s length (all without lanes)."""
+        if not self.long_prompt or len(ready) <= self.long_replicas:
+            return ready
+        tokens = len(prompt) // 4 if isinstance(prompt, str) else len(prompt)
+        by_index = sorted(ready, key=lambda r: r.index)
+        cut = len(by_index) - self.long_replicas
+        lane = by_index[cut:] if tokens >= self.long_prompt else by_index[:cut]
+        return lane if any(r.inflight < r.capacity for r in lane) else ready
 
     def _saturated(self, r: ReplicaLoad, least: ReplicaLoad) -> bool:
         if r.inflight >= r.capacity:

@@ -150,9 +150,26 @@ def test_forget_drops_a_restarted_replicas_prefixes() -> None:
     assert p.choose(ids(2, group=5, tail=1), idle(2)).reason == "load"
 
 
+def test_long_prompts_get_their_own_lane() -> None:
+    p = PrefixAffinity(long_prompt=256, long_replicas=1)
+    long, short = ids(16, group=1), ids(4, group=2)  # 272 and 80 ids
+    for _ in range(3):  # the long lane is the highest index, whatever the load
+        assert p.choose(long, loads(0, 5, 6)).index == 2
+        assert p.choose(short, loads(3, 1, 0)).index in (0, 1)
+    assert p.choose(ids(4, group=3), loads(3, 1, 0)) == Pick(1, "load", 0)  # lane: least
+    assert p.choose("w" * 1024, loads(0, 0, 0)).index == 2  # text: 4 characters a token
+    assert p.choose("w" * 1000, loads(0, 0, 0)).index in (0, 1)
+    # the lane full, or too few replicas for two lanes: every ready replica
+    assert p.choose(long, loads(0, 1, 8)).index == 0
+    assert p.choose(long, loads(0, 1, 0, ready=(True, False, False))).reason == "only"
+    two = PrefixAffinity(long_prompt=256, long_replicas=2)
+    assert two.choose(short, loads(2, 0)).index == 1
+
+
 def test_bad_settings_are_refused() -> None:
     for kw in ({"tokens_per_block": 0}, {"chars_per_block": 0}, {"memory_blocks": 0},
-               {"max_blocks": 0}, {"load_margin": -0.1}, {"load_margin": 2.0}):
+               {"max_blocks": 0}, {"load_margin": -0.1}, {"load_margin": 2.0},
+               {"long_prompt": -1}, {"long_replicas": 0}):
         with pytest.raises(ValueError):
             PrefixAffinity(**kw)  # type: ignore[arg-type]
 
