@@ -91,10 +91,9 @@ def fleet_row(y: int) -> list[dict]:
             (f"{by_model} (rate(kvpool_fleet_restarts_total[{RATE}]))", "{{model}} restarts")]),
         panel(18, "Fleet: routing among replicas, by reason", (0, y + 17, 12, 8), "reqps", [
             (f"sum by (model, reason) (rate(kvpool_fleet_routed_total[{RATE}]))",
-             "{{model}} {{reason}}"),
-            (f"{by_model} (rate(kvpool_fleet_prefix_hits_total[{RATE}]))",
-             "{{model}} prefix hits")],
-              description="prefix: sent where its prompt's prefix went before; load: the "
+             "{{model}} {{reason}}")],
+              description="prefix (a prefix hit): sent where its prompt's prefix went "
+              "before; load: the "
               "least loaded (no holder, or the holder was busy); only: one ready replica; "
               "turn: round-robin."),
         panel(19, "Prefix routing share and engine prefix-cache hit rate", (12, y + 17, 12, 8),

@@ -22,8 +22,8 @@ FLEET_METRICS = {
     "kvpool_fleet_requests_total", "kvpool_fleet_queue_depth", "kvpool_fleet_inflight",
     "kvpool_fleet_wakes_total", "kvpool_fleet_wake_seconds_bucket",
     "kvpool_fleet_sleeps_total", "kvpool_fleet_upstream_errors_total",
-    "kvpool_fleet_restarts_total", "kvpool_fleet_replica_up", "kvpool_fleet_prefix_hits_total",
-    "kvpool_fleet_routed_total"}
+    "kvpool_fleet_restarts_total", "kvpool_fleet_replica_up",
+    "kvpool_fleet_routed_total"}  # prefix hits: routed_total{reason="prefix"}
 
 
 def queried(doc: dict) -> set[str]:
