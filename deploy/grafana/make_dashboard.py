@@ -1,4 +1,5 @@
-"""Writes kvpool.json, the Grafana dashboard over the daemon's and the engines' metrics
+"""Writes kvpool.json, the Grafana dashboard over the daemon's, the engines' and the
+fleet router's metrics
 (``python deploy/grafana/make_dashboard.py``; the JSON is committed, import it in Grafana:
 Dashboards -> New -> Import, pick the Prometheus data source)."""
 
@@ -34,6 +35,12 @@ def panel(pid: int, title: str, grid: tuple[int, int, int, int], unit: str, targ
     }
 
 
+def row(pid: int, title: str, y: int) -> dict:
+    """A row header across the dashboard at height ``y`` (the panels below it follow)."""
+    return {"id": pid, "type": "row", "title": title, "collapsed": False,
+            "gridPos": {"x": 0, "y": y, "w": 24, "h": 1}, "panels": []}
+
+
 def quantiles(metric: str, by: str = "") -> list[tuple[str, str]]:
     group = f"le{', ' + by if by else ''}"
     legend = f"{{{{{by}}}}} " if by else ""
@@ -46,6 +53,60 @@ BUDGET_LINE = [{"matcher": {"id": "byName", "options": "budget"}, "properties": 
     {"id": "custom.fillOpacity", "value": 0},
     {"id": "custom.lineStyle", "value": {"fill": "dash", "dash": [10, 10]}},
     {"id": "color", "value": {"mode": "fixed", "fixedColor": "red"}}]}]
+
+
+def fleet_row(y: int) -> list[dict]:
+    """``kvpool fleet``'s router (its /metrics, names in docs/ARCHITECTURE.md "Fleet"):
+    traffic per model and replica, queues, sleep and wake, failures, and how requests
+    were routed among replicas next to the engines' prefix-cache hit rate."""
+    by_model = "sum by (model)"
+    return [
+        row(11, "Fleet", y),
+        panel(12, "Fleet: requests by model and replica", (0, y + 1, 8, 8), "reqps", [
+            (f"sum by (model, replica) (rate(kvpool_fleet_requests_total[{RATE}]))",
+             "{{model}}/{{replica}}"),
+            (f'sum by (model, code) (rate(kvpool_fleet_requests_total{{code!~"2.."}}'
+             f"[{RATE}]))", "{{model}} HTTP {{code}}")],
+              description="Requests the fleet answered, per replica; and those answered "
+              "with an error code (429: the model's queue was full)."),
+        panel(13, "Fleet: queued and in flight", (8, y + 1, 8, 8), "short", [
+            (f"{by_model} (kvpool_fleet_queue_depth)", "{{model}} queued"),
+            ("sum by (model, replica) (kvpool_fleet_inflight)",
+             "{{model}}/{{replica}} in flight")],
+              description="Queued: requests waiting for a ready server (bounded per model)."),
+        panel(14, "Fleet: replicas by state", (16, y + 1, 8, 8), "short", [
+            ("sum by (model, state) (kvpool_fleet_replica_up)", "{{model}} {{state}}")],
+              stack=True),
+        panel(15, "Fleet: wake time (request to ready)", (0, y + 9, 8, 8), "s",
+              quantiles("kvpool_fleet_wake_seconds", "model")),
+        panel(16, "Fleet: wakes and sleeps", (8, y + 9, 8, 8), "ops", [
+            (f"{by_model} (rate(kvpool_fleet_wakes_total[{RATE}]))", "{{model}} wakes"),
+            (f"sum by (model, cause) (rate(kvpool_fleet_sleeps_total[{RATE}]))",
+             "{{model}} sleeps: {{cause}}")],
+              description="Sleep causes: idle (sleep_after), pressure (the daemon made room), "
+              "operator (kvpool sleep)."),
+        panel(17, "Fleet: upstream errors and restarts", (16, y + 9, 8, 8), "ops", [
+            (f"sum by (model, kind) (rate(kvpool_fleet_upstream_errors_total[{RATE}]))",
+             "{{model}} {{kind}}"),
+            (f"{by_model} (rate(kvpool_fleet_restarts_total[{RATE}]))", "{{model}} restarts")]),
+        panel(18, "Fleet: routing among replicas, by reason", (0, y + 17, 12, 8), "reqps", [
+            (f"sum by (model, reason) (rate(kvpool_fleet_routed_total[{RATE}]))",
+             "{{model}} {{reason}}")],
+              description="prefix (a prefix hit): sent where its prompt's prefix went "
+              "before; load: the "
+              "least loaded (no holder, or the holder was busy); only: one ready replica; "
+              "turn: round-robin."),
+        panel(19, "Prefix routing share and engine prefix-cache hit rate", (12, y + 17, 12, 8),
+              "percentunit", [
+                  (f'{by_model} (rate(kvpool_fleet_routed_total{{reason="prefix"}}[{RATE}]))'
+                   f" / {by_model} (rate(kvpool_fleet_routed_total[{RATE}]))",
+                   "{{model}} routed by prefix"),
+                  (f"sum by (model_name) (rate(vllm:prefix_cache_hits_total[{RATE}])) / "
+                   f"sum by (model_name) (rate(vllm:prefix_cache_queries_total[{RATE}]))",
+                   "{{model_name}} engine hit rate")],
+              description="The engines' share of prompt tokens found in their prefix cache: "
+              "what prefix routing is for."),
+    ]
 
 
 def dashboard() -> dict:
@@ -88,6 +149,7 @@ def dashboard() -> dict:
             ("sum by (model_name) (vllm:num_requests_waiting)", "{{model_name}} waiting"),
             (f"sum by (model_name) (rate(vllm:num_preemptions_total[{RATE}]))",
              "{{model_name}} preemptions/s")]),
+        *fleet_row(33),
     ]
     return {
         "title": "kvpool", "uid": "kvpool", "schemaVersion": 39, "version": 1,

@@ -3,26 +3,23 @@
 The router (:mod:`kvpool.fleet.router`) keeps, per model, the live load of each replica
 (:class:`ReplicaLoad`) and asks the model's picker for one; the picker may remember what
 it routed (to send a prompt where its prefix's KV already is). Pickers are registered by
-the name a fleet file's ``routing`` key gives (:data:`PICKERS`).
+the name a fleet file's ``routing`` key gives (:data:`PICKERS`). A router that also
+counts why a replica was chosen (its routed-by-reason counter) calls
+:func:`choose` instead of :meth:`Picker.pick`: it works with every picker.
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Protocol, Sequence, Union
+from typing import Callable, Protocol, Sequence, runtime_checkable
 
-Prompt = Union[str, tuple[int, ...]]
+from kvpool.fleet.loads import REASONS, Pick, ReplicaLoad, least_loaded, ready_replicas
+from kvpool.fleet.prefix_picker import PrefixAffinity
+from kvpool.fleet.prompt import Prompt, prompt_of
 
-
-@dataclass(frozen=True)
-class ReplicaLoad:
-    """One replica as the router sees it when a request arrives."""
-
-    index: int  # stable for the replica's life (restarts keep it)
-    inflight: int  # requests the router sent it that have not finished
-    capacity: int  # requests it runs at once (its max_num_seqs)
-    ready: bool  # started and answering health checks (awake or asleep)
+__all__ = ["PICKERS", "REASONS", "Explaining", "LeastLoaded", "Pick", "Picker",
+           "PrefixAffinity", "Prompt", "ReplicaLoad", "RoundRobin", "choose", "make_picker",
+           "prompt_of"]
 
 
 class Picker(Protocol):
@@ -35,44 +32,33 @@ class Picker(Protocol):
     def pick(self, prompt: Prompt, replicas: Sequence[ReplicaLoad]) -> int: ...
 
 
-def prompt_of(body: Mapping[str, Any]) -> Prompt:
-    """The prompt of an OpenAI request body, as routing keys it: a completion's ``prompt``
-    (text, or token ids), or a chat's messages joined role by role. Anything else (a
-    malformed body the server will refuse) keys as the empty prompt."""
-    prompt = body.get("prompt")
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, list):
-        if prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return tuple(prompt)
-        if prompt and isinstance(prompt[0], str):
-            return prompt[0]
-        return ""
-    messages = body.get("messages")
-    if isinstance(messages, list):
-        parts = []
-        for m in messages:
-            if isinstance(m, Mapping):
-                content = m.get("content")
-                parts.append(f"{m.get('role')}\x1f{content if isinstance(content, str) else ''}")
-        return "\x1e".join(parts)
-    return ""
+@runtime_checkable
+class Explaining(Picker, Protocol):
+    """A picker that also says why it chose (:class:`Pick`); :meth:`choose` is
+    :meth:`pick` with the reason, under the same obligations (call one or the other per
+    request, not both: a picker may remember each call)."""
+
+    def choose(self, prompt: Prompt, replicas: Sequence[ReplicaLoad]) -> Pick: ...
 
 
-def _ready(replicas: Sequence[ReplicaLoad]) -> list[ReplicaLoad]:
-    ready = [r for r in replicas if r.ready]
-    if not ready:
-        raise ValueError("no ready replica (the caller must wait for one)")
-    return ready
+def choose(picker: Picker, prompt: Prompt, replicas: Sequence[ReplicaLoad]) -> Pick:
+    """``picker``'s choice with its reason, under :class:`Picker`'s obligations. A picker
+    that does not explain itself gets ``only`` (one ready replica) or ``load``."""
+    if isinstance(picker, Explaining):
+        return picker.choose(prompt, replicas)
+    index = picker.pick(prompt, replicas)
+    return Pick(index, "only" if sum(r.ready for r in replicas) == 1 else "load")
 
 
 class LeastLoaded:
     """The ready replica with the lowest ``inflight / capacity`` (lowest index on ties)."""
 
     def pick(self, prompt: Prompt, replicas: Sequence[ReplicaLoad]) -> int:
-        best = min(_ready(replicas),
-                   key=lambda r: (r.inflight / max(r.capacity, 1), r.index))
-        return best.index
+        return self.choose(prompt, replicas).index
+
+    def choose(self, prompt: Prompt, replicas: Sequence[ReplicaLoad]) -> Pick:
+        ready = ready_replicas(replicas)
+        return Pick(least_loaded(ready).index, "only" if len(ready) == 1 else "load")
 
 
 class RoundRobin:
@@ -82,13 +68,18 @@ class RoundRobin:
         self._turn = itertools.count()
 
     def pick(self, prompt: Prompt, replicas: Sequence[ReplicaLoad]) -> int:
-        ready = _ready(replicas)
-        return ready[next(self._turn) % len(ready)].index
+        return self.choose(prompt, replicas).index
+
+    def choose(self, prompt: Prompt, replicas: Sequence[ReplicaLoad]) -> Pick:
+        ready = ready_replicas(replicas)
+        return Pick(ready[next(self._turn) % len(ready)].index,
+                    "only" if len(ready) == 1 else "turn")
 
 
 PICKERS: dict[str, Callable[[], Picker]] = {
     "least_loaded": LeastLoaded,
     "round_robin": RoundRobin,
+    "prefix": PrefixAffinity,
 }
 
 
