@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from kvpool.fleet.balance import Picker, Prompt
+from kvpool.fleet.balance import Picker, Prompt, choose
 from kvpool.fleet.member import ASLEEP, AWAKE, FAILED_BACKOFF_S, STARTING, Member
 from kvpool.fleet.metrics import FleetMetrics
 from kvpool.fleet.supervisor import Supervisor, WakeFailed
@@ -60,7 +60,8 @@ class ModelQueue:
         self.waiting = 0
 
     async def acquire(self, prompt: Prompt) -> tuple[Member, str]:
-        """A replica for one request and why it was chosen (``only``/``load``), its
+        """A replica for one request and why the picker chose it (``only``, ``load``,
+        ``prefix``, ``turn``: :class:`~kvpool.fleet.balance.Pick`), its
         ``inflight`` counted; pair with :meth:`release`. Raises :class:`QueueFull` or
         :class:`Unavailable`."""
         queued = False
@@ -71,11 +72,12 @@ class ModelQueue:
                 ready = awake or [m for m in self.members if m.state == ASLEEP]
                 if ready:
                     loads = [m.load(awake_only=bool(awake)) for m in self.members]
-                    m = self.members[self.picker.pick(prompt, loads)]
+                    pick = choose(self.picker, prompt, loads)
+                    m = self.members[pick.index]
                     if m.state == AWAKE:
                         m.inflight += 1
                         self.metrics.inflight.labels(self.model, str(m.index)).set(m.inflight)
-                        return m, "only" if len(ready) == 1 else "load"
+                        return m, pick.reason
                     queued = self._enter(queued)
                     try:
                         await self.supervisor.wake(m)

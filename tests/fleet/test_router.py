@@ -219,3 +219,32 @@ def test_awake_replicas_are_preferred_to_waking_one(fleet) -> None:
         a1.inflight = 0
 
     asyncio.run(go())
+
+
+def test_prefix_routing_sends_a_shared_prefix_to_one_replica_and_says_why(tmp_path: Path
+                                                                          ) -> None:
+    """``routing = "prefix"``: requests sharing a prompt prefix follow the first one to
+    its replica, and ``routed_total`` counts them with reason ``prefix``."""
+    models = (ModelEntry(name="a", checkpoint=tmp_path, replicas=2, routing="prefix"),)
+    config = FleetConfig(path=tmp_path / "f.toml", name="t", queue=QUEUE, models=models)
+    supervisor, queues, metrics, _ = build(config, tmp_path, tmp_path, log=lambda _: None)
+    upstream = Upstream()
+    supervisor.client = client = httpx.AsyncClient(transport=httpx.ASGITransport(upstream.app))
+    for m in queues["a"].members:
+        m.url = f"http://{m.tenant}"
+        supervisor.set_state(m, AWAKE)
+    router = httpx.AsyncClient(transport=httpx.ASGITransport(
+        create_app(queues, supervisor, metrics, client)), base_url="http://fleet")
+    shared = "You are a careful assistant. " * 20
+
+    async def go() -> None:
+        first = (await post(router, {"model": "a", "prompt": shared + "q0"})).json()["host"]
+        hosts = {(await post(router, {"model": "a", "prompt": shared + f"q{i}"})).json()["host"]
+                 for i in range(1, 6)}
+        assert hosts == {first}
+        text = (await router.get("/metrics")).text
+        index = "0" if first == "a" else "1"
+        assert metric(text, "kvpool_fleet_routed_total", model="a", replica=index,
+                      reason="prefix") == 5
+
+    asyncio.run(go())
