@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from kvpool.fleet.balance import Picker, Prompt, choose
+from kvpool.fleet.balance import Picker, Prompt, Remembering, choose
 from kvpool.fleet.member import ASLEEP, AWAKE, FAILED_BACKOFF_S, STARTING, Member
 from kvpool.fleet.metrics import FleetMetrics
 from kvpool.fleet.supervisor import Supervisor, WakeFailed
@@ -58,6 +58,7 @@ class ModelQueue:
         self.limit = limit
         self.wait_s = wait_s
         self.waiting = 0
+        self._starts = [m.starts for m in members]  # a replica started again: forgotten
 
     async def acquire(self, prompt: Prompt) -> tuple[Member, str]:
         """A replica for one request and why the picker chose it (``only``, ``load``,
@@ -71,6 +72,7 @@ class ModelQueue:
                 awake = [m for m in self.members if m.state == AWAKE]
                 ready = awake or [m for m in self.members if m.state == ASLEEP]
                 if ready:
+                    self._forget_restarted()
                     loads = [m.load(awake_only=bool(awake)) for m in self.members]
                     pick = choose(self.picker, prompt, loads)
                     m = self.members[pick.index]
@@ -100,6 +102,15 @@ class ModelQueue:
             if queued:
                 self.waiting -= 1
                 self.metrics.queue_depth.labels(self.model).set(self.waiting)
+
+    def _forget_restarted(self) -> None:
+        """A replica whose server started again since the last pick has an empty cache:
+        a picker that remembers what it sent there forgets it."""
+        for i, m in enumerate(self.members):
+            if m.starts != self._starts[i]:
+                self._starts[i] = m.starts
+                if isinstance(self.picker, Remembering):
+                    self.picker.forget(m.index)
 
     def _enter(self, queued: bool) -> bool:
         if queued:

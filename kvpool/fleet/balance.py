@@ -18,7 +18,7 @@ from kvpool.fleet.prefix_picker import PrefixAffinity
 from kvpool.fleet.prompt import Prompt, prompt_of
 
 __all__ = ["PICKERS", "REASONS", "Explaining", "LeastLoaded", "Pick", "Picker",
-           "PrefixAffinity", "Prompt", "ReplicaLoad", "RoundRobin", "choose", "make_picker",
+           "PrefixAffinity", "Prompt", "Remembering", "ReplicaLoad", "RoundRobin", "choose", "make_picker",
            "prompt_of"]
 
 
@@ -39,6 +39,16 @@ class Explaining(Picker, Protocol):
     request, not both: a picker may remember each call)."""
 
     def choose(self, prompt: Prompt, replicas: Sequence[ReplicaLoad]) -> Pick: ...
+
+
+@runtime_checkable
+class Remembering(Picker, Protocol):
+    """A picker that remembers what it sent to each replica (an estimate of its cache).
+
+    Caller's obligation: call :meth:`forget` when a replica's server restarts (its cache
+    is empty), before the next :meth:`~Picker.pick` that may choose it."""
+
+    def forget(self, index: int) -> None: ...
 
 
 def choose(picker: Picker, prompt: Prompt, replicas: Sequence[ReplicaLoad]) -> Pick:

@@ -248,3 +248,32 @@ def test_prefix_routing_sends_a_shared_prefix_to_one_replica_and_says_why(tmp_pa
                       reason="prefix") == 5
 
     asyncio.run(go())
+
+
+def test_a_restarted_replica_is_forgotten_by_the_prefix_picker(tmp_path: Path) -> None:
+    """A replica whose server started again has an empty cache: the prefix picker stops
+    sending the prefix's requests there by memory (the next one goes by load)."""
+    models = (ModelEntry(name="a", checkpoint=tmp_path, replicas=2, routing="prefix"),)
+    config = FleetConfig(path=tmp_path / "f.toml", name="t", queue=QUEUE, models=models)
+    supervisor, queues, metrics, _ = build(config, tmp_path, tmp_path, log=lambda _: None)
+    upstream = Upstream()
+    supervisor.client = client = httpx.AsyncClient(transport=httpx.ASGITransport(upstream.app))
+    for m in queues["a"].members:
+        m.url = f"http://{m.tenant}"
+        supervisor.set_state(m, AWAKE)
+    router = httpx.AsyncClient(transport=httpx.ASGITransport(
+        create_app(queues, supervisor, metrics, client)), base_url="http://fleet")
+    shared = "You are a careful assistant. " * 20
+
+    async def go() -> None:
+        first = (await post(router, {"model": "a", "prompt": shared + "q0"})).json()["host"]
+        member = next(m for m in queues["a"].members if m.tenant == first)
+        member.starts += 1  # the supervisor spawned its server again
+        await post(router, {"model": "a", "prompt": shared + "q1"})
+        text = (await router.get("/metrics")).text
+        assert metric(text, "kvpool_fleet_routed_total", model="a", replica=str(member.index),
+                      reason="prefix") == 0
+        assert sum(metric(text, "kvpool_fleet_routed_total", model="a", replica=str(i),
+                          reason="load") for i in (0, 1)) == 2
+
+    asyncio.run(go())
