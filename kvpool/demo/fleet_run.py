@@ -72,13 +72,13 @@ class FleetDemoConfig:
     heads: int = 8
     kv_heads: int = 4
     vocab: int = 512
-    budget: int = 96 << 20  # weights and KV of every model together
+    budget: int = 112 << 20  # weights and KV of every model together
     page_size: int = 2 << 20
     working_kv: int = 16 << 20  # KV a resident model needs: the budget fits N x (W + this)
     block_size: int = 16
     max_num_seqs: int = 16
     idle_timeout_s: float = 1.0  # elastic engines give an idle reserve back after this
-    sleep_after_s: float = 4.0  # fleet members sleep after this long idle
+    sleep_after_s: float = 2.0  # fleet members sleep after this long idle
     # TTFT within 1 s (a wake, a prefill and a short queue; one request alone starts in
     # tens of ms) and 100 ms per token (10 tokens/s, faster than reading; one request
     # alone decodes at a few ms per token): see README, "What the demo shows"

@@ -62,11 +62,11 @@ def chart(path: Path, panels: dict[str, list[dict[str, Any]]], models: Sequence[
                 Patch(facecolor="white", edgecolor="black", linestyle="--", label="budget")]
     if any_cached:
         handles.append(Patch(facecolor="lightgrey", hatch="..", label="cached weights"))
-    fig.legend(handles=handles, loc="upper center", ncol=min(len(handles), 9), fontsize=8,
-               frameon=False, bbox_to_anchor=(0.5, 1.0))
+    fig.legend(handles=handles, loc="lower center", ncol=min(len(handles), 6), fontsize=8,
+               frameon=False, bbox_to_anchor=(0.5, 0.0))
     axes[-1, 0].set_xlabel("seconds into the workload")
-    fig.suptitle(title, y=0.955, fontsize=11)
-    fig.tight_layout(rect=(0, 0, 1, 0.93))
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
     plt.close(fig)
