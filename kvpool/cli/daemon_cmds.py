@@ -132,7 +132,8 @@ def ps(run_dir: str | None, as_json: bool) -> None:
     """List tenants: name, pid, kind, mapped, in use, reserve, limit, state (asleep,
     idle, busy; sleepable) (and the endpoint
     a tenant says it serves on, when one does; the weight sets it holds, when any
-    does); then the retained memory per uid and the pool's weight sets."""
+    does; the fleet it belongs to, when one does); then the retained memory per uid and
+    the pool's weight sets."""
     reply = _call(run_dir, lambda m: m.ps())
     if as_json:
         _json({"tenants": reply.tenants, "pool": reply.pool,
@@ -148,6 +149,8 @@ def ps(run_dir: str | None, as_json: bool) -> None:
     cols += ("ENDPOINT",) if serving else ()
     weights = any(t.weights for t in reply.tenants)  # weight sets (kvpool.daemon.weights)
     cols += ("WEIGHTS", "SETS") if weights else ()
+    fleets = any(t.group for t in reply.tenants)  # (tenant-supplied: Register.group)
+    cols += ("FLEET",) if fleets else ()
     for col in cols:
         table.add_column(col, justify="left" if col in ("NAME", "KIND", "STATE") else "right")
     for t in reply.tenants:
@@ -171,7 +174,8 @@ def ps(run_dir: str | None, as_json: bool) -> None:
                       format_size(t.max), f"{t.weight:g}", str(t.groups), ", ".join(state),
                       *((t.endpoint or "-",) if serving else ()),
                       *((format_size(t.weights), ",".join(t.weight_sets) or "-")
-                        if weights else ()))
+                        if weights else ()),
+                      *((t.group or "-",) if fleets else ()))
     console = Console(width=None if sys.stdout.isatty() else 200)
     console.print(table)
     pool = reply.pool

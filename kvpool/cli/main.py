@@ -10,6 +10,7 @@ from kvpool.cli import (
     demo_cmds,
     engine_cmds,
     events_cmd,
+    fleet_cmds,
     lease_cmds,
     sleep_cmds,
     top,
@@ -24,7 +25,7 @@ def cli() -> None:
 
 
 for module in (vmm_cmds, daemon_cmds, lease_cmds, engine_cmds, demo_cmds, events_cmd, top,
-               sleep_cmds):
+               sleep_cmds, fleet_cmds):
     module.register(cli)
 
 

@@ -58,11 +58,13 @@ class Tenant:
     def __init__(self, name: str, device: int = 0, run_dir: str | os.PathLike[str] | None = None,
                  kind: str = "engine", timeout_s: float = 10.0, *, min: int | None = None,
                  max: int | None = None, weight: float | None = None, keeper: bool = True,
-                 endpoint: str | None = None, sleepable: bool | None = None):
+                 endpoint: str | None = None, sleepable: bool | None = None,
+                 group: str | None = None):
         self.run_dir = paths.run_dir(run_dir)
         self.timeout_s = timeout_s
         self._register = p.Register(name=name, kind=kind, device=device, min=min, max=max,
-                                    weight=weight, endpoint=endpoint, sleepable=sleepable)
+                                    weight=weight, endpoint=endpoint, sleepable=sleepable,
+                                    group=group)
         raise_fd_limit()  # host tenants keep one descriptor per mapped page
         self.conn = Connection(Path(self.run_dir), timeout_s=timeout_s)
         self.closed = False
@@ -104,7 +106,8 @@ class Tenant:
     def _fresh_register(self) -> p.Register:
         r = self._register
         return p.Register(name=r.name, kind=r.kind, device=r.device, min=r.min, max=r.max,
-                          weight=r.weight, endpoint=r.endpoint, sleepable=r.sleepable)
+                          weight=r.weight, endpoint=r.endpoint, sleepable=r.sleepable,
+                          group=r.group)
 
     @property
     def connected(self) -> bool:
@@ -386,12 +389,15 @@ class Tenant:
 def connect(name: str, device: int = 0, run_dir: str | os.PathLike[str] | None = None,
             kind: str = "engine", timeout_s: float = 10.0, *, min: int | None = None,
             max: int | None = None, weight: float | None = None,
-            endpoint: str | None = None, sleepable: bool | None = None) -> Tenant:
+            endpoint: str | None = None, sleepable: bool | None = None,
+            group: str | None = None) -> Tenant:
     """Register with the daemon serving ``run_dir`` (see :mod:`kvpool.paths`). ``min``,
     ``max`` (bytes) and ``weight`` are this tenant's own knobs, used unless the daemon's
     config names it (the config and live admin changes win); ``endpoint`` is where it
     serves (loopback http, :mod:`kvpool.protocol.endpoint`), for ``locate``;
     ``sleepable``: the daemon may put it to sleep when it is idle and memory is short
-    (the config's ``[tenants.NAME] sleepable`` wins; :meth:`Tenant.set_sleep_handler`)."""
+    (the config's ``[tenants.NAME] sleepable`` wins; :meth:`Tenant.set_sleep_handler`);
+    ``group``: a label shown by ``kvpool ps`` (a fleet's name, ``KVPOOL_GROUP``)."""
     return Tenant(name, device=device, run_dir=run_dir, kind=kind, timeout_s=timeout_s,
-                  min=min, max=max, weight=weight, endpoint=endpoint, sleepable=sleepable)
+                  min=min, max=max, weight=weight, endpoint=endpoint, sleepable=sleepable,
+                  group=group)

@@ -144,6 +144,7 @@ class Registry:
         t.policy_name = r.name if r.kind not in NO_MEMORY_KINDS and \
             r.name in self.cfg.tenants else ""
         t.endpoint = r.endpoint or ""
+        t.group = r.group or ""
         t.min_pages, t.max_pages, t.weight = mn, mx, weight
         log.info("tenant %d registered: %s (%s), pid %d uid %d, limit %d pages",
                  t.id, t.name, t.kind, t.pid, t.uid, t.max_pages)

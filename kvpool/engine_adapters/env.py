@@ -54,6 +54,7 @@ TENANT_VARS: dict[str, tuple[str, Callable[[str], Any]]] = {
     "KVPOOL_IDLE_TIMEOUT": ("idle_timeout_s", float),
     "KVPOOL_SLEEPABLE": ("sleepable", flag),
     "KVPOOL_SLEEP_AFTER": ("sleep_after_s", seconds_or_off),
+    "KVPOOL_GROUP": ("group", str),  # a label: the fleet it belongs to (kvpool ps)
 }
 
 
@@ -82,6 +83,7 @@ class TenantSettings:
     run_dir: str | None = None
     device: int = 0
     min_bytes: int | None = None
+    max_bytes: int | None = None  # its max (weights and KV); None: the daemon's default
     weight: float | None = None
     low: int = 1  # reserve watermarks, in chunks
     high: int = 2
@@ -90,6 +92,7 @@ class TenantSettings:
     # ``sleepable``; the daemon's config for the tenant wins)
     sleepable: bool = False
     sleep_after_s: float | None = None  # sleep after this long without a request
+    group: str | None = None  # shown by kvpool ps (a fleet's name)
 
     @classmethod
     def from_env(cls: type[S]) -> S:

@@ -111,7 +111,8 @@ class SleepController:
     is for asyncio callers (it never blocks the event loop: a wake runs on a thread of its
     own and every waiter awaits the same one); :meth:`enter_blocking` for threads.
     Lifetime: :meth:`start` starts the idle timer (only with ``sleep_after_s``);
-    :meth:`close` ends it (idempotent). Counters: ``sleeps``, ``wakes`` (transitions done),
+    :meth:`close` ends it (idempotent). Counters: ``sleeps`` (and ``sleeps_by_reason``:
+    ``idle``, ``pressure``, ``operator``, ``http``), ``wakes`` (transitions done),
     ``refusals`` (sleeps refused), ``last_error`` (why the last wake failed).
     """
 
@@ -135,6 +136,7 @@ class SleepController:
         self._closed = False
         self._timer: threading.Thread | None = None
         self.sleeps = self.wakes = self.refusals = 0
+        self.sleeps_by_reason: dict[str, int] = {}  # reason -> sleeps done (a fleet reads it)
         self.last_error = ""
 
     # ---- state ---------------------------------------------------------------------
@@ -205,6 +207,7 @@ class SleepController:
             else:
                 ok = True
                 self.sleeps += 1
+                self.sleeps_by_reason[reason] = self.sleeps_by_reason.get(reason, 0) + 1
                 with self._cond:
                     self._engine_busy = False  # asleep: no work, whatever was reported
                 self._set(ASLEEP)

@@ -75,6 +75,7 @@ class TenantInfo(Struct, kw_only=True):
     weight_sets: list[str] = []  # the keys of those sets, first 12 hex digits each
     state: str = "awake"  # busy | idle | asleep as it said (TenantState); awake: never said
     sleepable: bool = False  # the daemon may put it to sleep under pressure
+    group: str = ""  # the group it said it belongs to (Register.group: a fleet's name)
 
 
 class PoolInfo(Struct, kw_only=True):

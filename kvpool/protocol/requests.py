@@ -45,6 +45,8 @@ class Register(Request, tag="register"):
     # it may be put to sleep under memory pressure (kvpool.daemon.sleep); the config's
     # ``[tenants.NAME] sleepable`` wins
     sleepable: Optional[bool] = None
+    # the group it belongs to (a fleet's name: KVPOOL_GROUP), shown by ``ps``; a label only
+    group: Optional[Name] = None
 
 
 class CreateGroup(Request, tag="create_group"):

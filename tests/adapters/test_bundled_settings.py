@@ -13,7 +13,8 @@ def test_from_env_reads_every_knob(monkeypatch):
                  "KVPOOL_MAX": "9MiB"}.items():
         monkeypatch.setenv(k, v)
     assert Settings.from_env() == Settings(name="chat", run_dir="/tmp/x", device=1,
-                                           min_bytes=1 << 20, weight=2.5, idle_timeout_s=3.0)
+                                           min_bytes=1 << 20, max_bytes=9 << 20, weight=2.5,
+                                           idle_timeout_s=3.0)
 
 
 def test_from_env_defaults_and_bad_values(monkeypatch):

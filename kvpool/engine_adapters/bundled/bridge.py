@@ -70,8 +70,9 @@ class Bridge:
         if self.tenant is None:
             s = self.settings
             self.tenant = connect(name=self.name, device=s.device, run_dir=s.run_dir,
-                                  kind="engine", min=s.min_bytes, weight=s.weight,
-                                  endpoint=s.endpoint, sleepable=s.sleepable)
+                                  kind="engine", min=s.min_bytes, max=s.max_bytes,
+                                  weight=s.weight, endpoint=s.endpoint,
+                                  sleepable=s.sleepable, group=s.group or None)
         return self.tenant
 
     @property

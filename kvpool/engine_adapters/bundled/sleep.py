@@ -18,6 +18,9 @@ built engine (its tenant's sleep handler, the idle timer of ``KVPOOL_SLEEP_AFTER
 "awake", "tags": null}``; 503 when the memory did not come), ``GET /is_sleeping``
 (``{"is_sleeping": bool}``). ``level`` (0-2) and ``mode`` are accepted as vLLM does;
 every level releases everything here, and a busy server refuses whatever the mode.
+``GET /kvpool/sleep`` adds the counts: ``{"is_sleeping", "state", "sleeps": {reason: n},
+"wakes"}`` (reasons ``idle``, ``pressure``, ``operator``, ``http``; read by a fleet,
+:mod:`kvpool.fleet.supervisor`).
 """
 
 from __future__ import annotations
@@ -121,3 +124,9 @@ def add_routes(app: FastAPI, controller: SleepController) -> None:
     @app.get("/is_sleeping")
     async def is_sleeping() -> dict[str, bool]:
         return {"is_sleeping": controller.is_sleeping}
+
+    @app.get("/kvpool/sleep")
+    async def sleep_counts() -> dict[str, Any]:
+        """The state and what the controller counted (a fleet reads the causes here)."""
+        return {"is_sleeping": controller.is_sleeping, "state": controller.state,
+                "sleeps": dict(controller.sleeps_by_reason), "wakes": controller.wakes}

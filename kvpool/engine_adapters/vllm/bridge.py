@@ -97,7 +97,7 @@ class Bridge:
         try:
             self.tenant = connect(name=name, device=s.device, run_dir=s.run_dir, kind="engine",
                                   min=s.min_bytes, max=s.max_bytes, weight=s.weight,
-                                  sleepable=s.sleepable)
+                                  sleepable=s.sleepable, group=s.group)
         except (KvpoolError, OSError) as e:
             raise AdapterError(f"kvpool: cannot reach the kvpool daemon ({e})") from None
         t = self.tenant

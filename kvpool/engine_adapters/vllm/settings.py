@@ -44,6 +44,7 @@ class Settings:
     untested_ok: bool = False
     sleepable: bool = False  # the daemon may put it to sleep (KVPOOL_SLEEPABLE)
     sleep_after_s: float | None = None  # sleep when idle this long (KVPOOL_SLEEP_AFTER)
+    group: str | None = None  # shown by kvpool ps (KVPOOL_GROUP: a fleet's name)
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -53,7 +54,8 @@ class Settings:
 
         env = os.environ
         s = cls(name=env.get("KVPOOL_TENANT") or None, run_dir=env.get("KVPOOL_RUN_DIR") or None,
-                untested_ok=env.get("KVPOOL_VLLM_UNTESTED") == "1")
+                untested_ok=env.get("KVPOOL_VLLM_UNTESTED") == "1",
+                group=env.get("KVPOOL_GROUP") or None)
         if env.get("KVPOOL_DEVICE"):
             s.device = int(env["KVPOOL_DEVICE"])
         if env.get("KVPOOL_MIN"):

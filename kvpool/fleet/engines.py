@@ -1,0 +1,154 @@
+"""How the fleet starts and watches each engine's OpenAI server: the :class:`ServerKind`
+seam, its two kinds, and :data:`KINDS` (keyed by a fleet entry's ``engine``).
+
+* ``bundled``: ``kvpool serve CKPT --elastic --sleepable ...`` (:func:`kvpool.launch.
+  serve_argv`); its sleep state and counters at ``GET /kvpool/sleep`` (sleeps by
+  reason: the cause of each is known);
+* ``vllm``: vLLM's OpenAI server with the kvpool plugin (``KVPOOL_ENABLE=1``) and
+  ``VLLM_SERVER_DEV_MODE=1`` for ``/is_sleeping`` and ``/wake_up``
+  (:mod:`kvpool.engine_adapters.vllm.sleep`); no counters: the fleet infers a sleep's
+  cause from what it sees (:class:`Observed`).
+
+Every member gets the tenant's knobs through the ``KVPOOL_*`` variables its adapter reads
+(:mod:`kvpool.engine_adapters.env`), its tenant name (``KVPOOL_TENANT``) and the fleet's
+name as its tenant group (``KVPOOL_GROUP``: ``kvpool ps`` shows it), and none of the
+fleet's own ``KVPOOL_*`` settings (a member is configured by the fleet file alone).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Protocol
+
+from kvpool import launch
+from kvpool.engine_adapters.env import TENANT_VARS
+from kvpool.fleet.config import ModelEntry
+
+#: variables a member never inherits from the fleet's environment
+NOT_INHERITED = (*TENANT_VARS, "KVPOOL_ENABLE", "KVPOOL_WEIGHTS", "KVPOOL_GROUP")
+#: a sleep's reason as a bundled server counts it -> the fleet's cause
+CAUSE_OF = {"idle": "idle", "pressure": "pressure", "operator": "operator",
+            "http": "operator"}
+
+
+@dataclass(frozen=True)
+class Launch:
+    """A member's command line and the environment it runs in (complete, not added to
+    the fleet's)."""
+
+    argv: list[str]
+    env: dict[str, str]
+
+
+@dataclass(frozen=True)
+class Observed:
+    """What one look at a server's sleep state found. ``sleeps`` (cause -> count since
+    the server started) and ``wakes`` are None when the server does not count them."""
+
+    asleep: bool
+    sleeps: Mapping[str, int] | None = None
+    wakes: int | None = None
+
+
+@dataclass(frozen=True)
+class MemberSpec:
+    """Who a member is: the entry, its tenant, its fleet (group) and daemon (run dir)."""
+
+    entry: ModelEntry
+    tenant: str
+    group: str
+    run_dir: Path
+    base_env: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
+
+
+class ServerKind(Protocol):
+    """One engine's server as the fleet runs it.
+
+    Caller's obligations: ``launch`` is given a free loopback port; the fleet starts the
+    command in a process group of its own and stops the group; it calls ``GET
+    <state_path>`` only once ``GET /health`` answered 200, and hands the decoded JSON body
+    to ``observe`` (which raises ValueError, one line, for a body it cannot read);
+    ``POST /wake_up`` wakes the server (200 once awake)."""
+
+    state_path: str
+
+    def launch(self, member: MemberSpec, port: int) -> Launch: ...
+
+    def observe(self, body: Any) -> Observed: ...
+
+
+def member_env(member: MemberSpec, extra: Mapping[str, str]) -> dict[str, str]:
+    """The fleet's environment without its ``KVPOOL_*`` tenant settings, plus the
+    member's tenant, group, daemon and knobs, plus ``extra``."""
+    e = member.entry
+    env = {k: v for k, v in member.base_env.items() if k not in NOT_INHERITED}
+    env |= {"KVPOOL_RUN_DIR": str(member.run_dir), "KVPOOL_TENANT": member.tenant,
+            "KVPOOL_GROUP": member.group}
+    if e.min is not None:
+        env["KVPOOL_MIN"] = str(e.min)
+    if e.max is not None:
+        env["KVPOOL_MAX"] = str(e.max)
+    if e.weight is not None:
+        env["KVPOOL_WEIGHT"] = repr(e.weight)
+    return env | dict(extra)
+
+
+class Bundled:
+    """``kvpool serve --elastic`` (:mod:`kvpool.engine_adapters.bundled`)."""
+
+    state_path = "/kvpool/sleep"
+
+    def launch(self, member: MemberSpec, port: int) -> Launch:
+        e = member.entry
+        extra = ["--weights", e.weights, "--max-num-seqs", str(e.max_num_seqs)]
+        if e.sleepable:
+            extra.append("--sleepable")
+        if e.sleep_after is not None:
+            extra += ["--sleep-after", repr(e.sleep_after)]
+        argv = launch.serve_argv(e.checkpoint, *extra, *e.args, port=port, name=e.name,
+                                 kv_cache_size=e.kv_cache_size, elastic=True)
+        return Launch(argv, member_env(member, {}))
+
+    def observe(self, body: Any) -> Observed:
+        if not isinstance(body, dict) or not isinstance(body.get("is_sleeping"), bool):
+            raise ValueError(f"unexpected sleep state {str(body)[:80]!r}")
+        sleeps: dict[str, int] = {}
+        counted = body.get("sleeps")
+        for reason, n in (counted.items() if isinstance(counted, dict) else ()):
+            cause = CAUSE_OF.get(str(reason))
+            if cause is not None and isinstance(n, int):
+                sleeps[cause] = sleeps.get(cause, 0) + n
+        wakes = body.get("wakes")
+        return Observed(body["is_sleeping"], sleeps,
+                        wakes if isinstance(wakes, int) else None)
+
+
+class Vllm:
+    """vLLM's OpenAI server with the kvpool plugin (:mod:`kvpool.engine_adapters.vllm`)."""
+
+    state_path = "/is_sleeping"
+
+    def launch(self, member: MemberSpec, port: int) -> Launch:
+        e = member.entry
+        argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+                "--model", str(e.checkpoint), "--served-model-name", e.name,
+                "--host", "127.0.0.1", "--port", str(port),
+                "--max-num-seqs", str(e.max_num_seqs), "--disable-log-stats", *e.args]
+        extra = {"KVPOOL_ENABLE": "1", "VLLM_SERVER_DEV_MODE": "1",
+                 "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        if e.sleepable:
+            extra["KVPOOL_SLEEPABLE"] = "1"
+        if e.sleep_after is not None:
+            extra["KVPOOL_SLEEP_AFTER"] = repr(e.sleep_after)
+        return Launch(argv, member_env(member, extra))
+
+    def observe(self, body: Any) -> Observed:
+        if not isinstance(body, dict) or not isinstance(body.get("is_sleeping"), bool):
+            raise ValueError(f"unexpected sleep state {str(body)[:80]!r}")
+        return Observed(body["is_sleeping"])
+
+
+KINDS: dict[str, ServerKind] = {"bundled": Bundled(), "vllm": Vllm()}

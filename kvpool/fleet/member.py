@@ -1,0 +1,123 @@
+"""One replica of a fleet model: its server process and what the fleet knows of it.
+
+States (``state``): ``stopped`` (no process: lazy and not asked for yet), ``starting``
+(spawned, ``/health`` not yet 200), ``awake``, ``asleep`` (both answer requests: an
+asleep one is woken first), ``failed`` (did not start in time, or exited while
+starting; retried by a request after ``FAILED_BACKOFF_S``).
+
+The process runs in a session of its own (its process group is signalled: the server
+and anything it started, a ``--pd`` child say, stop together) and writes to its log in
+the fleet's log folder (appended to across restarts). Only the fleet's event loop
+changes a member; :meth:`stop` blocks for up to its grace time (call it on a thread).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+from kvpool import launch
+from kvpool.fleet.balance import ReplicaLoad
+from kvpool.fleet.engines import MemberSpec, ServerKind
+
+STOPPED, STARTING, AWAKE, ASLEEP, FAILED = "stopped", "starting", "awake", "asleep", "failed"
+READY = (AWAKE, ASLEEP)
+FAILED_BACKOFF_S = 10.0  # a failed member is started again by a request after this long
+STOP_GRACE_S = 10.0
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class Member:
+    """One replica (see the module). ``spec`` says who it is, ``kind`` how its engine's
+    server is started; ``log`` is where the server's output goes."""
+
+    def __init__(self, spec: MemberSpec, index: int, kind: ServerKind, log: Path) -> None:
+        self.spec = spec
+        self.entry = spec.entry
+        self.model = spec.entry.name
+        self.index = index
+        self.tenant = spec.tenant
+        self.kind = kind
+        self.log = log
+        self.state = STOPPED
+        self.popen: subprocess.Popen[bytes] | None = None
+        self.url: str | None = None
+        self.started_at = 0.0  # monotonic, of the current process
+        self.failed_at = 0.0
+        self.last_error = ""
+        self.starts = 0
+        self.inflight = 0  # requests the router sent it that have not finished
+        self.idle_since = time.monotonic()  # when its last request finished
+        # what the server counted when last observed (a restart starts from zero)
+        self.sleeps_seen: dict[str, int] = {}
+        self.wakes_seen = 0
+        self.counts_wakes = False  # the server counts its wakes (its last look said)
+
+    @property
+    def ready(self) -> bool:
+        return self.state in READY
+
+    def load(self, awake_only: bool) -> ReplicaLoad:
+        """This replica for a picker; ``awake_only``: an asleep one counts as not ready
+        (the router prefers an awake replica to waking one)."""
+        ready = self.state == AWAKE if awake_only else self.ready
+        return ReplicaLoad(index=self.index, inflight=self.inflight,
+                           capacity=self.entry.max_num_seqs, ready=ready)
+
+    def startable(self, now: float) -> bool:
+        """Stopped, or failed long enough ago to try again."""
+        return self.state == STOPPED or (self.state == FAILED
+                                         and now - self.failed_at >= FAILED_BACKOFF_S)
+
+    def spawn(self) -> None:
+        """Start the server on a fresh loopback port: ``starting``."""
+        port = free_port()
+        how = self.kind.launch(self.spec, port)
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        self.popen = launch.spawn_process(how.argv, self.log, new_session=True, append=True,
+                                          base_env=how.env)
+        self.url = f"http://127.0.0.1:{port}"
+        self.state = STARTING
+        self.started_at = time.monotonic()
+        self.starts += 1
+        self.sleeps_seen, self.wakes_seen = {}, 0
+
+    def exit_code(self) -> int | None:
+        """The process's exit status once it has exited (None: running, or none)."""
+        return None if self.popen is None else self.popen.poll()
+
+    def fail(self, why: str) -> None:
+        """Did not start: ``failed`` (the process, if any, is killed: call :meth:`stop`
+        on a thread after this when it may still run)."""
+        self.state = FAILED
+        self.failed_at = time.monotonic()
+        self.last_error = why
+
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        """SIGTERM to the process group, SIGKILL after ``grace_s``; reaped. Blocks."""
+        if self.popen is not None:
+            launch.stop(self.popen, grace_s, group=True)
+
+    def log_tail(self, lines: int = 1) -> str:
+        """The last non-empty lines of the server's log (why it died)."""
+        tail = [x for x in launch.log_tail(self.log, 40).splitlines() if x.strip()]
+        return " | ".join(tail[-lines:])[:300]
+
+    def kill_group(self) -> None:
+        """SIGKILL whatever is left of the process group of a server that exited (a
+        child it started); nothing when the group is gone."""
+        if self.popen is not None:
+            try:
+                os.killpg(self.popen.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass

@@ -1,0 +1,158 @@
+"""A fleet's life: its daemon (the running one, or one it starts), its members, its
+endpoint; :func:`serve` runs it until SIGTERM or SIGINT.
+
+Order: the listening socket is bound first (a port in use fails before anything
+starts), then the daemon is found or started (``--with-daemon``: a fresh run directory
+under /tmp, the ``[daemon]`` table's budget, page size and backend; its log
+``daemon.log`` in the log folder), then the app serves (its lifespan starts the eager
+members and the watch). ``fleet: serving N models on http://H:P`` goes to stderr once
+the socket listens. On SIGTERM/SIGINT the ASGI server stops (open streams get
+``GRACE_S``), the app's lifespan stops every member (process groups), and then the
+daemon the fleet started is stopped and its run directory removed. A fleet killed with
+SIGKILL cannot clean up: its members and daemon, each in a session of its own, stay
+until stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from types import FrameType
+
+import httpx
+
+from kvpool import launch, paths
+from kvpool.fleet.admission import ModelQueue
+from kvpool.fleet.balance import make_picker
+from kvpool.fleet.config import FleetConfig
+from kvpool.fleet.engines import KINDS, MemberSpec
+from kvpool.fleet.member import Member
+from kvpool.fleet.metrics import FleetMetrics
+from kvpool.fleet.router import create_app
+from kvpool.fleet.supervisor import Supervisor
+
+GRACE_S = 5  # open streams at shutdown
+QUEUE_SLACK_S = 30.0  # a waiting request's deadline beyond start_timeout_s
+
+
+class FleetError(RuntimeError):
+    """The fleet cannot start (no daemon, a port in use ...); one line."""
+
+
+class _Stop(Exception):
+    """SIGTERM or SIGINT outside the ASGI server's own handling."""
+
+
+def say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def build(config: FleetConfig, run_dir: Path, log_dir: Path,
+          log: Callable[[str], None] = say) -> tuple[Supervisor, dict[str, ModelQueue],
+                                                    FleetMetrics, httpx.AsyncClient]:
+    """The fleet's parts over the daemon of ``run_dir``; member logs in ``log_dir``."""
+    metrics = FleetMetrics()
+    # members are on loopback: no proxy from the environment, ever
+    client = httpx.AsyncClient(trust_env=False, timeout=httpx.Timeout(10.0),
+                               limits=httpx.Limits(max_connections=None,
+                                                   max_keepalive_connections=64))
+    members: dict[str, list[Member]] = {}
+    for e in config.models:
+        kind = KINDS[e.engine]
+        members[e.name] = [
+            Member(MemberSpec(e, e.tenant(i), config.name, run_dir), i, kind,
+                   log_dir / f"{e.tenant(i)}.log")
+            for i in range(e.replicas)]
+        metrics.add_model(e.name, e.replicas)
+    supervisor = Supervisor(members, metrics, client, config.start_timeout_s, log)
+    queues = {e.name: ModelQueue(e.name, members[e.name], supervisor, make_picker(e.routing),
+                                 metrics, config.queue, config.start_timeout_s + QUEUE_SLACK_S)
+              for e in config.models}
+    return supervisor, queues, metrics, client
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+    except (OSError, UnicodeError) as e:
+        raise FleetError(f"cannot listen on {host}:{port}: {e}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        raise FleetError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.set_inheritable(False)
+    return sock
+
+
+def _raise_stop(sig: int, frame: FrameType | None) -> None:
+    raise _Stop()
+
+
+def serve(config: FleetConfig, *, with_daemon: bool = False, host: str | None = None,
+          port: int | None = None, log_dir: str | os.PathLike[str] | None = None) -> None:
+    """Run the fleet until SIGTERM/SIGINT (see the module); raises :class:`FleetError`
+    (one line) when it cannot start."""
+    import uvicorn
+
+    host = host or config.host
+    port = config.port if port is None else port
+    run_dir = paths.run_dir(None)
+    if not with_daemon and not launch.serving(run_dir):
+        raise FleetError(f"no kvpool daemon serves at {run_dir} (start one with `kvpool "
+                         f"daemon`, set KVPOOL_RUN_DIR, or use --with-daemon)")
+    logs = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix=f"kvpool-fleet-"
+                                                                       f"{config.name}-"))
+    try:
+        logs.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise FleetError(f"cannot use the log folder {logs}: {e.strerror or e}") from None
+    previous = {s: signal.signal(s, _raise_stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    sock = _listen(host, port)
+    daemon: launch.DaemonProcess | None = None
+    supervisor: Supervisor | None = None
+    try:
+        if with_daemon:
+            run_dir = Path(tempfile.mkdtemp(prefix="kvpool-fleet-", dir="/tmp"))
+            d = config.daemon
+            try:
+                daemon = launch.start_daemon(
+                    run_dir, budget=d.budget, backend=d.backend, log=logs / "daemon.log",
+                    page_size=None if d.page_size is None else int(d.page_size),
+                    new_session=True)
+            except launch.DaemonStartError as e:
+                raise FleetError(f"the fleet's daemon did not start: "
+                                 f"{str(e).splitlines()[0]} (log {logs / 'daemon.log'})"
+                                 ) from None
+            say(f"fleet: started a daemon on run dir {run_dir} (log {logs / 'daemon.log'})")
+        supervisor, queues, metrics, client = build(config, run_dir, logs)
+        app = create_app(queues, supervisor, metrics, client,
+                         eager=[e.name for e in config.models if e.eager])
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on",
+                                               timeout_graceful_shutdown=GRACE_S))
+        bound = sock.getsockname()
+        say(f"fleet: member logs in {logs}")
+        say(f"fleet: serving {len(config.models)} models on http://{host}:{bound[1]}")
+        asyncio.run(server.serve(sockets=[sock]))
+    except _Stop:
+        pass
+    finally:
+        if supervisor is not None:
+            supervisor.stop_all()  # (the lifespan stopped them already, unless it never ran)
+        sock.close()
+        if daemon is not None:
+            daemon.stop()
+            shutil.rmtree(run_dir, ignore_errors=True)
+        for s, handler in previous.items():
+            signal.signal(s, handler)

@@ -1,0 +1,261 @@
+"""Starts, watches, wakes and stops the members of a fleet: :class:`Supervisor`.
+
+One watch task looks at every member each ``poll_s`` (all looks at once):
+
+* ``starting``: ``GET /health`` 200 makes it ``awake``; a process that exits, or is not
+  healthy within the fleet's ``start_timeout_s``, makes it ``failed`` (one log line
+  with the end of its log; ``kvpool_fleet_upstream_errors_total{kind="start"}``);
+* ``awake``/``asleep``: a process that exited is started again at once (one log line,
+  ``kvpool_fleet_restarts_total``); else its sleep state is read (``GET`` the kind's
+  ``state_path``). Sleeps are counted by cause from the server's own counters when it
+  keeps them (bundled); otherwise an ``awake -> asleep`` change counts as ``idle`` when
+  the model has ``sleep_after`` and the router sent it nothing for that long, else as
+  ``pressure`` (an operator's sleep of such a server is counted as pressure).
+
+A look whose answer comes back after the member changed (a wake the router asked for,
+a restart) is dropped (``version``). Every change of state sets the current
+:meth:`wait_change` event, which the requests waiting for a ready replica wait on.
+
+:meth:`wake` wakes an asleep member for the router (``POST /wake_up``), one wake per
+member however many requests wait for it; the wake is measured
+(``kvpool_fleet_wake_seconds``). :meth:`close` stops every member (process groups,
+SIGTERM then SIGKILL) and the watch task; nothing the fleet started outlives it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import httpx
+
+from kvpool.fleet.member import ASLEEP, AWAKE, FAILED, READY, STARTING, STOPPED, Member
+from kvpool.fleet.metrics import FleetMetrics
+
+POLL_S = 0.5
+LOOK_TIMEOUT_S = 5.0  # one health or state look (a busy server on 2 cores answers slowly)
+WAKE_TIMEOUT_S = 330.0  # the server's own wake wait is 300 s (kvpool.engine_adapters.sleep)
+
+
+class WakeFailed(RuntimeError):
+    """The router's wake of a member did not succeed; one line saying why."""
+
+
+class Supervisor:
+    """The members of a fleet (``members``: model name -> replicas in index order).
+    ``client`` makes every call to the members; ``say`` takes the fleet's log lines."""
+
+    def __init__(self, members: Mapping[str, Sequence[Member]], metrics: FleetMetrics,
+                 client: httpx.AsyncClient, start_timeout_s: float,
+                 say: Callable[[str], None], poll_s: float = POLL_S) -> None:
+        self.members = members
+        self.metrics = metrics
+        self.client = client
+        self.start_timeout_s = start_timeout_s
+        self.say = say
+        self.poll_s = poll_s
+        self._changed = asyncio.Event()
+        self._watch: asyncio.Task[None] | None = None
+        self._wakes: dict[tuple[str, int], asyncio.Task[None]] = {}
+        self._versions: dict[tuple[str, int], int] = {}
+        self.closed = False
+
+    def all(self) -> list[Member]:
+        return [m for ms in self.members.values() for m in ms]
+
+    # ---- life ------------------------------------------------------------------------
+    def start(self, eager: Sequence[str]) -> None:
+        """Start the members of the ``eager`` models and the watch task (in the loop)."""
+        for model in eager:
+            self.ensure_started(model)
+        self._watch = asyncio.create_task(self._watch_loop(), name="fleet-watch")
+
+    async def close(self) -> None:
+        """Stop watching, then stop every member (at once, each on a thread)."""
+        self.closed = True
+        if self._watch is not None:
+            self._watch.cancel()
+            try:
+                await self._watch
+            except asyncio.CancelledError:
+                pass
+            self._watch = None
+        for task in self._wakes.values():
+            task.cancel()
+        await asyncio.gather(*(asyncio.to_thread(m.stop) for m in self.all()))
+        for m in self.all():
+            self.set_state(m, STOPPED)
+
+    def stop_all(self) -> None:
+        """:meth:`close` without a loop (a fleet that stops before or after serving)."""
+        self.closed = True
+        for m in self.all():
+            m.stop()
+
+    # ---- states ----------------------------------------------------------------------
+    def set_state(self, m: Member, state: str) -> None:
+        """Change ``m``'s state (the watch's, the wake's and tests' one way): metrics,
+        the look version, and the waiters of :meth:`wait_change`."""
+        key = (m.model, m.index)
+        self._versions[key] = self._versions.get(key, 0) + 1
+        if m.state != state:
+            m.state = state
+            self.metrics.set_state(m.model, m.index, state)
+            self._changed.set()
+            self._changed = asyncio.Event()
+
+    def _version(self, m: Member) -> int:
+        return self._versions.get((m.model, m.index), 0)
+
+    async def wait_change(self, timeout_s: float) -> None:
+        """Return at the next change of any member's state, or after ``timeout_s``."""
+        event = self._changed
+        try:
+            await asyncio.wait_for(event.wait(), max(0.0, timeout_s))
+        except asyncio.TimeoutError:
+            pass
+
+    def ensure_started(self, model: str) -> None:
+        """Start every replica of ``model`` that is stopped (or failed long enough ago)."""
+        now = time.monotonic()
+        for m in self.members[model]:
+            if m.startable(now) and not self.closed:
+                self._spawn(m)
+
+    def _spawn(self, m: Member) -> None:
+        try:
+            m.spawn()
+        except OSError as e:
+            self._failed(m, f"cannot start: {e}")
+            return
+        self.say(f"fleet: starting {m.tenant} ({m.entry.engine}) at {m.url}; log {m.log}")
+        self.set_state(m, STARTING)
+
+    def _failed(self, m: Member, why: str) -> None:
+        m.fail(why)
+        self.metrics.upstream_errors.labels(m.model, "start").inc()
+        self.say(f"fleet: {m.tenant} failed to start: {why}")
+        self.set_state(m, FAILED)
+
+    # ---- watching ----------------------------------------------------------------------
+    async def _watch_loop(self) -> None:
+        while True:
+            members = self.all()
+            await asyncio.gather(*(self._look(m) for m in members))
+            await asyncio.sleep(self.poll_s)
+
+    async def _look(self, m: Member) -> None:
+        try:
+            if m.state == STARTING:
+                await self._look_starting(m)
+            elif m.state in READY:
+                await self._look_ready(m)
+        except Exception as e:  # a look never ends the watch
+            self.say(f"fleet: watching {m.tenant}: {type(e).__name__}: {e}")
+
+    async def _look_starting(self, m: Member) -> None:
+        code = m.exit_code()
+        if code is not None:
+            m.kill_group()
+            self._failed(m, f"exited with code {code} while starting: {m.log_tail()}")
+            return
+        version = self._version(m)
+        if await self._healthy(m):
+            if self._version(m) == version and m.exit_code() is None:
+                self.say(f"fleet: {m.tenant} is up at {m.url} "
+                         f"({time.monotonic() - m.started_at:.1f} s)")
+                self.set_state(m, AWAKE)
+            return
+        if time.monotonic() - m.started_at > self.start_timeout_s:
+            self._failed(m, f"not healthy within {self.start_timeout_s:g} s: {m.log_tail()}")
+            await asyncio.to_thread(m.stop, 5.0)
+
+    async def _look_ready(self, m: Member) -> None:
+        code = m.exit_code()
+        if code is not None:
+            m.kill_group()
+            self.metrics.restarts.labels(m.model).inc()
+            self.say(f"fleet: {m.tenant} exited with code {code}; restarting it "
+                     f"({m.log_tail()})")
+            self._spawn(m)
+            return
+        version = self._version(m)
+        try:
+            reply = await self.client.get(f"{m.url}{m.kind.state_path}",
+                                          timeout=LOOK_TIMEOUT_S)
+            observed = m.kind.observe(reply.json()) if reply.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            return  # busy or going away: the next look will tell
+        if observed is None or self._version(m) != version:
+            return
+        self._count(m, observed.asleep, observed.sleeps, observed.wakes)
+        self.set_state(m, ASLEEP if observed.asleep else AWAKE)
+
+    def _count(self, m: Member, asleep: bool, sleeps: Mapping[str, int] | None,
+               wakes: int | None) -> None:
+        """Sleeps by cause and wakes since the last look (see the module)."""
+        if sleeps is not None:
+            for cause, n in sleeps.items():
+                if n > m.sleeps_seen.get(cause, 0):
+                    self.metrics.sleeps.labels(m.model, cause).inc(n - m.sleeps_seen.get(cause, 0))
+            m.sleeps_seen = dict(sleeps)
+        elif asleep and m.state == AWAKE:
+            after = m.entry.sleep_after
+            idle = m.inflight == 0 and after is not None \
+                and time.monotonic() - m.idle_since >= after
+            self.metrics.sleeps.labels(m.model, "idle" if idle else "pressure").inc()
+        m.counts_wakes = wakes is not None
+        if wakes is not None:
+            if wakes > m.wakes_seen:
+                self.metrics.wakes.labels(m.model).inc(wakes - m.wakes_seen)
+            m.wakes_seen = wakes
+        elif not asleep and m.state == ASLEEP:
+            self.metrics.wakes.labels(m.model).inc()
+
+    async def _healthy(self, m: Member) -> bool:
+        try:
+            reply = await self.client.get(f"{m.url}/health", timeout=LOOK_TIMEOUT_S)
+        except httpx.HTTPError:
+            return False
+        return reply.status_code == 200
+
+    # ---- waking ------------------------------------------------------------------------
+    async def wake(self, m: Member) -> None:
+        """Wake the asleep member ``m``; every caller shares one wake. Raises
+        :class:`WakeFailed` (one line) when it does not wake."""
+        key = (m.model, m.index)
+        task = self._wakes.get(key)
+        if task is None or task.done():
+            task = self._wakes[key] = asyncio.create_task(self._wake(m), name="fleet-wake")
+        await asyncio.shield(task)
+
+    async def _wake(self, m: Member) -> None:
+        t0 = time.monotonic()
+        url = m.url
+        try:
+            reply = await self.client.post(f"{url}/wake_up", timeout=WAKE_TIMEOUT_S)
+        except httpx.HTTPError as e:
+            self.metrics.upstream_errors.labels(m.model, "wake").inc()
+            raise WakeFailed(f"{m.tenant} did not answer its wake: {type(e).__name__}") from None
+        if reply.status_code != 200:
+            self.metrics.upstream_errors.labels(m.model, "wake").inc()
+            raise WakeFailed(f"{m.tenant} could not wake: {_message(reply)}")
+        seconds = time.monotonic() - t0
+        self.metrics.wake_seconds.labels(m.model).observe(seconds)
+        if m.url == url and m.state == ASLEEP:
+            if not m.counts_wakes:  # the server keeps no count: this wake is counted here
+                self.metrics.wakes.labels(m.model).inc()
+            self.set_state(m, AWAKE)
+        self.say(f"fleet: woke {m.tenant} in {seconds:.2f} s")
+
+
+def _message(reply: httpx.Response) -> str:
+    """The one-line message of an error reply (OpenAI's shape, else the status)."""
+    try:
+        body: Any = reply.json()
+        text = str(body["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        text = f"HTTP {reply.status_code}"
+    return text.splitlines()[0][:300] if text else f"HTTP {reply.status_code}"
