@@ -40,13 +40,27 @@ def test_demo_rejects_bad_sizes():
     assert r.exit_code != 0 and "cannot parse size" in r.output
 
 
+def test_demo_scenario_options_that_do_not_go_together(tmp_path):
+    """The fleet demo serves its own models on the host: --model / --engine / --backend
+    belong to --scenario kv (implied by them when no scenario is given); the fleet mode
+    to the fleet scenario. One line each, nothing started."""
+    out = str(tmp_path / "o")
+    r = CliRunner().invoke(cli, ["demo", "--out", out, "--scenario", "fleet", "--engine", "vllm"])
+    assert "apply to --scenario kv" in _one_line_error(r)
+    r = CliRunner().invoke(cli, ["demo", "--out", out, "--scenario", "kv", "--mode", "fleet"])
+    assert "--mode fleet needs --scenario fleet" in _one_line_error(r)
+    r = CliRunner().invoke(cli, ["demo", "--out", out, "--duration", "0"])
+    assert "--duration must be positive" in _one_line_error(r)
+    assert not (tmp_path / "o").exists()
+
+
 def test_demo_runs_to_completion(tmp_path):
     """Both modes, real daemon and servers, a few seconds of load: table, chart, JSON."""
     out = tmp_path / "demo"
     mark = uuid.uuid4().hex  # inherited by every process the demo starts
     proc = subprocess.run(
-        [sys.executable, "-m", "kvpool.cli.main", "demo", "--out", str(out), "--duration", "4",
-         "--peak-rate", "3", "--base-rate", "0.5", "--no-live"],
+        [sys.executable, "-m", "kvpool.cli.main", "demo", "--scenario", "kv", "--out", str(out),
+         "--duration", "4", "--peak-rate", "3", "--base-rate", "0.5", "--no-live"],
         capture_output=True, text=True, timeout=240, env={**os.environ, MARK: mark})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads((out / "results.json").read_text())
@@ -184,3 +198,48 @@ def test_chat_requests_and_their_stream():
     assert (out.text, out.prompt_len, out.output_tokens, len(stamps)) == ("Paris is.", 37, 3, 2)
     _take(out, {"error": {"message": "boom"}}, stamps)
     assert out.error == "server error: boom"
+
+
+def test_fleet_demo_runs_every_mode(tmp_path, monkeypatch):
+    """Demo v2, small: three small models on a budget that holds one (weights + working
+    KV); static and elastic serve that one (the others' requests fail, counted), the
+    fleet serves all three (sleep and wake); every mode's outcome fields, the chart, the
+    fleet file, and nothing left running."""
+    from kvpool.demo.fleet_run import FleetDemoConfig, run_fleet_demo
+    from kvpool.demo.workload import WorkloadShape
+
+    mark = uuid.uuid4().hex
+    monkeypatch.setenv(MARK, mark)  # inherited by every process the demo starts
+    models = ("alpha", "beta", "gamma")
+    cfg = FleetDemoConfig(
+        out_dir=tmp_path / "demo", models=models, layers=1, hidden=256, heads=4, kv_heads=2,
+        budget=12 << 20, working_kv=4 << 20, sleep_after_s=1.0, live=False,
+        workload=WorkloadShape(models=list(models), duration_s=4.5, phase_s=1.5,
+                               base_rate=0.3, peak_rate=3.0, prompt_range=(16, 64),
+                               output_range=(8, 16)))
+    assert len(cfg.models) == 3
+    result = run_fleet_demo(cfg)
+    assert result["config"]["resident"] == ["alpha"]
+    summary = result["summary"]
+    for mode in ("static", "elastic", "fleet"):
+        a = summary[mode]["all"]
+        for key in ("requests", "served", "failed", "slo_met", "slo_attainment", "ttft_p50",
+                    "ttft_p99", "models_served", "wakes", "mem_peak"):
+            assert key in a, (mode, key)
+        assert a["requests"] > 0 and a["served"] + a["failed"] == a["requests"]
+        assert 0.0 <= a["slo_attainment"] <= 1.0 and a["wakes"]["count"] >= 0
+    for mode in ("static", "elastic"):  # only alpha fits: the others' requests fail
+        a = summary[mode]["all"]
+        assert a["models_served"] == 1 and a["failed"] == a["requests"] - \
+            summary[mode]["alpha"]["requests"]
+    fleet = summary["fleet"]["all"]
+    assert fleet["models_served"] == 3 and fleet["failed"] == 0, fleet
+    assert fleet["mem_peak"] > 0
+    samples = result["runs"]["fleet"]["memory"]
+    assert any(sum(row["weights"].values()) for row in samples)  # weights in the pool
+    assert (cfg.out_dir / "fleet_memory.png").stat().st_size > 1000
+    assert "[[models]]" in (cfg.out_dir / "FLEET.toml").read_text()
+    left = marked(mark)
+    for _, p in left:
+        p.kill()
+    assert not left, f"the demo left processes behind: {[c for c, _ in left]}"

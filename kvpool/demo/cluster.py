@@ -78,10 +78,14 @@ class Cluster:
         return proc
 
     def serve(self, name: str, model_dir: Path, kv_cache_size: int, elastic: bool,
-              extra: tuple[str, ...] = (), env: dict[str, str] | None = None) -> Proc:
+              extra: tuple[str, ...] = (), env: dict[str, str] | None = None,
+              weights: str = "local") -> Proc:
+        """One ``kvpool serve``. Elastic servers keep their weights in the process by
+        default (``weights="local"``), as static ones do, so a budget compares KV alone;
+        ``weights="pool"`` puts them in the daemon's pool (the fleet demo)."""
         port = free_port()
-        if elastic:  # weights stay in the process, as in the static run: the budget is
-            extra = ("--weights", "local", *extra)  # KV alone (weights: weights_bench)
+        if elastic:
+            extra = ("--weights", weights, *extra)
         argv = launch.serve_argv(model_dir, *extra, port=port, name=name,
                                  kv_cache_size=kv_cache_size, elastic=elastic)
         env = dict(env or {})
@@ -91,6 +95,14 @@ class Cluster:
             env |= {"KVPOOL_RUN_DIR": str(self.run_dir), "KVPOOL_TENANT": name}
         proc = self._spawn(f"serve-{name}", argv, env)
         proc.url = f"http://127.0.0.1:{port}"
+        return proc
+
+    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None,
+              url: str | None = None) -> Proc:
+        """Any other process of the run (``kvpool fleet``), stopped with the rest; one
+        with a ``url`` is waited for by :meth:`wait_healthy` (``GET url/health``)."""
+        proc = self._spawn(name, argv, env)
+        proc.url = url
         return proc
 
     def serve_vllm(self, name: str, model_dir: Path, kv_cache_size: int, elastic: bool,

@@ -5,12 +5,15 @@ the client, queueing included: that is what a burst does to users. Tiny models g
 token-id prompts on ``/v1/completions`` (``ignore_eos``: every answer has the workload's
 length); real models (``chat=True``) get a real question on ``/v1/chat/completions``
 (:mod:`kvpool.demo.prompts`), answer until their end of turn or ``max_tokens``, and the
-answer's text is kept. Memory is sampled alongside by a caller-given function.
+answer's text is kept. Memory is sampled alongside by a caller-given function. A
+request for a model ``urls`` has no server for fails at once ("no server for this
+model"): a run that serves only the models that fit counts the others' requests.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import time
 from dataclasses import asdict, dataclass, field
@@ -164,7 +167,12 @@ async def replay_async(
         )
 
         async def run(i: int, a: Arrival) -> Outcome:
-            o = await _one(client, urls[a.model], a, i, vocab, start, chat)
+            url = urls.get(a.model)
+            if url is None:  # no server for this model (it did not fit): a failure
+                o = Outcome(i, a.model, a.at, a.prompt_len, a.max_tokens,
+                            error="no server for this model")
+            else:
+                o = await _one(client, url, a, i, vocab, start, chat)
             if on_done:
                 on_done(o)
             return o
@@ -178,3 +186,19 @@ async def replay_async(
 
 def replay(arrivals: list[Arrival], urls: dict[str, str], vocab: int, **kw: Any) -> Replay:
     return asyncio.run(replay_async(arrivals, urls, vocab, **kw))
+
+
+def warm_up(url: str, model: str, timeout_s: float = 300.0) -> None:
+    """One one-token request to ``model`` at ``url`` (a server's first request pays its
+    kernels' first-use costs; a fleet's starts a lazy member). Raises
+    :class:`httpx.HTTPError` when it fails."""
+    body = {"model": model, "prompt": [8, 9, 10, 11], "max_tokens": 1, "temperature": 0.0}
+    httpx.post(f"{url}/v1/completions", json=body, timeout=timeout_s).raise_for_status()
+
+
+def warm_up_all(urls: dict[str, str], timeout_s: float = 300.0) -> None:
+    """:func:`warm_up` each model of ``urls`` ({model: url}) at once (threads); the
+    first error is raised."""
+    with concurrent.futures.ThreadPoolExecutor(max(1, len(urls))) as pool:
+        for f in [pool.submit(warm_up, u, m, timeout_s) for m, u in urls.items()]:
+            f.result()
