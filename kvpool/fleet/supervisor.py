@@ -58,6 +58,7 @@ class Supervisor:
         self.poll_s = poll_s
         self._changed = asyncio.Event()
         self._watch: asyncio.Task[None] | None = None
+        self._eager: asyncio.Task[None] | None = None
         self._wakes: dict[tuple[str, int], asyncio.Task[None]] = {}
         self._versions: dict[tuple[str, int], int] = {}
         self.closed = False
@@ -67,14 +68,36 @@ class Supervisor:
 
     # ---- life ------------------------------------------------------------------------
     def start(self, eager: Sequence[str]) -> None:
-        """Start the members of the ``eager`` models and the watch task (in the loop)."""
-        for model in eager:
-            self.ensure_started(model)
+        """Start the watch task and, one after another, the members of the ``eager``
+        models (in the loop)."""
         self._watch = asyncio.create_task(self._watch_loop(), name="fleet-watch")
+        if eager:
+            self._eager = asyncio.create_task(self._start_in_turn(eager), name="fleet-eager")
+
+    async def _start_in_turn(self, eager: Sequence[str]) -> None:
+        """Eager members start one at a time, each once the one before is up or failed.
+        Started together on a budget their weights fill, one could not make room: the
+        daemon puts only an *idle* sleepable tenant to sleep, and a member still loading
+        has not said idle yet, so its first KV chunk would be refused."""
+        for model in eager:
+            for m in self.members[model]:
+                if self.closed:
+                    return
+                if m.startable(time.monotonic()):
+                    self._spawn(m)
+                while m.state == STARTING and not self.closed:
+                    await self.wait_change(1.0)
 
     async def close(self) -> None:
         """Stop watching, then stop every member (at once, each on a thread)."""
         self.closed = True
+        if self._eager is not None:
+            self._eager.cancel()
+            try:
+                await self._eager
+            except asyncio.CancelledError:
+                pass
+            self._eager = None
         if self._watch is not None:
             self._watch.cancel()
             try:
