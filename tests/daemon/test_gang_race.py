@@ -38,7 +38,7 @@ def test_two_gangs_and_a_tenant_race_for_two_devices(start_daemon, tmp_path):
     stats = {"granted": 0, "refused": 0, "released": 0, "killed": 0, "solo_waits": 0}
     try:
         gangs = [ranks.gang(f"g{i}", [0, 1], LAYOUT) for i in range(2)]
-        next_kill = rng.randint(2, 6)
+        next_kill = rng.randint(3, 9)
         for rnd in range(ROUNDS):
             for g in gangs:
                 free = [u for u in range(UNITS) if u not in g.mapped]
@@ -88,7 +88,7 @@ def test_two_gangs_and_a_tenant_race_for_two_devices(start_daemon, tmp_path):
                         if x.name == victim.name and x.mapped}
                 assert not gone, f"round {rnd}: the killed gang still holds pages: {gone}"
                 gangs[gangs.index(victim)] = ranks.gang(victim.name, [0, 1], LAYOUT)
-                next_kill = rnd + 1 + rng.randint(2, 6)
+                next_kill = rnd + 1 + rng.randint(3, 9)
             problems = invariant_problems(monitors, 2)
             assert not problems, f"round {rnd}: {problems}"
         assert stats["granted"] and stats["refused"] and stats["killed"], stats
