@@ -191,3 +191,16 @@ def test_another_uid_may_not_join(start_daemon, tmp_path):
         assert got["code"] == p.UNAUTHORIZED and "belongs to uid" in got["message"], got
         with Monitor(d.run_dir, device=1) as m1:
             assert [t.name for t in m1.ps().tenants if t.registered] == []  # nobody joined
+
+
+def test_the_cli_reads_the_device_it_is_given(start_daemon):
+    d = two_devices(start_daemon)
+    with d.connect("one", device=1) as t:
+        t.region_group(1, 4 * PAGE).grant([0, 1])
+        ps1 = d.cli_json("ps", "--device", "1")
+        assert [x["name"] for x in ps1["tenants"]] == ["one"]
+        assert ps1["pool"]["device"] == 1 and ps1["pool"]["granted"] == 2 * PAGE
+        ps0 = d.cli_json("ps")  # the first device by default
+        assert ps0["tenants"] == [] and ps0["pool"]["device"] == 0
+        assert d.cli("check", "--device", "1").stdout.strip() == "ok"
+        assert "one" in d.cli("map", "--device", "1").stdout
