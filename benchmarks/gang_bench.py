@@ -2,15 +2,17 @@
 costs next to a single-device grant of the same units, and what reclaiming a TP=2
 tenant costs next to a TP=1 tenant of the same bytes.
 
-* grant: a TP=2 gang (two sessions in this process, one per device, each rank's
-  ``grant`` on its own thread, released together; the latency is until both returned)
-  vs one session's grant of the same units on device 0; 1, 8 and 64 pages per rank;
-  grant and release interleaved rep by rep, the order alternating.
+* grant: a TP=2 gang (two rank processes, one per device, each mapping its own
+  descriptors; the latency is from the command to both ranks having mapped) vs one
+  tenant process's grant of the same units on device 0 (the same command path); 1, 8
+  and 64 pages per rank; grant and release interleaved rep by rep, the order
+  alternating.
 * reclaim: a lease on device 0 that needs every page the tenant holds there: a TP=1
   tenant holding P pages on device 0 (daemon A, budget P per device) vs a TP=2 gang
-  holding P/2 pages on each device (daemon B, budget P/2 per device: the same bytes);
-  the tenant's shrink callback releases what it is asked (the gang's ask is mirrored to
-  both ranks, whose collective release returns both devices' pages). Reps interleaved.
+  holding P/2 pages on each device (daemon B, budget P/2 per device: the same bytes),
+  each a process; the tenant's shrink callback releases what it is asked (the gang's
+  ask is mirrored to both ranks, whose collective release returns both devices'
+  pages). Reps interleaved.
 
     .venv/bin/python benchmarks/gang_bench.py [--reps 30] [--reclaim-reps 7]
 
@@ -21,12 +23,11 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
-from typing import Callable
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -38,138 +39,137 @@ PAGE = 2 << 20
 SIZES = (1, 8, 64)
 
 
-class Pair:
-    """Two threads that run one call each at the same moment (a collective)."""
+def worker(run_dir: str, role: str, name: str, device: int, pages: int,
+           token: str) -> None:
+    """One tenant process (a single-device tenant, or one rank of a TP=2 gang): on
+    ``grant N`` / ``release N`` it grants or releases units ``0..N-1`` of its group
+    (a collective for a rank) and answers ``ok`` once it mapped or unmapped them; it
+    releases what a reclaim asks (highest units first; both ranks pick the same)."""
+    from kvpool.client_lib import connect
 
-    def __init__(self) -> None:
-        self.go = [threading.Event(), threading.Event()]
-        self.done = threading.Barrier(3)
-        self.fns: list[Callable[[], None]] = [lambda: None, lambda: None]
-        self.errors: list[BaseException] = []
-        self.stop = False
-        for i in range(2):
-            threading.Thread(target=self._run, args=(i,), daemon=True).start()
+    layout = [(1, pages * PAGE)]
+    if role == "rank1":
+        t = connect(name, device=device, run_dir=run_dir, gang=token, rank=1, layout=layout)
+    else:
+        t = connect(name, device=device, run_dir=run_dir)
+        if role == "rank0":
+            token = t.create_gang([0, 1], layout)
+    g = t.region_group(1, pages * PAGE)
 
-    def _run(self, i: int) -> None:
-        while True:
-            self.go[i].wait()
-            self.go[i].clear()
-            if self.stop:
-                return
-            try:
-                self.fns[i]()
-            except BaseException as e:  # reported by run()
-                self.errors.append(e)
-            self.done.wait()
-
-    def run(self, a: Callable[[], None], b: Callable[[], None]) -> int:
-        """Both calls; nanoseconds until both returned."""
-        self.fns = [a, b]
-        t0 = time.perf_counter_ns()
-        for ev in self.go:
-            ev.set()
-        self.done.wait()
-        ns = time.perf_counter_ns() - t0
-        if self.errors:
-            raise self.errors.pop()
-        return ns
-
-    def close(self) -> None:
-        self.stop = True
-        for ev in self.go:
-            ev.set()
-
-
-def shrinker(g) -> Callable[[int, bool], None]:  # type: ignore[no-untyped-def]
-    """Release the highest units covering ``nbytes`` (every rank picks the same)."""
     def shrink(nbytes: int, urgent: bool) -> None:
         mapped = sorted(g.mapped)
         k = min(len(mapped), -(-nbytes // g.unit_bytes))
         if k:
             g.release(mapped[-k:])
-    return shrink
+
+    t.set_shrink_callback(shrink)
+    print(f"ready {token}", flush=True)
+    for line in sys.stdin:
+        op, n = line.split()
+        units = list(range(int(n)))
+        if op == "grant":
+            g.grant(units)
+        else:
+            g.release([u for u in units if u in g.mapped])
+        print("ok", flush=True)
+    t.close()
+
+
+class Worker:
+    def __init__(self, run_dir: str, role: str, name: str, device: int, pages: int,
+                 token: str = "-"):
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--worker", run_dir, role, name, str(device),
+             str(pages), token], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            cwd=REPO)
+        assert self.proc.stdout is not None and self.proc.stdin is not None
+        self.stdin, self.stdout = self.proc.stdin, self.proc.stdout
+        ready = self.stdout.readline().split()
+        assert ready and ready[0] == "ready", ready
+        self.token = ready[1]
+
+    def send(self, line: str) -> None:
+        self.stdin.write(line + "\n")
+        self.stdin.flush()
+
+    def done(self) -> None:
+        got = self.stdout.readline().strip()
+        assert got == "ok", got
+
+    def close(self) -> None:
+        self.stdin.close()
+        self.proc.wait(30)
+
+
+def timed(workers: list[Worker], line: str) -> int:
+    """Send ``line`` to every worker at once; nanoseconds until all of them are done."""
+    t0 = time.perf_counter_ns()
+    for w in workers:
+        w.send(line)
+    for w in workers:
+        w.done()
+    return time.perf_counter_ns() - t0
+
+
+def gang(run_dir: str, name: str, pages: int) -> list[Worker]:
+    r0 = Worker(run_dir, "rank0", name, 0, pages)
+    return [r0, Worker(run_dir, "rank1", name, 1, pages, r0.token)]
 
 
 def grant_latency(run_dir: str, reps: int) -> dict:
-    from kvpool.client_lib import connect
-
     most = max(SIZES)
-    single = connect("single", device=0, run_dir=run_dir)
-    sg = single.region_group(1, most * PAGE)
-    r0 = connect("tp", device=0, run_dir=run_dir)
-    token = r0.create_gang([0, 1], [(1, most * PAGE)])
-    r1 = connect("tp", device=1, run_dir=run_dir, gang=token, rank=1, layout=[(1, most * PAGE)])
-    g0, g1 = r0.region_group(1, most * PAGE), r1.region_group(1, most * PAGE)
-    pair = Pair()
+    single = [Worker(run_dir, "single", "single", 0, most)]
+    tp2 = gang(run_dir, "tp", most)
     out: dict = {}
     try:
         for n in SIZES:
-            units = list(range(n))
             samples: dict[str, list[int]] = {"single": [], "gang": []}
             for rep in range(reps):
                 order = ("single", "gang") if rep % 2 == 0 else ("gang", "single")
                 for kind in order:
-                    if kind == "single":
-                        t0 = time.perf_counter_ns()
-                        sg.grant(units)
-                        samples["single"].append(time.perf_counter_ns() - t0)
-                        sg.release(units)
-                    else:
-                        samples["gang"].append(pair.run(lambda: g0.grant(units),
-                                                        lambda: g1.grant(units)))
-                        pair.run(lambda: g0.release(units), lambda: g1.release(units))
+                    ws = single if kind == "single" else tp2
+                    samples[kind].append(timed(ws, f"grant {n}"))
+                    timed(ws, f"release {n}")
             s, g = summarize(samples["single"]), summarize(samples["gang"])
             out[str(n)] = {"single": s, "gang_tp2": g,
                            "ratio_median": g["median_us"] / s["median_us"],
                            "ratio_p99": g["p99_us"] / s["p99_us"]}
     finally:
-        pair.close()
-        for t in (single, r0, r1):
-            t.close()
+        for w in single + tp2:
+            w.close()
     return out
 
 
 def reclaim_latency(run_a: str, run_b: str, pages: int, reps: int) -> dict:
     """Lease on device 0 reclaiming a TP=1 tenant (``pages`` on device 0, daemon A) vs
-    a TP=2 gang (``pages // 2`` on each device, daemon B)."""
+    a TP=2 gang (``pages // 2`` on each device, daemon B): the same bytes."""
     from kvpool.client_lib import connect
 
     half = pages // 2
-    tp1 = connect("tp1", device=0, run_dir=run_a)
-    g1 = tp1.region_group(1, pages * PAGE)
-    tp1.set_shrink_callback(shrinker(g1))
-    r0 = connect("tp2", device=0, run_dir=run_b)
-    token = r0.create_gang([0, 1], [(1, half * PAGE)])
-    r1 = connect("tp2", device=1, run_dir=run_b, gang=token, rank=1, layout=[(1, half * PAGE)])
-    ga, gb = r0.region_group(1, half * PAGE), r1.region_group(1, half * PAGE)
-    r0.set_shrink_callback(shrinker(ga))
-    r1.set_shrink_callback(shrinker(gb))
+    tp1 = [Worker(run_a, "single", "tp1", 0, pages)]
+    tp2 = gang(run_b, "tp2", half)
     la = connect("lease-a", device=0, run_dir=run_a, kind="lease")
     lb = connect("lease-b", device=0, run_dir=run_b, kind="lease")
-    pair = Pair()
     samples: dict[str, list[int]] = {"tp1": [], "tp2": []}
     try:
         for rep in range(reps):
             order = ("tp1", "tp2") if rep % 2 == 0 else ("tp2", "tp1")
             for kind in order:
-                if kind == "tp1":
-                    g1.grant(range(pages))
-                    t0 = time.perf_counter_ns()
-                    lease = la.lease(pages * PAGE)
-                    samples["tp1"].append(time.perf_counter_ns() - t0)
-                else:
-                    pair.run(lambda: ga.grant(range(half)), lambda: gb.grant(range(half)))
-                    t0 = time.perf_counter_ns()
-                    lease = lb.lease(half * PAGE)
-                    samples["tp2"].append(time.perf_counter_ns() - t0)
+                ws, lt, n = (tp1, la, pages) if kind == "tp1" else (tp2, lb, half)
+                timed(ws, f"grant {n}")
+                t0 = time.perf_counter_ns()
+                lease = lt.lease(n * PAGE)
+                samples[kind].append(time.perf_counter_ns() - t0)
                 lease.close()
                 time.sleep(0.05)  # the tenants' answers (Reclaimed) are in
     finally:
-        pair.close()
-        for t in (tp1, r0, r1, la, lb):
-            t.close()
+        for w in tp1 + tp2:
+            w.close()
+        la.close()
+        lb.close()
     a, b = summarize(samples["tp1"]), summarize(samples["tp2"])
-    return {"bytes": pages * PAGE, "tp1": a, "tp2": b, "ratio_median": b["median_us"] / a["median_us"]}
+    return {"bytes": pages * PAGE, "tp1": a, "tp2": b,
+            "ratio_median": b["median_us"] / a["median_us"]}
 
 
 def main() -> None:
@@ -217,4 +217,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        worker(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), int(sys.argv[6]),
+               sys.argv[7])
+    else:
+        main()
