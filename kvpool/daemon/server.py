@@ -121,9 +121,10 @@ class Server:
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.fdwatch.watch(self._wake_r, self._on_signal_pipe)
         # counters, event log, /metrics if configured
-        self.observer = observe.attach(a, self.fdwatch, self.reply, cfg)
+        # events per device; one exporter (the first device's) with every device's metrics
         self.observers = [observe.attach(s.arbiter, self.fdwatch, self.reply, metrics_off(cfg))
-                          for s in self.devices if s.arbiter is not a]  # events per device
+                          for s in self.devices if s.arbiter is not a]
+        self.observer = observe.attach(a, self.fdwatch, self.reply, cfg, self.observers)
         signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)

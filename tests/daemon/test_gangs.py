@@ -204,3 +204,23 @@ def test_the_cli_reads_the_device_it_is_given(start_daemon):
         assert ps0["tenants"] == [] and ps0["pool"]["device"] == 0
         assert d.cli("check", "--device", "1").stdout.strip() == "ok"
         assert "one" in d.cli("map", "--device", "1").stdout
+
+
+def test_metrics_carry_every_device(start_daemon):
+    """One exporter, every device's samples (``device`` label), each family once."""
+    import socket
+    import urllib.request
+
+    with socket.socket() as sock:  # a free port (the daemon binds it at once)
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    d = two_devices(start_daemon, "--metrics-address", f"127.0.0.1:{port}")
+    with d.connect("one", device=1) as t:
+        t.region_group(1, 4 * PAGE).grant([0, 1])
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read()
+    lines = text.decode().splitlines()
+    granted = [ln for ln in lines if ln.startswith("kvpool_pool_granted_bytes{")]
+    assert sorted(granted) == [f'kvpool_pool_granted_bytes{{device="0"}} 0.0',
+                               f'kvpool_pool_granted_bytes{{device="1"}} {2.0 * PAGE}'], granted
+    helps = [ln for ln in lines if ln.startswith("# HELP ")]
+    assert len(helps) == len(set(helps))  # each family once
