@@ -17,7 +17,9 @@ nothing yet) and belongs to the device its ``Register`` names from then on
 from __future__ import annotations
 
 import dataclasses
+import logging
 import socket
+import time
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -26,9 +28,12 @@ from kvpool.daemon.arbiter import Arbiter
 from kvpool.daemon.config import Config
 from kvpool.daemon.gangs import Gangs
 from kvpool.daemon.pool import Pool
+from kvpool.daemon.restart import StateFile, devices_of, live_tenants, next_group_of
 from kvpool.daemon.tenants import NO_MEMORY_KINDS, TenantRecord, Tenants
 from kvpool.sizes import parse_size
 from kvpool.vmm import Backend, device_count, open_backend
+
+log = logging.getLogger("kvpool.daemon")
 
 
 @dataclass
@@ -108,6 +113,34 @@ class Devices:
         return (f"device {req.device} is not served (this daemon serves "
                 f"{'device' if len(self.stacks) == 1 else 'devices'} "
                 f"{', '.join(map(str, self.stacks))})")
+
+    # ---- restart (kvpool.daemon.restart) ------------------------------------------------
+    def save_state(self, state: StateFile) -> None:
+        """Every device's live tenants (gang ranks excepted: a restart ends a gang) and
+        next group ids, for the next daemon."""
+        first = self.first.arbiter
+        tenants = [t for t in self.tenants if t.arbitrated and not t.gang]
+        state.save(first.next_group, tenants,
+                   {d: s.arbiter.next_group for d, s in self.stacks.items()})
+
+    def begin_recovery(self, state: StateFile, timeout_s: float) -> None:
+        """Each device waits for the previous daemon's tenants that held memory on it."""
+        saved = state.load()
+        if saved is None:
+            return
+        first = self.first.device
+        where = devices_of(saved, first)
+        pids, names, uids = live_tenants(saved)
+        until = time.monotonic() + timeout_s
+        for d, s in self.stacks.items():
+            mine = {pid for pid in pids if d in where.get(pid, {first})}
+            s.arbiter.begin_recovery(
+                mine, {n: pid for n, pid in names.items() if pid in mine},
+                {pid: uid for pid, uid in uids.items() if pid in mine},
+                next_group_of(saved, d, first), until)
+        if pids:
+            log.info("recovering: waiting up to %gs for %d tenants of the previous daemon",
+                     timeout_s, len(pids))
 
     # ---- SessionBook (kvpool.daemon.fdsessions) ----------------------------------------
     def open_session(self, conn: socket.socket, pid: int, uid: int, gid: int,

@@ -62,7 +62,7 @@ from kvpool.daemon.fdsend import FdSender
 from kvpool.daemon.fdsessions import FdSessions
 from kvpool.daemon.fdwatch import FdWatch
 from kvpool.daemon.notify import Notifier
-from kvpool.daemon.restart import StateFile, recover
+from kvpool.daemon.restart import StateFile
 from kvpool.daemon.startup import (
     AlreadyRunning, Sockets, StartupError, group_id, open_sockets, prepare_run_dir,
 )
@@ -137,14 +137,12 @@ class Server:
             log.warning("tenant name %r is configured without uids or group: only the "
                         "daemon's own uid (%d) may register it; list uids = [...] (or a "
                         "group) in [tenants.%s] to admit others", name, os.getuid(), name)
-        recover(self.state, self.arbiter.begin_recovery, self.cfg.recover_timeout_s)
+        self.devices.begin_recovery(self.state, self.cfg.recover_timeout_s)
         raise_fd_limit()
         self.notifier.ready(self.status_line())
 
     def _save_state(self) -> None:
-        a = self.arbiter
-        # (gangs are not adopted after a restart: their ranks re-create them)
-        self.state.save(a.next_group, [t for t in a.tenants if t.arbitrated and not t.gang])
+        self.devices.save_state(self.state)  # (every device's; gangs are not adopted)
         self._state_dirty = False
 
     def save_state_if_changed(self) -> None:
@@ -165,7 +163,7 @@ class Server:
             obs.close()
         # tenants keep their mapped pages across a stop too: while any is left, the next
         # daemon must recover them (Adopt is accepted only then), clean stop or not
-        keep = not clean or any(t.arbitrated for t in self.arbiter.tenants)
+        keep = not clean or any(t.arbitrated for t in self.devices.tenants)
         if keep:
             self._save_state()
         for t in list(self.devices.tenants):

@@ -8,6 +8,8 @@ processes (``gang_harness``)."""
 
 from __future__ import annotations
 
+import json
+import os
 import threading
 
 import pytest
@@ -224,3 +226,32 @@ def test_metrics_carry_every_device(start_daemon):
                                f'kvpool_pool_granted_bytes{{device="1"}} {2.0 * PAGE}'], granted
     helps = [ln for ln in lines if ln.startswith("# HELP ")]
     assert len(helps) == len(set(helps))  # each family once
+
+
+def test_a_restart_recovers_the_tenants_of_every_device(start_daemon):
+    """kill -9 of a two-device daemon: the next one waits for the tenants of both
+    devices, each adopts its pages on its own device."""
+    from .policy_helpers import restart
+
+    d = two_devices(start_daemon)
+    with d.connect("zero", device=0) as t0, d.connect("one", device=1) as t1:
+        t0.region_group(1, 4 * PAGE).grant([0])
+        t1.region_group(1, 4 * PAGE).grant([0, 1, 2])
+        saved = d.run_dir / "state.json"
+        for _ in range(600):  # the state names both devices' groups (saved by the loop)
+            try:
+                if json.loads(saved.read_text()).get("next_groups") == {"0": 2, "1": 2}:
+                    break
+            except (OSError, ValueError):
+                pass
+            threading.Event().wait(0.05)
+        restart(d, os.getpid(), next_group=2)
+        with Monitor(d.run_dir, device=0) as m0, Monitor(d.run_dir, device=1) as m1:
+            for _ in range(600):  # until both tenants have adopted (the keepers reconnect)
+                if t0.reconnects and t1.reconnects:
+                    break
+                threading.Event().wait(0.05)
+            assert t0.reconnects == t1.reconnects == 1
+            assert m0.ps().pool.granted == PAGE and m1.ps().pool.granted == 3 * PAGE
+            assert [x.name for x in m1.ps().tenants] == ["one"]
+            assert m0.check() == [] and m1.check() == []
