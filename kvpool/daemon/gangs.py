@@ -88,6 +88,7 @@ class Gang:
     groups: dict[int, list[int]] = field(default_factory=dict)  # rank -> its group ids
     parts: dict[PartKey, dict[int, Part]] = field(default_factory=dict)  # key -> rank -> part
     ended: str = ""  # why it ended ("": it lives)
+    mirrored: set[tuple[int, int]] = field(default_factory=set)  # (tenant, ask seq) done
 
     @property
     def size(self) -> int:
@@ -369,20 +370,27 @@ class Gangs:
 
     # ---- reclaim: the gang gives back as one -----------------------------------------
     def mirror_asks(self, now: float) -> None:
-        """An ask sent to one rank goes to every rank without one (same pages, mode and
-        urgency): a collective release then counts against every rank's ask."""
+        """An ask a device's reclaimer sent to one rank goes to every rank without one
+        (same pages, mode and urgency): a collective release then counts against every
+        rank's ask. Each ask is mirrored once (``Gang.mirrored``: the asks sent or
+        mirrored already), never an ask that is itself a mirror."""
         for g in self.by_id.values():
             if g.ended:
                 continue
-            asked = [x for x in g.ranks.values() if x.ask is not None]
-            if not asked:
-                continue
-            a = asked[0].ask
-            assert a is not None
-            for x in g.ranks.values():
-                if x.ask is None:
-                    self.devices[x.device].reclaimer.ask(x, a.pages, a.mode, a.urgent,
-                                                         f"gang {g.id}: {a.reason}", now)
+            live = {(x.id, x.ask.seq) for x in g.ranks.values() if x.ask is not None}
+            g.mirrored &= live  # (answered asks are forgotten)
+            fresh = [x for x in g.ranks.values()
+                     if x.ask is not None and (x.id, x.ask.seq) not in g.mirrored]
+            for x in fresh:
+                a = x.ask
+                assert a is not None
+                g.mirrored.add((x.id, a.seq))
+                for y in g.ranks.values():
+                    if y.ask is None:
+                        self.devices[y.device].reclaimer.ask(y, a.pages, a.mode, a.urgent,
+                                                             a.reason, now)
+                        assert y.ask is not None
+                        g.mirrored.add((y.id, y.ask.seq))
 
     # ---- integrity -----------------------------------------------------------------
     def check(self) -> list[str]:

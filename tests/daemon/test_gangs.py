@@ -255,3 +255,32 @@ def test_a_restart_recovers_the_tenants_of_every_device(start_daemon):
             assert m0.ps().pool.granted == PAGE and m1.ps().pool.granted == 3 * PAGE
             assert [x.name for x in m1.ps().tenants] == ["one"]
             assert m0.check() == [] and m1.check() == []
+
+
+def test_a_lease_reclaims_a_gang_as_one_with_one_ask_per_rank(start_daemon):
+    """A lease on device 0 needs the gang's pages there: rank 0 is asked, the ask is
+    mirrored once to rank 1, their collective release returns both devices' pages."""
+    d = two_devices(start_daemon)
+    _, r0, r1, g0, g1 = make_gang(d)
+
+    def shrinker(g):
+        def shrink(nbytes, urgent):
+            mapped = sorted(g.mapped)
+            k = min(len(mapped), -(-nbytes // g.unit_bytes))
+            if k:
+                g.release(mapped[-k:])
+        return shrink
+
+    r0.set_shrink_callback(shrinker(g0))
+    r1.set_shrink_callback(shrinker(g1))
+    with r0, r1, d.connect("trainer", device=0, kind="lease") as lt, \
+            Monitor(d.run_dir, device=0) as m0, Monitor(d.run_dir, device=1) as m1:
+        assert together(lambda: g0.grant(range(8)), lambda: g1.grant(range(8))) == [None] * 2
+        lease = lt.lease(BUDGET * PAGE)  # all of device 0: the gang gives back everything
+        assert not g0.mapped and not g1.mapped
+        assert m0.ps().pool.leased == BUDGET * PAGE and m1.ps().pool.granted == 0
+        lease.close()
+        for mon in (m0, m1):
+            asks = [e for e in mon.call(p.Events(), p.EventsReply).events if e.kind == "ask"]
+            assert len(asks) == 1 and asks[0].tenant == "tp", asks  # mirrored once, no echo
+        assert invariant_problems({0: m0, 1: m1}, 2) == []
