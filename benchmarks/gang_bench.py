@@ -22,6 +22,7 @@ Writes benchmarks/results/gang_bench.json and prints a table.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import subprocess
 import sys
@@ -195,6 +196,7 @@ def main() -> None:
         grants = grant_latency(dirs[0], args.reps)
         reclaim = reclaim_latency(dirs[1], dirs[2], args.reclaim_pages, args.reclaim_reps)
         payload = {"backend": "host", "page_size": PAGE, "reps": args.reps,
+                   "loadavg_after": list(os.getloadavg()),
                    "reclaim_reps": args.reclaim_reps, "grant": grants, "reclaim": reclaim,
                    "goal": "gang grant median <= 1.5x the single-device grant's"}
         path = write_result("gang_bench", payload, args.out)
