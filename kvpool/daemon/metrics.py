@@ -24,10 +24,11 @@ Tenant names are visible in the metrics, so the exporter listens on loopback onl
 from __future__ import annotations
 
 import ipaddress
+import itertools
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Protocol, Sequence
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCollector,
@@ -119,19 +120,30 @@ def parse_address(text: str, allow_remote: bool = False) -> tuple[str, int]:
 
 
 class DaemonCollector:
-    """Metric families from a loop-built snapshot (see the module docstring)."""
+    """Metric families from loop-built snapshots (see the module docstring): one per
+    device (``sources``, the first device's first), each family's samples labelled with
+    its device and merged into one family; the snapshot gauges are the first's."""
 
-    def __init__(self, source: SnapshotSource):
-        self.source = source
+    def __init__(self, sources: Sequence[SnapshotSource]):
+        self.sources = list(sources)
+        self.source = self.sources[0]
 
     def collect(self) -> Iterator[Metric]:
-        snap = self.source.snapshot_from_loop()
+        snaps = [src.snapshot_from_loop() for src in self.sources]
+        snap = snaps[0]
         if snap is None:
             return
-        yield from self._pool(snap)
-        yield from self._tenants(snap)
-        yield from self._counters(snap)
-        yield from self._histograms(snap)
+        merged: dict[str, Metric] = {}
+        for one in snaps:
+            if one is None:
+                continue
+            for fam in itertools.chain(self._pool(one), self._tenants(one),
+                                       self._counters(one), self._histograms(one)):
+                if fam.name in merged:
+                    merged[fam.name].samples.extend(fam.samples)
+                else:
+                    merged[fam.name] = fam
+        yield from merged.values()
         age = GaugeMetricFamily("kvpool_snapshot_age_seconds",
                                 "Age of the daemon state these metrics show.")
         age.add_metric([], max(0.0, time.time() - snap.taken))
@@ -302,10 +314,11 @@ class Exporter:
     """``/metrics`` on ``host:port``, one scrape at a time from a thread of its own, at
     most one snapshot per ``interval_s`` (see the module docstring)."""
 
-    def __init__(self, source: SnapshotSource, host: str, port: int,
+    def __init__(self, sources: Sequence[SnapshotSource], host: str, port: int,
                  interval_s: float = MIN_INTERVAL_S):
+        """``sources``: every device's observer (the first device's first)."""
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(DaemonCollector(source))
+        self.registry.register(DaemonCollector(sources))
         ProcessCollector(namespace="kvpool_daemon", registry=self.registry)
         self.interval_s = interval_s
         self._next = 0.0  # monotonic time before which no snapshot is asked

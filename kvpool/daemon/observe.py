@@ -23,7 +23,7 @@ import os
 import threading
 import time
 from collections import Counter
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from kvpool import protocol as p
 from kvpool.daemon import metrics
@@ -117,8 +117,9 @@ class Observer:
     def _handled(self, req: p.Request, out: Outcome, dt: float, before: int,
                  sender: TenantRecord | None) -> None:
         t, reply = out.tenant or sender, out.reply
-        if out.deferred:
-            if isinstance(req, (p.Grant, p.Lease)) and t is not None:
+        if out.deferred:  # (a gang's part waits for its peers, not for reclaim: its
+            # answer is observed with the tick's, kvpool.daemon.gangs)
+            if isinstance(req, (p.Grant, p.Lease)) and t is not None and not t.gang:
                 self._wait_began(t, req)
             return
         if isinstance(reply, p.Error):
@@ -319,10 +320,12 @@ class Observer:
                 os.close(fd)
 
 
-def attach(arbiter: Arbiter, fdwatch: FdWatch, send: Send, cfg: Config) -> Observer:
+def attach(arbiter: Arbiter, fdwatch: FdWatch, send: Send, cfg: Config,
+           others: Sequence[Observer] = ()) -> Observer:
     """Observe ``arbiter`` (it reports to the observer and dispatches ``Events`` to it);
     the wake pipe on ``fdwatch``, followers answered with ``send``; serve ``/metrics``
-    when ``cfg`` names an address (a refused or unusable one is a ``StartupError``)."""
+    when ``cfg`` names an address (a refused or unusable one is a ``StartupError``),
+    with the other devices' observers ``others`` (their ``device`` label)."""
     obs = Observer(arbiter.views, arbiter.reclaimer, arbiter.pool, arbiter.tenants,
                    arbiter.counters, fdwatch, send, cfg.event_ring, cfg.snapshot_timeout_s)
     arbiter.observe(obs)
@@ -331,7 +334,7 @@ def attach(arbiter: Arbiter, fdwatch: FdWatch, send: Send, cfg: Config) -> Obser
     if address:
         try:
             host, port = metrics.parse_address(address, bool(cfg.metrics_allow_remote))
-            obs.exporter = metrics.Exporter(obs, host, port)
+            obs.exporter = metrics.Exporter([obs, *others], host, port)
         except (ValueError, OSError) as e:
             obs.close()
             raise StartupError(f"cannot serve metrics: {e}") from None

@@ -86,9 +86,15 @@ class StateFile:
             return None
         return state if isinstance(state, dict) else None
 
-    def save(self, next_group: int, tenants: list[TenantRecord]) -> None:
+    def save(self, next_group: int, tenants: list[TenantRecord],
+             next_groups: dict[int, int] | None = None) -> None:
+        """``tenants`` (each with its device) and the next group id (the first
+        device's; ``next_groups``: every device's, by ordinal)."""
         state = {"next_group": next_group, "tenants": [
-            {"pid": t.pid, "uid": t.uid, "name": t.name} for t in tenants]}
+            {"pid": t.pid, "uid": t.uid, "name": t.name, "device": t.device}
+            for t in tenants]}
+        if next_groups:
+            state["next_groups"] = {str(d): n for d, n in next_groups.items()}
         try:
             paths.write_private(self.path, json.dumps(state).encode())
         except OSError as e:
@@ -112,6 +118,27 @@ def live_tenants(state: dict[str, Any]) -> tuple[set[int], dict[str, int], dict[
     uids = {int(t["pid"]): int(t["uid"]) for t in recorded
             if int(t.get("pid", 0)) in pids and "uid" in t}
     return pids, names, uids
+
+
+def devices_of(state: dict[str, Any], first: int) -> dict[int, set[int]]:
+    """pid -> the devices its recorded tenants held memory on (``first`` when the state
+    does not say: a one-device daemon's; one process may hold memory on several)."""
+    out: dict[int, set[int]] = {}
+    for t in state.get("tenants", []):
+        try:
+            out.setdefault(int(t["pid"]), set()).add(int(t.get("device", first)))
+        except (KeyError, TypeError, ValueError):
+            continue
+    return out
+
+
+def next_group_of(state: dict[str, Any], device: int, first: int) -> int:
+    """The next group id ``device`` continues from."""
+    try:
+        return int(state.get("next_groups", {}).get(str(device),
+                   state.get("next_group", 1) if device == first else 1))
+    except (AttributeError, TypeError, ValueError):
+        return 1
 
 
 # (pids, names -> pid, pid -> uid, next group id, until): ``Arbiter.begin_recovery``
