@@ -681,3 +681,48 @@ def test_weight_set_through_a_daemon(torch_cuda, tmp_path):
             assert hashlib.sha256(r.cpu().numpy().tobytes()).hexdigest() == want
             del r
             ws.detach()
+
+
+def test_devices_all_serves_every_gpu(tmp_path):
+    """``kvpool daemon --devices all`` on CUDA (issue 26): one pool per GPU, each with
+    its own budget, read per device; a tenant on each GPU gets pages of its own device.
+    With two GPUs or more, a TP=2 gang's grant lands on both or neither. A device that
+    does not exist is one line and exit status 1 (no traceback)."""
+    from kvpool.client_lib import Monitor, connect
+    from kvpool.demo.cluster import Cluster
+    from kvpool.vmm import device_count
+
+    ps = 2 * MiB
+    count = device_count("cuda")
+    assert count >= 1
+    with Cluster(tmp_path) as cl:
+        cl.daemon(8 * ps, ps, extra=("--log-level", "WARNING", "--devices", "all"),
+                  backend="cuda")
+        for dev in range(count):
+            with Monitor(cl.run_dir, device=dev) as m, \
+                    connect(name=f"t{dev}", run_dir=cl.run_dir, device=dev) as t:
+                g = t.region_group(1, 4 * ps)
+                g.grant([0, 1])
+                pool = m.ps().pool
+                assert pool is not None and pool.device == dev and pool.budget == 8 * ps
+                assert pool.granted == 2 * ps and m.check() == []
+        if count >= 2:
+            import threading
+
+            layout = [(1, 4 * ps)]
+            with connect(name="tp", run_dir=cl.run_dir, device=0) as r0:
+                token = r0.create_gang([0, 1], layout)
+                with connect(name="tp", run_dir=cl.run_dir, device=1, gang=token, rank=1,
+                             layout=layout) as r1:
+                    g0, g1 = r0.region_group(*layout[0]), r1.region_group(*layout[0])
+                    th = threading.Thread(target=g1.grant, args=([0, 1],))
+                    th.start()
+                    g0.grant([0, 1])
+                    th.join(30)
+                    assert g0.mapped == g1.mapped == {0, 1}
+    out = subprocess.run([sys.executable, "-m", "kvpool.cli.main", "daemon", "--backend",
+                          "cuda", "--devices", f"0,{count}", "--run-dir",
+                          str(tmp_path / "missing")], capture_output=True, text=True,
+                         timeout=60, cwd=REPO)
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr
+    assert f"device {count}" in out.stderr, out.stderr

@@ -512,3 +512,26 @@ def test_map_read_only_sets_read_access(stub_dir):
     assert proc.returncode == 0, proc.stderr
     mapping = proc.stderr.split("=== ro")[1].split("=== end")[0]
     assert mapping.count("cuMemSetAccess(") == 1 and "flags=1)" in mapping  # PROT_READ
+
+
+def test_devices_all_opens_a_stack_per_stub_device(stub_dir):
+    """``--devices all`` on the cuda backend (issue 26): the driver's device count, one
+    backend opened on each ordinal and one pool per device (calling conventions only:
+    the stub's devices are host memory)."""
+    out = run_stub(
+        stub_dir,
+        """
+        from kvpool.daemon.config import Config
+        from kvpool.daemon.devices import Devices
+        from kvpool.vmm import device_count
+        n = device_count("cuda")
+        cfg = Config.from_dict({"backend": "cuda", "devices": "all", "budget": "8MiB",
+                                "device_budgets": {"1": "4MiB"}})
+        devs = Devices(cfg)
+        print(n, sorted(devs.stacks), [s.backend.device for s in devs],
+              [s.pool.budget_pages for s in devs])
+        devs.close()
+        """,
+        KVPOOL_STUB_DEVICES="3",
+    )
+    assert out.split("\n")[0] == "3 [0, 1, 2] [0, 1, 2] [4, 2, 4]", out

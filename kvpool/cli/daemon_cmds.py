@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Callable, NoReturn, TypeVar
 import click
 
 from kvpool.cli.monitor import monitor_session
-from kvpool.cli.params import SizeParam, json_option, run_dir_option
+from kvpool.cli.params import SizeParam, device_option, json_option, run_dir_option
 from kvpool.sizes import format_size, parse_size
 
 if TYPE_CHECKING:
@@ -42,11 +42,12 @@ def _json(obj: object) -> None:
 def query_command(fn: Callable[..., None]) -> click.Command:
     """A command that asks the daemon one question: ``--run-dir`` and ``--json`` options,
     the name of ``fn`` (what ``ps`` and ``check`` share)."""
-    return click.command()(run_dir_option(json_option(fn)))
+    return click.command()(run_dir_option(device_option(json_option(fn))))
 
 
 # configuration keys set by `kvpool daemon` flags (named so in error messages)
-DAEMON_FLAGS = {"backend": "--backend", "device": "--device", "budget": "--budget",
+DAEMON_FLAGS = {"backend": "--backend", "device": "--device", "devices": "--devices",
+                "budget": "--budget",
                 "page_size": "--page-size", "warm_min": "--warm-min", "warm_max": "--warm-max",
                 "run_dir": "--run-dir", "log_level": "--log-level",
                 "socket_group": "--socket-group", "admin_group": "--admin-group",
@@ -65,6 +66,9 @@ def _config_exit(e: ConfigError) -> NoReturn:
 @click.option("--backend", type=click.Choice(["auto", "host", "cuda"]), default=None,
               help="Memory backend (default auto: cuda if usable, else host).")
 @click.option("--device", type=int, default=None, help="Device ordinal (default 0).")
+@click.option("--devices", default=None,
+              help="Serve several devices, a pool and a budget each: 'all', a count N "
+                   "(devices 0..N-1; on host, N independent pools) or a list '0,1'.")
 @click.option("--budget", type=SizeParam(percent=True), default=None,
               help="Bytes the daemon may hand out: a size or a share of device memory "
                    "(default 80%).")
@@ -88,7 +92,8 @@ def _config_exit(e: ConfigError) -> NoReturn:
 @click.option("--metrics-allow-remote", is_flag=True, default=None,
               help="Allow a --metrics-address that is not loopback (tenant names show).")
 @json_option
-def daemon(backend: str | None, device: int | None, budget: int | str | None,
+def daemon(backend: str | None, device: int | None, devices: str | None,
+           budget: int | str | None,
            page_size: int | None, warm_min: int | None, warm_max: int | None,
            run_dir: str | None, socket_group: str | None, admin_group: str | None,
            reclaim_timeout_s: float | None, config_path: str | None, log_level: str | None,
@@ -102,7 +107,7 @@ def daemon(backend: str | None, device: int | None, budget: int | str | None,
 
     try:
         cfg = Config.load(config_path, labels=DAEMON_FLAGS, backend=backend, device=device,
-                          budget=budget, page_size=page_size, warm_min=warm_min,
+                          devices=devices, budget=budget, page_size=page_size, warm_min=warm_min,
                           warm_max=warm_max, run_dir=run_dir, log_level=log_level,
                           socket_group=socket_group, admin_group=admin_group,
                           reclaim_timeout_s=reclaim_timeout_s, metrics_address=metrics_address,
@@ -224,6 +229,7 @@ def render_map(reply: p.MapReply, width: int = GRID_WIDTH) -> str:
 @click.option("--pfns", is_flag=True, help="Include each unit's page ids (JSON only).")
 @click.option("--width", type=click.IntRange(8, 1024), default=GRID_WIDTH, help="Grid width.")
 @run_dir_option
+@device_option
 @json_option
 def map_cmd(tenant: str | None, pfns: bool, width: int, run_dir: str | None,
             as_json: bool) -> None:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import click
 
 from kvpool.cli.monitor import monitor_session
-from kvpool.cli.params import json_option, run_dir_option
+from kvpool.cli.params import device_option, json_option, run_dir_option
 from kvpool.sizes import format_size
 
 if TYPE_CHECKING:
@@ -63,6 +63,7 @@ def describe(ev: p.EventInfo, brief: bool = False) -> str:
 @click.option("--since", type=click.IntRange(min=0), default=0,
               help="Only events after this sequence number.")
 @run_dir_option
+@device_option
 @json_option
 def events(follow: bool, tenant: str | None, since: int, run_dir: str | None,
            as_json: bool) -> None:

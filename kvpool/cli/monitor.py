@@ -15,11 +15,14 @@ if TYPE_CHECKING:
 
 
 def _monitor(run_dir: str | None) -> Monitor:
+    from kvpool.cli.params import DEVICE_KEY
     from kvpool.client_lib.admin import Monitor
     from kvpool.client_lib.errors import KvpoolError
 
+    ctx = click.get_current_context(silent=True)
+    device = ctx.meta.get(DEVICE_KEY) if ctx is not None else None
     try:
-        return Monitor(run_dir)
+        return Monitor(run_dir, device=device)
     except KvpoolError as e:
         raise click.ClickException(e.message) from None
 

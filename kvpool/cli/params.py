@@ -43,3 +43,16 @@ run_dir_option = click.option(
     help="Daemon run directory (default: $KVPOOL_RUN_DIR, /run/kvpool, "
          "$XDG_RUNTIME_DIR/kvpool or /tmp/kvpool-$UID).")
 json_option = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+DEVICE_KEY = "kvpool.device"  # where --device leaves its value (click context meta)
+
+
+def _keep_device(ctx: click.Context, param: click.Parameter, value: int | None) -> None:
+    ctx.meta[DEVICE_KEY] = value
+
+
+# the device a monitor command reads (a daemon serving several; default: its first);
+# kept in the context for the command's monitor session (kvpool.cli.monitor)
+device_option = click.option(
+    "--device", type=click.IntRange(min=0, max=1024), default=None, expose_value=False,
+    callback=_keep_device, help="The device to show (a daemon with --devices; default: "
+                                "its first).")

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Iterable, Iterator, Literal
 import click
 
 from kvpool.cli.monitor import monitor_session
-from kvpool.cli.params import run_dir_option
+from kvpool.cli.params import device_option, run_dir_option
 from kvpool.sizes import format_size
 
 if TYPE_CHECKING:
@@ -169,6 +169,7 @@ def quit_pressed(fd: int, timeout_s: float) -> bool:
 @click.option("--interval", type=click.FloatRange(0.1, 60), default=1.0,
               help="Seconds between frames.")
 @run_dir_option
+@device_option
 def top(once: bool, interval: float, run_dir: str | None) -> None:
     """A live view of tenants, the pool and recent events (q quits)."""
     from rich.console import Console

@@ -25,12 +25,16 @@ class Monitor:
     not listed by ``ps``): the daemon answers ``ps``/``stats``/``map``/``check`` only to
     registered sessions, and decides admin ops from this session's peer credentials."""
 
-    def __init__(self, run_dir: str | os.PathLike[str] | None = None, timeout_s: float = 5.0):
+    def __init__(self, run_dir: str | os.PathLike[str] | None = None, timeout_s: float = 5.0,
+                 device: int | None = None):
+        """``device``: the device whose tenants and pool it reads (a daemon serving
+        several; None: the daemon's first)."""
         self.run_dir = paths.run_dir(run_dir)
         self.timeout_s = timeout_s
         self.conn = Connection(Path(self.run_dir), timeout_s=timeout_s)
         try:
-            device = self.conn.hello.device if self.conn.hello is not None else 0
+            if device is None:
+                device = self.conn.hello.device if self.conn.hello is not None else 0
             self.conn.call(p.Register(name="monitor", kind="monitor", device=device),
                            p.Registered)
         except BaseException:

@@ -298,8 +298,10 @@ class RegionGroup:
         return self.ranges[region].base + unit * self.page_size
 
     # ---- teardown ---------------------------------------------------------------------------
-    def close(self) -> None:
-        """Stop the allocator, unmap everything, forget the group, free the ranges."""
+    def close(self, tell_daemon: bool = True) -> None:
+        """Stop the allocator, unmap everything, forget the group, free the ranges.
+        ``tell_daemon=False``: do not destroy the group in the daemon (a gang rank's
+        groups end with its session, ``bye``)."""
         if self.closed:
             return
         self.closed = True
@@ -311,7 +313,7 @@ class RegionGroup:
             handles, self.handles = self.handles, {}
         self._unmap(units, handles)
         try:
-            if not self.tenant.closed:
+            if tell_daemon and not self.tenant.closed:
                 self.tenant.call(p.DestroyGroup(group=self.id), p.Done)
         finally:
             for rng in self.ranges:

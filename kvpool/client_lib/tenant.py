@@ -33,7 +33,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Callable, TypeVar, overload
+from typing import Callable, Sequence, TypeVar, overload
 
 from kvpool import paths
 from kvpool import protocol as p
@@ -58,18 +58,22 @@ class Tenant:
     def __init__(self, name: str, device: int = 0, run_dir: str | os.PathLike[str] | None = None,
                  kind: str = "engine", timeout_s: float = 10.0, *, min: int | None = None,
                  max: int | None = None, weight: float | None = None, keeper: bool = True,
-                 endpoint: str | None = None, sleepable: bool | None = None):
+                 endpoint: str | None = None, sleepable: bool | None = None,
+                 gang: str | None = None, rank: int | None = None,
+                 layout: Sequence[tuple[int, int]] | None = None):
         self.run_dir = paths.run_dir(run_dir)
         self.timeout_s = timeout_s
-        self._register = p.Register(name=name, kind=kind, device=device, min=min, max=max,
-                                    weight=weight, endpoint=endpoint, sleepable=sleepable)
         raise_fd_limit()  # host tenants keep one descriptor per mapped page
         self.conn = Connection(Path(self.run_dir), timeout_s=timeout_s)
         self.closed = False
         try:
-            reply, _ = self.conn.call(self._fresh_register(), p.Registered)
             hello = self.conn.hello
             assert hello is not None
+            self._register = p.Register(
+                name=name, kind=kind, device=device, min=min, max=max, weight=weight,
+                endpoint=endpoint, sleepable=sleepable, gang=gang, rank=rank,
+                layout=gang_layout(layout, hello.page_size) if layout is not None else None)
+            reply, _ = self.conn.call(self._fresh_register(), p.Registered)
             self.backend = open_backend(hello.backend, device, hello.page_size)
         except BaseException:
             self.conn.close()
@@ -83,6 +87,10 @@ class Tenant:
         self.limit = reply.limit
         self.budget = reply.budget
         self.groups: dict[int, RegionGroup] = {}
+        self.gang_id = reply.gang_id  # the gang this session is a rank of (0: none)
+        self.rank = reply.rank
+        self.gang_ended: str | None = None  # why the gang ended (GangEnded), None: it lives
+        self.on_gang_end: Callable[[str], None] | None = None  # (reason), keeper thread
         self.on_message: Callable[[p.Reply], None] | None = None
         self.handoffs = Handoffs(self)  # offers in flight (kvpool.client_lib.handoff)
         self.lease_bytes = 0
@@ -104,7 +112,24 @@ class Tenant:
     def _fresh_register(self) -> p.Register:
         r = self._register
         return p.Register(name=r.name, kind=r.kind, device=r.device, min=r.min, max=r.max,
-                          weight=r.weight, endpoint=r.endpoint, sleepable=r.sleepable)
+                          weight=r.weight, endpoint=r.endpoint, sleepable=r.sleepable,
+                          gang=r.gang, rank=r.rank, layout=r.layout)
+
+    # ---- gangs (tensor parallelism: docs/ARCHITECTURE.md, "Gangs") -------------------
+    def create_gang(self, devices: Sequence[int],
+                    layout: Sequence[tuple[int, int]]) -> str:
+        """Make this session rank 0 of a new gang of ``len(devices)`` ranks (rank ``r``
+        on ``devices[r]``; ``devices[0]`` must be this session's device) whose ranks
+        each create the groups of ``layout`` (``(n_regions, capacity_bytes)`` each, in
+        order; capacities are rounded up to pages as ``region_group`` does). Returns the
+        gang token the other ranks join with (``connect(..., gang=token, rank=r,
+        layout=layout)``): a capability, pass it privately. From then on this session's
+        grants and releases are collective (every rank sends the same one)."""
+        reply, _ = self.conn.call(p.CreateGang(
+            devices=list(devices), layout=gang_layout(layout, self.page_size)),
+            p.GangCreated)
+        self.gang_id, self.rank = reply.gang_id, 0
+        return reply.gang
 
     @property
     def connected(self) -> bool:
@@ -171,6 +196,14 @@ class Tenant:
             self.handoffs.settled(m)
         elif isinstance(m, p.SleepAsk):  # (kvpool.client_lib.sleep)
             self._sleep.ask(m, self._sleep_handler)
+        elif isinstance(m, p.GangEnded):  # a rank's session ended: our pages went back
+            self._gang_over(m.gang_id, m.reason)
+
+    def _gang_over(self, gang_id: int, reason: str) -> None:
+        self.gang_ended = reason
+        log.warning("gang %d ended: %s", gang_id or self.gang_id, reason)
+        if self.on_gang_end is not None:
+            self.on_gang_end(reason)
 
     # ---- sleep and wake ---------------------------------------------------------------
     def set_sleep_handler(self, handler: SleepHandler | None) -> None:
@@ -270,6 +303,9 @@ class Tenant:
                     next_probe = now + POLL_S
                     self.conn.daemon_alive()
                 if self.conn.daemon_gone:
+                    if self.gang_id:  # a restart ends every gang: nothing to adopt
+                        self._gang_over(0, "the daemon went away")
+                        return
                     self._reconnect()
                     continue
                 self.poll()
@@ -363,8 +399,8 @@ class Tenant:
         self._sleep.join(self.timeout_s)
         try:
             for g in list(self.groups.values()):
-                try:
-                    g.close()
+                try:  # a gang's groups end with the gang (bye), never one by one
+                    g.close(tell_daemon=not self.gang_id)
                 except Exception:
                     log.exception("closing group %d failed", g.id)
             try:
@@ -383,15 +419,28 @@ class Tenant:
         self.close()
 
 
+def gang_layout(layout: Sequence[tuple[int, int]], page_size: int) -> list[p.GangGroup]:
+    """``(n_regions, capacity_bytes)`` pairs as the wire's layout, capacities rounded
+    up to whole pages (as :class:`RegionGroup` reserves them)."""
+    return [p.GangGroup(n_regions=n, capacity=-(-c // page_size) * page_size)
+            for n, c in layout]
+
+
 def connect(name: str, device: int = 0, run_dir: str | os.PathLike[str] | None = None,
             kind: str = "engine", timeout_s: float = 10.0, *, min: int | None = None,
             max: int | None = None, weight: float | None = None,
-            endpoint: str | None = None, sleepable: bool | None = None) -> Tenant:
+            endpoint: str | None = None, sleepable: bool | None = None,
+            gang: str | None = None, rank: int | None = None,
+            layout: Sequence[tuple[int, int]] | None = None) -> Tenant:
     """Register with the daemon serving ``run_dir`` (see :mod:`kvpool.paths`). ``min``,
     ``max`` (bytes) and ``weight`` are this tenant's own knobs, used unless the daemon's
     config names it (the config and live admin changes win); ``endpoint`` is where it
     serves (loopback http, :mod:`kvpool.protocol.endpoint`), for ``locate``;
     ``sleepable``: the daemon may put it to sleep when it is idle and memory is short
-    (the config's ``[tenants.NAME] sleepable`` wins; :meth:`Tenant.set_sleep_handler`)."""
+    (the config's ``[tenants.NAME] sleepable`` wins; :meth:`Tenant.set_sleep_handler`).
+    ``gang``, ``rank``, ``layout``: join the gang (tensor parallelism) whose rank 0 got
+    token ``gang`` from :meth:`Tenant.create_gang`, as rank ``rank`` on ``device``, with
+    the gang's ``layout`` (docs/ARCHITECTURE.md, "Gangs")."""
     return Tenant(name, device=device, run_dir=run_dir, kind=kind, timeout_s=timeout_s,
-                  min=min, max=max, weight=weight, endpoint=endpoint, sleepable=sleepable)
+                  min=min, max=max, weight=weight, endpoint=endpoint, sleepable=sleepable,
+                  gang=gang, rank=rank, layout=layout)

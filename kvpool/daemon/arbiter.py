@@ -47,6 +47,7 @@ from kvpool.daemon.adoption import Adoption
 from kvpool.daemon.auth import Denied, authorize
 from kvpool.daemon.config import Config
 from kvpool.daemon.counters import Counters
+from kvpool.daemon.gangs import GangDevice, Gangs
 from kvpool.daemon.grants import Grants
 from kvpool.daemon.handoff import Handoff
 from kvpool.daemon.hooks import ArbiterObserver, NoObserver
@@ -70,12 +71,19 @@ log = logging.getLogger("kvpool.daemon")
 
 
 class Arbiter:
-    def __init__(self, cfg: Config, pool: Pool, budget: int):
+    """One device's arbiter: ``pool`` of ``budget`` bytes under ``cfg``. With several
+    devices (kvpool.daemon.devices) each has one, over its device's view of the
+    daemon-wide session index ``tenants``, all sharing ``gangs``; alone, it has its own."""
+
+    def __init__(self, cfg: Config, pool: Pool, budget: int, tenants: Tenants | None = None,
+                 gangs: Gangs | None = None):
         self.cfg = cfg
         self.pool = pool
         self.page_size = pool.page_size
         self.budget = budget
-        self.tenants = Tenants()
+        self.device = pool.backend.device
+        self.tenants = Tenants(self.device, tenants) if tenants is not None else Tenants()
+        self.gangs = gangs if gangs is not None else Gangs(cfg.reclaim_timeout_s)
         self.groups = GroupIndex()  # every live group, by id (all tenants)
         self.recovery = Recovery()
         self.outbox = Outbox()
@@ -96,18 +104,21 @@ class Arbiter:
         self.handoff = Handoff(pool, self.tenants, self.groups, self.reclaimer,
                                self.recovery, self.outbox, cfg.handoff_pairs(),
                                cfg.handoff_letgo_s)
+        self.gangs.attach(self.device, GangDevice(pool, self.grants, self.reclaimer))
         self.integrity = Integrity(pool, self.tenants, self.groups, self.handoff, most, vmost,
-                                   self.weights)
+                                   self.weights, self.gangs)
         self.views = Views(pool, self.tenants, self.groups, self.reclaimer, self.recovery,
                            self.counters, self.integrity, self.weights, self.sleep)
         locator = Locator(self.tenants, self.handoff.pairs)
-        g, v, h = self.grants, self.views, self.handoff
+        g, v, h, solo = self.grants, self.views, self.handoff, self._solo
         self._handlers: dict[type[p.Request], Handler] = {
             p.Register: self._register,
-            p.CreateGroup: g.create_group,
-            p.DestroyGroup: g.destroy_group,
-            p.Grant: g.grant,
-            p.Release: g.release,
+            p.CreateGroup: self._create_group,
+            p.DestroyGroup: solo(g.destroy_group, "destroy a group (a gang's groups end "
+                                                  "with the gang: bye)"),
+            p.Grant: self._grant,
+            p.Release: self._release,
+            p.CreateGang: self.gangs.create,
             p.Report: g.report,
             p.Bye: lambda t, s, r: Outcome(p.Done(id=r.id), tenant=t, end_session=True),
             p.Ping: lambda t, s, r: p.Done(id=r.id),
@@ -116,26 +127,61 @@ class Arbiter:
             p.MapReq: v.map,
             p.SetLimit: self.registry.set_limit,
             p.Check: v.check,
-            p.Lease: g.lease,
+            p.Lease: solo(g.lease, "lease"),
             p.Reclaimed: g.reclaimed,
-            p.Adopt: self.adoption.adopt,
+            p.Adopt: solo(self.adoption.adopt, "adopt"),
             p.Shutdown: lambda t, s, r: Outcome(p.Done(id=r.id), stop=True),
-            p.Offer: h.offer,
-            p.Claim: h.claim,
+            p.Offer: solo(h.offer, "hand pages over"),
+            p.Claim: solo(h.claim, "claim pages"),
             p.Cancel: h.cancel,
             p.Locate: locator.locate,
-            p.WeightCreate: self.weights.create,
+            p.WeightCreate: solo(self.weights.create, "create a weight set"),
             p.WeightSeal: self.weights.seal,
-            p.WeightAttach: self.weights.attach,
+            p.WeightAttach: solo(self.weights.attach, "attach a weight set"),
             p.WeightDetach: self.weights.detach,
             p.SleepTenant: self.sleep.sleep_tenant,
             p.TenantState: lambda t, s, r: self.sleep.tenant_state(t, s, r, time.monotonic()),
         }
 
     def _register(self, t: TenantRecord, sender: Sender, r: p.Register) -> p.Reply:
+        gang = self.gangs.check_join(t, r)  # a rank joining: every check before anything
         reply = self.registry.register(t, sender, r)  # raises Fail when refused
         self.sleep.registered(t, r)
+        if gang is not None and isinstance(reply, p.Registered) and r.rank is not None:
+            self.gangs.joined(gang, t, r.rank)
+            reply.gang_id, reply.rank = gang.id, t.rank
+            reply.limit = t.max_pages * self.page_size
         return reply
+
+    # ---- gangs: a rank's memory moves with the gang's (kvpool.daemon.gangs) ----------
+    def _grant(self, t: TenantRecord, sender: Sender, r: p.Grant) -> p.Reply | Outcome:
+        if t.gang:
+            return self.gangs.part(t, sender, r)
+        return self.grants.grant(t, sender, r)
+
+    def _release(self, t: TenantRecord, sender: Sender, r: p.Release) -> p.Reply | Outcome:
+        if t.gang:
+            return self.gangs.part(t, sender, r)
+        return self.grants.release(t, sender, r)
+
+    def _create_group(self, t: TenantRecord, sender: Sender, r: p.CreateGroup) -> p.Reply:
+        if not t.gang:
+            return self.grants.create_group(t, sender, r)
+        self.gangs.check_group(t, r)  # the layout's next group
+        reply = self.grants.create_group(t, sender, r)
+        assert isinstance(reply, p.GroupCreated)
+        self.gangs.group_created(t, reply.group)
+        return reply
+
+    @staticmethod
+    def _solo(handler: Handler, what: str) -> Handler:
+        """``handler``, refused to a gang's rank (it holds memory through the gang's
+        groups only)."""
+        def run(t: TenantRecord | None, sender: Sender, r: p.Request) -> p.Reply | Outcome:
+            if t is not None and t.gang:
+                raise Fail(p.BAD_REQUEST, f"a rank of a gang may not {what}")
+            return handler(t, sender, r)
+        return run
 
     def observe(self, observer: ArbiterObserver) -> None:
         """Report what the arbiter (and its reclaimer) decide to ``observer``."""
@@ -169,6 +215,11 @@ class Arbiter:
             return result
         return Outcome(result, tenant=tenant)
 
+    def observed(self, outs: list[Outcome]) -> None:
+        """Answers to this device's tenants made outside :meth:`tick` (a gang's parts,
+        answered once every rank's is in): the observer hears of them as of tick's."""
+        self.observer.ticked(outs)
+
     def add_handler(self, req_type: type[p.Request], handler: Handler) -> None:
         """Handle requests of ``req_type`` with ``handler`` (e.g. the observer's Events)."""
         self._handlers[req_type] = handler
@@ -194,6 +245,7 @@ class Arbiter:
                 self.counters.errors += 1
             o.envelope = w.envelope
             out.append(o)
+        self.gangs.mirror_asks(now)  # a gang is asked as one (every rank, same ask)
         return out
 
     def _serve(self, w: Waiter) -> Outcome:
@@ -233,6 +285,7 @@ class Arbiter:
         self.handoff.dropped(t)  # its offers end; its pages go back with the rest
         self.weights.dropped(t)  # its holds end; a set it was loading goes
         self.sleep.dropped(t)  # its sleep state is forgotten
+        self.gangs.dropped(t, why)  # its gang ends: every rank's pages return
         self.registry.drop(t, why)
         self.observer.dropped(t, why, held, arbitrated, time.perf_counter() - t0)
 

@@ -5,7 +5,11 @@ TOML layout (see ``systemd/kvpool.toml``)::
 
     backend = "auto"          # auto | host | cuda
     device = 0
-    budget = "80%"            # bytes, a size ("24GiB") or a share of device memory
+    devices = "all"           # every device in one daemon: "all", a count "2" (0..1) or a
+                              # list "0,1" (unset: the one ``device``; kvpool.daemon.devices)
+    budget = "80%"            # bytes, a size ("24GiB") or a share of device memory (each
+                              # device's, with ``devices``)
+    device_budgets = {"1" = "6GiB"}  # one device's budget instead of ``budget``
     page_size = "2MiB"
     huge_pages = false        # host: pages on hugetlb memory (needs vm.nr_hugepages)
     run_dir = "/run/kvpool"
@@ -54,7 +58,7 @@ import sys
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Callable, Literal, Optional
 
 import msgspec
 from msgspec import Meta
@@ -71,6 +75,7 @@ else:  # pragma: no cover
 Seconds = Annotated[float, Meta(gt=0, le=86400)]  # rejects nan and inf too
 Count = Annotated[int, Meta(ge=1, le=1 << 40)]
 Size = int | str  # checked by parse_size (see config_values.SIZE_RULES)
+MAX_DEVICES = 64  # devices one daemon serves
 
 
 class ConfigError(ValueError):
@@ -107,7 +112,13 @@ class Config:
 
     backend: Literal["auto", "host", "cuda"] = "auto"
     device: Annotated[int, Meta(ge=0, le=4096)] = 0
+    # every device in one daemon (a pool and an arbiter each): "all", a count "N"
+    # (devices 0..N-1) or a list "0,1,3"; None: the one ``device``
+    devices: Optional[Annotated[str, Meta(pattern=r"^(all|[0-9]{1,4}(,[0-9]{1,4})*)$")]] = None
     budget: Size = "80%"
+    # a device's own budget (by ordinal, "1" = "6GiB"), instead of ``budget``
+    device_budgets: dict[Annotated[str, Meta(pattern=r"^[0-9]{1,4}$")], Size] = field(
+        default_factory=dict)
     page_size: Size | None = None  # None: the backend's default
     huge_pages: bool = False  # host backend: back pages with hugetlb memory (see above)
     run_dir: str | None = None
@@ -247,6 +258,32 @@ class Config:
         if problems:
             raise ConfigError(problems)
         return budget
+
+    def device_ordinals(self, count: Callable[[], int]) -> list[int]:
+        """The devices this daemon serves: ``devices`` resolved (``count()`` is how many
+        the backend sees, asked only for ``all``), else ``[device]``. Raises
+        :class:`ConfigError` for a device named twice or none at all."""
+        text = self.devices
+        if text is None:
+            return [self.device]
+        if text == "all":
+            out = list(range(count()))
+        elif "," not in text:
+            out = list(range(int(text)))
+        else:
+            out = [int(x) for x in text.split(",")]
+        if not out:
+            raise ConfigError([f"devices = {text!r}: no device to serve"])
+        if len(set(out)) != len(out):
+            raise ConfigError([f"devices = {text!r}: a device is named twice"])
+        if len(out) > MAX_DEVICES:
+            raise ConfigError([f"devices = {text!r}: more than {MAX_DEVICES} devices"])
+        return out
+
+    def for_device(self, device: int) -> "Config":
+        """This config as one device's stack sees it: ``device`` and its budget."""
+        return dataclasses.replace(self, device=device,
+                                   budget=self.device_budgets.get(str(device), self.budget))
 
     def resolve_pages(self, value: int | str, page_size: int, total: int) -> int:
         """A size (or ``Np`` page count) as a number of pages, rounded down."""

@@ -30,6 +30,8 @@ SIZE_RULES = {
 
 
 def normalise(key: str, value: Any) -> Any:
+    if key == "devices" and isinstance(value, int) and not isinstance(value, bool):
+        return str(value)  # devices = 2 in TOML: a count
     if key == "socket_mode" and isinstance(value, str):
         text = value.strip().lower().removeprefix("0o")
         if text and all(c in "01234567" for c in text):
@@ -45,6 +47,11 @@ def check_value(key: str, value: Any) -> str | None:
         return check_size(value, **SIZE_RULES[key]) or _page_size_problem(parse_size(value))
     if key in SIZE_RULES and value is not None:
         return check_size(value, **SIZE_RULES[key])
+    if key == "device_budgets":
+        for device, size in value.items():
+            why = check_size(size, **SIZE_RULES["budget"])
+            if why:
+                return f"device {device}: {why}"
     if key == "log_level" and value not in LOG_LEVELS:
         return f"expected one of {', '.join(LOG_LEVELS)}"
     if key == "reclaim_policy" and value not in POLICIES:

@@ -13,7 +13,7 @@ over ``max_queued_fds`` drops the tenant; so does a socket that stays full for
 from __future__ import annotations
 
 import time
-from typing import Callable, Protocol, Union
+from typing import Callable, Mapping, Protocol, Union
 
 from kvpool import fdchannel
 from kvpool import protocol as p
@@ -41,18 +41,21 @@ class NoSharedPages:
         return False
 
 
+NO_SHARED_PAGES = NoSharedPages()
+
+
 class FdSender:
-    """Sends the pages of ``pool`` owned by live ``tenants`` (or ``shared`` pages they
-    hold) on their fd channels,
+    """Sends the pages of ``pools`` (by device: a tenant's pages are its device's) owned
+    by live ``tenants`` (or ``shared`` pages they hold, by device) on their fd channels,
     waking on ``POLLOUT`` through ``fdwatch``; replies go out with ``reply`` after
     their descriptors, and a tenant whose queue overflows (``max_queued_fds``) or
     stays stuck (``send_timeout_s``) is ended with ``drop``."""
 
-    def __init__(self, pool: Pool, tenants: Tenants, fdwatch: FdWatch, reply: Reply,
-                 drop: Drop, max_queued_fds: int, send_timeout_s: float,
-                 shared: SharedPages | None = None):
-        self.pool = pool
-        self.shared: SharedPages = shared if shared is not None else NoSharedPages()
+    def __init__(self, pools: Mapping[int, Pool], tenants: Tenants, fdwatch: FdWatch,
+                 reply: Reply, drop: Drop, max_queued_fds: int, send_timeout_s: float,
+                 shared: Mapping[int, SharedPages] | None = None):
+        self.pools = pools
+        self.shared: Mapping[int, SharedPages] = shared if shared is not None else {}
         self.tenants = tenants
         self.fdwatch = fdwatch
         self.reply = reply
@@ -60,7 +63,8 @@ class FdSender:
         self.max_queued_fds = max_queued_fds
         self.send_timeout_s = send_timeout_s
         self.queues: dict[int, fdqueue.Outbound] = {}  # tenant id -> messages still to send
-        self._handles_are_fds = pool.backend.caps.handles_are_fds
+        # (every device's backend is of one kind)
+        self._handles_are_fds = next(iter(pools.values())).backend.caps.handles_are_fds
 
     def busy(self, t: TenantRecord) -> bool:
         """Something is still queued for ``t`` (its next request gets ``BUSY``)."""
@@ -121,8 +125,9 @@ class FdSender:
     def _send_message(self, t: TenantRecord, item: fdqueue.FdMessage) -> bool:
         """One fd message; False when the socket is full. Only pages ``t`` still owns
         are ever sent (a queued pfn it gave back meanwhile is a bug: the tenant drops)."""
-        pool, backend = self.pool, self.pool.backend
-        if any(pool.owner.get(pfn) != t.id and not self.shared.holds(t.id, pfn)
+        pool = self.pools[t.device]
+        backend, shared = pool.backend, self.shared.get(t.device, NO_SHARED_PAGES)
+        if any(pool.owner.get(pfn) != t.id and not shared.holds(t.id, pfn)
                for pfn in item.pfns):
             raise OSError("a queued page is no longer this tenant's")
         if self._handles_are_fds:

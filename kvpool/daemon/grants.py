@@ -129,14 +129,14 @@ class Grants:
             raise Fail(p.BAD_REQUEST, f"{n} pages in one grant exceed {MAX_PAGES_PER_GRANT}")
         if being_granted(self.reclaimer, t, g, r.units):
             raise Fail(p.BAD_REQUEST, f"a unit of group {g.id} is already being granted")
-        self._admit(t, n)
+        self.admit(t, n)
         if not r.speculative:  # cached weight sets nobody holds go first
             self.reclaimer.make_room(n)
-        if not self._fits(t, n, r.speculative):
+        if not self.fits(t, n, r.speculative):
             return self._defer(t, sender, r, n)
         return self._grant_now(t, g, r)
 
-    def _admit(self, t: TenantRecord, n: int) -> None:
+    def admit(self, t: TenantRecord, n: int) -> None:
         """Refuse what can never be granted now: past the limit, or during recovery."""
         if self.recovery.active:
             raise Fail(p.BUSY, "the daemon is rebuilding its accounting after a restart")
@@ -153,7 +153,7 @@ class Grants:
             raise Fail(p.OVER_LIMIT, f"{t.name}: {t.held} + {n} pages would exceed its limit "
                                      f"of {t.cap_pages} pages{why}")
 
-    def _fits(self, t: TenantRecord, n: int, speculative: bool) -> bool:
+    def fits(self, t: TenantRecord, n: int, speculative: bool) -> bool:
         """Whether ``n`` pages for ``t`` are served now rather than queued. They are when
         free memory covers them beyond what waiters are owed; and also when free memory
         covers them and ``t`` stays within its fair share: a request that fits is never
@@ -239,9 +239,9 @@ class Grants:
         n = pages - t.lease_pages
         if any(w.tenant is t for w in self.reclaimer.waiters):
             raise Fail(p.BUSY, "a request of this tenant is already waiting")
-        self._admit(t, n)
+        self.admit(t, n)
         self.reclaimer.make_room(n)
-        if not self._fits(t, n, False):
+        if not self.fits(t, n, False):
             return self._defer(t, sender, r, n)
         return self._lease_now(t, r, n)
 

@@ -18,6 +18,7 @@ from kvpool import protocol as p
 from kvpool.daemon.handoff import Handoff
 from kvpool.daemon.pool import Pool
 from kvpool.daemon.regions import GroupIndex
+from kvpool.daemon.gangs import Gangs
 from kvpool.daemon.tenants import NO_MEMORY_KINDS, TenantRecord, Tenants
 from kvpool.daemon.weights import WeightSets
 
@@ -79,7 +80,9 @@ class Integrity:
     the ``weights`` sets."""
 
     def __init__(self, pool: Pool, tenants: Tenants, groups: GroupIndex, handoff: Handoff,
-                 max_groups: int, max_virtual_pages: int, weights: WeightSets):
+                 max_groups: int, max_virtual_pages: int, weights: WeightSets,
+                 gangs: Gangs | None = None):
+        self.gangs = gangs  # (their tables span devices: checked from every device)
         self.pool = pool
         self.tenants = tenants
         self.groups = groups
@@ -109,4 +112,6 @@ class Integrity:
             problems.append(f"tables and weight sets hold {total} pages, the pool counts "
                             f"{pool.granted}")
         problems += self.handoff.check()  # tickets in escrow (kvpool.daemon.handoff)
+        if self.gangs is not None:  # no gang half-granted (kvpool.daemon.gangs)
+            problems += self.gangs.check()
         return problems

@@ -117,8 +117,9 @@ class Observer:
     def _handled(self, req: p.Request, out: Outcome, dt: float, before: int,
                  sender: TenantRecord | None) -> None:
         t, reply = out.tenant or sender, out.reply
-        if out.deferred:
-            if isinstance(req, (p.Grant, p.Lease)) and t is not None:
+        if out.deferred:  # (a gang's part waits for its peers, not for reclaim: its
+            # answer is observed with the tick's, kvpool.daemon.gangs)
+            if isinstance(req, (p.Grant, p.Lease)) and t is not None and not t.gang:
                 self._wait_began(t, req)
             return
         if isinstance(reply, p.Error):

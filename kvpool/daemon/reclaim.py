@@ -24,7 +24,7 @@ reclaim, so memory it releases above ``min`` does not come back.
 Invariants: at most one outstanding ask per tenant; waiters are served strictly in
 arrival order among themselves (freed pages go to the oldest waiter); a newcomer takes
 free memory past the waiters only when it fits now and keeps the newcomer within its
-fair share (``Grants._fits``: no head-of-line blocking — the waiter's missing pages
+fair share (``Grants.fits``: no head-of-line blocking — the waiter's missing pages
 are then asked for at the next step); a waiter is answered exactly once (granted, or
 ``NO_MEMORY``/``OVER_LIMIT`` at its deadline).
 Pure bookkeeping over the tenants' records and the pool's free count: no sockets, no
@@ -315,6 +315,12 @@ class Reclaimer:
                         "tenant %d (%s) ignored reclaim %d (%s, %d pages still held above "
                         "the ask); capped at its min until it answers", t.id, t.name,
                         ask.seq, ask.reason, ask.pages)
+
+    def ask(self, t: TenantRecord, pages: int, mode: str, urgent: bool, reason: str,
+            now: float) -> None:
+        """Ask ``t`` for ``pages`` now, outside a round (a gang's ask mirrored to its
+        other ranks, :meth:`kvpool.daemon.gangs.Gangs.mirror_asks`); ``t`` has no ask."""
+        self._send_ask(t, pages, mode, urgent, reason, now)
 
     def _send_ask(self, t: TenantRecord, pages: int, mode: str, urgent: bool, reason: str,
                   now: float) -> None:

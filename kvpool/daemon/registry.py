@@ -58,7 +58,7 @@ class Registry:
             raise Fail(p.OVER_LIMIT, f"uid {uid} has {per_uid} sessions open already "
                                      f"(max_sessions_per_uid)")
         total = self.cfg.max_sessions
-        if len(self.tenants) >= total:
+        if len(self.tenants.by_id) >= total:  # (every device's sessions)
             raise Fail(p.OVER_LIMIT, f"the daemon serves {total} sessions already "
                                      f"(max_sessions)")
         return self.tenants.add(

@@ -55,22 +55,20 @@ from typing import Any, Callable
 from kvpool import fdchannel
 from kvpool import protocol as p
 from kvpool.daemon import observe
-from kvpool.daemon.arbiter import Arbiter
 from kvpool.daemon.config import Config
 from kvpool.daemon.control import Control
+from kvpool.daemon.devices import Devices, metrics_off
 from kvpool.daemon.fdsend import FdSender
 from kvpool.daemon.fdsessions import FdSessions
 from kvpool.daemon.fdwatch import FdWatch
 from kvpool.daemon.notify import Notifier
-from kvpool.daemon.pool import Pool
 from kvpool.daemon.restart import StateFile, recover
 from kvpool.daemon.startup import (
     AlreadyRunning, Sockets, StartupError, group_id, open_sockets, prepare_run_dir,
 )
 from kvpool.daemon.tenants import TenantRecord
 from kvpool.limits import raise_fd_limit
-from kvpool.sizes import format_size, parse_size
-from kvpool.vmm import open_backend
+from kvpool.sizes import format_size
 
 __all__ = ["AlreadyRunning", "Server", "StartupError", "raise_fd_limit", "run"]
 
@@ -83,28 +81,19 @@ class Server:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.run_dir = cfg.run_path
-        page_size = parse_size(cfg.page_size) if cfg.page_size is not None else None
-        self.backend = open_backend(cfg.backend, cfg.device, page_size, cfg.huge_pages)
-        ps = self.backend.page_size
-        free, total = self.backend.mem_info()
-        try:  # budget vs the device, tenants' min vs the budget (ConfigError)
-            budget_pages = cfg.check_budget(total, ps, free) // ps
-        except ValueError:
-            self.backend.close()
-            raise
-        self.pool = Pool(
-            self.backend, budget_pages,
-            warm_min=cfg.resolve_pages(cfg.warm_min, ps, budget_pages * ps),
-            warm_max=cfg.resolve_pages(cfg.warm_max, ps, budget_pages * ps),
-        )
-        self.arbiter = Arbiter(cfg, self.pool, budget_pages * ps)
+        # every device's stack (backend, pool, arbiter); the first one's are also
+        # ``backend``/``pool``/``arbiter``: restart state, counters, the hello
+        self.devices = Devices(cfg)
+        first = self.devices.first
+        self.backend, self.pool, self.arbiter = first.backend, first.pool, first.arbiter
+        self.gangs = self.devices.gangs
         self.notifier = Notifier.from_env()
         self.state = StateFile(self.run_dir)
         self.sockets = Sockets(self.run_dir)
         self.fdwatch = FdWatch()
-        self.fdsend = FdSender(self.pool, self.arbiter.tenants, self.fdwatch, self.reply,
-                               self.drop, cfg.max_queued_fds, cfg.send_timeout_s,
-                               self.arbiter.weights)
+        self.fdsend = FdSender(self.devices.pools, self.devices.tenants, self.fdwatch,
+                               self.reply, self.drop, cfg.max_queued_fds, cfg.send_timeout_s,
+                               {s.device: s.arbiter.weights for s in self.devices})
         self._stop = False
         self._state_dirty = False
         self._need_tick = False
@@ -123,7 +112,8 @@ class Server:
         cfg, a = self.cfg, self.arbiter
         self.control = Control(self.sockets.router, a.counters, self.receive, cfg.burst,
                                cfg.drain_slice)
-        self.sessions = FdSessions(self.sockets.listener, cfg, a, self.pool, self.fdwatch,
+        self.sessions = FdSessions(self.sockets.listener, cfg, self.devices, self.pool,
+                                   self.fdwatch,
                                    self.fdsend, self.drop, self.handle, self.control.refuse,
                                    self.admin_gid)
         self.fdwatch.add_socket(self.control.router)
@@ -132,13 +122,16 @@ class Server:
         self.fdwatch.watch(self._wake_r, self._on_signal_pipe)
         # counters, event log, /metrics if configured
         self.observer = observe.attach(a, self.fdwatch, self.reply, cfg)
+        self.observers = [observe.attach(s.arbiter, self.fdwatch, self.reply, metrics_off(cfg))
+                          for s in self.devices if s.arbiter is not a]  # events per device
         signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
-        log.info("serving %s: backend %s device %d, page %s, budget %s (%d pages), warm %d..%d",
-                 self.run_dir, self.backend.name, self.backend.device,
-                 format_size(self.pool.page_size), format_size(self.arbiter.budget),
-                 self.pool.budget_pages, self.pool.warm_min, self.pool.warm_max)
+        for s in self.devices:
+            log.info("serving %s: backend %s device %d, page %s, budget %s (%d pages), "
+                     "warm %d..%d", self.run_dir, s.backend.name, s.device,
+                     format_size(s.pool.page_size), format_size(s.budget),
+                     s.pool.budget_pages, s.pool.warm_min, s.pool.warm_max)
         for name in self.cfg.unbound_names():
             log.warning("tenant name %r is configured without uids or group: only the "
                         "daemon's own uid (%d) may register it; list uids = [...] (or a "
@@ -149,7 +142,8 @@ class Server:
 
     def _save_state(self) -> None:
         a = self.arbiter
-        self.state.save(a.next_group, [t for t in a.tenants if t.arbitrated])
+        # (gangs are not adopted after a restart: their ranks re-create them)
+        self.state.save(a.next_group, [t for t in a.tenants if t.arbitrated and not t.gang])
         self._state_dirty = False
 
     def save_state_if_changed(self) -> None:
@@ -166,12 +160,14 @@ class Server:
         the tenants to re-adopt what they still map."""
         self.notifier.stopping()
         self.observer.close()
+        for obs in self.observers:
+            obs.close()
         # tenants keep their mapped pages across a stop too: while any is left, the next
         # daemon must recover them (Adopt is accepted only then), clean stop or not
         keep = not clean or any(t.arbitrated for t in self.arbiter.tenants)
         if keep:
             self._save_state()
-        for t in list(self.arbiter.tenants):
+        for t in list(self.devices.tenants):
             self.drop(t, "daemon shutting down")
         if not keep:
             self.state.remove()
@@ -180,16 +176,14 @@ class Server:
         signal.set_wakeup_fd(-1)
         os.close(self._wake_r)
         os.close(self._wake_w)
-        self.pool.close()
-        self.backend.close()
+        self.devices.close()
         self.notifier.close()
         log.info("stopped")
 
     def _abort_start(self) -> None:
         """Undo a partial start (never touching another daemon's sockets)."""
         self.sockets.close()
-        self.pool.close()
-        self.backend.close()
+        self.devices.close()
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self._stop = True
@@ -223,7 +217,8 @@ class Server:
         A handler that raises drops the tenant whose socket it served (never the daemon).
         Control messages are looked at again every ``interleave`` fd-channel events, so a
         flood of connections or hang-ups does not hold up the tenants' requests."""
-        busy = self.pool.has_work() or self.control.discard is not None
+        pools = [s.pool for s in self.devices]
+        busy = any(pool.has_work() for pool in pools) or self.control.discard is not None
         wait_s = 0.0 if busy else max(0.0, self.next_due() - time.monotonic())
         events = self.fdwatch.poll(int(wait_s * 1000))  # (pyzmq truncates float ms alike)
         every = self.cfg.interleave
@@ -240,8 +235,10 @@ class Server:
             self._need_tick = False
             self.tick()
         self._guard(None, self.run_timers)
-        if busy and not events and self.pool.maintain(self.cfg.idle_work_s):
-            self.tick_soon()  # retained pages went: waiting grants may fit now
+        if busy and not events:
+            for pool in pools:
+                if pool.has_work() and pool.maintain(self.cfg.idle_work_s):
+                    self.tick_soon()  # retained pages went: waiting grants may fit now
 
     def _guard(self, fd: int | None, fn: Callable[..., None], *args: Any) -> None:
         """Run ``fn``; an unexpected exception drops the tenant behind ``fd`` (if any)."""
@@ -258,9 +255,9 @@ class Server:
                 self.fdwatch.unwatch(fd)
 
     def _tenant_of_fd(self, fd: int) -> TenantRecord | None:
-        t = self.arbiter.tenants.by_fileno.get(fd)
+        t = self.devices.tenants.by_fileno.get(fd)
         if t is None:
-            t = next((x for x in self.arbiter.tenants if x.pidfd == fd), None)
+            t = next((x for x in self.devices.tenants if x.pidfd == fd), None)
         return t
 
     # ---- timers -----------------------------------------------------------------------
@@ -271,14 +268,19 @@ class Server:
         parked = self.sessions.next_deadline()
         times += [x for x in (stuck, parked) if x is not None]
         t = min(times)
-        d = self.arbiter.next_deadline()
-        return min(t, d + 0.001) if d is not None else t
+        for d in self._deadlines():
+            t = min(t, d + 0.001)
+        return t
+
+    def _deadlines(self) -> list[float]:
+        """Every device's arbiter deadline, and the gangs' (waiting parts)."""
+        ds = [s.arbiter.next_deadline() for s in self.devices] + [self.gangs.next_deadline()]
+        return [d for d in ds if d is not None]
 
     def run_timers(self) -> None:
         """Whatever is due now."""
         now = time.monotonic()
-        d = self.arbiter.next_deadline()
-        if d is not None and now >= d:
+        if any(now >= d for d in self._deadlines()):
             self.tick()
         self.fdsend.expire(now)
         self.sessions.expire(now)
@@ -286,7 +288,7 @@ class Server:
         if now >= self.next_liveness:
             self.next_liveness = now + self.cfg.liveness_s
             self.sessions.check_liveness(now)
-            if self.pool.recheck_retained():  # released pages a tenant kept, now gone
+            if any([s.pool.recheck_retained() for s in self.devices]):  # kept pages gone
                 self.tick_soon()  # waiting grants may fit now (a pass goes on when idle)
         if now >= self.next_watchdog:
             interval = self.notifier.watchdog_interval
@@ -298,10 +300,9 @@ class Server:
             self.notifier.status(self.status_line())
 
     def status_line(self) -> str:
-        pool = self.pool
-        return (f"{len(self.arbiter.tenants)} tenants; "
-                f"{format_size(pool.granted * pool.page_size)} granted of "
-                f"{format_size(self.arbiter.budget)}; {len(pool.warm)} warm pages")
+        return f"{len(self.devices.tenants)} tenants; " + "; ".join(
+            f"device {s.device}: {format_size(s.pool.granted * s.pool.page_size)} granted of "
+            f"{format_size(s.budget)}, {len(s.pool.warm)} warm pages" for s in self.devices)
 
     # ---- requests -------------------------------------------------------------------
     def receive(self, identity: bytes, envelope: list[bytes], req: p.Request) -> None:
@@ -320,7 +321,7 @@ class Server:
 
     def _session(self, identity: bytes, req: p.Request) -> TenantRecord | None:
         """The registered session ``req`` speaks for from ``identity``, if any."""
-        t = self.arbiter.tenants.by_token.get(req.token) if req.token else None
+        t = self.devices.tenants.by_token.get(req.token) if req.token else None
         if t is None or not t.registered or t.identity != identity:
             return None
         return t
@@ -328,10 +329,16 @@ class Server:
     def handle(self, identity: bytes, envelope: list[bytes], req: p.Request,
                t: TenantRecord | None) -> None:
         uid = t.uid if t is not None else None
+        sender = self.devices.tenants.by_token.get(req.token) if req.token else None
+        why = self.devices.route(sender, req)  # a Register names the session's device
+        if why is not None:
+            self.arbiter.counters.errors += 1
+            self.control.reply(envelope, p.error(req.id, p.NOT_FOUND, why))
+            return
         try:
             if isinstance(req, p.Adopt) and t is not None:
                 self.sessions.take_stash(t, req.id)
-            out = self.arbiter.handle(identity, req, envelope)
+            out = self.devices.arbiter_of(sender).handle(identity, req, envelope)
         except Exception as e:  # a bug must not stop the daemon
             log.exception("request %s failed", type(req).__name__)
             self.arbiter.counters.errors += 1
@@ -350,24 +357,33 @@ class Server:
         self.tick()
 
     def tick(self) -> None:
-        """Answer waiting requests that are done, then send queued reclaim asks."""
+        """Answer waiting requests that are done (every device's, the gangs' parts),
+        then send queued reclaim asks and gang notices."""
         try:
-            for out in self.arbiter.tick():
+            self.gangs.expire(time.monotonic())
+            outs = [o for s in self.devices for o in s.arbiter.tick()]
+            ready = self.gangs.take_ready()  # gang parts answered (every rank's, or late)
+            for out in outs + ready:
                 assert out.envelope is not None and out.reply is not None
                 self.fdsend.emit(out.envelope, out.reply.id, out)
+            for s in self.devices:
+                mine = [o for o in ready if o.tenant is not None and o.tenant.device == s.device]
+                if mine:
+                    s.arbiter.observed(mine)
         except Exception:  # a bug must not stop the daemon
             log.exception("arbitration step failed")
-        for identity, msg in self.arbiter.take_outbox():
+        queued = [m for s in self.devices for m in s.arbiter.take_outbox()]
+        for identity, msg in queued + self.gangs.outbox.take():
             self.control.reply([identity], msg)
 
     def drop(self, t: TenantRecord, why: str) -> None:
         """End ``t``'s session: its memory returns, its sockets and pidfd close."""
-        if t.id not in self.arbiter.tenants.by_id:
+        if t.id not in self.devices.tenants.by_id:
             return
         fileno = t.conn.fileno()
         self.fdsend.forget(t)
         self.sessions.forget(t)
-        self.arbiter.drop(t, why)
+        self.devices.drop(t, why)
         fdchannel.close_all(t.inbox + [fd for _, fds in t.stash for fd in fds])
         t.inbox, t.stash = [], []
         if t.arbitrated:

@@ -8,6 +8,7 @@ exits, on ``bye``, or when it never registers. Death returns every page it holds
 
 from __future__ import annotations
 
+import itertools
 import socket
 import time
 from dataclasses import dataclass, field
@@ -70,6 +71,9 @@ class TenantRecord:
     waiting_pages: int = 0  # pages of its requests queued for reclaim
     inbox: list[int] = field(default_factory=list)  # fds it sent for an Adopt (server-read)
     stash: list[tuple[int, list[int]]] = field(default_factory=list)  # (request id, fds) ahead
+    device: int = 0  # the device it holds memory on (Register.device; 0 until then)
+    gang: int = 0  # the gang it is a rank of (kvpool.daemon.gangs; 0: none)
+    rank: int = 0
 
     @property
     def held(self) -> int:
@@ -107,17 +111,30 @@ class TenantRecord:
 
 
 class Tenants:
-    """Indexes over live tenants: by id, by session token, by fd-channel fileno."""
+    """Indexes over live tenants: by id, by session token, by fd-channel fileno.
 
-    def __init__(self) -> None:
-        self.by_id: dict[int, TenantRecord] = {}
-        self.by_token: dict[str, TenantRecord] = {}
-        self.by_fileno: dict[int, TenantRecord] = {}
-        self._next_id = 1
+    With ``device`` (and the daemon-wide index ``share``), a *device view*: the same
+    indexes (sessions, tokens and ids are daemon-wide), but iterating, ``named`` and
+    ``len`` see only the tenants on that device (``TenantRecord.device``), which is what
+    one device's arbiter, reclaimer and views work over (kvpool.daemon.devices)."""
+
+    def __init__(self, device: int | None = None, share: Tenants | None = None) -> None:
+        self.by_id: dict[int, TenantRecord]
+        self.by_token: dict[str, TenantRecord]
+        self.by_fileno: dict[int, TenantRecord]
+        self._ids: Iterator[int]
+        if share is not None:
+            self.by_id, self.by_token = share.by_id, share.by_token
+            self.by_fileno, self._ids = share.by_fileno, share._ids
+        else:
+            self.by_id, self.by_token, self.by_fileno = {}, {}, {}
+            self._ids = itertools.count(1)
+        self.device = device
 
     def add(self, **kw: Any) -> TenantRecord:
-        t = TenantRecord(id=self._next_id, **kw)
-        self._next_id += 1
+        t = TenantRecord(id=next(self._ids), **kw)
+        if self.device is not None:
+            t.device = self.device
         self.by_id[t.id] = t
         self.by_token[t.token] = t
         self.by_fileno[t.conn.fileno()] = t
@@ -133,7 +150,7 @@ class Tenants:
     def named(self, name: str) -> list[TenantRecord]:
         """Memory-holding tenants called ``name`` (monitor and admin sessions claim no
         name). At most one is registered at a time (the arbiter refuses a second)."""
-        return [t for t in self.by_id.values() if t.name == name and t.arbitrated]
+        return [t for t in self if t.name == name and t.arbitrated]
 
     def count_uid(self, uid: int) -> int:
         return sum(1 for t in self.by_id.values() if t.uid == uid)
@@ -145,7 +162,11 @@ class Tenants:
         return self.named(key)
 
     def __iter__(self) -> Iterator[TenantRecord]:
-        return iter(list(self.by_id.values()))
+        if self.device is None:
+            return iter(list(self.by_id.values()))
+        return iter([t for t in self.by_id.values() if t.device == self.device])
 
     def __len__(self) -> int:
-        return len(self.by_id)
+        if self.device is None:
+            return len(self.by_id)
+        return sum(1 for t in self.by_id.values() if t.device == self.device)

@@ -66,7 +66,8 @@ class Views:
             ignored=t.ignored, unresponsive=t.unresponsive, waiting=t.waiting_pages * ps,
             retained=self.pool.retained_pages(t.id) * ps, endpoint=t.endpoint,
             weights=t.weight_pages * ps, weight_sets=self.weights.keys_of(t),
-            state=rest.state, sleepable=rest.sleepable,
+            state=rest.state, sleepable=rest.sleepable, device=t.device, gang=t.gang,
+            rank=t.rank,
         )
 
     def pool_info(self) -> p.PoolInfo:

@@ -52,6 +52,7 @@ from kvpool.protocol.bounds import (
     MAX_GROUPS, MAX_BYTES, MAX_ID, MAX_GROUP_ID, MAP_REPLY_BYTES, MAP_BASES, MAP_GROUPS,
     BAD_REQUEST, UNAUTHORIZED, NOT_FOUND, OVER_LIMIT, NO_MEMORY, BUSY, VERSION_MISMATCH,
     INTERNAL, CODES, Id, Name, Token, Bytes, Unit, Units, Kind, Weight, Seq,
+    MAX_RANKS, MAX_GANG_GROUPS, MAX_DEVICE, GangToken, Device, Rank,
 )
 from kvpool.protocol.requests import (
     Request, Register, CreateGroup, DestroyGroup, Grant, Release, Report, Lease,
@@ -59,13 +60,13 @@ from kvpool.protocol.requests import (
     Check, EVENTS_LIMIT, Events, REQUESTS, AnyRequest, MONITOR_OPS, ADMIN_OPS,
     TicketId, MAX_TTL_MS, Offer, Claim, Cancel, Locate, WeightKey, WeightCreate,
     WeightSeal, WeightAttach, WeightDetach, SLEEP_STATES, SleepTenant, TenantState,
-    SESSION_OPS,
+    SESSION_OPS, GangGroup, Layout, CreateGang,
 )
 from kvpool.protocol.replies import (
     Reply, Error, Registered, GroupCreated, Granted, Done, TenantInfo, PoolInfo, Run,
     GroupInfo, PsReply, StatsReply, MapReply, CheckReply, Reclaim, LimitSet, Leased,
     Adopted, EventInfo, EventsReply, REPLIES, AnyReply, SETTLED_STATES, Offered, Claimed,
-    Settled, Located, WeightGranted, SleepAsked, SleepAsk,
+    Settled, Located, WeightGranted, SleepAsked, SleepAsk, GangCreated, GangEnded,
 )
 from kvpool.protocol.endpoint import MAX_ENDPOINT, Endpoint
 from kvpool.protocol.fd import (
@@ -94,5 +95,7 @@ __all__ = [
     "SETTLED_STATES", "Offered", "Claimed", "Settled", "Locate", "Located",
     "MAX_ENDPOINT", "Endpoint", "WeightKey", "WeightCreate", "WeightSeal",
     "WeightAttach", "WeightDetach", "WeightGranted", "SLEEP_STATES", "SleepTenant",
-    "TenantState", "SESSION_OPS", "SleepAsked", "SleepAsk",
+    "TenantState", "SESSION_OPS", "SleepAsked", "SleepAsk", "MAX_RANKS",
+    "MAX_GANG_GROUPS", "MAX_DEVICE", "GangToken", "Device", "Rank", "GangGroup", "Layout",
+    "CreateGang", "GangCreated", "GangEnded",
 ]

@@ -22,6 +22,9 @@ MAX_GROUP_ID = (1 << 31) - 1  # group ids the daemon hands out (and accepts in a
 MAP_REPLY_BYTES = 1 << 20  # a map reply stays about this small; the rest is paged
 MAP_BASES = 8  # region bases shown per group in a map reply
 MAP_GROUPS = 1024  # groups in one map reply, at most
+MAX_RANKS = 64  # ranks of one gang (tensor-parallel degree)
+MAX_GANG_GROUPS = 64  # groups in one gang's layout
+MAX_DEVICE = 1024  # device ordinals a message may name
 
 # ---- error codes (stable: clients and scripts match on them) ---------------------
 BAD_REQUEST = "BAD_REQUEST"  # undecodable, invalid, or inconsistent with the state
@@ -45,3 +48,7 @@ Units = Annotated[list[Unit], Meta(max_length=MAX_UNITS)]
 Kind = Annotated[str, Meta(pattern=r"^(engine|lease|monitor|admin|test)$")]
 Weight = Annotated[float, Meta(gt=0, le=10000)]
 Seq = Annotated[int, Meta(ge=0, le=MAX_ID)]
+# a gang token: 128 random bits, 32 lowercase hex digits (a capability: never shown)
+GangToken = Annotated[str, Meta(pattern=r"^[0-9a-f]{32}$")]
+Device = Annotated[int, Meta(ge=0, le=MAX_DEVICE)]
+Rank = Annotated[int, Meta(ge=0, lt=MAX_RANKS)]

@@ -32,6 +32,21 @@ class Registered(Reply, tag="registered"):
     page_size: int
     budget: int
     limit: int
+    gang_id: int = 0  # the gang this session joined (0: none); never its token
+    rank: int = 0
+
+
+class GangCreated(Reply, tag="gang_created"):
+    gang: str  # the token the other ranks join with (a capability: pass it privately)
+    gang_id: int  # the gang's public id (ps, map, events)
+
+
+class GangEnded(Reply, tag="gang_ended"):
+    """Unsolicited (``id`` 0): a rank's session ended, so the gang ended; every rank's
+    pages went back on every device and this session is being closed."""
+
+    gang_id: int
+    reason: str
 
 
 class GroupCreated(Reply, tag="group"):
@@ -75,6 +90,9 @@ class TenantInfo(Struct, kw_only=True):
     weight_sets: list[str] = []  # the keys of those sets, first 12 hex digits each
     state: str = "awake"  # busy | idle | asleep as it said (TenantState); awake: never said
     sleepable: bool = False  # the daemon may put it to sleep under pressure
+    device: int = 0  # the device it holds memory on
+    gang: int = 0  # the gang it is a rank of (its id; 0: none)
+    rank: int = 0
 
 
 class PoolInfo(Struct, kw_only=True):
@@ -316,6 +334,6 @@ class SleepAsk(Reply, tag="sleep_ask"):
 REPLIES = (
     Error, Registered, GroupCreated, Granted, Done, PsReply, StatsReply, MapReply,
     CheckReply, Reclaim, LimitSet, Leased, Adopted, EventsReply, Offered, Claimed, Settled,
-    Located, WeightGranted, SleepAsked, SleepAsk,
+    Located, WeightGranted, SleepAsked, SleepAsk, GangCreated, GangEnded,
 )
 AnyReply = Union[REPLIES]  # type: ignore[valid-type]  # built from the tuple for msgspec

@@ -15,8 +15,9 @@ from typing import Annotated, Literal, Optional, Union
 from msgspec import Meta, Struct
 
 from kvpool.protocol.bounds import (
-    MAP_GROUPS, MAX_BYTES, MAX_GROUPS, MAX_ID, MAX_NAME, MAX_REGIONS, MAX_UNITS, VERSION,
-    Bytes, Id, Kind, Name, Seq, Token, Unit, Units, Weight,
+    MAP_GROUPS, MAX_BYTES, MAX_GANG_GROUPS, MAX_GROUPS, MAX_ID, MAX_NAME, MAX_RANKS,
+    MAX_REGIONS, MAX_UNITS, VERSION, Bytes, Device, GangToken, Id, Kind, Name, Rank, Seq,
+    Token, Unit, Units, Weight,
 )
 from kvpool.protocol.endpoint import Endpoint
 
@@ -29,12 +30,27 @@ class Request(Struct, tag_field="op", kw_only=True, forbid_unknown_fields=True, 
     token: Token = ""
 
 
+class GangGroup(Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
+    """One group of a gang's layout: every rank creates its ``k``-th group with exactly
+    these values (``CreateGroup``), so a unit means the same bytes on every rank."""
+
+    n_regions: Annotated[int, Meta(ge=1, le=MAX_REGIONS)]
+    capacity: Annotated[int, Meta(ge=1, le=MAX_BYTES)]
+
+
+Layout = Annotated[list[GangGroup], Meta(min_length=1, max_length=MAX_GANG_GROUPS)]
+
+
 class Register(Request, tag="register"):
-    """Bind this ZeroMQ connection to the fd-channel session named by ``token``."""
+    """Bind this ZeroMQ connection to the fd-channel session named by ``token``.
+
+    A rank of a gang (tensor parallelism, :class:`CreateGang`) joins here: ``gang`` (the
+    token rank 0 got), its ``rank`` (1..ranks-1), ``device`` (the gang's device of that
+    rank) and the ``layout`` it will create (equal to the gang's)."""
 
     name: Name
     kind: Kind = "engine"
-    device: Annotated[int, Meta(ge=0, le=1024)] = 0
+    device: Device = 0
     version: int = VERSION
     # the tenant's own knobs; used only when the daemon's config has no entry for ``name``
     min: Optional[Bytes] = None
@@ -45,6 +61,23 @@ class Register(Request, tag="register"):
     # it may be put to sleep under memory pressure (kvpool.daemon.sleep); the config's
     # ``[tenants.NAME] sleepable`` wins
     sleepable: Optional[bool] = None
+    # a rank joining a gang (kvpool.daemon.gangs): all three or none
+    gang: Optional[GangToken] = None
+    rank: Optional[Rank] = None
+    layout: Optional[Layout] = None
+
+
+class CreateGang(Request, tag="create_gang"):
+    """Make this registered session rank 0 of a new gang of ``len(devices)`` ranks:
+    rank ``r`` lives on ``devices[r]`` (``devices[0]`` is this session's device; no
+    device twice); every rank creates the groups of ``layout``, in order. Answered
+    ``GangCreated{gang}``: the token the other ranks join with (``Register.gang``).
+    Grants and releases of the gang's groups are then *collective*: each rank sends the
+    same one (same group index, same units) and the daemon applies it on every device
+    at once, or on none."""
+
+    devices: Annotated[list[Device], Meta(min_length=2, max_length=MAX_RANKS)]
+    layout: Layout
 
 
 class CreateGroup(Request, tag="create_group"):
@@ -308,7 +341,7 @@ REQUESTS = (
     Register, CreateGroup, DestroyGroup, Grant, Release, Report, Bye, Ping,
     Ps, Stats, MapReq, SetLimit, Check, Lease, Reclaimed, Adopt, Shutdown, Events,
     Offer, Claim, Cancel, Locate, WeightCreate, WeightSeal, WeightAttach, WeightDetach,
-    SleepTenant, TenantState,
+    SleepTenant, TenantState, CreateGang,
 )
 AnyRequest = Union[REQUESTS]  # type: ignore[valid-type]  # built from the tuple for msgspec
 MONITOR_OPS = frozenset({"ps", "stats", "map", "ping", "check", "events"})

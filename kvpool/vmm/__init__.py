@@ -16,7 +16,7 @@ from kvpool.vmm.base import (
 )
 
 from kvpool.vmm.capabilities import Capabilities
-from kvpool.vmm.registry import REGISTRY, capabilities, entry
+from kvpool.vmm.registry import REGISTRY, capabilities, device_count, entry
 
 BACKENDS = ("auto", *REGISTRY)
 
@@ -47,5 +47,6 @@ __all__ = [
     "VmmError",
     "capabilities",
     "cuda_available",
+    "device_count",
     "open_backend",
 ]

@@ -223,6 +223,16 @@ def format_uuid(raw: bytes | str) -> str:
     return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
 
 
+def device_count() -> int:
+    """How many devices the CUDA driver reports (0: no driver or none; never raises)."""
+    try:
+        cu = load_driver()
+        call(cu, "init", "cuInit", 0)
+        return int(call(cu, "init", "cuDeviceGetCount"))
+    except Exception:  # no cuda-python, no driver: no device
+        return 0
+
+
 def probe(device: int = 0) -> str | None:
     """None when the CUDA backend can run on ``device``, else the reason why not.
 

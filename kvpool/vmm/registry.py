@@ -23,6 +23,7 @@ class BackendEntry:
     caps: Capabilities
     available: Callable[[int], bool]
     open: Callable[[int, int | None, bool], Backend]  # (device, page_size, huge_pages)
+    count: Callable[[], int] = lambda: 1  # devices this machine has (``--devices all``)
 
 
 def _host_open(device: int, page_size: int | None, huge_pages: bool) -> Backend:
@@ -45,9 +46,17 @@ def _cuda_available(device: int) -> bool:
     return probe(device) is None
 
 
+def _cuda_count() -> int:
+    try:
+        from kvpool.vmm.cuda_driver import device_count
+    except ImportError:
+        return 0
+    return device_count()
+
+
 #: every backend, in the order ``auto`` tries them (the last is always available)
 REGISTRY: dict[str, BackendEntry] = {
-    "cuda": BackendEntry("cuda", CUDA_CAPS, _cuda_available, _cuda_open),
+    "cuda": BackendEntry("cuda", CUDA_CAPS, _cuda_available, _cuda_open, _cuda_count),
     "host": BackendEntry("host", HOST_CAPS, lambda device: True, _host_open),
 }
 
@@ -61,6 +70,12 @@ def entry(kind: str, device: int = 0) -> BackendEntry:
         raise InvalidArgument("open_backend", f"unknown backend {kind!r}; choose one of "
                                               f"{('auto', *REGISTRY)}")
     return REGISTRY[kind]
+
+
+def device_count(kind: str) -> int:
+    """How many devices backend ``kind`` (``auto``: the first available) sees here
+    (host memory is one device)."""
+    return entry(kind).count()
 
 
 def capabilities(kind: str, device: int = 0) -> Capabilities:

@@ -64,6 +64,9 @@ def refused(proc: subprocess.Popen, run_dir: Path) -> list[str]:
     (("--page-size", "0"), "--page-size = 0: must be more than 0"),
     (("--page-size", "3000"), "power of two"),
     (("--device", "-1"), "--device = -1"),
+    (("--devices", "0,0"), "devices = '0,0': a device is named twice"),
+    (("--devices", "0"), "devices = '0': no device to serve"),
+    (("--devices", "one"), "--devices = 'one'"),
 ])
 def test_bad_flags_are_refused(run_dir, flags, needle):
     budget = flags[1] if flags[0] == "--budget" else "8MiB"
@@ -88,6 +91,8 @@ def test_bad_flags_are_refused(run_dir, flags, needle):
     ('[tenants.a]\nmin = "90%"\n[tenants.b]\nmin = "90%"\n', "add up to"),
     ('[tenants.a]\nmin = "60%"\nmax = "50%"\n', "above its max"),
     ("budgett = 5\n", "unknown configuration keys: budgett"),
+    ('device_budgets = { "1" = "abc" }\n', "device 1: cannot parse size"),
+    ('device_budgets = { "x" = "1MiB" }\n', "device_budgets"),
     ("budget = [\n", "not valid TOML"),
 ])
 def test_bad_config_values_are_refused(run_dir, toml, needle):

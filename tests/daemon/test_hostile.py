@@ -1,4 +1,4 @@
-"""Ten thousand hostile control messages over all 28 request types (weight sets and sleep/wake among them) (forged and foreign
+"""Ten thousand hostile control messages over all 29 request types (gang creation among them) (weight sets and sleep/wake among them) (forged and foreign
 handoff tickets, hostile endpoints and locates among them), while two hostile
 fd-channel peers misbehave (one never reads its descriptors, one announces Adopt
 descriptors it never sends): each message gets an error reply, a live tenant keeps being
@@ -28,7 +28,7 @@ SINK_PAGES = 400  # more fd messages than a socket buffer holds
 TENANT_OPS = ["grant", "release", "report", "create_group", "destroy_group", "bye",
               "lease", "reclaimed", "adopt", "offer", "claim", "cancel", "locate",
               "weight_create", "weight_seal", "weight_attach", "weight_detach",
-              "tenant_state"]
+              "tenant_state", "create_gang"]
 ALL_OPS = ["register", *TENANT_OPS, "ping", "ps", "stats", "map", "set_limit", "check", "events",
            "shutdown", "sleep_tenant"]
 assert sorted(ALL_OPS) == sorted(t.__struct_config__.tag for t in p.REQUESTS)  # all covered
@@ -36,7 +36,8 @@ assert sorted(ALL_OPS) == sorted(t.__struct_config__.tag for t in p.REQUESTS)  #
 # A field spec per op: name -> kind ("int", "list", "str", "bool", "oint", "olist", "ostr")
 FIELDS = {
     "register": {"name": "str", "kind": "str", "device": "int", "version": "int",
-                 "endpoint": "ostr"},
+                 "endpoint": "ostr", "gang": "gtoken", "rank": "oint", "layout": "layout"},
+    "create_gang": {"devices": "devices", "layout": "layout"},
     "create_group": {"n_regions": "int", "capacity": "int", "bases": "list", "label": "str"},
     "destroy_group": {"group": "int"},
     "grant": {"group": "int", "units": "list", "in_use": "oint", "reserve": "olist"},
@@ -95,6 +96,22 @@ WRONG = {
     "state": st.one_of(ints, st.none(), st.booleans(), st.binary(max_size=8),  # bad states
                        st.text(max_size=12).filter(lambda s: s not in p.SLEEP_STATES),
                        st.sampled_from(["awake", "ASLEEP", "idle ", "sleeping", ""])),
+    "gtoken": st.one_of(ints, st.binary(max_size=16),  # malformed gang tokens
+                        st.text(alphabet="0123456789abcdef", max_size=31),
+                        st.text(alphabet="0123456789abcdef", min_size=33, max_size=200),
+                        st.text(alphabet="0123456789ABCDEFG-", min_size=32, max_size=32)),
+    "devices": st.one_of(ints, st.none(), st.text(max_size=4), st.lists(ints, max_size=1),
+                         st.lists(st.integers(-(2**63), -1), min_size=2, max_size=3),
+                         st.lists(st.integers(p.MAX_DEVICE + 1, 2**40), min_size=2, max_size=3),
+                         st.lists(st.integers(0, 3), min_size=p.MAX_RANKS + 1,
+                                  max_size=p.MAX_RANKS + 3)),
+    "layout": st.one_of(ints, st.text(max_size=4), st.just([]), st.lists(ints, min_size=1, max_size=2),
+                        st.lists(st.fixed_dictionaries({"n_regions": st.integers(-3, 0),
+                                                        "capacity": st.just(PAGE)}),
+                                 min_size=1, max_size=2),
+                        st.lists(st.fixed_dictionaries({"n_regions": st.just(1),
+                                                        "capacity": st.integers(-3, 0)}),
+                                 min_size=1, max_size=2)),
     "ttl": st.one_of(st.integers(-(2**63), 0), st.integers(p.MAX_TTL_MS + 1, 2**64 - 1),
                      st.floats(), st.text(max_size=4)),
     "groups": st.one_of(ints, st.text(max_size=8), st.lists(ints, min_size=1, max_size=3),
@@ -112,6 +129,12 @@ GOOD = {
     "ttl": st.integers(1, 100),
     "wkey": st.text(alphabet="0123456789abcdef", min_size=64, max_size=64),  # forged
     "state": st.sampled_from(p.SLEEP_STATES),
+    "gtoken": st.text(alphabet="0123456789abcdef", min_size=32, max_size=32),  # forged
+    # a device this (one-device) daemon does not serve, or one named twice
+    "devices": st.sampled_from([[0, 1], [0, 0], [1, 0], [0, 1, 2]]),
+    "layout": st.lists(st.fixed_dictionaries({"n_regions": st.integers(1, 4),
+                                              "capacity": st.integers(1, 8).map(lambda n: n * PAGE)}),
+                       min_size=1, max_size=3),
 }
 
 
@@ -203,7 +226,9 @@ def hostile(env: Env):
                   "weight_create": {"key": "ab" * 32, "nbytes": PAGE},
                   "weight_seal": {"key": "ab" * 32}, "weight_attach": {"key": "ab" * 32},
                   "weight_detach": {"key": "ab" * 32},
-                  "tenant_state": {"state": "idle"}}[op]
+                  "tenant_state": {"state": "idle"},
+                  "create_gang": {"devices": [0, 1], "layout": [{"n_regions": 1,
+                                                                 "capacity": PAGE}]}}[op]
         return ("anon", [p.encode({"op": op, **with_header(fields, rid, token)})], rid)
 
     @st.composite
@@ -238,7 +263,7 @@ def hostile(env: Env):
     def bad_values(draw):
         rid = draw(ids)
         case = draw(st.sampled_from(["capacity", "regions", "limit", "map", "register", "huge_bases",
-                                     "locate", "endpoint", "sleep"]))
+                                     "locate", "endpoint", "sleep", "gang"]))
         tok = env.attacker_token
         if case == "capacity":
             cap = draw(st.integers(0, 64)) * PAGE + draw(st.integers(1, PAGE - 1))
@@ -259,6 +284,15 @@ def hostile(env: Env):
             req = {"op": "sleep_tenant", "name": draw(st.sampled_from(
                 ["", "bad name", "a/b", "x" * (p.MAX_NAME + 1), "\x00"])),
                    "wake": draw(st.booleans())}
+        elif case == "gang":  # a forged gang join, or a gang no device here can hold
+            req = draw(st.sampled_from([
+                {"op": "register", "name": "attacker", "gang": "ab" * 16, "rank": 1,
+                 "layout": [{"n_regions": 1, "capacity": PAGE}]},
+                {"op": "register", "name": "again", "gang": "ab" * 16},
+                {"op": "create_gang", "devices": [0, 7],
+                 "layout": [{"n_regions": 1, "capacity": PAGE}]},
+                {"op": "create_gang", "devices": [0, 0],
+                 "layout": [{"n_regions": 1, "capacity": PAGE}]}]))
         elif case == "endpoint":  # hostile endpoints (and a second register)
             req = {"op": "register", "name": "again", "endpoint": draw(st.sampled_from(
                 ["http://10.0.0.1:80", "http://127.0.0.1:0", "file:///x", "http://127.0.0.1:80"]))}

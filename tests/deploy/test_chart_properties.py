@@ -110,7 +110,8 @@ def every_knob() -> dict[str, Any]:
     """A valid value, other than the default, for every key of the daemon's schema."""
     group = grp.getgrgid(os.getgid()).gr_name
     return {
-        "backend": "host", "device": 3, "budget": "75%", "page_size": "4MiB",
+        "backend": "host", "device": 3, "devices": "0,1", "device_budgets": {"1": "6GiB"},
+        "budget": "75%", "page_size": "4MiB",
         "huge_pages": False, "run_dir": "/run/kvpool", "socket_mode": "0640",
         "socket_group": group, "admin_group": group, "warm_min": "4p",
         "warm_max": 1 << 40, "default_max": "90%",

@@ -1,0 +1,414 @@
+"""Gangs: tensor-parallel tenants whose ranks hold memory on several devices as one.
+
+A gang is one tenant with ``N`` ranks, each rank its own session (its own process) on
+its own device (docs/ARCHITECTURE.md, "Gangs"). Rank 0 creates it (:meth:`Gangs.create`,
+``CreateGang``) and gets a 128-bit token; the other ranks join with it at ``Register``
+(:meth:`Gangs.check_join` refuses a forged or ended token, another uid, another name, a
+rank taken or out of range, a device that is not the rank's, a different layout — all
+before anything is held — and :meth:`Gangs.joined` records the rank).
+
+Grants and releases are **collective**: a rank's ``Grant``/``Release`` is a *part*,
+matched with the other ranks' by (operation, group index in the layout, units). A part
+waits (its answer deferred) until every rank sent the same one, then in one call:
+
+* grant: every rank admitted (its cap) and the units fitting on every device now;
+  pages *reserved* on each device in turn (``Pool.take``), any failure giving back what
+  the devices before it reserved; only then *committed* to every rank's page table, each
+  rank answered with its own descriptors. Every part gets ``Granted`` or every part the
+  same error: no rank ever sees a partial grant;
+* release: every rank's pages of the units go back on every device together.
+
+A part whose peers do not all come within ``timeout_s`` is answered ``NO_MEMORY``
+(:meth:`Gangs.expire`); nothing was reserved for it. A rank whose session ends ends the
+gang (:meth:`Gangs.dropped`): every other rank's pages go back on its device, each is
+told (``GangEnded``) and refused memory from then on; its waiting parts are answered.
+
+Answers to parts other than the one just handled (and to parts that expire) are queued
+as outcomes with their envelopes (:meth:`Gangs.take_ready`); ``GangEnded`` messages in
+:attr:`Gangs.outbox`; the server sends both. Each device's pieces (pool, grants,
+reclaimer) are attached by that device's arbiter (:meth:`Gangs.attach`).
+
+Invariant (:meth:`Gangs.check`, part of ``kvpool check``): for every live gang and group
+index ``k``, every rank's ``k``-th group holds exactly the same units; an ended gang's
+remaining ranks hold nothing.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Union
+
+from kvpool import protocol as p
+from kvpool.daemon.grants import MAX_PAGES_PER_GRANT, Grants, check_units, require_holder
+from kvpool.daemon.outcome import Fail, Outbox, Outcome, Sender
+from kvpool.daemon.pool import Pool, PoolExhausted
+from kvpool.daemon.reclaim import Reclaimer
+from kvpool.daemon.regions import GroupRecord
+from kvpool.daemon.tenants import NO_MEMORY_KINDS, TenantRecord
+
+log = logging.getLogger("kvpool.daemon")
+
+Collective = Union[p.Grant, p.Release]
+PartKey = tuple[str, int, tuple[int, ...]]  # (op, group index in the layout, units)
+
+
+@dataclass
+class GangDevice:
+    """One device's pieces a gang's grant acts on (attached by that device's arbiter)."""
+
+    pool: Pool
+    grants: Grants
+    reclaimer: Reclaimer
+
+
+@dataclass(eq=False)
+class Part:
+    """One rank's part of a collective grant or release, waiting for the others."""
+
+    tenant: TenantRecord
+    envelope: list[bytes]
+    req: Collective
+    group: GroupRecord
+    deadline: float
+
+
+@dataclass(eq=False)
+class Gang:
+    id: int
+    token: str
+    uid: int
+    name: str
+    devices: list[int]  # devices[r]: rank r's device
+    layout: list[tuple[int, int]]  # (n_regions, capacity) of each group, in order
+    ranks: dict[int, TenantRecord] = field(default_factory=dict)  # joined, still live
+    groups: dict[int, list[int]] = field(default_factory=dict)  # rank -> its group ids
+    parts: dict[PartKey, dict[int, Part]] = field(default_factory=dict)  # key -> rank -> part
+    ended: str = ""  # why it ended ("": it lives)
+
+    @property
+    def size(self) -> int:
+        return len(self.devices)
+
+    def index_of(self, t: TenantRecord, gid: int) -> int:
+        """The layout index of ``t``'s group ``gid``."""
+        gids = self.groups.get(t.rank, [])
+        if gid not in gids:
+            raise Fail(p.BAD_REQUEST, f"group {gid} is not one of gang {self.id}'s")
+        return gids.index(gid)
+
+
+class Gangs:
+    """Every gang of this daemon, over the devices attached (:meth:`attach`); parts
+    wait at most ``timeout_s`` for their peers."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self.devices: dict[int, GangDevice] = {}
+        self.by_id: dict[int, Gang] = {}
+        self.by_token: dict[str, Gang] = {}
+        self.outbox = Outbox()
+        self._ready: list[Outcome] = []
+        self._ids = itertools.count(1)
+
+    def attach(self, device: int, parts: GangDevice) -> None:
+        """Device ``device``'s pool, grants and reclaimer (its arbiter calls this)."""
+        self.devices[device] = parts
+
+    def take_ready(self) -> list[Outcome]:
+        """Answers made for waiting parts (each with its envelope); the list is emptied."""
+        out, self._ready = self._ready, []
+        return out
+
+    def gang_of(self, t: TenantRecord) -> Gang:
+        """``t``'s gang, alive (else ``BAD_REQUEST`` naming why it ended)."""
+        g = self.by_id.get(t.gang)
+        if g is None:
+            raise Fail(p.BAD_REQUEST, f"gang {t.gang} is gone")
+        if g.ended:
+            raise Fail(p.BAD_REQUEST, f"gang {g.id} ended: {g.ended}")
+        return g
+
+    # ---- creating and joining ---------------------------------------------------------
+    def create(self, t: TenantRecord, sender: Sender, r: p.CreateGang) -> p.Reply:
+        require_holder(t, "create_gang")
+        if t.gang:
+            raise Fail(p.BAD_REQUEST, f"this session is rank {t.rank} of gang {t.gang} already")
+        if t.groups or t.lease_pages or t.weight_pages or t.waiting_pages:
+            raise Fail(p.BAD_REQUEST, "a gang is created before its rank 0 holds anything "
+                                      "(groups, lease, weight sets)")
+        if len(set(r.devices)) != len(r.devices):
+            raise Fail(p.BAD_REQUEST, f"devices {r.devices}: a device is named twice (one "
+                                      f"rank per device)")
+        if r.devices[0] != t.device:
+            raise Fail(p.BAD_REQUEST, f"devices[0] is rank 0's device: this session's "
+                                      f"device is {t.device}, not {r.devices[0]}")
+        unserved = [d for d in r.devices if d not in self.devices]
+        if unserved:
+            raise Fail(p.NOT_FOUND, f"device {unserved[0]} is not served (this daemon "
+                                    f"serves {', '.join(map(str, sorted(self.devices)))})")
+        token = secrets.token_hex(16)
+        g = Gang(id=next(self._ids), token=token, uid=t.uid, name=t.name,
+                 devices=list(r.devices), layout=[(x.n_regions, x.capacity) for x in r.layout])
+        g.ranks[0], g.groups[0] = t, []
+        t.gang, t.rank = g.id, 0
+        self.by_id[g.id] = g
+        self.by_token[token] = g
+        log.info("gang %d created by tenant %d (%s): %d ranks on devices %s", g.id, t.id,
+                 t.name, g.size, g.devices)
+        return p.GangCreated(id=r.id, gang=token, gang_id=g.id)
+
+    def check_join(self, t: TenantRecord, r: p.Register) -> Gang | None:
+        """The gang ``r`` joins (None: it joins none). Raises :class:`Fail` for any
+        reason it may not; changes nothing."""
+        fields = (r.gang, r.rank, r.layout)
+        if all(x is None for x in fields):
+            return None
+        if r.gang is None or r.rank is None or r.layout is None:
+            raise Fail(p.BAD_REQUEST, "gang, rank and layout come together (a rank joining "
+                                      "a gang names all three)")
+        if r.kind in NO_MEMORY_KINDS:
+            raise Fail(p.BAD_REQUEST, f"a {r.kind} session holds no memory: it joins no gang")
+        g = self.by_token.get(r.gang)
+        if g is None or not secrets.compare_digest(g.token, r.gang):
+            raise Fail(p.UNAUTHORIZED, "unknown gang token")
+        if g.ended:
+            raise Fail(p.UNAUTHORIZED, f"gang {g.id} ended: {g.ended}")
+        if t.uid != g.uid:
+            raise Fail(p.UNAUTHORIZED, f"gang {g.id} belongs to uid {g.uid}; this session "
+                                       f"is uid {t.uid}")
+        if r.name != g.name:
+            raise Fail(p.UNAUTHORIZED, f"gang {g.id}'s ranks register as {g.name!r}, "
+                                       f"not {r.name!r}")
+        if not 1 <= r.rank < g.size:
+            raise Fail(p.BAD_REQUEST, f"rank {r.rank} is outside gang {g.id} (ranks 1.."
+                                      f"{g.size - 1} join; rank 0 created it)")
+        if r.rank in g.ranks or r.rank in g.groups:
+            raise Fail(p.BAD_REQUEST, f"rank {r.rank} of gang {g.id} has joined already")
+        if r.device != g.devices[r.rank]:
+            raise Fail(p.BAD_REQUEST, f"rank {r.rank} of gang {g.id} lives on device "
+                                      f"{g.devices[r.rank]}, not {r.device}")
+        layout = [(x.n_regions, x.capacity) for x in r.layout]
+        if layout != g.layout:
+            raise Fail(p.BAD_REQUEST, f"layout {_show(layout)} differs from gang {g.id}'s "
+                                      f"{_show(g.layout)} (regions, bytes per unit)")
+        return g
+
+    def joined(self, g: Gang, t: TenantRecord, rank: int) -> None:
+        """``t`` registered as rank ``rank`` of ``g``: it gets rank 0's knobs."""
+        r0 = g.ranks.get(0)
+        if r0 is not None:
+            t.min_pages, t.max_pages, t.weight = r0.min_pages, r0.max_pages, r0.weight
+        g.ranks[rank], g.groups[rank] = t, []
+        t.gang, t.rank = g.id, rank
+        log.info("tenant %d joined gang %d as rank %d on device %d", t.id, g.id, rank,
+                 t.device)
+
+    # ---- groups ---------------------------------------------------------------------
+    def check_group(self, t: TenantRecord, r: p.CreateGroup) -> None:
+        """A rank's next group must be the layout's next one."""
+        g = self.gang_of(t)
+        k = len(g.groups[t.rank])
+        if k >= len(g.layout):
+            raise Fail(p.BAD_REQUEST, f"gang {g.id}'s layout has {len(g.layout)} groups; "
+                                      f"rank {t.rank} created them all")
+        if (r.n_regions, r.capacity) != g.layout[k]:
+            raise Fail(p.BAD_REQUEST, f"group {k} of gang {g.id} is {_show([g.layout[k]])}, "
+                                      f"not {_show([(r.n_regions, r.capacity)])}")
+
+    def group_created(self, t: TenantRecord, gid: int) -> None:
+        self.by_id[t.gang].groups[t.rank].append(gid)
+
+    # ---- collective grants and releases ----------------------------------------------
+    def part(self, t: TenantRecord, sender: Sender, r: Collective) -> Outcome:
+        """One rank's part: checked now (its own group and units), answered when every
+        rank's is in (or at its deadline)."""
+        g = self.gang_of(t)
+        grp = t.groups.get(r.group)
+        if grp is None:
+            raise Fail(p.NOT_FOUND, f"no group {r.group} in this session")
+        k = g.index_of(t, r.group)
+        check_units(grp, r.units)
+        op = "grant" if isinstance(r, p.Grant) else "release"
+        if op == "grant":
+            held = [u for u in r.units if u in grp.units]
+            if held:
+                raise Fail(p.BAD_REQUEST, f"unit {held[0]} of group {grp.id} is already granted")
+            n = len(r.units) * grp.n_regions
+            if n > MAX_PAGES_PER_GRANT:
+                raise Fail(p.BAD_REQUEST, f"{n} pages in one grant exceed "
+                                          f"{MAX_PAGES_PER_GRANT}")
+        else:
+            missing = [u for u in r.units if u not in grp.units]
+            if missing:
+                raise Fail(p.BAD_REQUEST, f"unit {missing[0]} of group {grp.id} is not granted")
+        key: PartKey = (op, k, tuple(r.units))
+        mine = set(r.units)
+        for (o, kk, units), waiting in g.parts.items():
+            if kk == k and t.rank in waiting and mine & set(units):
+                raise Fail(p.BAD_REQUEST, f"a unit of group {grp.id} is already in a waiting "
+                                          f"{o} of this rank")
+        parts = g.parts.setdefault(key, {})
+        parts[t.rank] = Part(t, sender.envelope, r, grp, time.monotonic() + self.timeout_s)
+        if len(parts) == g.size:
+            del g.parts[key]
+            self._ready.extend(self._grant(g, parts) if op == "grant" else self._release(parts))
+        return Outcome(None, tenant=t, deferred=True)
+
+    def _grant(self, g: Gang, parts: dict[int, Part]) -> list[Outcome]:
+        """Every rank's part is in: reserve on every device, then commit; or nothing."""
+        order = sorted(parts.items())
+        for rank, part in order:  # admission and room on every device, before any take
+            dev, t = self.devices[part.tenant.device], part.tenant
+            n = len(part.req.units) * part.group.n_regions
+            try:
+                dev.grants.admit(t, n)
+            except Fail as e:
+                return self._fail(parts, e.code, f"gang {g.id} rank {rank}: {e}")
+            dev.reclaimer.make_room(n)  # cached weight sets nobody holds go first
+            if not dev.grants.fits(t, n, True):
+                return self._fail(parts, p.NO_MEMORY, self._short(g, rank, t, n))
+        reserved: list[tuple[Part, list[int]]] = []
+        for rank, part in order:  # reserve
+            dev, t = self.devices[part.tenant.device], part.tenant
+            try:
+                reserved.append((part, dev.pool.take(
+                    len(part.req.units) * part.group.n_regions, t.id)))
+            except PoolExhausted as e:
+                for done, pfns in reserved:  # nothing was exported: back, as they were
+                    self.devices[done.tenant.device].pool.give_back(pfns, done.tenant.id)
+                return self._fail(parts, p.NO_MEMORY, f"gang {g.id} rank {rank} (device "
+                                                      f"{t.device}): {e}")
+        out: list[Outcome] = []
+        for part, pfns in reserved:  # commit
+            t, grp, r = part.tenant, part.group, part.req
+            assert isinstance(r, p.Grant)
+            grp.grant(r.units, pfns)
+            t.granted += len(pfns)
+            grp.record_usage(r.in_use, r.reserve)
+            reply = p.Granted(id=r.id, group=grp.id, units=r.units, nfds=len(pfns))
+            out.append(Outcome(reply, pfns_to_send=pfns, tenant=t, envelope=part.envelope))
+        return out
+
+    def _short(self, g: Gang, rank: int, t: TenantRecord, n: int) -> str:
+        dev = self.devices[t.device]
+        return (f"gang {g.id}: {n} pages asked on device {t.device} (rank {rank}), "
+                f"{dev.pool.available - dev.reclaimer.waiting_pages} free there; gang "
+                f"grants use free memory only")
+
+    def _release(self, parts: dict[int, Part]) -> list[Outcome]:
+        out: list[Outcome] = []
+        for _, part in sorted(parts.items()):
+            t, grp, r = part.tenant, part.group, part.req
+            dev = self.devices[t.device]
+            pfns = grp.release(r.units)
+            dev.pool.give_back(pfns, t.id)
+            t.granted -= len(pfns)
+            dev.reclaimer.released(t, len(pfns))
+            grp.record_usage(r.in_use, r.reserve)
+            out.append(Outcome(p.Done(id=r.id), tenant=t, envelope=part.envelope))
+        return out
+
+    @staticmethod
+    def _fail(parts: dict[int, Part], code: str, message: str) -> list[Outcome]:
+        return [Outcome(p.error(x.req.id, code, message), tenant=x.tenant, envelope=x.envelope)
+                for _, x in sorted(parts.items())]
+
+    def next_deadline(self) -> float | None:
+        return min((x.deadline for g in self.by_id.values() for parts in g.parts.values()
+                    for x in parts.values()), default=None)
+
+    def expire(self, now: float) -> None:
+        """Parts whose peers did not all come by their deadline are answered: the grant
+        (or release) does not happen; nothing was reserved for it."""
+        for g in self.by_id.values():
+            for key, parts in list(g.parts.items()):
+                if min(x.deadline for x in parts.values()) > now:
+                    continue
+                del g.parts[key]
+                absent = sorted(set(range(g.size)) - set(parts))
+                self._ready.extend(self._fail(parts, p.NO_MEMORY, (
+                    f"gang {g.id}: rank(s) {', '.join(map(str, absent))} did not send their "
+                    f"part of this {key[0]} within {self.timeout_s:g} s")))
+
+    # ---- the end ---------------------------------------------------------------------
+    def dropped(self, t: TenantRecord, why: str) -> None:
+        """``t``'s session ended (its own memory returns with it): its gang ends, every
+        other rank's pages go back on its device, each is told."""
+        g = self.by_id.get(t.gang) if t.gang else None
+        if g is None:
+            return
+        g.ranks.pop(t.rank, None)
+        for key, parts in list(g.parts.items()):  # waiting parts: answered (t's too)
+            del g.parts[key]
+            self._ready.extend(self._fail(parts, p.NO_MEMORY, (
+                f"gang {g.id} ended: rank {t.rank} {why}")))
+        if not g.ended:
+            g.ended = f"rank {t.rank} (pid {t.pid}) {why}"
+            log.warning("gang %d ended: %s", g.id, g.ended)
+            for x in g.ranks.values():
+                self._empty(x)
+                self.outbox.send(x, p.GangEnded(gang_id=g.id, reason=g.ended))
+        if not g.ranks:
+            del self.by_id[g.id]
+            self.by_token.pop(g.token, None)
+
+    def _empty(self, x: TenantRecord) -> None:
+        """Every page of ``x``'s groups goes back on its device (the groups stay)."""
+        dev = self.devices[x.device]
+        n = 0
+        for grp in x.groups.values():
+            pfns = grp.release_all()
+            dev.pool.give_back(pfns, x.id)
+            n += len(pfns)
+        x.granted -= n
+        dev.reclaimer.released(x, n)
+
+    # ---- reclaim: the gang gives back as one -----------------------------------------
+    def mirror_asks(self, now: float) -> None:
+        """An ask sent to one rank goes to every rank without one (same pages, mode and
+        urgency): a collective release then counts against every rank's ask."""
+        for g in self.by_id.values():
+            if g.ended:
+                continue
+            asked = [x for x in g.ranks.values() if x.ask is not None]
+            if not asked:
+                continue
+            a = asked[0].ask
+            assert a is not None
+            for x in g.ranks.values():
+                if x.ask is None:
+                    self.devices[x.device].reclaimer.ask(x, a.pages, a.mode, a.urgent,
+                                                         f"gang {g.id}: {a.reason}", now)
+
+    # ---- integrity -----------------------------------------------------------------
+    def check(self) -> list[str]:
+        problems: list[str] = []
+        for g in self.by_id.values():
+            for rank, x in g.ranks.items():
+                if x.gang != g.id or x.rank != rank:
+                    problems.append(f"gang {g.id}: rank {rank} is tenant {x.id}, which says "
+                                    f"gang {x.gang} rank {x.rank}")
+            if g.ended:
+                held = [x.id for x in g.ranks.values() if x.granted]
+                if held:
+                    problems.append(f"gang {g.id} ended but tenants {held} still hold pages")
+                continue
+            for k in range(len(g.layout)):
+                tables: dict[int, set[int]] = {}
+                for rank, x in g.ranks.items():
+                    gids = g.groups.get(rank, [])
+                    grp = x.groups.get(gids[k]) if k < len(gids) else None
+                    tables[rank] = set(grp.units) if grp is not None else set()
+                if any(tables.values()) and (len(tables) != g.size or len(
+                        {frozenset(u) for u in tables.values()}) != 1):
+                    problems.append(f"gang {g.id} group {k} is half-granted: units by rank "
+                                    f"{ {r: len(u) for r, u in sorted(tables.items())} }")
+        return problems
+
+
+def _show(layout: list[tuple[int, int]]) -> str:
+    return "[" + ", ".join(f"{n} regions x {c} bytes" for n, c in layout) + "]"

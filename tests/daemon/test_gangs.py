@@ -1,0 +1,206 @@
+"""One daemon, several devices (``--devices N`` on host: N independent pools) and gangs:
+tensor-parallel tenants whose grants are all or none (issue 26; docs/ARCHITECTURE.md,
+"Devices" and "Gangs").
+
+Ranks here are in-process sessions (their own connections) driven from threads, since
+a collective call returns only when every rank sent its part; the deaths use real
+processes (``gang_harness``)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from kvpool import protocol as p
+from kvpool.client_lib import Monitor
+from kvpool.client_lib.errors import KvpoolError, NoMemory
+
+from .gang_harness import Ranks, gang_tables, invariant_problems
+from .helpers import PAGE
+from .test_attacks_round3 import as_nobody, group_daemon, needs_root
+
+BUDGET = 16  # pages per device
+LAYOUT = [(2, 8 * PAGE)]  # one group, 2 regions: a unit is 2 pages on every device
+
+
+def together(*calls):
+    """Run each call on its own thread (a collective needs every rank's part); the
+    results, an exception standing for a call that raised."""
+    out: list = [None] * len(calls)
+
+    def run(i, fn):
+        try:
+            out[i] = fn()
+        except Exception as e:  # (the test looks at it)
+            out[i] = e
+
+    threads = [threading.Thread(target=run, args=(i, fn)) for i, fn in enumerate(calls)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    return out
+
+
+def two_devices(start_daemon, *extra: str):
+    return start_daemon(budget=str(BUDGET * PAGE), extra=("--devices", "2", *extra))
+
+
+def make_gang(d, name="tp", devices=(0, 1)):
+    r0 = d.connect(name, device=devices[0])
+    token = r0.create_gang(list(devices), LAYOUT)
+    r1 = d.connect(name, device=devices[1], gang=token, rank=1, layout=LAYOUT)
+    return token, r0, r1, r0.region_group(*LAYOUT[0]), r1.region_group(*LAYOUT[0])
+
+
+def test_devices_are_independent_pools(start_daemon):
+    d = two_devices(start_daemon)
+    with d.connect("a", device=0) as a, d.connect("b", device=1) as b, \
+            Monitor(d.run_dir, device=0) as m0, Monitor(d.run_dir, device=1) as m1:
+        a.region_group(1, BUDGET * PAGE).grant(range(BUDGET))  # all of device 0
+        b.region_group(1, BUDGET * PAGE).grant(range(BUDGET))  # and all of device 1
+        for dev, mon, name in ((0, m0, "a"), (1, m1, "b")):
+            ps = mon.ps()
+            assert ps.pool is not None and ps.pool.device == dev
+            assert ps.pool.granted == ps.pool.budget == BUDGET * PAGE
+            assert [(t.name, t.device) for t in ps.tenants] == [(name, dev)]
+            assert mon.check() == []
+        with d.connect("a2", device=0) as a2, pytest.raises(NoMemory):
+            a2.region_group(1, PAGE).grant([0], speculative=True)  # device 0 is full
+        with pytest.raises(KvpoolError, match="device 2 is not served .*devices 0, 1"):
+            d.connect("c", device=2)
+
+
+def test_a_gang_grant_is_all_or_none(start_daemon):
+    d = two_devices(start_daemon)
+    _, r0, r1, g0, g1 = make_gang(d)
+    with r0, r1, d.connect("solo", device=1) as solo, \
+            Monitor(d.run_dir, device=0) as m0, Monitor(d.run_dir, device=1) as m1:
+        mons = {0: m0, 1: m1}
+        sg = solo.region_group(1, BUDGET * PAGE)
+        sg.grant(range(12))  # device 1 keeps 4 pages: 2 gang units, device 0 all 16
+        a, b = together(lambda: g0.grant([0, 1, 2]), lambda: g1.grant([0, 1, 2]))
+        assert isinstance(a, NoMemory) and isinstance(b, NoMemory), (a, b)
+        assert str(a) == str(b) and "device 1" in str(a)  # one answer for every rank
+        assert not g0.mapped and not g1.mapped
+        assert m0.ps().pool.granted == 0 and invariant_problems(mons, 2) == []
+        a, b = together(lambda: g0.grant([0, 1]), lambda: g1.grant([0, 1]))  # fits both
+        assert (a, b) == (None, None)
+        assert g0.mapped == g1.mapped == {0, 1}
+        tables = gang_tables(mons)
+        assert list(tables.values()) == [{0: {0, 1}, 1: {0, 1}}]
+        assert m0.ps().pool.granted == m1.ps().pool.granted - 12 * PAGE == 4 * PAGE
+        sg.release(range(12))
+        a, b = together(lambda: g0.release([0]), lambda: g1.release([0]))
+        assert (a, b) == (None, None)
+        assert m0.ps().pool.granted == m1.ps().pool.granted == 2 * PAGE
+        assert invariant_problems(mons, 2) == []
+
+
+def test_a_rank_missing_its_part_is_rolled_back_by_the_deadline(start_daemon):
+    d = two_devices(start_daemon, "--reclaim-timeout", "0.3")
+    _, r0, r1, g0, g1 = make_gang(d)
+    with r0, r1, Monitor(d.run_dir, device=0) as m0, Monitor(d.run_dir, device=1) as m1:
+        with pytest.raises(NoMemory, match="rank.* 1 did not send their part of this grant"):
+            g0.grant([0, 1])  # rank 1 never answers
+        assert m0.ps().pool.granted == m1.ps().pool.granted == 0
+        a, b = together(lambda: g0.grant([3]), lambda: g1.grant([3]))  # the gang goes on
+        assert (a, b) == (None, None) and g0.mapped == g1.mapped == {3}
+        assert invariant_problems({0: m0, 1: m1}, 2) == []
+
+
+def test_a_rank_killed_ends_the_gang_and_every_page_returns(start_daemon, tmp_path):
+    d = two_devices(start_daemon)
+    ranks = Ranks(d.run_dir, tmp_path)
+    gang = ranks.gang("tp", [0, 1], LAYOUT)
+    try:
+        with Monitor(d.run_dir, device=0) as m0, Monitor(d.run_dir, device=1) as m1:
+            assert [r["ok"] for r in gang.collective({"op": "grant", "units": [0, 1, 2]})] \
+                == [True, True]
+            assert m0.ps().pool.granted == m1.ps().pool.granted == 6 * PAGE
+            gang.ranks[1].kill()
+            ended = gang.ranks[0].call({"op": "ended", "timeout": 30})["ended"]
+            assert ended and "rank 1" in ended
+            assert m0.ps().pool.granted == m1.ps().pool.granted == 0  # on every device
+            late = gang.ranks[0].call({"op": "grant", "units": [5]})
+            assert not late["ok"] and "ended" in late["msg"], late
+            assert invariant_problems({0: m0, 1: m1}, 2) == []
+    finally:
+        gang.ranks[0].close()
+        ranks.close()
+
+
+def test_joins_that_are_refused_hold_nothing(start_daemon):
+    d = two_devices(start_daemon)
+    token, r0, r1, g0, g1 = make_gang(d, "tp")
+    lone = d.connect("tq", device=0)  # a gang whose rank 1 has not joined yet
+    open_token = lone.create_gang([0, 1], LAYOUT)
+    with r0, r1, lone:
+        forged = "0" * 32 if "0" * 32 not in (token, open_token) else "1" * 32
+        cases = [
+            (dict(gang=forged, rank=1, layout=LAYOUT, device=1), "unknown gang token"),
+            (dict(gang=token, rank=1, layout=LAYOUT, device=1, name="tp"), "has joined already"),
+            (dict(gang=open_token, rank=2, layout=LAYOUT, device=1), "outside gang"),
+            (dict(gang=open_token, rank=1, layout=[(3, 8 * PAGE)], device=1), "differs from"),
+            (dict(gang=open_token, rank=1, layout=LAYOUT, device=0), "lives on device 1"),
+            (dict(gang=open_token, rank=1, layout=LAYOUT, device=1, name="other"),
+             "register as"),
+            (dict(gang=open_token, rank=1, device=1), "come together"),
+        ]
+        for kw, why in cases:
+            name = kw.pop("name", "tq")
+            with pytest.raises(KvpoolError, match=why) as e:
+                d.connect(name, **kw)
+            assert "\n" not in str(e.value)
+        with Monitor(d.run_dir, device=1) as m1:  # none of them holds or joined anything
+            assert [(t.name, t.gang, t.rank) for t in m1.ps().tenants
+                    if t.registered] == [("tp", 1, 1)]
+        with pytest.raises(KvpoolError, match="layout has 1 groups"):
+            r1.region_group(1, 8 * PAGE)  # not the layout's group
+        for req, why in ((p.Lease(bytes=PAGE), "rank of a gang may not lease"),
+                         (p.DestroyGroup(group=g0.id), "may not destroy"),
+                         (p.CreateGang(devices=[0, 1], layout=[p.GangGroup(
+                             n_regions=1, capacity=PAGE)]), "already")):
+            with pytest.raises(KvpoolError, match=why):
+                r0.call(req, p.Done)
+        with d.connect("solo", device=1) as solo:  # creating: devices the daemon serves
+            for devices, why in (([1, 0, 0], "named twice"), ([0, 1], "devices\\[0\\]"),
+                                 ([1, 5], "device 5 is not served")):
+                with pytest.raises(KvpoolError, match=why):
+                    solo.create_gang(devices, LAYOUT)
+        assert d.check() == []
+
+
+@needs_root
+def test_another_uid_may_not_join(start_daemon, tmp_path):
+    d = group_daemon(start_daemon, tmp_path, extra=("--devices", "2", "--budget",
+                                                    str(BUDGET * PAGE)))
+    with d.connect("tp", device=0) as r0:
+        token = r0.create_gang([0, 1], LAYOUT)
+        got = as_nobody(d, f"""
+            from kvpool.client_lib import connect
+            from kvpool.client_lib.errors import KvpoolError
+            try:
+                connect("tp", device=1, run_dir=run_dir, gang={token!r}, rank=1,
+                        layout={LAYOUT!r})
+                print(json.dumps({{"joined": True}}))
+            except KvpoolError as e:
+                print(json.dumps({{"code": e.code, "message": e.message}}))
+        """)
+        assert got["code"] == p.UNAUTHORIZED and "belongs to uid" in got["message"], got
+        with Monitor(d.run_dir, device=1) as m1:
+            assert [t.name for t in m1.ps().tenants if t.registered] == []  # nobody joined
+
+
+def test_the_cli_reads_the_device_it_is_given(start_daemon):
+    d = two_devices(start_daemon)
+    with d.connect("one", device=1) as t:
+        t.region_group(1, 4 * PAGE).grant([0, 1])
+        ps1 = d.cli_json("ps", "--device", "1")
+        assert [x["name"] for x in ps1["tenants"]] == ["one"]
+        assert ps1["pool"]["device"] == 1 and ps1["pool"]["granted"] == 2 * PAGE
+        ps0 = d.cli_json("ps")  # the first device by default
+        assert ps0["tenants"] == [] and ps0["pool"]["device"] == 0
+        assert d.cli("check", "--device", "1").stdout.strip() == "ok"
+        assert "one" in d.cli("map", "--device", "1").stdout
