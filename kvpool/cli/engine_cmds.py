@@ -65,18 +65,16 @@ def _elastic_env(elastic: bool, weights: str | None, sleep_after: str | None,
         os.environ["KVPOOL_WEIGHTS"] = weights
 
 
-def _check_tensor_parallel(size: int, elastic: bool, pair: bool, weights: str | None,
-                           sleeps: bool, handoff_from: str | None) -> None:
-    """What ``--tensor-parallel-size`` > 1 does not combine with, one line each: an
-    elastic KV cache (that needs gang grants: every rank's share of a block granted
-    together), a prefill/decode pair, weights in the pool (each rank loads its own
-    share), sleep, a warm restart."""
+def _check_tensor_parallel(size: int, pair: bool, weights: str | None, sleeps: bool,
+                           handoff_from: str | None) -> None:
+    """What ``--tensor-parallel-size`` > 1 does not combine with, one line each: a
+    prefill/decode pair, weights in the pool (each rank loads its own share), sleep, a
+    warm restart. (``--elastic`` makes the ranks one kvpool gang: the daemon serves
+    their devices, ``kvpool daemon --devices N``.)"""
     if size <= 1:
         return
     why = None
-    if elastic:
-        why = "with --elastic needs gang grants (not available in this kvpool daemon yet)"
-    elif pair:
+    if pair:
         why = "does not combine with --pd / --role"
     elif weights == "pool":
         why = "loads each rank's share locally (--weights pool is not supported)"
@@ -154,9 +152,8 @@ def register(cli: click.Group) -> None:
               weights: str | None = None, sleep_after: str | None = None,
               sleepable: bool = False, tensor_parallel_size: int = 1) -> None:
         """Serve MODEL_DIR with an OpenAI-compatible HTTP API."""
-        _check_tensor_parallel(tensor_parallel_size, elastic or os.environ.get(
-            "KVPOOL_ENABLE") == "1", pd or role != "both", weights,
-            sleep_after is not None or sleepable, handoff_from)
+        _check_tensor_parallel(tensor_parallel_size, pd or role != "both", weights,
+                               sleep_after is not None or sleepable, handoff_from)
         _elastic_env(elastic or os.environ.get("KVPOOL_ENABLE") == "1" or pd
                      or role != "both", weights, sleep_after, sleepable)
         require("engine", "serve")

@@ -98,14 +98,9 @@ class GlooGroup:
         """(ranks > 0) Tell rank 0 this rank is about to join (before :meth:`join`)."""
         self.store.set(f"kvpool-tp/announced/{self._rank}", "1")
 
-    def announced(self, rank: int, wait_s: float) -> bool:
-        """(rank 0) Whether ``rank`` announced itself, waiting up to ``wait_s``."""
-        try:
-            self.store.wait([f"kvpool-tp/announced/{rank}"],
-                            datetime.timedelta(seconds=wait_s))
-        except RuntimeError:  # the store's timeout (torch raises DistStoreError, a subclass)
-            return False
-        return True
+    def announced(self, rank: int) -> bool:
+        """(rank 0) Whether ``rank`` announced itself (does not wait)."""
+        return self.store.check([f"kvpool-tp/announced/{rank}"])
 
     def join(self) -> None:
         """Form the process group (blocks until every rank joined)."""

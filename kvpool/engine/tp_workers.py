@@ -48,6 +48,8 @@ if TYPE_CHECKING:
 START_WAIT_S = 300.0
 #: how long close() waits for the ranks to exit before it kills them
 STOP_WAIT_S = 30.0
+#: how often start() looks whether a starting rank announced itself or exited
+ANNOUNCE_POLL_S = 0.05
 
 
 class TPWorkers:
@@ -96,7 +98,8 @@ class TPWorkers:
 
     def _await_announce(self, rank: int, proc: subprocess.Popen[bytes]) -> None:
         deadline = time.monotonic() + START_WAIT_S
-        while not self.group.announced(rank, 0.5):
+        while not self.group.announced(rank):
+            time.sleep(ANNOUNCE_POLL_S)  # a process starting (seconds): no event to wait on
             code = proc.poll()
             if code is not None:
                 raise RuntimeError(f"tensor-parallel rank {rank} exited with status {code} "

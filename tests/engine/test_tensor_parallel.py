@@ -7,7 +7,7 @@
 * the loader reads each rank's slices;
 * one real TP=2 engine (rank 1 a process, gloo) generates the TP=1 engine's greedy tokens
   through chunked prefill, decode and prefix-cache hits; its KV cache holds its heads;
-* refusals are one line: a model that does not split, ``--elastic`` without gang grants;
+* refusals are one line: a model that does not split, what TP does not combine with;
 * a rank killed with SIGKILL makes the next step fail with one line, not hang.
 """
 
@@ -189,8 +189,9 @@ def test_model_that_does_not_split_is_refused_in_one_line(tiny_dir):
 
 
 @pytest.mark.parametrize("extra, needle", [
-    (["--elastic"], "--tensor-parallel-size > 1 with --elastic needs gang grants"),
     (["--pd"], "does not combine with --pd / --role"),
+    (["--weights", "pool"], "--weights pool is not supported"),
+    (["--sleepable"], "does not combine with --sleep-after / --sleepable"),
     (["--tensor-parallel-size", "3"], "do not divide by tensor_parallel_size 3"),
 ])
 def test_serve_refusals_are_one_line(tiny_dir, extra, needle):
