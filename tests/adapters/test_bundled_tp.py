@@ -90,7 +90,7 @@ def test_tp2_gang_equals_static_tp1_across_a_lease(tiny_model, start_daemon):
             thread.start()
             assert granted.wait(120), "the lease was not granted while the engine ran"
             lease["granted"] = step
-        if "granted" in lease and step == lease["granted"] + 20:
+        if "granted" in lease and step == lease["granted"] + 10:
             lease["obj"].close()
 
     try:

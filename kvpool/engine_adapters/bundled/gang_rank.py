@@ -14,8 +14,9 @@ no allocator, no refill and no shrink: rank 0 decides everything (the daemon mir
 reclaim ask to every rank; this rank's tenant answers its own with nothing freed, and
 rank 0's collective release counts for every rank).
 
-A grant the daemon refuses is refused on every rank alike (nothing to do here). A rank
-whose mapping fails after a granted part exits (its session ends, which ends the gang:
+A grant the daemon refuses (``NoMemory``) is refused on every rank alike (nothing to do
+here). Any other error on a grant (no answer in time: the daemon may still commit it), or
+a mapping that fails after a granted part, ends the rank (its session ends, which ends the gang:
 every rank's pages go back); rank 0's next step fails with one line.
 """
 
@@ -27,7 +28,7 @@ import sys
 
 import torch
 
-from kvpool.client_lib import KvpoolError, RegionGroup, Tenant, connect
+from kvpool.client_lib import KvpoolError, NoMemory, RegionGroup, Tenant, connect
 from kvpool.engine import tp_rank
 from kvpool.engine.kv_cache import KVCache, KVCacheSpec
 from kvpool.engine_adapters.bundled import gang_messages
@@ -54,8 +55,10 @@ class GangRank:
         if isinstance(msg, gang_messages.Grant):
             try:
                 group.grant(msg.units)
-            except KvpoolError as e:  # refused: refused on every rank (all or none)
+            except NoMemory as e:  # the daemon's answer to every part alike (all or none)
                 log.debug("gang grant of %d units refused: %s", len(msg.units), e)
+            # any other error (no answer in time: the daemon may still commit it) ends
+            # this rank: its session's end ends the gang, every rank's pages go back
         else:
             try:
                 group.release(msg.units)

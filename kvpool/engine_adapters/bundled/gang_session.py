@@ -18,11 +18,18 @@ hands a granted chunk's blocks out only after rank 0's grant returned, so every 
 that can use them is written after the Grant, and each rank maps before it runs that
 step. A release is posted once rank 0's blocks are free (no later step uses them); each
 rank unmaps before it sends its part.
+
+One gang call at a time (``_order``, held from the post to the daemon's reply): rank 0's
+allocator grants and releases from several threads (refill, engine, shrink), its
+connection sends one request at a time, and each rank takes its parts in pipe order; a
+post and its request made in different orders by two threads would leave each side
+waiting for the part the other sends second.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from kvpool import protocol as p
@@ -53,6 +60,7 @@ class GangSession:
         self.tenant = tenant
         self.ranks = ranks
         self.group_id: int | None = None
+        self._order = threading.Lock()  # pipe order == request order (see the module)
 
     @property
     def backend(self) -> Backend:
@@ -80,15 +88,20 @@ class GangSession:
         refused grant; a release goes to the daemon anyway (the gang's end returns the
         pages)."""
         if isinstance(req, p.Grant) and req.group == self.group_id:
-            try:
-                self.ranks.post(gang_messages.encode(gang_messages.Grant(list(req.units))))
-            except RuntimeError as e:
-                raise NoMemory("NO_MEMORY", f"gang grant not sent to every rank: {e}") from None
-        elif isinstance(req, p.Release) and req.group == self.group_id:
-            try:
-                self.ranks.post(gang_messages.encode(gang_messages.Release(list(req.units))))
-            except RuntimeError as e:
-                log.warning("gang release not sent to every rank: %s", e)
+            with self._order:
+                try:
+                    self.ranks.post(gang_messages.encode(gang_messages.Grant(list(req.units))))
+                except RuntimeError as e:
+                    raise NoMemory("NO_MEMORY",
+                                   f"gang grant not sent to every rank: {e}") from None
+                return self.tenant.call(req, expect)
+        if isinstance(req, p.Release) and req.group == self.group_id:
+            with self._order:
+                try:
+                    self.ranks.post(gang_messages.encode(gang_messages.Release(list(req.units))))
+                except RuntimeError as e:
+                    log.warning("gang release not sent to every rank: %s", e)
+                return self.tenant.call(req, expect)
         return self.tenant.call(req, expect)
 
     def group_closed(self, group_id: int) -> None:
