@@ -65,6 +65,27 @@ def _elastic_env(elastic: bool, weights: str | None, sleep_after: str | None,
         os.environ["KVPOOL_WEIGHTS"] = weights
 
 
+def _check_tensor_parallel(size: int, pair: bool, weights: str | None, sleeps: bool,
+                           handoff_from: str | None) -> None:
+    """What ``--tensor-parallel-size`` > 1 does not combine with, one line each: a
+    prefill/decode pair, weights in the pool (each rank loads its own share), sleep, a
+    warm restart. (``--elastic`` makes the ranks one kvpool gang: the daemon serves
+    their devices, ``kvpool daemon --devices N``.)"""
+    if size <= 1:
+        return
+    why = None
+    if pair:
+        why = "does not combine with --pd / --role"
+    elif weights == "pool":
+        why = "loads each rank's share locally (--weights pool is not supported)"
+    elif sleeps:
+        why = "does not combine with --sleep-after / --sleepable"
+    elif handoff_from:
+        why = "does not combine with --handoff-from"
+    if why is not None:
+        raise click.ClickException(f"--tensor-parallel-size > 1 {why}")
+
+
 def register(cli: click.Group) -> None:
     @cli.command()
     @click.argument("model_dir", type=click.Path(exists=True, file_okay=False))
@@ -85,6 +106,10 @@ def register(cli: click.Group) -> None:
     @click.option("--device", default="auto", show_default=True)
     @click.option("--dtype", default="auto", show_default=True)
     @click.option("--no-prefix-caching", is_flag=True)
+    @click.option("--tensor-parallel-size", "-tp", "tensor_parallel_size", default=1,
+                  show_default=True, type=click.IntRange(min=1),
+                  help="split the model over this many processes (CPU, gloo): heads, KV "
+                  "heads, MLP and vocabulary per rank; greedy tokens as with 1")
     @click.option("--elastic", is_flag=True, help="share KV memory through the kvpool daemon "
                   "(also KVPOOL_ENABLE=1)")
     @click.option("--weights", type=click.Choice(["pool", "local"]), default=None,
@@ -125,8 +150,10 @@ def register(cli: click.Group) -> None:
               handoff_from: str | None = None, pd: bool = False, cpus: str | None = None,
               prefill_cpus: str | None = None, decode_cpus: str | None = None,
               weights: str | None = None, sleep_after: str | None = None,
-              sleepable: bool = False) -> None:
+              sleepable: bool = False, tensor_parallel_size: int = 1) -> None:
         """Serve MODEL_DIR with an OpenAI-compatible HTTP API."""
+        _check_tensor_parallel(tensor_parallel_size, pd or role != "both", weights,
+                               sleep_after is not None or sleepable, handoff_from)
         _elastic_env(elastic or os.environ.get("KVPOOL_ENABLE") == "1" or pd
                      or role != "both", weights, sleep_after, sleepable)
         require("engine", "serve")
@@ -149,7 +176,8 @@ def register(cli: click.Group) -> None:
                 kv_layout=cast(Any, kv_layout),  # one of the click choices
                 max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                 max_model_len=max_model_len, served_model_name=served_model_name,
-                enable_prefix_caching=not no_prefix_caching)
+                enable_prefix_caching=not no_prefix_caching,
+                tensor_parallel_size=tensor_parallel_size)
         except (AssertionError, ValueError) as e:
             raise click.BadParameter(str(e)) from None
         if role != "both" or pd:  # kvpool.engine_adapters.bundled.pd_server (issue 15)
@@ -180,8 +208,8 @@ def register(cli: click.Group) -> None:
             raise click.BadParameter("--handoff-from needs --elastic")
         try:
             run_server(config, host=host, port=port, log_level=log_level)
-        except CheckpointError as e:
-            raise click.ClickException(str(e)) from None
+        except (CheckpointError, ValueError, RuntimeError) as e:  # TP: a rank that failed
+            raise click.ClickException(str(e).splitlines()[0] if str(e) else repr(e)) from None
 
     @cli.command()
     @click.argument("model_dir", type=click.Path(exists=True, file_okay=False))

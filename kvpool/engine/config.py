@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from kvpool.engine.kv_cache import KVCache, KVCacheSpec
     from kvpool.engine.model import LlamaForCausalLM
     from kvpool.engine.model_config import ModelConfig
+    from kvpool.engine.tp_workers import TPWorkers
 
 # A KV layout (kvpool.engine.kv_cache.KVLayout), or "auto": chosen from the device.
 KVLayoutOption = Literal["auto", "block_major", "per_layer"]
@@ -40,6 +41,16 @@ class EngineConfig:
     give fp32 linear layers on CPU a private oneDNN copy of their weights
     (:func:`kvpool.engine.fused.prepack`: faster GEMMs at 5-256 rows, one more copy of
     those weights in memory); a model whose weights are shared turns it off.
+
+    ``tensor_parallel_size`` > 1 (CPU): the model is split over that many processes
+    (this one is rank 0: :mod:`kvpool.engine.tp_workers`); heads, KV heads, the MLP and
+    the vocabulary must divide by it. Each rank holds its KV heads of every block, so
+    the KV sizes above (and ``block_pool_factory`` / ``kv_cache_factory``) are rank 0's.
+    Every rank loads its own share, so ``model_factory`` must be None. Adapter seams:
+    ``tp_rank_module`` is the module each other rank runs (``python -m``; an adapter's
+    calls :func:`kvpool.engine.tp_rank.main` with its own hooks) and
+    ``tp_started(workers)`` is called once they joined, before the model loads and
+    before the factories run (the adapter keeps the handle to post its messages).
     """
 
     model: str
@@ -65,6 +76,9 @@ class EngineConfig:
     model_factory: Callable[[Path, torch.device, torch.dtype, ModelConfig],
                             LlamaForCausalLM] | None = None
     prepack: bool = True
+    tensor_parallel_size: int = 1
+    tp_rank_module: str = "kvpool.engine.tp_rank"
+    tp_started: Callable[[TPWorkers], None] | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # free-form, for adapters
 
     def __post_init__(self) -> None:
@@ -75,6 +89,7 @@ class EngineConfig:
         assert self.attention_backend in ("auto", "native", "torch"), \
             f"bad attention_backend {self.attention_backend}"
         assert self.num_kv_blocks is None or self.num_kv_blocks >= 2, "need >= 2 KV blocks"
+        assert self.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1"
         if self.kv_cache_size is not None:
             self.kv_cache_size = parse_size(self.kv_cache_size)
 

@@ -5,6 +5,12 @@ owns an Engine and calls all of its methods. The one exception is ``step_lock``:
 step, admission and abort holds it, so another thread (an elastic pool giving memory
 back, a handoff) can act between two steps by holding it.
 
+Tensor parallelism (``EngineConfig.tensor_parallel_size`` > 1, CPU): this process is
+rank 0: it schedules, samples and owns the block pool; :class:`~kvpool.engine.tp_workers.
+TPWorkers` runs the other ranks, each with its share of the weights and of every KV block
+(its KV heads), following rank 0's block tables step by step. The KV storage here (and
+``kv_spec``) holds rank 0's heads only.
+
 Handing requests between engines (prefill/decode, warm restart): ``detach`` /
 ``detach_all`` take requests out of scheduling with their blocks, ``reattach`` puts them
 back, ``drop_detached`` ends them here, ``add_prefilled`` / ``add_adopted`` adopt one
@@ -25,8 +31,9 @@ from typing import Any
 import torch
 
 from kvpool.engine.block_pool import BlockPool, FixedBlockPool
+from kvpool.engine.collective import SINGLE, Collective
 from kvpool.engine.config import EngineConfig
-from kvpool.engine.errors import RequestError
+from kvpool.engine.errors import CheckpointError, RequestError
 from kvpool.engine.kv_cache import KVCache, KVCacheSpec
 from kvpool.engine.kv_manager import KVCacheManager
 from kvpool.engine.loader import load_model
@@ -36,6 +43,8 @@ from kvpool.engine.request import Request, RequestOutput, RequestStatus
 from kvpool.engine.sampling import SamplingParams, sample
 from kvpool.engine.scheduler import Scheduler
 from kvpool.engine.tokenizer import Tokenizer
+from kvpool.engine.tp_layers import check_divisible
+from kvpool.engine.tp_workers import TPWorkers
 
 DEFAULT_KV_CACHE_SIZE = 256 << 20
 
@@ -47,7 +56,12 @@ class Engine:
     ``config.kv_cache_factory``; the KV storage must hold ``block_pool.capacity`` blocks.
     Once built, the engine binds itself to its pool (:meth:`BlockPool.bind_engine`: the
     pool sees it as a :class:`~kvpool.engine.block_pool.PoolUser`) and :meth:`close`
-    closes the pool. Handing requests to another engine: see the module.
+    closes the pool (and stops the other ranks of a tensor-parallel engine). Handing
+    requests to another engine: see the module.
+
+    Raises (besides the loader's CheckpointError): CheckpointError for a model that does
+    not split ``tensor_parallel_size`` ways, ValueError for tensor parallelism off CPU or
+    with a ``model_factory``, RuntimeError when another rank could not start.
     """
 
     def __init__(self, config: EngineConfig, *, block_pool: BlockPool | None = None,
@@ -59,16 +73,52 @@ class Engine:
         path = Path(config.model)
         self.model_config = ModelConfig.from_dir(path)
         self.dtype = resolve_dtype(config.dtype, self.model_config, self.device)
-        self.model = (config.model_factory or load_model)(path, self.device, self.dtype,
-                                                          self.model_config)
+        #: the other ranks (None without tensor parallelism)
+        self.workers: TPWorkers | None = None
+        if config.tensor_parallel_size > 1:
+            self.workers = self._start_workers()
+        try:
+            self._build(config, path, block_pool, kv_cache)
+        except BaseException:
+            if self.workers is not None:
+                self.workers.close()
+            raise
+
+    def _start_workers(self) -> TPWorkers:
+        c, size = self.config, self.config.tensor_parallel_size
+        why = check_divisible(self.model_config, size)
+        if why is not None:
+            raise CheckpointError(f"{c.model}: {why}")
+        if self.device.type != "cpu":
+            raise ValueError(f"tensor parallelism runs on cpu (gloo), not {self.device}")
+        if c.model_factory is not None:
+            raise ValueError("tensor_parallel_size > 1: every rank loads its own share of "
+                             "the checkpoint (no model_factory)")
+        workers = TPWorkers.start(c, self.device, self.dtype)
+        if c.tp_started is not None:
+            try:
+                c.tp_started(workers)
+            except BaseException:
+                workers.close()
+                raise
+        return workers
+
+    def _build(self, config: EngineConfig, path: Path, block_pool: BlockPool | None,
+               kv_cache: KVCache | None) -> None:
+        tp: Collective = SINGLE if self.workers is None else self.workers.group
+        if self.workers is None:
+            self.model = (config.model_factory or load_model)(path, self.device, self.dtype,
+                                                              self.model_config)
+        else:
+            self.model = load_model(path, self.device, self.dtype, self.model_config, tp)
         self.tokenizer = Tokenizer.from_dir(path)
         self.served_model_name = config.served_model_name or path.resolve().name
         mc = self.model_config
         layout = config.kv_layout
         if layout == "auto":  # DESIGN.md: per-layer buffers on GPUs (page-local reads)
             layout = "per_layer" if self.device.type == "cuda" else "block_major"
-        self.kv_spec = KVCacheSpec(mc.num_layers, config.block_size, mc.num_kv_heads,
-                                   mc.head_dim, self.dtype, layout)
+        self.kv_spec = KVCacheSpec(mc.num_layers, config.block_size,
+                                   mc.num_kv_heads // tp.size, mc.head_dim, self.dtype, layout)
         num_blocks = config.num_kv_blocks or max(
             2, int(config.kv_cache_size or DEFAULT_KV_CACHE_SIZE) // self.kv_spec.block_bytes)
         if block_pool is None:
@@ -78,6 +128,8 @@ class Engine:
                 self.kv_spec, block_pool.capacity, self.device)
         assert kv_cache.num_blocks >= block_pool.capacity, "KV storage smaller than the pool"
         self.pool, self.kv_cache = block_pool, kv_cache
+        if self.workers is not None:
+            self.workers.setup(kv_cache.num_blocks, layout)
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
                                  mc.max_position_embeddings,
                                  (block_pool.capacity - 1) * config.block_size)
@@ -87,7 +139,8 @@ class Engine:
                                    config.max_num_seqs)
         self.runner = ModelRunner(self.model, kv_cache, config.block_size, self.device,
                                   self.dtype, config.attention_backend,
-                                  config.max_num_batched_tokens, prepack=config.prepack)
+                                  config.max_num_batched_tokens, prepack=config.prepack,
+                                  followers=self.workers)
         self.eos_token_ids = set(mc.eos_token_ids)
         if self.tokenizer is not None:
             self.eos_token_ids |= self.tokenizer.eos_token_ids
@@ -102,8 +155,11 @@ class Engine:
 
     def close(self) -> None:
         """Give the KV memory back (the pool's :meth:`~BlockPool.close`: an elastic pool
-        ends its tenant and threads); the engine must not step again. Idempotent."""
+        ends its tenant and threads) and stop the other ranks; the engine must not step
+        again. Idempotent."""
         self.pool.close()
+        if self.workers is not None:
+            self.workers.close()
 
     # --- requests ---------------------------------------------------------------------
 

@@ -27,11 +27,17 @@ class RMSNorm(nn.Module):
 class PackedLinear(nn.Linear):
     """One matmul for several checkpoint projections stacked on the output dim (q/k/v,
     gate/up): fewer kernel launches per layer, which is what dominates small-batch decode.
-    ``parts`` names the checkpoint sub-modules and their output sizes, in order."""
+    ``parts`` names the checkpoint sub-modules and their output sizes, in order.
 
-    def __init__(self, in_features: int, parts: list[tuple[str, int]], bias: bool) -> None:
+    Column-parallel under tensor parallelism (:mod:`kvpool.engine.tp_layers`): rank
+    ``tp_rank`` of ``tp_size`` holds rows ``[tp_rank * n, (tp_rank + 1) * n)`` of each
+    part, ``n`` being the part's size given here (this rank's)."""
+
+    def __init__(self, in_features: int, parts: list[tuple[str, int]], bias: bool,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
         super().__init__(in_features, sum(n for _, n in parts), bias=bias)
         self.parts = parts
+        self.tp_rank, self.tp_size = tp_rank, tp_size
 
 
 class RotaryEmbedding:

@@ -19,14 +19,21 @@ Prompt = str | list[int]
 class LLM:
     """``LLM(model_dir, **engine_options).generate(prompts, SamplingParams(...))``.
 
-    Engine options are the fields of :class:`EngineConfig`; ``block_pool`` / ``kv_cache``
-    are passed to :class:`Engine`.
+    Engine options are the fields of :class:`EngineConfig` (``tensor_parallel_size=2``
+    splits the model over two processes); ``block_pool`` / ``kv_cache`` are passed to
+    :class:`Engine`. :meth:`close` when done (a tensor-parallel engine's other ranks
+    also end with this process).
     """
 
     def __init__(self, model: str, *, block_pool: BlockPool | None = None,
                  kv_cache: KVCache | None = None, **kwargs: Any) -> None:
         self.engine = Engine(EngineConfig.from_kwargs(model, **kwargs),
                              block_pool=block_pool, kv_cache=kv_cache)
+
+    def close(self) -> None:
+        """The engine's :meth:`~kvpool.engine.engine.Engine.close` (gives the KV memory
+        back; stops the other ranks of a tensor-parallel engine). Idempotent."""
+        self.engine.close()
 
     @property
     def tokenizer(self) -> Tokenizer | None:

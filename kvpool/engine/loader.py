@@ -7,6 +7,12 @@ down_proj.weight``, which is also our module layout; Mixtral's
 ``save_original_format=False`` (``mlp.experts.gate_up_proj`` [E, 2I, H],
 ``mlp.experts.down_proj`` [E, H, I]), whose per-expert slices are read straight from the
 file.
+
+Tensor parallelism: a model built for one rank of several
+(:mod:`kvpool.engine.tp_layers`) says which part of each checkpoint tensor it holds
+(:func:`~kvpool.engine.tp_layers.cut_of`); the loader reads that part only
+(``safe_open(...).get_slice``: rows or columns, never the whole tensor), after checking
+the whole tensor's shape from the file's header.
 """
 
 from __future__ import annotations
@@ -20,10 +26,12 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from kvpool.engine.collective import SINGLE, Collective
 from kvpool.engine.errors import CheckpointError
 from kvpool.engine.layers import PackedLinear
 from kvpool.engine.model import LlamaForCausalLM
 from kvpool.engine.model_config import ModelConfig
+from kvpool.engine.tp_layers import Cut, cut_of
 
 # Tensors some exporters write that carry no weights we need.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
@@ -76,10 +84,24 @@ class Source(NamedTuple):
     expert: int | None = None
     rows: slice | None = None
 
-    def read(self, f: Any) -> torch.Tensor:
+    def read(self, f: Any, cut: Cut | None = None) -> torch.Tensor:
+        """The tensor, or (``cut``) this rank's part of it (never an expert's)."""
+        if cut is not None:
+            assert self.expert is None, "Mixture-of-Experts models are not split"
+            part = slice(cut.start, cut.start + cut.length)
+            sl = f.get_slice(self.key)
+            return cast(torch.Tensor, sl[part] if cut.dim == 0 else sl[:, part])
         if self.expert is None:
             return cast(torch.Tensor, f.get_tensor(self.key))
         return cast(torch.Tensor, f.get_slice(self.key)[self.expert, self.rows or slice(None)])
+
+    def shape(self, f: Any) -> tuple[int, ...]:
+        """The whole tensor's shape (an expert's rows for a fused expert tensor)."""
+        shape = tuple(f.get_slice(self.key).get_shape())
+        if self.expert is None:
+            return shape
+        rows = self.rows or slice(None)
+        return (len(range(shape[1])[rows]), *shape[2:])
 
 
 def sources(shard: Path, key: str, shape: list[int]) -> dict[str, Source]:
@@ -101,12 +123,22 @@ def sources(shard: Path, key: str, shape: list[int]) -> dict[str, Source]:
     return out
 
 
-def expected_tensors(model: LlamaForCausalLM) -> dict[str, tuple[str, int, int]]:
-    """Checkpoint tensor name (canonical, see :func:`canonical_name`) -> (the name of our
-    parameter, row offset, rows) for every tensor the model needs. A tied lm_head is
-    absent: it shares the embedding's parameter. Experts are named per expert."""
+class Target(NamedTuple):
+    """Where a checkpoint tensor goes: rows ``[offset, offset + rows)`` of our parameter
+    ``param``; ``cut``: the part of the tensor this rank holds (None: all of it)."""
+
+    param: str
+    offset: int
+    rows: int
+    cut: Cut | None = None
+
+
+def expected_tensors(model: LlamaForCausalLM) -> dict[str, Target]:
+    """Checkpoint tensor name (canonical, see :func:`canonical_name`) -> its
+    :class:`Target` for every tensor the model needs. A tied lm_head is absent: it shares
+    the embedding's parameter. Experts are named per expert."""
     modules = dict(model.named_modules())
-    out: dict[str, tuple[str, int, int]] = {}
+    out: dict[str, Target] = {}
     for name, param in model.named_parameters():  # shared (tied) parameters listed once
         mod_name, _, leaf = name.rpartition(".")
         mod = modules[mod_name]
@@ -114,27 +146,29 @@ def expected_tensors(model: LlamaForCausalLM) -> dict[str, tuple[str, int, int]]
             parent = mod_name.rpartition(".")[0]
             offset = 0
             for part, rows in mod.parts:
-                out[f"{parent}.{part}.{leaf}"] = (name, offset, rows)
+                out[f"{parent}.{part}.{leaf}"] = Target(name, offset, rows,
+                                                        cut_of(mod, leaf, rows))
                 offset += rows
         else:
-            out[name] = (name, 0, param.shape[0])
+            out[name] = Target(name, 0, param.shape[0], cut_of(mod, leaf, param.shape[0]))
     return out
 
 
 class Plan(NamedTuple):
-    """What :func:`fill` reads: the checkpoint folder, canonical tensor name -> (our
-    parameter's name, row offset, rows), and where each tensor lies."""
+    """What :func:`fill` reads: the checkpoint folder, canonical tensor name -> its
+    :class:`Target`, and where each tensor lies."""
 
     path: Path
-    expected: dict[str, tuple[str, int, int]]
+    expected: dict[str, Target]
     where: dict[str, Source]
 
 
-def meta_model(config: ModelConfig) -> LlamaForCausalLM:
+def meta_model(config: ModelConfig, tp: Collective = SINGLE) -> LlamaForCausalLM:
     """The model's modules with storage-less (meta) parameters: their names and shapes,
-    for :func:`check_checkpoint` and for placing the parameters somewhere."""
+    for :func:`check_checkpoint` and for placing the parameters somewhere. ``tp``: the
+    rank's collective, for one rank's share of a tensor-parallel model."""
     with torch.device("meta"):
-        return LlamaForCausalLM(config)
+        return LlamaForCausalLM(config, tp)
 
 
 def check_checkpoint(path: str | Path, model: LlamaForCausalLM,
@@ -187,16 +221,20 @@ def fill(plan: Plan, params: Mapping[str, torch.Tensor]) -> None:
         for shard, names in by_shard.items():
             with safe_open(shard, framework="pt") as f:
                 for name in names:
-                    pname, offset, rows = plan.expected[name]
+                    pname, offset, rows, cut = plan.expected[name]
                     param = params[pname]
                     src = plan.where[name]
-                    t = src.read(f)
                     key = src.key if src.expert is None else f"{src.key}[{src.expert}]"
-                    want = (rows, *param.shape[1:])
-                    if tuple(t.shape) != want:
+                    want = _whole_shape(rows, tuple(param.shape[1:]), cut)
+                    have = src.shape(f)
+                    if have != want:
                         raise CheckpointError(f"{shard.name}: tensor {key} has shape "
-                                              f"{tuple(t.shape)}, config.json implies {want}")
-                    param[offset:offset + rows].copy_(t.to(param.dtype))
+                                              f"{have}, config.json implies {want}")
+                    dst = param[offset:offset + rows]
+                    if cut is not None and cut.zeros:
+                        dst.zero_()
+                    else:
+                        dst.copy_(src.read(f, cut).to(param.dtype))
 
 
 def place(model: LlamaForCausalLM, tensors: Mapping[str, torch.Tensor]) -> LlamaForCausalLM:
@@ -218,21 +256,33 @@ def place(model: LlamaForCausalLM, tensors: Mapping[str, torch.Tensor]) -> Llama
 
 
 def load_model(path: str | Path, device: torch.device, dtype: torch.dtype,
-               config: ModelConfig | None = None) -> LlamaForCausalLM:
-    """Build the model on ``device`` in ``dtype`` and fill every parameter from the folder.
+               config: ModelConfig | None = None, tp: Collective = SINGLE
+               ) -> LlamaForCausalLM:
+    """Build the model on ``device`` in ``dtype`` and fill every parameter from the folder;
+    with ``tp`` of several ranks, this rank's share only (see the module).
 
     Raises:
         CheckpointError: missing config/shards, missing or unexpected tensors (the message
             lists them), or a tensor whose shape differs from what config.json implies.
+        ValueError: a model that does not split ``tp.size`` ways (one line).
     """
     path = Path(path)
     config = config or ModelConfig.from_dir(path)
-    model = meta_model(config)
+    model = meta_model(config, tp)
     plan = check_checkpoint(path, model, config)
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()  # to_empty replaced the shared parameter by two copies
     fill(plan, dict(model.named_parameters()))
     return model.eval()
+
+
+def _whole_shape(rows: int, rest: tuple[int, ...], cut: Cut | None) -> tuple[int, ...]:
+    """The checkpoint tensor's shape a parameter part of ``rows`` x ``rest`` implies."""
+    if cut is None or cut.zeros:
+        return (rows, *rest)
+    if cut.dim == 0:
+        return (rows * cut.size, *rest)
+    return (rows, rest[0] * cut.size, *rest[1:])
 
 
 def _names(names: list[str], limit: int = 8) -> str:

@@ -16,7 +16,9 @@ engine binds itself to the pool and ``engine.close()`` closes the pool, which en
 them (no engine method is patched); :mod:`.settings` holds the ``KVPOOL_*`` settings.
 With ``Settings.weights == "pool"`` (the default) the bridge also builds the model:
 its parameters live in a weight set shared by every engine of the same checkpoint
-(:mod:`.weights`; ``bridge_of(config).weights``).
+(:mod:`.weights`; ``bridge_of(config).weights``). With ``tensor_parallel_size`` > 1 the
+engine's ranks form a kvpool gang (:mod:`.bridge`, :mod:`.gang_session`,
+:mod:`.gang_rank`): weights stay local, and request-aligned KV is refused.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from kvpool.engine_adapters.bundled.block_pool import ElasticBlockPool
 from kvpool.engine_adapters.bundled.bridge import ADAPTER_KEY, Bridge, bridge_of
 from kvpool.engine_adapters.bundled.checks import KNOWN_LAYOUTS, KNOWN_POOL_METHODS, check_engine
 from kvpool.engine_adapters.bundled.settings import AdapterError, Settings
+
+GANG_RANK_MODULE = "kvpool.engine_adapters.bundled.gang_rank"
 
 
 def enable(config: EngineConfig, settings: Settings | None = None) -> None:
@@ -37,10 +41,17 @@ def enable(config: EngineConfig, settings: Settings | None = None) -> None:
             settings = Settings.from_env()
         except ValueError as e:  # a bad KVPOOL_* value: one line (SettingsError)
             raise AdapterError(str(e)) from None
+    tp = config.tensor_parallel_size > 1
+    if tp and settings.request_aligned:
+        raise AdapterError("request-aligned KV (prefill/decode handoff) does not combine "
+                           "with tensor_parallel_size > 1")
     if settings.request_aligned:
         config.enable_prefix_caching = False  # a shared block would tie requests' units
     bridge = Bridge(config, settings)
-    if settings.weights == "pool":  # the parameters in a shared weight set (.weights)
+    if tp:  # every rank a member of one gang (.bridge); each rank loads its own weights
+        config.tp_rank_module = GANG_RANK_MODULE
+        config.tp_started = bridge.tp_started
+    elif settings.weights == "pool":  # the parameters in a shared weight set (.weights)
         config.model_factory = bridge.make_model
         config.prepack = False  # a private oneDNN copy would undo the sharing
     config.block_pool_factory = bridge.make_pool

@@ -13,6 +13,15 @@ With pool weights (``Settings.weights == "pool"``) the bridge is also the config
 cache, and the model's parameters become views into a weight set (:mod:`.weights`,
 :attr:`Bridge.weights`); one tenant holds both the set and the KV.
 
+Tensor parallelism (``tensor_parallel_size`` > 1): the engine hands the bridge its other
+ranks once they joined (``EngineConfig.tp_started`` is :meth:`Bridge.tp_started`). The
+tenant becomes rank 0 of a kvpool *gang* (docs/ARCHITECTURE.md, "Gangs"): the bridge
+creates the gang (devices ``settings.device + r`` for rank ``r``), tells every rank to
+join it and create the same group (:mod:`.gang_messages` ``Join``, :mod:`.gang_rank`),
+and builds its own group over a :class:`~.gang_session.GangSession`, so every grant and
+release the allocator makes is made by every rank, all or none, mapped on every rank
+before a step can use it. Weights stay local (each rank loads its share).
+
 Lifetime: connected in :meth:`Bridge.make_model` (pool weights) or
 :meth:`Bridge.make_kv_cache` (during ``Engine(config)``); closed by
 :meth:`Bridge.close` (``engine.close()``, or a failed start). After close the daemon no
@@ -37,12 +46,15 @@ from kvpool.engine.kv_cache import KVCache, KVCacheSpec
 from kvpool.engine.model import LlamaForCausalLM
 from kvpool.engine.model_config import ModelConfig
 from kvpool.engine_adapters.bundled.block_pool import ElasticBlockPool
+from kvpool.engine_adapters.bundled import gang_messages
 from kvpool.engine_adapters.bundled.checks import KNOWN_LAYOUTS
+from kvpool.engine_adapters.bundled.gang_session import GangSession
 from kvpool.engine_adapters.bundled.settings import AdapterError, Settings
 from kvpool.engine_adapters.bundled.weights import Layout, PoolWeights, set_key
 
 if TYPE_CHECKING:
     from kvpool.client_lib import RegionGroup, Tenant
+    from kvpool.engine.tp_workers import TPWorkers
     from kvpool.engine_adapters.sleep import SleepController
 
 log = logging.getLogger("kvpool.engine_adapters.bundled")
@@ -62,6 +74,13 @@ class Bridge:
         #: the model's parameters in the pool (None: local weights, or not built yet)
         self.weights: PoolWeights | None = None
         self.sleep: SleepController | None = None  # set by .sleep.attach; closed here
+        #: the engine's other ranks (tensor parallelism; None: one rank)
+        self.ranks: TPWorkers | None = None
+
+    def tp_started(self, workers: TPWorkers) -> None:
+        """(``EngineConfig.tp_started``) The engine's other ranks joined: the KV cache
+        will be a gang's (see the module)."""
+        self.ranks = workers
 
     def _connect(self) -> Tenant:
         """The engine's one tenant (connected on the first call)."""
@@ -133,7 +152,11 @@ class Bridge:
             per_region = spec.buffer_block_bytes
             chunk = math.lcm(tenant.page_size, per_region)
             region_bytes = math.ceil(capacity * per_region / chunk) * chunk
-            self.group = tenant.region_group(spec.num_buffers, region_bytes, label=name)
+            if self.ranks is None:
+                self.group = tenant.region_group(spec.num_buffers, region_bytes, label=name)
+            else:
+                self.group = self._gang_group(tenant, self.ranks, spec.num_buffers,
+                                              region_bytes, name)
             allocator = ElasticBlockAllocator(
                 self.group, per_region, low=s.low, high=s.high,
                 idle_timeout_s=s.idle_timeout_s, populate=s.populate, take_first=1)
@@ -153,6 +176,28 @@ class Bridge:
         except BaseException:
             self.close()
             raise
+
+    def _gang_group(self, tenant: Tenant, ranks: TPWorkers, n_regions: int,
+                    region_bytes: int, label: str) -> RegionGroup:
+        """Create the gang, have every rank join it and create its group (in order, before
+        any grant: the pipe is ordered), then this rank's group over a GangSession."""
+        from kvpool.client_lib import KvpoolError, RegionGroup
+
+        devices = [self.settings.device + r for r in range(ranks.size)]
+        try:
+            token = tenant.create_gang(devices, [(n_regions, region_bytes)])
+        except KvpoolError as e:  # e.g. a daemon that does not serve every rank's device
+            raise AdapterError(f"cannot make the {ranks.size} ranks a kvpool gang on devices "
+                               f"{devices}: {e}") from None
+        ranks.post(gang_messages.encode(gang_messages.Join(
+            token=token, name=tenant.name, devices=devices,
+            run_dir=self.settings.run_dir,
+            n_regions=n_regions, capacity=region_bytes, label=label)))
+        session = GangSession(tenant, ranks)
+        group = RegionGroup(session, n_regions, region_bytes, label)
+        session.group_id = group.id
+        tenant.groups[group.id] = group  # the tenant's reclaim and close reach it
+        return group
 
     def close(self) -> None:
         """Stop the sleep controller's timer and the idle watcher, let go of the weight

@@ -50,7 +50,12 @@ async def admit(engine: Any, to: str, ttl_s: float, peer: tuple[str, int] | None
     """Refuse (:class:`Refused`) unless tenant ``to`` itself, connected from ``peer`` to
     ``server`` (the request's TCP addresses), may have ``engine``'s server retire
     towards it for ``ttl_s`` seconds, relaying to ``url`` (its registered endpoint).
-    Changes nothing. (The daemon call and the /proc scan run off the event loop.)"""
+    Changes nothing. (The daemon call and the /proc scan run off the event loop.)
+    A tensor-parallel engine is refused (409): its KV lives on every rank, and only
+    rank 0's pages could change hands."""
+    if getattr(engine, "workers", None) is not None:
+        raise Refused(409, "retire refused: a tensor-parallel engine's KV lives on every "
+                           "rank; it cannot be handed over")
     check_ttl(ttl_s)
     await asyncio.to_thread(check_peer, engine, to, peer, server, url)
 
