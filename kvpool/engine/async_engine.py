@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kvpool.engine.engine import Engine
-from kvpool.engine.errors import EngineUnavailable
+from kvpool.engine.errors import EngineBroken, EngineUnavailable
 from kvpool.engine.request import RequestOutput
 from kvpool.engine.sampling import SamplingParams
 
@@ -78,6 +78,7 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="kvpool-engine", daemon=True)
         self._stop = threading.Event()
         self.error: BaseException | None = None
+        self.broken: EngineBroken | None = None  # set once: the engine can never serve
 
     def start(self) -> None:
         self._thread.start()
@@ -101,6 +102,8 @@ class AsyncEngine:
         early (client disconnect). Raises the engine's RequestError/exception if any, and
         EngineUnavailable when the gate refuses it."""
         arrival = time.perf_counter()  # before the gate: a wake counts in the TTFT
+        if self.broken is not None:
+            raise self.broken
         await self._enter()
         try:
             q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
@@ -170,6 +173,8 @@ class AsyncEngine:
             except Exception as e:  # keep serving: fail the requests in flight
                 log.exception("engine step failed")
                 self.error = e
+                if isinstance(e, EngineBroken):
+                    self.broken = e
                 self._fail_all(e)
                 continue
             if self.engine.num_steps == steps:
@@ -215,5 +220,7 @@ class AsyncEngine:
         for rid, s in list(self._streams.items()):
             with self._lock:
                 self.engine.abort(rid)
-            s.loop.call_soon_threadsafe(s.out.put_nowait, RuntimeError(f"engine error: {e}"))
+            failure = e if isinstance(e, EngineUnavailable) else RuntimeError(
+                f"engine error: {e}")
+            s.loop.call_soon_threadsafe(s.out.put_nowait, failure)
         self._streams.clear()

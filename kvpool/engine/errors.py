@@ -19,3 +19,9 @@ class RequestError(ValueError):
 class EngineUnavailable(RuntimeError):
     """The engine cannot take a request now (an asleep model that could not wake); the
     server answers 503 with this one-line message."""
+
+
+class EngineBroken(EngineUnavailable):
+    """The engine can never serve again (a tensor-parallel rank died): every request and
+    ``/health`` get 503 with this one-line message; only a restart of the server helps
+    (a supervisor reads ``/health``)."""

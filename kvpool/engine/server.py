@@ -101,6 +101,8 @@ def create_app(aengine: AsyncEngine) -> FastAPI:
     async def health() -> JSONResponse:
         if not aengine.alive:
             return _error(503, "engine thread is not running", "engine_dead")
+        if aengine.broken is not None:
+            return _error(503, str(aengine.broken), "engine_broken")
         return JSONResponse({"status": "ok"})
 
     @app.get("/v1/models")

@@ -38,6 +38,7 @@ import torch
 
 from kvpool.engine import tp_messages
 from kvpool.engine.collective import GlooGroup
+from kvpool.engine.errors import EngineBroken
 from kvpool.engine.kv_cache import KVLayout
 from kvpool.engine.step_input import StepEntry
 
@@ -140,7 +141,7 @@ class TPWorkers:
                 try:
                     tp_messages.write(proc.stdin, msg)
                 except (BrokenPipeError, ValueError):  # ValueError: the pipe closed here
-                    raise RuntimeError(f"tensor-parallel rank {rank} is gone (exit status "
+                    raise EngineBroken(f"tensor-parallel rank {rank} is gone (exit status "
                                        f"{proc.poll()})") from None
 
     def _collective(self, call: Callable[[], torch.Tensor]) -> torch.Tensor:
@@ -150,7 +151,7 @@ class TPWorkers:
             gone = [f"rank {r} (status {p.poll()})"
                     for r, p in enumerate(self.procs, start=1) if p.poll() is not None]
             first = str(e).splitlines()[0] if str(e) else repr(e)
-            raise RuntimeError(f"tensor-parallel collective failed: "
+            raise EngineBroken(f"tensor-parallel collective failed: "
                                f"{', '.join(gone) or first}") from None
 
     def close(self) -> None:

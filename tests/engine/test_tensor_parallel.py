@@ -214,3 +214,23 @@ def test_a_killed_rank_fails_the_next_step_in_one_line(engines):
     assert "tensor-parallel rank 1" in str(e.value) and "\n" not in str(e.value)
     for rid in list(two.engine.requests):  # the failed step left its request: end it
         two.engine.abort(rid)
+    # served, the broken engine answers 503 (not 500), and so does /health from then on
+    from fastapi.testclient import TestClient
+
+    from kvpool.engine.async_engine import AsyncEngine
+    from kvpool.engine.server import create_app
+
+    aengine = AsyncEngine(two.engine)
+    aengine.start()
+    try:
+        with TestClient(create_app(aengine)) as client:
+            assert client.get("/health").status_code == 200
+            body = {"prompt": prompts((7,))[0], "max_tokens": 3, "temperature": 0}
+            for _ in range(2):  # the step that finds the rank gone, then the gate
+                r = client.post("/v1/completions", json=body)
+                assert r.status_code == 503, r.text
+                assert "tensor-parallel rank 1" in r.json()["error"]["message"]
+            r = client.get("/health")
+            assert r.status_code == 503 and "rank 1" in r.json()["error"]["message"]
+    finally:
+        aengine.stop()
