@@ -35,7 +35,7 @@ from typing import Callable, Iterable, overload
 from kvpool.client_lib.chunk_book import ChunkBook
 from kvpool.client_lib.errors import KvpoolError
 from kvpool.client_lib.refill import Refiller
-from kvpool.client_lib.regions import RegionGroup
+from kvpool.client_lib.regions import BlockGroup, RegionGroup
 
 log = logging.getLogger("kvpool.client")
 
@@ -83,7 +83,7 @@ class ElasticBlockAllocator:
 
     def __init__(
         self,
-        group: RegionGroup,
+        group: BlockGroup,
         block_bytes_per_region: int,
         *,
         low: int = 2,
@@ -435,6 +435,15 @@ class ElasticBlockAllocator:
     def block_offset(self, block: int) -> int:
         """Byte offset of ``block`` inside each region."""
         return block * self.block_bytes
+
+    @property
+    def region_group(self) -> RegionGroup:
+        """The group as a :class:`RegionGroup` (page handoffs need its descriptors);
+        TypeError when the allocator drives a stand-in (:class:`BlockGroup`)."""
+        g = self.group
+        if not isinstance(g, RegionGroup):
+            raise TypeError(f"this allocator drives a {type(g).__name__}, not a RegionGroup")
+        return g
 
     def check_integrity(self) -> None:
         """Raise AssertionError unless the book is consistent and, with no chunk in flight,

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Iterable, Protocol
 
 if TYPE_CHECKING:
     from kvpool.client_lib.chunk_book import ChunkBook
-    from kvpool.client_lib.regions import RegionGroup
+    from kvpool.client_lib.regions import BlockGroup
 
 log = logging.getLogger("kvpool.client")
 
@@ -58,7 +58,8 @@ class ReserveOwner(Protocol):
     lock: threading.Lock
     suspended: bool
     book: ChunkBook
-    group: RegionGroup
+    @property
+    def group(self) -> BlockGroup: ...
     low: int
     high: int
     idle_timeout_s: float

@@ -30,6 +30,8 @@ from kvpool import protocol as p
 from kvpool.vmm import Backend, Page, Range
 
 if TYPE_CHECKING:
+    from collections.abc import Set as AbstractSet
+
     import torch
 
     from kvpool.client_lib.handoff import Handoffs
@@ -81,6 +83,56 @@ class GroupAllocator(Protocol):
     def reserve_units(self) -> list[int]: ...
     def release_reserve(self, nbytes: int) -> int: ...
     def stop(self) -> None: ...
+
+
+class GroupStatus(Protocol):
+    """Whether requests can still be made for a group (its tenant's session)."""
+
+    @property
+    def closed(self) -> bool: ...
+    @property
+    def connected(self) -> bool: ...
+
+
+class BlockGroup(Protocol):
+    """What an :class:`~kvpool.client_lib.allocator.ElasticBlockAllocator` drives: a
+    :class:`RegionGroup`, or a stand-in that applies each grant and release to groups in
+    other processes (a tensor-parallel engine whose scheduler holds no KV memory).
+
+    Obligations: ``grant`` returns only once ``units`` are mapped wherever the blocks are
+    used (all or nothing; a refusal raises ``KvpoolError`` and maps nothing);
+    ``release`` unmaps ``units`` everywhere before their pages go back to the daemon;
+    ``mapped`` is the set of units mapped (after the last grant/release returned);
+    ``set_usage`` reports in-use bytes and reserve units (what ``ps`` shows); the shape
+    (``id``, ``page_size``, ``npages``, ``capacity`` per region, ``n_regions``) is fixed;
+    ``allocator`` is set by the allocator that drives the group (at most one)."""
+
+    allocator: GroupAllocator | None
+
+    @property
+    def id(self) -> int: ...
+    @property
+    def page_size(self) -> int: ...
+    @property
+    def npages(self) -> int: ...
+    @property
+    def capacity(self) -> int: ...
+    @property
+    def n_regions(self) -> int: ...
+    @property
+    def closed(self) -> bool: ...
+    @property
+    def mapped(self) -> AbstractSet[int]: ...
+    @property
+    def tenant(self) -> GroupStatus: ...
+
+    def grant(self, units: Sequence[int], *, in_use: int | None = None,
+              reserve: Sequence[int] | None = None, populate: bool = False,
+              speculative: bool = False) -> None: ...
+    def release(self, units: Sequence[int], *, in_use: int | None = None,
+                reserve: Sequence[int] | None = None) -> None: ...
+    def set_usage(self, *, in_use: int | None = None,
+                  reserve: Sequence[int] | None = None) -> None: ...
 
 
 def unit_runs(units: Sequence[int]) -> list[tuple[int, int, int]]:

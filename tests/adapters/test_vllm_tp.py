@@ -13,12 +13,14 @@ heads):
   about 200 s on the loaded machine, greedy completions served by the multiprocess
   executor (gloo between the two CPU workers).
 * the same with ``KVPOOL_ENABLE=1``: refused before the engine starts, one line:
-  ``kvpool: KVPOOL_ENABLE=1 serves one rank per vLLM server; got tensor-parallel 2,
-  pipeline-parallel 1, data-parallel 1 (run one server per device, or unset
-  KVPOOL_ENABLE)`` (``vllm/checks.py``; tested in test_vllm.py).
+  ``kvpool: KVPOOL_ENABLE=1 serves one rank per vLLM server for now; got tensor-parallel
+  2, whose KV grants are not yet mapped in every worker before the scheduler uses them
+  (...)`` (``vllm/checks.parallel_refusal``; tested in test_vllm.py and
+  test_vllm_gang_group.py).
 
 The refusal is not lifted yet (docs/VLLM-ADAPTER.md, "Tensor parallelism": what lifting
-it needs). This test is what it must pass: a TP=2 vLLM server on a two-device daemon is
+it needs). The scheduler-side seam exists (``vllm/gang_group.py``: the allocator's grants
+and releases applied on every rank, tested in test_vllm_gang_group.py). This test is what it must pass: a TP=2 vLLM server on a two-device daemon is
 one gang (the same bytes on both devices), serves the greedy tokens of a plain TP=2
 vLLM, and gives everything back. It runs only with ``KVPOOL_TEST_VLLM_TP=1`` (minutes on
 two cores: two TP=2 vLLM servers).

@@ -90,7 +90,7 @@ def give(engine: Engine, request_id: str, to: str, ttl_s: float = 10.0
         req = engine.detach(request_id)
         try:
             chunks = pool.request_chunks(request_id)
-            ticket = wire.offer(alloc.group, alloc.units_of(chunks), to=to, ttl_s=ttl_s)
+            ticket = wire.offer(alloc.region_group, alloc.units_of(chunks), to=to, ttl_s=ttl_s)
         except BaseException:
             engine.reattach(request_id)
             raise
@@ -111,7 +111,7 @@ def settle(engine: Engine, h: Handover, ticket: wire.Ticket, timeout_s: float | 
     pool = _aligned_pool(engine)
     state = ticket.wait(timeout_s)
     if state == wire.PENDING:  # take it back; it may have settled meanwhile
-        wire.cancel(pool.allocator.group.tenant, ticket)
+        wire.cancel(pool.allocator.region_group.tenant, ticket)
         state = ticket.state
     with engine.step_lock:
         if state == "claimed":
@@ -158,7 +158,7 @@ def claim_chunks(alloc: ElasticBlockAllocator, ticket: str, count: int) -> list[
     if mine is None:
         raise AdapterError(f"no {count} unmapped chunks to claim into")
     try:
-        wire.claim(alloc.group, ticket, alloc.units_of(mine), populate=alloc.populate)
+        wire.claim(alloc.region_group, ticket, alloc.units_of(mine), populate=alloc.populate)
     except BaseException:
         alloc.return_chunks(mine)
         raise

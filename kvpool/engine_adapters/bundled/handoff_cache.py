@@ -98,7 +98,7 @@ def offer_cache(engine: Engine, to: str, ttl_s: float = 10.0, in_flight: bool = 
                 # claim is what tells both sides the requests changed engine
                 chunks = chunks or [alloc.chunk_of(NULL_BLOCK)]
                 moving = [handoff_requests.describe(r) for r in reqs]
-                ticket = wire.offer(alloc.group, alloc.units_of(chunks), to=to, ttl_s=ttl_s)
+                ticket = wire.offer(alloc.region_group, alloc.units_of(chunks), to=to, ttl_s=ttl_s)
         except BaseException:
             for r in reqs:
                 engine.reattach(r.request_id)
@@ -118,7 +118,7 @@ def settle_cache(engine: Engine, c: CacheHandover, ticket: wire.Ticket,
     pool = elastic_pool(engine)
     state = ticket.wait(timeout_s)
     if state == wire.PENDING:
-        wire.cancel(pool.allocator.group.tenant, ticket)
+        wire.cancel(pool.allocator.region_group.tenant, ticket)
         state = ticket.state
     with engine.step_lock, pool.lock:
         if state != "claimed":

@@ -39,6 +39,23 @@ def block_page_bytes(config: VllmConfig) -> tuple[int, int]:
     return page, mc.get_num_layers(pc)
 
 
+def parallel_refusal(tp: int, pp: int, dp: int) -> str | None:
+    """The one-line refusal of a parallel layout kvpool cannot serve yet, or None (one
+    rank). Tensor parallelism has its own reason: the scheduler's grants are not yet
+    applied in every worker (``gang_group.py`` is the seam; docs/VLLM-ADAPTER.md,
+    "Tensor parallelism")."""
+    if tp > 1 and pp == 1 and dp == 1:
+        return (f"kvpool: KVPOOL_ENABLE=1 serves one rank per vLLM server for now; got "
+                f"tensor-parallel {tp}, whose KV grants are not yet mapped in every worker "
+                "before the scheduler uses them (docs/VLLM-ADAPTER.md, \"Tensor "
+                "parallelism\"); run one server per device, or unset KVPOOL_ENABLE")
+    if tp > 1 or pp > 1 or dp > 1:
+        return (f"kvpool: KVPOOL_ENABLE=1 serves one rank per vLLM server; got "
+                f"tensor-parallel {tp}, pipeline-parallel {pp}, data-parallel {dp} (run one "
+                "server per device, or unset KVPOOL_ENABLE)")
+    return None
+
+
 def check_config(config: VllmConfig) -> None:
     from kvpool.client_lib import KvpoolError, Monitor
     from kvpool.engine_adapters.vllm.bridge import served_name
@@ -46,12 +63,10 @@ def check_config(config: VllmConfig) -> None:
 
     s = Settings.from_env()
     pc = config.parallel_config
-    if pc.tensor_parallel_size > 1 or pc.pipeline_parallel_size > 1 or (
-            pc.data_parallel_size > 1):
-        fail(f"kvpool: KVPOOL_ENABLE=1 serves one rank per vLLM server; got tensor-parallel "
-             f"{pc.tensor_parallel_size}, pipeline-parallel {pc.pipeline_parallel_size}, "
-             f"data-parallel {pc.data_parallel_size} (run one server per device, or unset "
-             "KVPOOL_ENABLE)")
+    why = parallel_refusal(pc.tensor_parallel_size, pc.pipeline_parallel_size,
+                           pc.data_parallel_size)
+    if why is not None:
+        fail(why)
     where = run_dir(s.run_dir)
     try:
         mon = Monitor(s.run_dir, timeout_s=15.0)  # generous: a loaded host answers late
