@@ -186,8 +186,11 @@ def test_bad_starts_are_one_line_errors(tiny_model, tmp_path):
             # a budget that cannot hold one chunk of this model's KV blocks
             (server_cmd(tiny_model, "x", 18992), base_env(small.run_dir),
              "kvpool: the daemon's budget"),
-            # more than one rank
-            (server_cmd(tiny_model, "x", 18993, ("--tensor-parallel-size", "2")),
+            # tensor parallelism on a daemon that serves one device (test_vllm_tp.py: two)
+            (server_cmd(tiny_model, "x", 18995, ("--tensor-parallel-size", "2")),
+             base_env(small.run_dir), "kvpool: tensor-parallel 2 needs one daemon device"),
+            # more than one rank other than tensor parallelism
+            (server_cmd(tiny_model, "x", 18993, ("--pipeline-parallel-size", "2")),
              base_env(small.run_dir), "kvpool: KVPOOL_ENABLE=1 serves one rank"),
             # a vLLM version outside the tested range (the same server, version renamed)
             ([sys.executable, "-c",

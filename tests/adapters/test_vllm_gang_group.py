@@ -94,13 +94,45 @@ def test_every_grant_and_release_is_applied_on_every_rank(start_daemon):
     assert mapped_by_device(d, "tp") == [0, 0]
 
 
-def test_the_tensor_parallel_refusal_says_why_in_one_line():
+def test_only_pipeline_or_data_parallelism_is_refused_in_one_line():
     from kvpool.engine_adapters.vllm.checks import parallel_refusal
 
-    tp = parallel_refusal(2, 1, 1)
-    assert tp is not None and "\n" not in tp
-    assert tp.startswith("kvpool: KVPOOL_ENABLE=1 serves one rank")
-    assert "tensor-parallel 2, whose KV grants are not yet mapped in every worker" in tp
-    other = parallel_refusal(1, 2, 1)
-    assert other is not None and "pipeline-parallel 2" in other and "\n" not in other
+    assert parallel_refusal(2, 1, 1) is None  # tensor parallelism: one gang (vllm/tp.py)
     assert parallel_refusal(1, 1, 1) is None
+    for tp, pp, dp in ((1, 2, 1), (1, 1, 2), (2, 2, 1)):
+        why = parallel_refusal(tp, pp, dp)
+        assert why is not None and "\n" not in why
+        assert why.startswith("kvpool: KVPOOL_ENABLE=1 serves one rank")
+        assert f"pipeline-parallel {pp}, data-parallel {dp}" in why
+
+
+class FakeExecutor:
+    """vLLM's executor as RpcCollective sees it: records each RPC and whether the step
+    lock was held while it ran."""
+
+    def __init__(self, lock: threading.RLock) -> None:
+        self.lock, self.calls, self.is_failed = lock, [], False
+
+    def collective_rpc(self, method, args=()):  # noqa: ANN001, ANN201
+        other = threading.Thread(target=lambda: self.calls.append(
+            ("free", self.lock.acquire(blocking=False))))
+        other.start()
+        other.join(10)
+        self.calls.append((method.__name__, args))
+        return [None, None]
+
+
+def test_the_rpc_collective_holds_the_step_lock_and_the_status_follows_the_executor():
+    from kvpool.engine_adapters.vllm.gang_group import UsageOp
+    from kvpool.engine_adapters.vllm.tp import ExecutorStatus, RpcCollective
+
+    lock = threading.RLock()
+    ex = FakeExecutor(lock)
+    op = UsageOp(1, (2,))
+    assert RpcCollective(ex, lock)(op) == [None, None]
+    # another thread could not take the step lock during the RPC: it ran beside no step
+    assert ex.calls == [("free", False), ("worker_apply", (op,))]
+    st = ExecutorStatus(ex)
+    assert not st.closed and st.connected
+    ex.is_failed = True
+    assert st.closed and not st.connected

@@ -5,7 +5,8 @@ the engine core and any worker), active only with ``KVPOOL_ENABLE=1``. When acti
 never silent: each process prints one ``kvpool:`` line saying what it does (the engine core
 names the tenant it registered as), and it refuses to start, with one line, when vLLM's
 version is untested (``KVPOOL_VLLM_UNTESTED=1`` overrides), no daemon answers, the budget
-cannot hold one KV chunk, or the server has more than one rank.
+cannot hold one KV chunk, or the server uses pipeline or data parallelism (tensor
+parallelism is one gang: :mod:`kvpool.engine_adapters.vllm.tp`).
 
 Seams (details in :mod:`kvpool.engine_adapters.vllm.patches` and docs/VLLM-ADAPTER.md):
 KV allocation (region-group views, vLLM's reshape/bind untouched), memory sizing (the

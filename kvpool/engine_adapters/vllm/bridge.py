@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 
     from kvpool.client_lib import ElasticBlockAllocator, RegionGroup, Tenant
     from kvpool.engine_adapters.sleep import SleepController
+    from kvpool.engine_adapters.vllm.tp import ExecutorStatus, ReclaimPoll
     from kvpool.engine_adapters.vllm.sleep import Waker
 
 log = logging.getLogger("kvpool.vllm")
@@ -84,6 +85,13 @@ class Bridge:
         self.num_blocks = 0
         self.block_bytes = 0  # per region
         self.n_regions = 0
+        # tensor parallelism (:mod:`.tp`): the engine core's view of the gang and its
+        # reclaim poll (a worker's part is ``tp.WORKER``)
+        self.tp_size = 1
+        self.name = ""  # the tenant's name (every TP rank joins the gang under it)
+        self.status: ExecutorStatus | None = None
+        self.poll: ReclaimPoll | None = None
+        self._page_size = 0
 
     # ---- connection -------------------------------------------------------------------
     def connect(self, name: str) -> Tenant:
@@ -115,9 +123,23 @@ class Bridge:
             cap = t.limit
         return cap
 
+    def page_size(self) -> int:
+        """The daemon's page size (the tenant's; a TP engine core, which registers no
+        tenant, asks the daemon once)."""
+        if self.tenant is not None:
+            return self.tenant.page_size
+        if not self._page_size:
+            from kvpool.client_lib import Monitor
+
+            mon = Monitor(self.settings.run_dir, timeout_s=15.0)
+            try:
+                self._page_size = mon.stats().pool.page_size
+            finally:
+                mon.close()
+        return self._page_size
+
     def blocks_per_chunk(self, block_bytes_per_region: int) -> int:
-        assert self.tenant is not None, "connect() first"
-        ps = self.tenant.page_size
+        ps = self.page_size()
         return math.lcm(ps, block_bytes_per_region) // block_bytes_per_region
 
     # ---- the KV cache -------------------------------------------------------------------
@@ -125,12 +147,10 @@ class Bridge:
                  layout: KVCacheLayout, kernel_block_sizes: list[int] | None,
                  create_views: CreateViews) -> dict[str, torch.Tensor]:
         """vLLM's ``allocate_kv_cache`` over a region group: same return value."""
-        import torch
-
         tensors = kv_cache_config.kv_cache_tensors
         if not tensors:
             return {}
-        if self.tenant is None:
+        if self.tenant is None and self.tp_size == 1:
             raise AdapterError("kvpool: the KV cache is allocated in a process that is not "
                                "registered with kvpool")
         if self.group is not None:
@@ -168,6 +188,16 @@ class Bridge:
         from kvpool.client_lib import ElasticBlockAllocator
 
         s = self.settings
+        if self.tp_size > 1:
+            from kvpool.engine_adapters.vllm.tp import join_gang
+
+            self.tenant, self.group = join_gang(self.tenant, s, self.name, len(bases),
+                                                region_bytes, block_stride, num_blocks)
+            self.num_blocks, self.block_bytes = num_blocks, block_stride
+            self.n_regions = len(bases)
+            return self._views(kv_cache_config, device, layout, kernel_block_sizes,
+                               create_views, specs, slots, bases, region_bytes, block_outer)
+        assert self.tenant is not None
         label = self.tenant.name
         self.group = self.tenant.region_group(len(bases), region_bytes, label=label)
         # populate: pages are faulted in when mapped (on the refill thread or the grant),
@@ -187,6 +217,21 @@ class Bridge:
             raise AdapterError(f"kvpool: cannot map vLLM's null block (got {null}); is the "
                                "daemon's budget smaller than one KV block?")
         self.num_blocks, self.block_bytes, self.n_regions = num_blocks, block_stride, len(bases)
+        return self._views(kv_cache_config, device, layout, kernel_block_sizes, create_views,
+                           specs, slots, bases, region_bytes, block_outer)
+
+    def _views(self, kv_cache_config: KVCacheConfig, device: torch.device,
+               layout: KVCacheLayout, kernel_block_sizes: list[int] | None,
+               create_views: CreateViews, specs: dict[str, KVCacheSpec], slots: dict[str, int],
+               bases: list[int], region_bytes: int, block_outer: bool
+               ) -> dict[str, torch.Tensor]:
+        """vLLM's per-layer views over this process's region group."""
+        import torch
+
+        assert self.group is not None and self.tenant is not None
+        tensors = kv_cache_config.kv_cache_tensors
+        num_blocks, block_stride = self.num_blocks, self.block_bytes
+        bpc = self.blocks_per_chunk(block_stride)
         regions = [self.group.tensor(i, torch.int8, nbytes=region_bytes)
                    for i in range(len(bases))]
         if regions[0].device.type != torch.device(device).type:
@@ -214,6 +259,8 @@ class Bridge:
         return kv_caches
 
     def close(self) -> None:
+        if self.status is not None:
+            self.status.stopped = True
         if self.sleep is not None:
             self.sleep.close()
         if self.pool is not None:

@@ -3,7 +3,8 @@
 Each refusal is one line on stderr and a nonzero exit (``SystemExit``), before vLLM starts
 its engine core: no daemon, a parallel layout kvpool cannot serve, a budget smaller than
 one KV chunk of this model. On success the config's KV size becomes kvpool's virtual
-capacity and, on CPU, the single rank runs in the engine-core process.
+capacity and, on CPU, a single rank runs in the engine-core process (tensor parallelism
+keeps vLLM's multiprocess executor).
 """
 
 from __future__ import annotations
@@ -40,20 +41,30 @@ def block_page_bytes(config: VllmConfig) -> tuple[int, int]:
 
 
 def parallel_refusal(tp: int, pp: int, dp: int) -> str | None:
-    """The one-line refusal of a parallel layout kvpool cannot serve yet, or None (one
-    rank). Tensor parallelism has its own reason: the scheduler's grants are not yet
-    applied in every worker (``gang_group.py`` is the seam; docs/VLLM-ADAPTER.md,
-    "Tensor parallelism")."""
-    if tp > 1 and pp == 1 and dp == 1:
-        return (f"kvpool: KVPOOL_ENABLE=1 serves one rank per vLLM server for now; got "
-                f"tensor-parallel {tp}, whose KV grants are not yet mapped in every worker "
-                "before the scheduler uses them (docs/VLLM-ADAPTER.md, \"Tensor "
-                "parallelism\"); run one server per device, or unset KVPOOL_ENABLE")
+    """The one-line refusal of a parallel layout kvpool cannot serve, or None: one rank,
+    or tensor parallelism alone (one gang, one rank per worker: :mod:`.tp`)."""
+    if pp == 1 and dp == 1:
+        return None  # one rank, or tensor parallelism (one gang, :mod:`.tp`)
     if tp > 1 or pp > 1 or dp > 1:
         return (f"kvpool: KVPOOL_ENABLE=1 serves one rank per vLLM server; got "
                 f"tensor-parallel {tp}, pipeline-parallel {pp}, data-parallel {dp} (run one "
                 "server per device, or unset KVPOOL_ENABLE)")
     return None
+
+
+def served_device(run: str | None, device: int) -> int | None:
+    """The device the daemon answers for when asked about ``device`` (a daemon serving
+    one device answers for it whatever is asked), or None when it refuses."""
+    from kvpool.client_lib import KvpoolError, Monitor
+
+    try:
+        mon = Monitor(run, timeout_s=15.0, device=device)
+        try:
+            return mon.stats().pool.device
+        finally:
+            mon.close()
+    except (KvpoolError, OSError, TimeoutError):
+        return None
 
 
 def check_config(config: VllmConfig) -> None:
@@ -77,6 +88,13 @@ def check_config(config: VllmConfig) -> None:
     except (KvpoolError, OSError, TimeoutError) as e:
         fail(f"kvpool: no kvpool daemon answers at {where} ({type(e).__name__}: {e}); start "
              "one (`kvpool daemon`) or unset KVPOOL_ENABLE")
+    tp = pc.tensor_parallel_size
+    for dev in range(s.device, s.device + tp) if tp > 1 else ():
+        if served_device(s.run_dir, dev) != dev:
+            fail(f"kvpool: tensor-parallel {tp} needs one daemon device per rank "
+                 f"({s.device}..{s.device + tp - 1}); the daemon at {where} does not serve "
+                 f"device {dev} (start it with `--devices {s.device + tp}`, or unset "
+                 "KVPOOL_ENABLE)")
     cap = pool.budget if not s.max_bytes else min(pool.budget, s.max_bytes)
     page, layers = block_page_bytes(config)
     chunk = math.lcm(pool.page_size, page)
@@ -86,7 +104,7 @@ def check_config(config: VllmConfig) -> None:
              f"KV allocation ({need} B: {layers} layers x {chunk} B chunks of {page} B "
              f"blocks on {pool.page_size} B pages)")
     config.cache_config.kv_cache_memory_bytes = cap
-    if config.device_config.device_type == "cpu":
+    if config.device_config.device_type == "cpu" and pc.tensor_parallel_size == 1:
         pc.distributed_executor_backend = "uni"
     os.environ.setdefault("KVPOOL_RUN_DIR", str(where))
     say(f"kvpool: API server pid {os.getpid()}: KV cache of {served_name(config)!r} comes "

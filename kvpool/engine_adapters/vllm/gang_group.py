@@ -14,8 +14,8 @@ unmaps, then sends its part; the daemon returns the pages once every part arrive
 The daemon makes a gang grant all or none; a refusal reaches every rank as the same
 error, which each :class:`Member` returns as one line and the :class:`CollectiveGroup`
 raises as a :class:`~kvpool.client_lib.errors.KvpoolError` (the allocator then keeps
-those chunks unmapped). Not wired into vLLM's start-up yet (docs/VLLM-ADAPTER.md,
-"Tensor parallelism").
+those chunks unmapped). :mod:`.tp` wires it into vLLM (docs/VLLM-ADAPTER.md, "Tensor
+parallelism").
 """
 
 from __future__ import annotations

@@ -25,6 +25,10 @@ Engine-core process:
   ``EngineCoreProc._process_engine_step``  reports busy/idle to the daemon after a step;
   ``EngineCore.is_sleeping``            also true when kvpool put the engine to sleep;
   ``CPUWorker.sleep/wake_up``           (a no-op on CPU in vLLM) KV-level sleep and wake.
+Tensor parallelism (:mod:`.tp`):
+  ``Executor.initialize_from_config``   (engine core) the allocator over the gang;
+  ``EngineCore._initialize_kv_caches``  under the step lock (no RPC beside the warm-up's);
+  ``EngineCoreProc._process_engine_step``  polls rank 0's reclaim asks after a step.
 """
 
 from __future__ import annotations
@@ -77,8 +81,27 @@ def _capacity_for(worker: CPUWorker | Worker) -> int:
     from kvpool.engine_adapters.vllm.bridge import bridge, served_name
 
     b = bridge()
-    b.connect(served_name(worker.vllm_config))
-    return b.capacity()
+    name = served_name(worker.vllm_config)
+    tp = worker.vllm_config.parallel_config.tensor_parallel_size
+    if tp == 1:
+        b.connect(name)
+        return b.capacity()
+    from kvpool.engine_adapters.vllm.tp import broadcast, tp_rank
+
+    # tensor parallelism: rank 0 registers (the gang's first rank); every rank learns
+    # the capacity (and any refusal) from it
+    b.tp_size, b.name = tp, name
+    cap, err = 0, None
+    if tp_rank()[0] == 0:
+        try:
+            b.connect(name)
+            cap = b.capacity()
+        except AdapterError as e:
+            err = str(e)
+    cap, err = broadcast((cap, err))
+    if err is not None:
+        raise AdapterError(err)
+    return int(cap)
 
 
 def _patch_cpu_worker(mod: ModuleType) -> None:
@@ -132,8 +155,10 @@ def _patch_engine_core(mod: ModuleType) -> None:
     def get_kv_cache_configs(vllm_config: VllmConfig, kv_cache_specs: list[dict[str, KVCacheSpec]],
                              available_memory: list[int]) -> list[KVCacheConfig]:
         configs = original(vllm_config, kv_cache_specs, available_memory)
-        b = current()
-        if b is None or b.tenant is None or not configs or not configs[0].kv_cache_tensors:
+        tp = vllm_config.parallel_config.tensor_parallel_size > 1
+        b = bridge() if tp else current()  # a TP engine core registers no tenant
+        if b is None or (b.tenant is None and not tp) or not configs or (
+                not configs[0].kv_cache_tensors):
             return configs
         c = configs[0]
         t = c.kv_cache_tensors[0]
@@ -164,6 +189,18 @@ def _patch_engine_core(mod: ModuleType) -> None:
 
             functools.update_wrapper(locked, method)
             setattr(cls, name, locked)
+    init_kv: Callable[..., Any] = mod.EngineCore._initialize_kv_caches
+
+    @functools.wraps(init_kv)
+    def _initialize_kv_caches(self: Any, vllm_config: VllmConfig) -> Any:
+        if vllm_config.parallel_config.tensor_parallel_size == 1:
+            return init_kv(self, vllm_config)
+        # tensor parallelism: the allocator's refill thread sends its RPCs under the step
+        # lock; the warm-up's RPC (after the allocator exists) must not interleave
+        with bridge().step_lock:
+            return init_kv(self, vllm_config)
+
+    setattr(mod.EngineCore, "_initialize_kv_caches", _initialize_kv_caches)
     _patch_sleep(mod)
 
 
@@ -195,6 +232,20 @@ def _patch_sleep(mod: ModuleType) -> None:
         return out
 
     setattr(mod.EngineCoreProc, "_process_engine_step", _process_engine_step)
+    stepped: Callable[..., Any] = mod.EngineCoreProc._process_engine_step
+
+    @functools.wraps(stepped)
+    def poll_after_step(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = stepped(self, *args, **kwargs)
+        b = current()
+        if b is not None and b.poll is not None:  # tensor parallelism: the ranks' asks
+            from kvpool.engine_adapters.vllm.block_pool import ElasticBlockPool
+
+            with b.step_lock:
+                b.poll.after_step(b.pool if isinstance(b.pool, ElasticBlockPool) else None)
+        return out
+
+    setattr(mod.EngineCoreProc, "_process_engine_step", poll_after_step)
     is_sleeping: Callable[[Any], bool] = mod.EngineCore.is_sleeping
 
     @functools.wraps(is_sleeping)
@@ -285,6 +336,9 @@ def _patch_scheduler(mod: ModuleType) -> None:
         if isinstance(pool, ElasticBlockPool):
             b = bridge()
             b.scheduler = self
+            if b.status is not None:  # tensor parallelism: no tenant here; asks are polled
+                pool.start_idle_release(b.settings.idle_timeout_s)
+                return
             assert b.tenant is not None  # the pool was built over its allocator
             b.tenant.set_shrink_callback(pool.shrink)
             pool.start_idle_release(b.settings.idle_timeout_s)
@@ -293,6 +347,29 @@ def _patch_scheduler(mod: ModuleType) -> None:
             sleep.attach(b, pool)
 
     cls.__init__ = __init__
+
+
+def _patch_executor(mod: ModuleType) -> None:
+    """Tensor parallelism: once every worker allocated its KV cache (and before the
+    warm-up), the engine core builds its allocator over the gang (:mod:`.tp`)."""
+    from kvpool.engine_adapters.vllm.bridge import bridge
+
+    cls = mod.Executor
+    original: Callable[..., None] = cls.initialize_from_config
+
+    @functools.wraps(original)
+    def initialize_from_config(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        if self.vllm_config.parallel_config.tensor_parallel_size > 1:
+            from kvpool.engine_adapters.vllm.bridge import REFILL_TICK_S
+            from kvpool.engine_adapters.vllm.tp import ReclaimPoll, scheduler_allocator
+
+            b = bridge()
+            b.allocator, b.status = scheduler_allocator(self, b.settings, b.step_lock,
+                                                        REFILL_TICK_S)
+            b.poll = ReclaimPoll(self, b.allocator)
+
+    cls.initialize_from_config = initialize_from_config
 
 
 def install() -> None:
@@ -306,3 +383,4 @@ def install() -> None:
     when_imported("vllm.v1.core.kv_cache_coordinator", _patch_coordinator)
     when_imported("vllm.v1.core.kv_cache_manager", _patch_manager)
     when_imported("vllm.v1.core.sched.scheduler", _patch_scheduler)
+    when_imported("vllm.v1.executor.abstract", _patch_executor)
