@@ -21,8 +21,9 @@
 #                 (among them test_vmm_cuda.py::test_map_read_only_refuses_writes: the
 #                 read-only mapping weight sets need, CudaBackend.map_read_only, and
 #                 ::test_weight_set_through_a_daemon: a set created through a CUDA daemon,
-#                 attached by a second process, its store faulting; untested on a GPU
-#                 until this runs)
+#                 attached by a second process, its store faulting; and
+#                 ::test_devices_all_serves_every_gpu: `kvpool daemon --devices all`, one
+#                 pool per GPU; untested on a GPU until this runs)
 #   pytest-stub   the libcuda stub tests (calling conventions; skip without gcc)
 #   vmm-bench     benchmarks/vmm_bench.py --backend cuda: per-op cost per 2 MiB page
 #   alloc-bench   benchmarks/alloc_bench.py --backend cuda --quick: fast path, slow/floor
