@@ -13,6 +13,7 @@ import click
 
 if TYPE_CHECKING:
     from kvpool.demo.run import DemoConfig
+    from kvpool.demo.workload import WorkloadShape
 
 
 @click.command()
@@ -89,15 +90,7 @@ def demo(scenario: str | None, out_dir: str, model: str | None, budget: str | No
                          budget=size or parse_size("48MiB" if engine == "vllm" else "24MiB"),
                          page_size=page or (2 << 20), backend=backend, engine=engine)
     cfg.live = not no_live
-    w = cfg.workload
-    w.seed = seed
-    if duration is not None:
-        w.duration_s = duration
-        w.phase_s = duration / (2 * len(cfg.models))
-    if peak_rate is not None:
-        w.peak_rate = peak_rate
-    if base_rate is not None:
-        w.base_rate = base_rate
+    _shape(cfg.workload, seed, duration, peak_rate, base_rate, phases=2 * len(cfg.models))
     if modes:
         cfg.modes = modes
     try:
@@ -128,17 +121,9 @@ def _fleet(out_dir: str, model: str | None, budget: str | None, page_size: str |
     except ValueError as e:
         raise click.BadParameter(str(e)) from None
     cfg.live = not no_live
-    w = cfg.workload
-    w.seed = seed
-    if duration is not None:
-        if duration <= 0:
-            raise click.ClickException(f"--duration must be positive, not {duration:g}")
-        w.duration_s = duration
-        w.phase_s = duration / len(cfg.models)
-    if peak_rate is not None:
-        w.peak_rate = peak_rate
-    if base_rate is not None:
-        w.base_rate = base_rate
+    if duration is not None and duration <= 0:
+        raise click.ClickException(f"--duration must be positive, not {duration:g}")
+    _shape(cfg.workload, seed, duration, peak_rate, base_rate, phases=len(cfg.models))
     if modes:
         cfg.modes = modes
     try:
@@ -170,6 +155,20 @@ def _real_model_config(model: str, out_dir: Path, budget: int | None, page_size:
     return DemoConfig(out_dir=out_dir, models=models, checkpoint=ckpt, workload=shape,
                       budget=budget or default_budget(ckpt, len(models), backend != "cuda"),
                       page_size=page_size or REAL_PAGE_SIZE, backend=backend)
+
+
+def _shape(w: WorkloadShape, seed: int, duration: float | None, peak_rate: float | None,
+           base_rate: float | None, phases: int) -> None:
+    """The workload options given on the command line, onto a scenario's default shape
+    (``phases``: how many peaks a run of ``duration`` holds)."""
+    w.seed = seed
+    if duration is not None:
+        w.duration_s = duration
+        w.phase_s = duration / phases
+    if peak_rate is not None:
+        w.peak_rate = peak_rate
+    if base_rate is not None:
+        w.base_rate = base_rate
 
 
 def register(cli: click.Group) -> None:

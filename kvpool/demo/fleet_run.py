@@ -23,7 +23,6 @@ wake latency (:mod:`kvpool.demo.wakes`), and memory per model over time, weights
 
 from __future__ import annotations
 
-import contextlib
 import json
 import sys
 import time
@@ -33,13 +32,12 @@ from typing import Any, Callable
 
 import httpx
 from rich.console import Console
-from rich.live import Live
 
 from kvpool.client_lib import Monitor
 from kvpool.demo import fleet_launch, memory_chart
 from kvpool.demo import slo as slo_report
 from kvpool.demo.cluster import Cluster, ClusterError
-from kvpool.demo.driver import Outcome, Replay, replay, warm_up_all
+from kvpool.demo.driver import Replay, replay, warm_up_all
 from kvpool.demo.progress import Progress
 from kvpool.demo.slo import Slo
 from kvpool.demo.wakes import WakeStats, fleet_metrics, scan_logs
@@ -226,29 +224,19 @@ def run_mode(cfg: FleetDemoConfig, mode: str, console: Console) -> ModeRun:
                          f" fail (they do not fit)"))
 
         progress = Progress(mode, arrivals, cfg.models, memory_label="memory")
-        live = Live(progress.render(), console=console, refresh_per_second=4,
-                    transient=True) if cfg.live else None
-
-        def show() -> None:
-            if live is not None:
-                live.update(progress.render())
-
-        def on_done(o: Outcome) -> None:
-            progress.done(o)
-            show()
 
         def sample_and_show() -> dict[str, Any]:
             row = sample()
             progress.memory = {m: row["kv"].get(m, 0) + row["weights"].get(m, 0)
                                for m in cfg.models}
-            show()
+            progress.show()
             return row
 
         logs_before = scan_logs(log_dir)
         fleet_before = fleet_metrics(metrics_url) if metrics_url else {}
-        with live or contextlib.nullcontext():
+        with progress.watch(console, cfg.live):
             rep = replay(arrivals, urls, cfg.vocab, sample_memory=sample_and_show,
-                         on_done=on_done)
+                         on_done=progress.done)
         fleet_after = fleet_metrics(metrics_url) if metrics_url else {}
         woke = WakeStats.between(logs_before, scan_logs(log_dir), fleet_before,
                                        fleet_after)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import Any, Sequence
+from typing import Any, ContextManager, Sequence
 
+from rich.console import Console
+from rich.live import Live
 from rich.table import Table
 
 from kvpool.demo.driver import Outcome
@@ -14,7 +17,8 @@ from kvpool.sizes import format_size
 
 class Progress:
     """Counts each finished request (:meth:`done`); the caller sets ``memory`` (bytes per
-    model) from its samples; :meth:`render` is the table a ``rich.live.Live`` shows."""
+    model) from its samples and calls :meth:`show`; :meth:`render` is the table the live
+    view of :meth:`watch` shows."""
 
     def __init__(self, mode: str, arrivals: list[Arrival], models: Sequence[str],
                  memory_label: str = "KV memory") -> None:
@@ -25,9 +29,24 @@ class Progress:
         self.errors = {m: 0 for m in models}
         self.memory: dict[str, Any] = {}
         self.start = time.perf_counter()
+        self._live: Live | None = None
+
+    def watch(self, console: Console, enabled: bool) -> ContextManager[Any]:
+        """The live view while the block runs (``enabled``: else nothing is shown)."""
+        if not enabled:
+            return contextlib.nullcontext()
+        self._live = Live(self.render(), console=console, refresh_per_second=4,
+                          transient=True)
+        return self._live
+
+    def show(self) -> None:
+        """Redraw the live view, if any."""
+        if self._live is not None:
+            self._live.update(self.render())
 
     def done(self, o: Outcome) -> None:
         (self.errors if o.error else self.finished)[o.model] += 1
+        self.show()
 
     def render(self) -> Table:
         t = Table(title=f"{self.mode}: {time.perf_counter() - self.start:.0f} s")

@@ -23,7 +23,6 @@ per model.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import sys
@@ -34,13 +33,12 @@ from typing import Any, Callable, Sequence
 
 import httpx
 from rich.console import Console
-from rich.live import Live
 
 from kvpool.client_lib import Monitor
 from kvpool.demo import report, tail
 from kvpool.demo.checkpoint import Checkpoint
 from kvpool.demo.cluster import Cluster, ClusterError, Proc
-from kvpool.demo.driver import Outcome, Replay, replay
+from kvpool.demo.driver import Replay, replay
 from kvpool.demo.progress import Progress
 from kvpool.demo.prompts import question
 from kvpool.demo.workload import WorkloadShape, generate
@@ -182,25 +180,15 @@ def run_mode(cfg: DemoConfig, mode: str,
             return row
 
         progress = Progress(mode, arrivals, cfg.models)
-        live = Live(progress.render(), console=console, refresh_per_second=4,
-                    transient=True) if cfg.live else None
-
-        def show() -> None:
-            if live is not None:
-                live.update(progress.render())
-
-        def on_done(o: Outcome) -> None:
-            progress.done(o)
-            show()
 
         def sample_and_show() -> dict[str, Any]:
             progress.memory = sample()
-            show()
+            progress.show()
             return progress.memory
 
-        with live or contextlib.nullcontext():
+        with progress.watch(console, cfg.live):
             rep = replay(arrivals, urls, cfg.vocab, sample_memory=sample_and_show,
-                         on_done=on_done, chat=cfg.chat)
+                         on_done=progress.done, chat=cfg.chat)
         if tap is not None:
             tap.poll()
             rep.events = tap.events

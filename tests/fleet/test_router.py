@@ -221,10 +221,8 @@ def test_awake_replicas_are_preferred_to_waking_one(fleet) -> None:
     asyncio.run(go())
 
 
-def test_prefix_routing_sends_a_shared_prefix_to_one_replica_and_says_why(tmp_path: Path
-                                                                          ) -> None:
-    """``routing = "prefix"``: requests sharing a prompt prefix follow the first one to
-    its replica, and ``routed_total`` counts them with reason ``prefix``."""
+def prefix_fleet(tmp_path: Path):
+    """(router client, queues): model ``a`` with two awake replicas, ``routing = "prefix"``."""
     models = (ModelEntry(name="a", checkpoint=tmp_path, replicas=2, routing="prefix"),)
     config = FleetConfig(path=tmp_path / "f.toml", name="t", queue=QUEUE, models=models)
     supervisor, queues, metrics, _ = build(config, tmp_path, tmp_path, log=lambda _: None)
@@ -235,6 +233,14 @@ def test_prefix_routing_sends_a_shared_prefix_to_one_replica_and_says_why(tmp_pa
         supervisor.set_state(m, AWAKE)
     router = httpx.AsyncClient(transport=httpx.ASGITransport(
         create_app(queues, supervisor, metrics, client)), base_url="http://fleet")
+    return router, queues
+
+
+def test_prefix_routing_sends_a_shared_prefix_to_one_replica_and_says_why(tmp_path: Path
+                                                                          ) -> None:
+    """``routing = "prefix"``: requests sharing a prompt prefix follow the first one to
+    its replica, and ``routed_total`` counts them with reason ``prefix``."""
+    router, queues = prefix_fleet(tmp_path)
     shared = "You are a careful assistant. " * 20
 
     async def go() -> None:
@@ -253,16 +259,7 @@ def test_prefix_routing_sends_a_shared_prefix_to_one_replica_and_says_why(tmp_pa
 def test_a_restarted_replica_is_forgotten_by_the_prefix_picker(tmp_path: Path) -> None:
     """A replica whose server started again has an empty cache: the prefix picker stops
     sending the prefix's requests there by memory (the next one goes by load)."""
-    models = (ModelEntry(name="a", checkpoint=tmp_path, replicas=2, routing="prefix"),)
-    config = FleetConfig(path=tmp_path / "f.toml", name="t", queue=QUEUE, models=models)
-    supervisor, queues, metrics, _ = build(config, tmp_path, tmp_path, log=lambda _: None)
-    upstream = Upstream()
-    supervisor.client = client = httpx.AsyncClient(transport=httpx.ASGITransport(upstream.app))
-    for m in queues["a"].members:
-        m.url = f"http://{m.tenant}"
-        supervisor.set_state(m, AWAKE)
-    router = httpx.AsyncClient(transport=httpx.ASGITransport(
-        create_app(queues, supervisor, metrics, client)), base_url="http://fleet")
+    router, queues = prefix_fleet(tmp_path)
     shared = "You are a careful assistant. " * 20
 
     async def go() -> None:
