@@ -51,6 +51,8 @@ def test_demo_scenario_options_that_do_not_go_together(tmp_path):
     assert "--mode fleet needs --scenario fleet" in _one_line_error(r)
     r = CliRunner().invoke(cli, ["demo", "--out", out, "--duration", "0"])
     assert "--duration must be positive" in _one_line_error(r)
+    r = CliRunner().invoke(cli, ["demo", "--scenario", "kv", "--out", out, "--duration", "0"])
+    assert "--duration must be positive" in _one_line_error(r)  # was a KeyError traceback
     assert not (tmp_path / "o").exists()
 
 

@@ -121,8 +121,6 @@ def _fleet(out_dir: str, model: str | None, budget: str | None, page_size: str |
     except ValueError as e:
         raise click.BadParameter(str(e)) from None
     cfg.live = not no_live
-    if duration is not None and duration <= 0:
-        raise click.ClickException(f"--duration must be positive, not {duration:g}")
     _shape(cfg.workload, seed, duration, peak_rate, base_rate, phases=len(cfg.models))
     if modes:
         cfg.modes = modes
@@ -160,7 +158,10 @@ def _real_model_config(model: str, out_dir: Path, budget: int | None, page_size:
 def _shape(w: WorkloadShape, seed: int, duration: float | None, peak_rate: float | None,
            base_rate: float | None, phases: int) -> None:
     """The workload options given on the command line, onto a scenario's default shape
-    (``phases``: how many peaks a run of ``duration`` holds)."""
+    (``phases``: how many peaks a run of ``duration`` holds); a duration that is not
+    positive is one line, exit 1."""
+    if duration is not None and duration <= 0:
+        raise click.ClickException(f"--duration must be positive, not {duration:g}")
     w.seed = seed
     if duration is not None:
         w.duration_s = duration
