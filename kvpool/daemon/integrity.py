@@ -3,6 +3,8 @@ list of problems (empty when all hold). Read-only; O(pages).
 
 * every page is owned exactly once: in the warm pool, the dirty list, or one region
   slot of its owner (the pool's own check covers warm/dirty/owned and the budget);
+* every retained or released page is charged to a live tenant or to a payer (an ended
+  session's uid, a dropped weight set's creator's uid): none is charged to no one;
 * per-tenant counts equal their tables, and their sum the pool's ``granted``;
 * tenants' leases add up to the pool's ``leased``;
 * monitor and admin sessions hold nothing;
@@ -94,7 +96,7 @@ class Integrity:
     def check(self) -> list[str]:
         """Every invariant above; the problems found (empty: all hold)."""
         pool, tenants = self.pool, self.tenants
-        problems = pool.check()
+        problems = pool.check() + pool.check_charges(tenants.by_id)
         seen: dict[int, tuple[int, int, int]] = {}
         total = sum(check_tables(pool, t, seen, problems) for t in tenants)
         problems += check_groups(tenants, self.groups, self.max_groups,

@@ -40,7 +40,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Collection, Iterator
 
 from kvpool.vmm import Backend, Page, VmmError
 
@@ -160,8 +160,9 @@ class Pool:
         return out
 
     def ended(self, tenant: int, payer: Payer) -> None:
-        """``tenant``'s session ended (after it gave everything back): what it retained,
-        and what of its released pages turns out retained later, is ``payer``'s."""
+        """``tenant``'s session ended (after it gave everything back), or the weight set
+        of owner id ``tenant`` (negative) was dropped: what it retained, and what of its
+        released pages turns out retained later, is ``payer``'s."""
         for r in self.retained:
             if r.tenant == tenant:
                 r.tenant, r.payer = 0, payer
@@ -476,6 +477,22 @@ class Pool:
         self.leased = 0
 
     # ---- integrity --------------------------------------------------------------------
+    def check_charges(self, live: Collection[int]) -> list[str]:
+        """Every retained page, and every released page not yet retired, is charged to
+        someone: a live session of ``live`` (tenant ids), or a payer (an ended session's,
+        a dropped weight set's)."""
+        problems: list[str] = []
+        unpaid = sorted({r.tenant for r in self.retained
+                         if (r.payer is None or r.tenant != 0) and r.tenant not in live})
+        if unpaid:
+            problems.append(f"retained pages are charged to no one (released by ids "
+                            f"{unpaid[:8]}, neither live nor paid for)")
+        loose = sorted(t for t in self._dirty_of if t not in live and t not in self._ended)
+        if loose:
+            problems.append(f"released pages of ids {loose[:8]} have no live tenant and no "
+                            f"payer")
+        return problems
+
     def check(self) -> list[str]:
         problems: list[str] = []
         warm, dirty, owned = set(self.warm), set(self.dirty), set(self.owner)

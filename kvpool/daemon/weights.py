@@ -46,7 +46,7 @@ from typing import Callable
 
 from kvpool import protocol as p
 from kvpool.daemon.outcome import Fail, Outcome, Sender
-from kvpool.daemon.pool import Pool, PoolExhausted
+from kvpool.daemon.pool import Payer, Pool, PoolExhausted
 from kvpool.daemon.tenants import NO_MEMORY_KINDS, TenantRecord, Tenants
 from kvpool.vmm import VmmError
 
@@ -66,6 +66,7 @@ class WeightSet:
     pfns: list[int]
     creator: int  # tenant id
     scope: int  # who may attach it: the creator's uid, or ADMIN_SCOPE
+    payer: Payer  # who pays for its pages kept after it is dropped: its creator's uid
     state: str = "loading"  # | "sealed"
     holders: set[int] = field(default_factory=set)  # tenant ids
     idle_since: float = 0.0  # monotonic: when its last holder let go
@@ -193,7 +194,7 @@ class WeightSets:
             raise Fail(p.NO_MEMORY, str(e)) from e
         self._next_id += 1
         s = WeightSet(id=sid, key=r.key, nbytes=r.nbytes, pfns=pfns, creator=t.id,
-                      scope=scope, holders={t.id})
+                      scope=scope, payer=t.payer, holders={t.id})
         self.sets[(scope, r.key)] = s
         self.by_id[sid] = s
         t.weight_pages += n
@@ -283,12 +284,16 @@ class WeightSets:
                                      f"of {budget} pages")
         if len(self.held_by(t)) >= MAX_HELD:
             raise Fail(p.OVER_LIMIT, f"a tenant may hold at most {MAX_HELD} weight sets")
-        kept = self.pool.charged(t.id, t.payer)
-        have = t.held + kept + t.waiting_pages + t.weight_pages
-        if have + n > t.cap_pages:
+        have = t.held + t.waiting_pages + t.weight_pages
+        kept = self.pool.charged(t.id, t.payer)  # (a dropped set's kept pages too)
+        if have + kept + n > t.cap_pages and self.pool.settle_ended(t.payer):
+            kept = self.pool.charged(t.id, t.payer)  # only what is still referenced
+        if have + kept + n > t.cap_pages:
+            why = (f" ({kept} of them released pages that uid {t.uid} has kept open or "
+                   f"mapped)" if kept else "")
             raise Fail(p.OVER_LIMIT, f"{t.name}: a weight set of {n} pages on top of the "
-                                     f"{have} it holds would exceed its limit of "
-                                     f"{t.cap_pages} pages ({op} refused)")
+                                     f"{have + kept} it holds would exceed its limit of "
+                                     f"{t.cap_pages} pages ({op} refused){why}")
 
     def _granted(self, t: TenantRecord, rid: int, s: WeightSet) -> Outcome:
         reply = p.WeightGranted(id=rid, group=0, units=[], nfds=s.pages, key=s.key,
@@ -313,6 +318,7 @@ class WeightSets:
         del self.sets[(s.scope, s.key)]
         del self.by_id[s.id]
         self.pool.give_back(s.pfns, s.owner)  # dirty: retired, never handed on as is
+        self.pool.ended(s.owner, s.payer)  # what anyone kept of it is its creator's uid's
 
     # ---- integrity ------------------------------------------------------------------
     def check(self, seen: set[int]) -> list[str]:
