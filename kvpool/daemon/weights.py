@@ -55,6 +55,7 @@ log = logging.getLogger("kvpool.daemon.weights")
 ADMIN_SCOPE = -1  # the scope of sets an admin identity created: visible to every uid
 MAX_SETS = 256  # weight sets in the pool, at most (a tenant could otherwise flood it)
 MAX_HELD = 16  # sets one tenant may hold at once
+MAX_CACHED_PER_UID = 16  # cached sets (held by nobody) of one creator uid, at most
 KEY_SHOWN = 12  # hex digits of a key that ps shows
 
 
@@ -94,7 +95,10 @@ class WeightSets:
     :meth:`serve`)."""
 
     def __init__(self, pool: Pool, tenants: Tenants, owed: Callable[[], int],
-                 wait: WaitForRoom | None = None):
+                 wait: WaitForRoom | None = None, max_sets: int = MAX_SETS,
+                 max_cached_per_uid: int = MAX_CACHED_PER_UID):
+        self.max_sets = max_sets
+        self.max_cached_per_uid = max_cached_per_uid
         self.pool = pool
         self.page_size = pool.page_size
         self.tenants = tenants
@@ -118,19 +122,21 @@ class WeightSets:
     def cached_pages(self) -> int:
         return self.pages - self.pinned_pages
 
+    def cached(self, uid: int | None = None) -> list[WeightSet]:
+        """Sealed sets nobody holds (of creator uid ``uid``, or all), least recently
+        held first."""
+        return sorted((s for s in self.sets.values() if not s.holders
+                       and (uid is None or s.payer.uid == uid)), key=lambda s: s.idle_since)
+
     def evict(self, pages: int) -> int:
         """Drop sealed sets nobody holds, least recently held first, until ``pages``
         pages are back (or none is left). Returns the pages freed."""
         freed = 0
-        idle = sorted((s for s in self.sets.values() if not s.holders),
-                      key=lambda s: s.idle_since)
-        for s in idle:
+        for s in self.cached():
             if freed >= pages:
                 break
             freed += s.pages
-            log.info("weight set %s reclaimed (%d pages, cached, nobody held it)",
-                     s.key[:KEY_SHOWN], s.pages)
-            self._drop(s)
+            self._evict(s, "reclaimed")
         return freed
 
     def holds(self, tenant: int, pfn: int) -> bool:
@@ -157,10 +163,9 @@ class WeightSets:
             s = self.sets[(scope, r.key)]
             raise Fail(p.BUSY, "this weight set exists: attach it" if s.state == "sealed"
                        else "this weight set is being loaded by another tenant")
-        if len(self.sets) >= MAX_SETS:
-            raise Fail(p.OVER_LIMIT, f"the pool holds {MAX_SETS} weight sets already")
         n = -(-r.nbytes // self.page_size)
         self._admit(t, n, "create")
+        self._make_count_room()
         self.evict(n + self.owed() - self.pool.available)
         if n > self.pool.available - self.owed():
             waiting = self.wait(t, sender, r, n) if self.wait is not None else None
@@ -178,9 +183,8 @@ class WeightSets:
             if (scope, r.key) in self.sets:
                 raise Fail(p.BUSY, "this weight set was created while the request waited: "
                                    "attach it")
-            if len(self.sets) >= MAX_SETS:
-                raise Fail(p.OVER_LIMIT, f"the pool holds {MAX_SETS} weight sets already")
             self._admit(t, n, "create")
+            self._make_count_room()
             return self._create_now(t, r, n)
         except Fail as e:
             return Outcome(p.error(r.id, e.code, str(e)), tenant=t)
@@ -295,6 +299,29 @@ class WeightSets:
                                      f"{have + kept} it holds would exceed its limit of "
                                      f"{t.cap_pages} pages ({op} refused){why}")
 
+    def _make_count_room(self) -> None:
+        """Room for one more set under ``max_sets``: the least recently held cached set
+        goes; refused (``OVER_LIMIT``) only when every set is held or loading."""
+        if len(self.sets) < self.max_sets:
+            return
+        cached = self.cached()
+        if not cached:
+            raise Fail(p.OVER_LIMIT, f"the pool holds {self.max_sets} weight sets already, "
+                                     f"every one of them held")
+        self._evict(cached[0], f"evicted (the pool holds {self.max_sets} sets)")
+
+    def _trim_cached(self, uid: int) -> None:
+        """Uid ``uid`` caches at most ``max_cached_per_uid`` sets: its least recently
+        held ones beyond go (one uid's cache never crowds out the others')."""
+        cached = self.cached(uid)
+        for s in cached[:max(0, len(cached) - self.max_cached_per_uid)]:
+            self._evict(s, f"evicted (uid {uid} caches {self.max_cached_per_uid} sets)")
+
+    def _evict(self, s: WeightSet, why: str) -> None:
+        log.info("weight set %s %s (%d pages, cached, nobody held it)", s.key[:KEY_SHOWN],
+                 why, s.pages)
+        self._drop(s)
+
     def _granted(self, t: TenantRecord, rid: int, s: WeightSet) -> Outcome:
         reply = p.WeightGranted(id=rid, group=0, units=[], nfds=s.pages, key=s.key,
                                 state=s.state, nbytes=s.nbytes)
@@ -308,6 +335,7 @@ class WeightSets:
             self._drop(s)
         elif not s.holders:
             s.idle_since = time.monotonic()
+            self._trim_cached(s.payer.uid)
 
     def _drop(self, s: WeightSet) -> None:
         for tid in s.holders:  # (only a loading set's creator, when it dies)

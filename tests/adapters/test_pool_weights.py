@@ -186,6 +186,27 @@ def test_weights_pool_without_elastic_is_one_clear_error(tiny_model):
         "Error: bad KVPOOL_* setting: weights must be pool or local, not 'shared'"], out.stderr
 
 
+def test_a_weight_set_the_daemon_refuses_is_one_line_and_a_nonzero_exit(tiny_model,
+                                                                        start_daemon):
+    """The daemon refuses the server's weight set (here past its max; issue 33 saw the
+    pool's cap on sets): ``kvpool serve --weights pool`` says so in one line and exits 1,
+    no traceback, and leaves nothing held."""
+    d = start_daemon(budget="16MiB")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}
+    env.update(KVPOOL_RUN_DIR=str(d.run_dir), KVPOOL_MAX="64KiB")
+    out = subprocess.run([sys.executable, "-m", "kvpool.cli.main", "serve", str(tiny_model),
+                          "--elastic", "--weights", "pool", "--port", "1",
+                          "--kv-cache-size", "4MiB", "--log-level", "warning"],
+                         capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
+    assert out.returncode == 1, out.stderr[-2000:]
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: ") and "OVER_LIMIT" in lines[0], \
+        out.stderr[-2000:]
+    assert "weight set" in lines[0]
+    wait_for(lambda: not tenants(d), 30, what="the refused server's session dropped")
+    assert pool_info(d)["weights"] == 0 and d.check() == []
+
+
 @pytest.mark.real_model
 def test_two_smollm2_servers_share_one_set(smollm2_dir, start_daemon, tmp_path):
     d = start_daemon(budget="2GiB")

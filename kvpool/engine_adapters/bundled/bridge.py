@@ -105,7 +105,9 @@ class Bridge:
         attached when the pool has the set sealed, else loaded into it from the
         checkpoint and sealed. The checkpoint is checked as the local loader checks it
         (missing / unexpected tensors, shapes). A backend that cannot map pages
-        read-only (``caps.read_only_maps``) gets local weights (logged)."""
+        read-only (``caps.read_only_maps``) gets local weights (logged). A set the daemon
+        refuses (its code, e.g. ``OVER_LIMIT``) raises :class:`AdapterError`."""
+        from kvpool.client_lib import KvpoolError
         from kvpool.client_lib.weights import content_key
 
         model = loader.meta_model(model_config)
@@ -121,7 +123,11 @@ class Bridge:
             key = set_key(content_key(path).key, layout)
             self.weights = PoolWeights(tenant, key, layout,
                                        load=lambda tensors: loader.fill(plan, tensors))
-            tensors = self.weights.open()
+            try:
+                tensors = self.weights.open()
+            except KvpoolError as e:  # refused (past its max, the pool's cap): one line
+                raise AdapterError(f"the daemon refused the model's weight set "
+                                   f"({layout.nbytes} bytes): {e}") from None
             first = next(iter(tensors.values()))
             if first.device.type != device.type:
                 raise AdapterError(f"the engine runs on {device} but kvpool's "
