@@ -31,7 +31,14 @@ never lets a tenant exceed its max. A held set is never reclaimed; its pages are
 out of the budget the fair-share policy divides (:attr:`pinned_pages`). A sealed set
 nobody holds stays *cached* (a restart attaches it without loading) and is the first
 memory reclaimed under pressure (:meth:`evict`, called by the reclaimer before it asks
-any tenant), least recently held first.
+any tenant), least recently held first. Each creator uid caches at most
+:data:`MAX_CACHED_PER_UID` sets, and a create that finds :data:`MAX_SETS` taken evicts a
+cached set first: only held or loading sets can keep a create out.
+
+Dropped sets: a set's pages that anyone keeps after it is dropped (descriptors, mappings,
+a forked child's) are charged to its creator's :class:`Payer` (uid, configured name),
+as an ended session's retained pages are (``Pool.ended`` on the set's owner id): they
+count against that uid's ``max`` and show in ``ps``'s retained by uid.
 
 Limitation of this slice: sets are not part of the restart state; after a daemon restart
 they are gone (holders keep their mappings, no longer counted).
