@@ -11,6 +11,7 @@ budget stays everyone else's."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 
@@ -20,6 +21,7 @@ from kvpool import protocol as p
 from kvpool.client_lib import NoMemory, OverLimit
 
 from .helpers import PAGE, read_event, wait_for
+from .test_attacks_round3 import NOBODY, group_daemon, needs_root, nobody_proc
 from .test_weight_sets import KEY_A, loaded, spawn, weights_bytes
 
 BUDGET = 64  # pages
@@ -119,5 +121,46 @@ def test_an_evicted_cached_set_kept_by_a_former_holder_is_its_creators_uids(star
     finally:
         for fd in kept:
             os.close(fd)
+    wait_for(lambda: d.stats().pool.retained == 0, what="the kept pages are gone")
+    assert d.check() == []
+
+
+KEEPER = """
+    from kvpool.client_lib import connect, OverLimit
+    t = connect(name="keeper", run_dir=run_dir, max=8 * 65536)
+    kept, refused = [], None
+    for i in range(8):
+        key = f"{i:02x}" * 32
+        try:
+            _, fds = t.call(p.WeightCreate(key=key, nbytes=8 * 65536), p.WeightGranted)
+        except OverLimit as e:
+            refused = [e.code, e.message]
+            continue
+        kept.extend(fds)
+        t.call(p.WeightDetach(key=key), p.Done)
+    print(json.dumps({"kept": len(kept), "refused": refused}), flush=True)
+    sys.stdin.readline()
+"""
+
+
+@needs_root
+def test_another_uids_kept_sets_leave_an_honest_uid_the_rest(start_daemon, tmp_path):
+    """The attack across uids: uid 65534 (max 8 pages) creates, keeps and detaches sets;
+    root's honest grant of the other 56 pages of the 64-page budget is served, and
+    nothing of 65534's is charged to root."""
+    d = group_daemon(start_daemon, tmp_path, extra=("--budget", str(BUDGET * PAGE)))
+    attacker = nobody_proc(d, KEEPER)
+    line = attacker.stdout.readline()
+    assert line, attacker.stderr.read()
+    got = json.loads(line)
+    assert got["kept"] == 8 and got["refused"][0] == p.OVER_LIMIT, got
+    with d.connect("honest") as h:
+        g = h.region_group(1, (BUDGET - 8) * PAGE)
+        g.grant(list(range(BUDGET - 8)))
+        assert retained_by_uid(d) == {NOBODY: 8 * PAGE}
+        assert d.check() == []
+    attacker.stdin.write("\n")
+    attacker.stdin.flush()
+    assert attacker.wait(30) == 0
     wait_for(lambda: d.stats().pool.retained == 0, what="the kept pages are gone")
     assert d.check() == []
