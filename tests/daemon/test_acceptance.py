@@ -6,12 +6,14 @@ import ctypes
 import os
 import signal
 import time
+from functools import partial
 
 import psutil
 import torch
 
 from kvpool.client_lib import ElasticBlockAllocator
 from .helpers import PAGE, read_event, wait_for
+from .test_attacks_round3 import as_nobody, group_daemon, needs_root
 
 
 def test_two_tenants_share_the_budget_and_limits_hold(start_daemon):
@@ -50,14 +52,17 @@ def test_two_tenants_share_the_budget_and_limits_hold(start_daemon):
     assert s.pool.granted == 0 and not s.tenants
 
 
+@needs_root
 def test_kill9_returns_the_pages_and_next_tenant_reads_zeros(start_daemon, tmp_path):
     """Idle maintenance is held off (``idle_work_s`` far below one page's retirement), so
     the victim's released pages are still *dirty* when the next tenant asks for the whole
     budget: what ``Pool.take`` does with another tenant's released pages is what the
-    next tenant reads (it must retire them and give fresh zeroed ones)."""
-    cfg = tmp_path / "kvpool.toml"
-    cfg.write_text("idle_work_s = 1e-9\n")
-    d = start_daemon(budget=str(32 * PAGE), extra=("--config", str(cfg)))
+    next tenant reads (it must retire them and give fresh zeroed ones). The next tenant
+    is another uid (65534): a tenant of the victim's uid would have the ended session's
+    pages settled (retired) before ``take`` runs, so it would read zeros whatever
+    ``take`` does."""
+    d = group_daemon(partial(start_daemon, budget=str(32 * PAGE)), tmp_path,
+                     conf="idle_work_s = 1e-9\n")
     w = d.worker("hold", "--name", "victim", "--regions", "2", "--units", "16",
                  "--capacity", str(16 * PAGE), "--fill", "0xAB")
     ready = read_event(w, "ready")
@@ -74,12 +79,18 @@ def test_kill9_returns_the_pages_and_next_tenant_reads_zeros(start_daemon, tmp_p
     assert ps["tenants"] == [] and ps["pool"]["granted"] == 0
     assert ps["pool"]["dirty"] == 32 * PAGE, "maintenance held off: still the victim's"
 
-    with d.connect("next") as t:
-        g = t.region_group(2, 16 * PAGE)
-        g.grant(range(16))  # the whole budget: only by retiring the victim's pages
-        for r in g.ranges:
-            data = ctypes.string_at(r.base, 16 * PAGE)
-            assert data.count(0) == len(data), "a page still holds the dead tenant's data"
+    got = as_nobody(d, f"""
+        import ctypes
+        from kvpool.client_lib import connect
+        with connect(name="next", run_dir=run_dir) as t:
+            g = t.region_group(2, {16 * PAGE})
+            g.grant(range(16))  # the whole budget: only by retiring the victim's pages
+            nonzero = [i for i, r in enumerate(g.ranges)
+                       if ctypes.string_at(r.base, {16 * PAGE}).count(0) != {16 * PAGE}]
+        print(json.dumps({{"nonzero": nonzero, "ranges": len(g.ranges)}}), flush=True)
+    """, timeout=60)
+    assert got["ranges"] == 2 and got["nonzero"] == [], \
+        f"a page still holds the dead tenant's data: {got}"
     s = d.stats()
     assert s.pool.created == 64  # each of next's pages made fresh in a retired one's room
     assert d.check() == []
