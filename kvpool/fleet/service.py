@@ -28,7 +28,7 @@ from types import FrameType
 
 import httpx
 
-from kvpool import launch, paths
+from kvpool import control_token, launch, paths
 from kvpool.fleet.admission import ModelQueue
 from kvpool.fleet.balance import make_picker
 from kvpool.fleet.config import FleetConfig
@@ -71,7 +71,12 @@ def build(config: FleetConfig, run_dir: Path, log_dir: Path,
                    log_dir / f"{e.tenant(i)}.log")
             for i in range(e.replicas)]
         metrics.add_model(e.name, e.replicas)
-    supervisor = Supervisor(members, metrics, client, config.start_timeout_s, log)
+    try:  # the members inherit KVPOOL_CONTROL_TOKEN(_FILE): their /wake_up wants it
+        control = control_token.headers(os.environ)
+    except control_token.ControlTokenError as e:
+        raise FleetError(str(e)) from None
+    supervisor = Supervisor(members, metrics, client, config.start_timeout_s, log,
+                            control_headers=control)
     queues = {e.name: ModelQueue(e.name, members[e.name], supervisor, make_picker(e.routing),
                                  metrics, config.queue, config.start_timeout_s + QUEUE_SLACK_S)
               for e in config.models}

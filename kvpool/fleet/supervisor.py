@@ -49,8 +49,11 @@ class Supervisor:
 
     def __init__(self, members: Mapping[str, Sequence[Member]], metrics: FleetMetrics,
                  client: httpx.AsyncClient, start_timeout_s: float,
-                 say: Callable[[str], None], poll_s: float = POLL_S) -> None:
+                 say: Callable[[str], None], poll_s: float = POLL_S,
+                 control_headers: Mapping[str, str] | None = None) -> None:
         self.members = members
+        # sent with every wake: the bearer token of KVPOOL_CONTROL_TOKEN (members inherit it)
+        self.control_headers = dict(control_headers or {})
         self.metrics = metrics
         self.client = client
         self.start_timeout_s = start_timeout_s
@@ -258,7 +261,8 @@ class Supervisor:
         t0 = time.monotonic()
         url = m.url
         try:
-            reply = await self.client.post(f"{url}/wake_up", timeout=WAKE_TIMEOUT_S)
+            reply = await self.client.post(f"{url}/wake_up", timeout=WAKE_TIMEOUT_S,
+                                           headers=self.control_headers)
         except httpx.HTTPError as e:
             self.metrics.upstream_errors.labels(m.model, "wake").inc()
             raise WakeFailed(f"{m.tenant} did not answer its wake: {type(e).__name__}") from None

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from daemon.helpers import PAGE
+from daemon.helpers import PAGE, wait_for
 
 from .serve_procs import complete, prompt
 
@@ -79,30 +79,48 @@ def burst(base: str, seed: int, n: int = BURST_REQS, seqs: int = BURST_SEQS) -> 
 
 
 def test_burst_borrows_idle_memory_and_it_flows_back(start_daemon, servers):
+    """Outcomes, each awaited: a burst takes most of the budget; its engine gives it back
+    once idle; the other engine's burst then borrows it; and it flows back the same way.
+    Nothing depends on how far one engine got when the other was sampled: a burst that
+    starts while the other engine still holds its memory gets only its fair share (the
+    daemon asks no one below theirs), so each burst starts once the other went idle."""
     d = start_daemon(budget=str(BUDGET))
-    a = servers.start("a", run_dir=d.run_dir)
-    b = servers.start("b", run_dir=d.run_dir)
+    # a burst's memory is held until its engine has been idle this long: time enough for
+    # the sampler to see it however loaded the machine (it samples every 50 ms)
+    a = servers.start("a", run_dir=d.run_dir, idle_timeout=2.0)
+    b = servers.start("b", run_dir=d.run_dir, idle_timeout=2.0)
     servers.wait_healthy()
-    with Sampler(d) as sm:
-        for phase, server, seed in (("b1", b, 1), ("a", a, 2), ("b2", b, 3)):
+    with Sampler(d) as sm, d.monitor() as m:
+        def gave_back(name: str, phase: str) -> None:
+            sm.phase = phase
+            wait_for(lambda: {t.name: t.mapped for t in m.ps().tenants}.get(name, 0)
+                     <= IDLE_FOOTPRINT, timeout=60, what=f"{name} idle, its memory back")
+
+        gave_back("a", "idle")
+        for phase, server, seed, other in (("b1", b, 1, "b"), ("a", a, 2, "a"),
+                                           ("b2", b, 3, "b")):
             sm.phase = phase
             burst(server.base, seed)
+            sm.phase = f"{phase}+"  # the burst's memory is held until its engine is idle
+            wait_for(lambda: len(sm.mapped(f"{phase}+", other)) >= 2, timeout=60,
+                     what="two samples after the burst")
+            gave_back(other, f"{phase}-idle")
         sm.phase = "end"
-        time.sleep(0.3)
-    report = "\n".join(f"{t - sm.samples[0][0]:6.2f} {ph:5} " + " ".join(
+    report = "\n".join(f"{t - sm.samples[0][0]:6.2f} {ph:7} " + " ".join(
         f"{k}={v >> 10}K" for k, v in sorted(m.items())) for t, ph, m, _ in sm.samples)
+    print(report)
     # The CLI shows the same accounting.
     assert {t["name"] for t in d.cli_json("ps")["tenants"]} == {"a", "b"}
-    assert len(sm.mapped("a", "a")) >= 5, report
-    print(report)
+
+    def peak(phase: str, name: str) -> int:
+        return max(sm.mapped(phase, name) + sm.mapped(f"{phase}+", name))
+
     # B's first burst: B holds most of the budget.
-    assert max(sm.mapped("b1", "b")) > BUDGET // 2, report
-    # A's burst borrows what B held: A above half, B back to its idle footprint.
-    assert max(sm.mapped("a", "a")) > BUDGET // 2, report
-    assert min(sm.mapped("a", "b")) <= IDLE_FOOTPRINT, report
+    assert peak("b1", "b") > BUDGET // 2, report
+    # A's burst borrows what B held (and gave back once idle): A above half...
+    assert peak("a", "a") > BUDGET // 2, report
     # ...and it flows back for B's next burst.
-    assert max(sm.mapped("b2", "b")) > BUDGET // 2, report
-    assert min(sm.mapped("b2", "a")) <= IDLE_FOOTPRINT, report
+    assert peak("b2", "b") > BUDGET // 2, report
     assert max(g for *_, g in sm.samples) <= BUDGET, report
     assert d.check() == []
 

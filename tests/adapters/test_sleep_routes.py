@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
+from kvpool.control_token import ControlGate
 from kvpool.demo.cluster import free_port
 from kvpool.engine.config import EngineConfig
 from kvpool.engine.engine import Engine
@@ -34,7 +35,7 @@ def served(tiny_model) -> Iterator[tuple[str, SleepController, FakeTarget]]:
     target = FakeTarget()
     controller = SleepController(target, None)
     app = create_app(AsyncEngine(engine, gate=controller))
-    add_routes(app, controller)
+    add_routes(app, controller, ControlGate(None, "127.0.0.1"))
     port = free_port()
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
                                         log_level="warning"))

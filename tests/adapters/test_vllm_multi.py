@@ -59,6 +59,9 @@ def test_two_servers_borrow_give_back_and_survive_a_crash_and_a_restart(
                 samples.append(_sample(daemon, names))
                 time.sleep(0.2)
             outs = [f.result() for f in futs]
+        # and once after: the burst's memory is held until burst-a is idle, so the peak
+        # is seen however few samples the loaded machine allowed during the burst
+        samples.append(_sample(daemon, names))
         assert all(o["usage"]["completion_tokens"] == 464 for o in outs)
         peak = max(x["burst-a"] for x in samples)
         assert peak > BUDGET // 2, (idle, samples)  # borrowed beyond an even split

@@ -57,15 +57,20 @@ def churn(args) -> None:
                     held[b] = tag
                     for r in range(args.regions):
                         ctypes.c_uint64.from_address(g.ranges[r].base + a.block_offset(b)).value = tag
-            if args.probe_over_limit and not probe_done and time.monotonic() > deadline - args.seconds / 2:
+            due = ok >= args.mark_ok if args.mark_ok else \
+                time.monotonic() > deadline - args.seconds / 2
+            if not probe_done and due and (args.mark_ok or args.probe_over_limit):
                 probe_done = True
-                g2 = t.region_group(1, t.limit + t.page_size)
-                try:
-                    g2.grant(range(t.limit // t.page_size + 1))
-                except OverLimit:
-                    over_limit += 1
-                    emit(event="over_limit")
-                g2.close()
+                if args.probe_over_limit:
+                    g2 = t.region_group(1, t.limit + t.page_size)
+                    try:
+                        g2.grant(range(t.limit // t.page_size + 1))
+                    except OverLimit:
+                        over_limit += 1
+                        emit(event="over_limit")
+                    g2.close()
+                if args.mark_ok:  # (after the probe: a reader may stop it now)
+                    emit(event="ok_reached", ok=ok)
         a.check_integrity()
         emit(event="done", ok=ok, none=none, frees=frees, over_limit=over_limit,
              slow=a.slow_allocs, grants=a.grants, releases=a.releases, held=len(held))
@@ -94,6 +99,9 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=2.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--probe-over-limit", action="store_true")
+    ap.add_argument("--mark-ok", type=int, default=0,
+                    help="churn: after this many allocations emit ok_reached and probe "
+                         "(--probe-over-limit) then, not halfway through --seconds")
     ap.add_argument("--pace-ms", type=float, default=0.0, help="churn: sleep per step")
     ap.add_argument("--until-file", default=None, help="churn: stop early once this exists")
     ap.add_argument("--units", type=int, default=8)

@@ -12,13 +12,15 @@ from typing import Any
 
 import httpx
 import pytest
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from kvpool.control_token import ControlGate
+from kvpool.engine_adapters.bundled import control_auth
 from kvpool.fleet.config import FleetConfig, ModelEntry
 from kvpool.fleet.member import ASLEEP, AWAKE, STARTING
 from kvpool.fleet.router import MAX_BODY, create_app
-from kvpool.fleet.service import build
+from kvpool.fleet.service import FleetError, build
 
 from .prom import metric
 
@@ -28,8 +30,9 @@ QUEUE = 3
 class Upstream:
     """Stands in for the members' servers (every member's url reaches it)."""
 
-    def __init__(self) -> None:
+    def __init__(self, gate: ControlGate = ControlGate(None, "127.0.0.1")) -> None:
         self.app = FastAPI()
+        admitted = [Depends(control_auth.guard(self.app, gate))]  # the servers' own check
         self.wakes = 0
         self.wake_status = 200
         self.bodies: list[dict[str, Any]] = []
@@ -50,7 +53,7 @@ class Upstream:
                                                "code": "invalid_request"}}, 400)
             return {"model": body["model"], "host": request.url.hostname}
 
-        @self.app.post("/wake_up")
+        @self.app.post("/wake_up", dependencies=admitted)
         async def wake_up() -> Any:
             self.wakes += 1
             if self.wake_status != 200:
@@ -63,11 +66,14 @@ class Upstream:
 def fleet(tmp_path: Path):
     """(router client, queues, supervisor, upstream): model ``a`` with 2 replicas and
     ``b`` with one; every member starting (no process is ever spawned)."""
+    return make_fleet(tmp_path, Upstream())
+
+
+def make_fleet(tmp_path: Path, upstream: Upstream):
     models = (ModelEntry(name="a", checkpoint=tmp_path, replicas=2),
               ModelEntry(name="b", checkpoint=tmp_path))
     config = FleetConfig(path=tmp_path / "f.toml", name="t", queue=QUEUE, models=models)
     supervisor, queues, metrics, client = build(config, tmp_path, tmp_path, log=lambda _: None)
-    upstream = Upstream()
     supervisor.client = client = httpx.AsyncClient(transport=httpx.ASGITransport(upstream.app))
     for q in queues.values():
         for m in q.members:
@@ -204,6 +210,26 @@ def test_an_asleep_replica_is_woken_first_and_a_failed_wake_is_503(fleet) -> Non
         assert metric(text, "kvpool_fleet_upstream_errors_total", model="b", kind="wake") == 1
 
     asyncio.run(go())
+
+
+def test_the_wake_carries_the_control_token(tmp_path: Path, monkeypatch) -> None:
+    """Members inherit KVPOOL_CONTROL_TOKEN and want it on /wake_up; the router sends it
+    (a member behind the same check refuses a wake without it: 503, no wake)."""
+    token = "fleet-control-token-0123456789"
+    monkeypatch.setenv("KVPOOL_CONTROL_TOKEN", token)
+    router, queues, supervisor, upstream = make_fleet(tmp_path,
+                                                      Upstream(ControlGate(token, "0.0.0.0")))
+    b = queues["b"].members[0]
+
+    async def go() -> None:
+        supervisor.set_state(b, ASLEEP)
+        r = await post(router, {"model": "b"})
+        assert r.status_code == 200 and b.state == AWAKE and upstream.wakes == 1, r.text
+
+    asyncio.run(go())
+    monkeypatch.setenv("KVPOOL_CONTROL_TOKEN", "short")  # one line, before it serves
+    with pytest.raises(FleetError, match="KVPOOL_CONTROL_TOKEN"):
+        make_fleet(tmp_path, Upstream())
 
 
 def test_awake_replicas_are_preferred_to_waking_one(fleet) -> None:

@@ -20,7 +20,10 @@ built engine (its tenant's sleep handler, the idle timer of ``KVPOOL_SLEEP_AFTER
 every level releases everything here, and a busy server refuses whatever the mode.
 ``GET /kvpool/sleep`` adds the counts: ``{"is_sleeping", "state", "sleeps": {reason: n},
 "wakes"}`` (reasons ``idle``, ``pressure``, ``operator``, ``http``; read by a fleet,
-:mod:`kvpool.fleet.supervisor`).
+:mod:`kvpool.fleet.supervisor`). ``/sleep`` and ``/wake_up`` change the server's state:
+they answer only what :mod:`kvpool.control_token` admits (the bearer token of
+``KVPOOL_CONTROL_TOKEN``; without one, a server on a loopback address alone), checked
+before the query is read; the two ``GET`` routes are open.
 """
 
 from __future__ import annotations
@@ -29,9 +32,11 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING, Annotated, Any, Protocol
 
-from fastapi import FastAPI, Query
+from fastapi import Depends, FastAPI, Query
 from fastapi.responses import JSONResponse
 
+from kvpool.control_token import ControlGate
+from kvpool.engine_adapters.bundled import control_auth
 from kvpool.engine_adapters.bundled.block_pool import elastic_pool
 from kvpool.engine_adapters.sleep import SleepController, SleepRefused
 
@@ -100,10 +105,12 @@ def attach(engine: Engine) -> SleepController | None:
     return controller
 
 
-def add_routes(app: FastAPI, controller: SleepController) -> None:
-    """``POST /sleep``, ``POST /wake_up``, ``GET /is_sleeping`` (vLLM's shapes)."""
+def add_routes(app: FastAPI, controller: SleepController, gate: ControlGate) -> None:
+    """``POST /sleep``, ``POST /wake_up`` (for whom ``gate`` admits), ``GET /is_sleeping``
+    (vLLM's shapes)."""
+    admitted = [Depends(control_auth.guard(app, gate))]
 
-    @app.post("/sleep")
+    @app.post("/sleep", dependencies=admitted)
     async def sleep(level: Annotated[int, Query(ge=0, le=2)] = 1,
                     mode: Annotated[str, Query(pattern="^(abort|wait|keep)$")] = "abort"
                     ) -> Any:
@@ -113,7 +120,7 @@ def add_routes(app: FastAPI, controller: SleepController) -> None:
                 "type": "invalid_request_error", "code": "busy"}}, 409)
         return {"status": "sleeping", "level": level}
 
-    @app.post("/wake_up")
+    @app.post("/wake_up", dependencies=admitted)
     async def wake_up() -> Any:
         if not await asyncio.to_thread(controller.wake, "http"):
             return JSONResponse({"error": {

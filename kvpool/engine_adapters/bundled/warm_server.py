@@ -21,11 +21,13 @@ serves on with its cache and requests.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from fastapi import FastAPI, Request
 from pydantic import BaseModel
 
+from kvpool.control_token import ControlGate, ControlTokenError
 from kvpool.engine.config import EngineConfig
 from kvpool.engine.errors import RequestError
 from kvpool.engine.sampling import SamplingParams
@@ -95,6 +97,10 @@ def serve_elastic(config: EngineConfig, host: str = "127.0.0.1", port: int = 800
     from kvpool.engine.server import create_app
     from kvpool.engine_adapters.bundled import bridge_of, locate, sleep
 
+    try:  # who may use /sleep and /wake_up (kvpool.control_token): checked before loading
+        gate = ControlGate.of(host, os.environ)
+    except ControlTokenError as e:
+        raise RuntimeError(str(e)) from None
     locate.announce(config, host, port)  # our tenant registers where it serves
     engine = Engine(config)
     giver = None
@@ -114,7 +120,7 @@ def serve_elastic(config: EngineConfig, host: str = "127.0.0.1", port: int = 800
     app = create_app(aengine)
     add_routes(app, aengine, relay_auth.RelayAuth(engine, giver))
     if controller is not None:
-        sleep.add_routes(app, controller)
+        sleep.add_routes(app, controller, gate)
     uvicorn.run(app, host=host, port=port, log_level=log_level)
 
 
