@@ -74,8 +74,10 @@ def _config_exit(e: ConfigError) -> NoReturn:
                    "(default 80%).")
 @click.option("--page-size", type=SizeParam(), default=None,
               help="Page size (default: the backend's, 2MiB).")
-@click.option("--warm-min", type=SizeParam(), default=None, help="Zeroed pages kept ready.")
-@click.option("--warm-max", type=SizeParam(), default=None, help="Most zeroed pages kept.")
+@click.option("--warm-min", type=SizeParam(), default=None,
+              help="Zeroed memory kept ready for fast grants (a size; default 0).")
+@click.option("--warm-max", type=SizeParam(), default=None,
+              help="Most zeroed memory kept ready (a size; default 256MiB).")
 @run_dir_option
 @click.option("--socket-group", default=None,
               help="Group owning the run directory (0750) and sockets (0660).")
