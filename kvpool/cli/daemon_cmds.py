@@ -187,8 +187,12 @@ def ps(run_dir: str | None, as_json: bool) -> None:
     console.print(table)
     pool = reply.pool
     if pool is not None and pool.weight_sets:
+        held, cached = pool.weights - pool.weights_cached, pool.weights_cached
+        nobody = "cached (held by nobody; reclaimed first)"
+        where = (", all held by tenants" if not cached else f", all {nobody}" if not held
+                 else f": {format_size(held)} held by tenants, {format_size(cached)} {nobody}")
         console.print(f"weight sets: {pool.weight_sets}, {format_size(pool.weights)} in the "
-                      f"pool ({format_size(pool.weights_cached)} cached, held by nobody)"
+                      f"pool{where}"
                       + ("" if pool.weights_across_uids else
                          f"; the {pool.backend} backend has no seals: each set, an admin's "
                          "too, is attachable by its creator's uid only"))
