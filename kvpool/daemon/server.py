@@ -130,9 +130,10 @@ class Server:
             signal.signal(sig, self._on_signal)
         for s in self.devices:
             log.info("serving %s: backend %s device %d, page %s, budget %s (%d pages), "
-                     "warm %d..%d", self.run_dir, s.backend.name, s.device,
+                     "warm %s..%s", self.run_dir, s.backend.name, s.device,
                      format_size(s.pool.page_size), format_size(s.budget),
-                     s.pool.budget_pages, s.pool.warm_min, s.pool.warm_max)
+                     s.pool.budget_pages, format_size(s.pool.warm_min * s.pool.page_size),
+                     format_size(s.pool.warm_max * s.pool.page_size))
         for name in self.cfg.unbound_names():
             log.warning("tenant name %r is configured without uids or group: only the "
                         "daemon's own uid (%d) may register it; list uids = [...] (or a "

@@ -140,7 +140,8 @@ def serve(config: FleetConfig, *, with_daemon: bool = False, host: str | None = 
                 raise FleetError(f"the fleet's daemon did not start: "
                                  f"{str(e).splitlines()[0]} (log {logs / 'daemon.log'})"
                                  ) from None
-            say(f"fleet: started a daemon on run dir {run_dir} (log {logs / 'daemon.log'})")
+            say(f"fleet: started a daemon on run dir {run_dir} (log {logs / 'daemon.log'}); "
+                f"see it with `kvpool ps --run-dir {run_dir}`")
         supervisor, queues, metrics, client = build(config, run_dir, logs)
         app = create_app(queues, supervisor, metrics, client,
                          eager=[e.name for e in config.models if e.eager])

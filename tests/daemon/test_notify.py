@@ -109,7 +109,7 @@ def test_unit_file_verifies():
     if not exe.exists():
         exe = Path(shutil.which("kvpool") or "/bin/true")
     tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"kvpool-{secrets.token_hex(4)}.service"
-    tmp.write_text(unit.replace("/usr/bin/kvpool", str(exe)))
+    tmp.write_text(unit.replace("/usr/local/bin/kvpool", str(exe)))
     try:
         out = subprocess.run([tool, "verify", str(tmp)], capture_output=True, text=True, timeout=60)
     finally:

@@ -259,6 +259,26 @@ NOBODY_LOADS = """
 
 
 @needs_root
+def test_ps_says_which_sets_are_held_and_which_cached(daemon):
+    """Issue 34 item 7: ``ps`` said "(0 B cached, held by nobody)" of a held set."""
+    def line() -> str:
+        out = daemon.cli("ps").stdout
+        return next(x for x in out.splitlines() if x.startswith("weight sets:"))
+
+    with daemon.connect("holder") as t:
+        a = loaded(t, KEY_A)  # 4 pages, held
+        assert line().startswith("weight sets: 1, 256 KiB in the pool, all held by "
+                                 "tenants"), line()
+        assert "nobody" not in line()
+        loaded(t, KEY_B).detach()  # cached
+        assert line().startswith("weight sets: 2, 512 KiB in the pool: 256 KiB held by "
+                                 "tenants, 256 KiB cached (held by nobody; reclaimed "
+                                 "first)"), line()
+        a.detach()
+        assert line().startswith("weight sets: 2, 512 KiB in the pool, all cached (held "
+                                 "by nobody; reclaimed first)"), line()
+
+
 def test_another_uids_set_is_invisible(start_daemon, tmp_path):
     """A content key is computed from public bytes: uid 65534 loads "evil" under a key;
     the admin's tenants never see that set (NOT_FOUND, as for an unknown key), while
