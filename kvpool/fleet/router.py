@@ -6,8 +6,8 @@ Routes:
   ``model`` to that model's :class:`~kvpool.fleet.admission.ModelQueue` (a replica, or a
   bounded wait for one), then passed through (:func:`kvpool.fleet.proxy.forward`).
   The body is untrusted: more than ``MAX_BODY`` bytes is a 413, a body that is not a
-  JSON object a 400, a ``model`` that is missing or names no model of the fleet a 404 in
-  the shape a single server answers (``{"error": {"message", "type", "code":
+  JSON object (or nests deeper than the parser goes) a 400, a ``model`` that is
+  missing or names no model of the fleet a 404 in the shape a single server answers (``{"error": {"message", "type", "code":
   "model_not_found"}}``); the model's name is echoed at most ``SHOWN`` characters long
   and never becomes a metric label. Everything else in the body is the server's to check
   (its 400s pass through). A full queue: 429 with ``Retry-After``; no replica can serve
@@ -93,6 +93,10 @@ def create_app(queues: Mapping[str, ModelQueue], supervisor: Supervisor,
         except (ValueError, UnicodeDecodeError) as e:
             metrics.requests.labels(UNKNOWN, UNKNOWN, "400").inc()
             return proxy.error(400, f"invalid request body: not JSON ({str(e)[:80]})",
+                               "invalid_request")
+        except RecursionError:  # deeper than the parser goes: no request nests so
+            metrics.requests.labels(UNKNOWN, UNKNOWN, "400").inc()
+            return proxy.error(400, "invalid request body: JSON nested too deeply",
                                "invalid_request")
         if not isinstance(parsed, dict):
             metrics.requests.labels(UNKNOWN, UNKNOWN, "400").inc()
