@@ -11,9 +11,10 @@ Routes:
   "model_not_found"}}``); the model's name is echoed at most ``SHOWN`` characters long
   and never becomes a metric label. Everything else in the body is the server's to check
   (its 400s pass through). A full queue: 429 with ``Retry-After``; no replica can serve
-  (failed to start, could not wake): 503 with ``Retry-After``.
+  (failed to start, could not wake, hung): 503 with ``Retry-After``.
 * ``GET /v1/models``: every model (OpenAI's list) with its ``state`` (``awake`` if a
-  replica is, else ``asleep``, ``starting``, ``failed``, ``stopped`` in that order) and
+  replica is, else ``asleep``, ``starting``, ``hung``, ``failed``, ``stopped`` in that
+  order: a member that stopped answering shows ``hung``) and
   its ``replicas`` (``index``, ``state``, ``url``: the loopback address of its server,
   null when it has none).
 * ``GET /health``: 200 ``{"status": "ok", "models": {name: state}}`` while the fleet serves.
@@ -38,13 +39,13 @@ from fastapi.responses import JSONResponse, Response
 from kvpool.fleet import proxy
 from kvpool.fleet.admission import ModelQueue, QueueFull, Unavailable
 from kvpool.fleet.balance import prompt_of
-from kvpool.fleet.member import ASLEEP, AWAKE, FAILED, STARTING, STOPPED, Member
+from kvpool.fleet.member import ASLEEP, AWAKE, FAILED, HUNG, STARTING, STOPPED, Member
 from kvpool.fleet.metrics import CONTENT_TYPE, UNKNOWN, FleetMetrics
 from kvpool.fleet.supervisor import Supervisor
 
 MAX_BODY = 32 << 20  # bytes of one request body
 SHOWN = 64  # characters of a client's model name echoed in a 404
-STATE_ORDER = (AWAKE, ASLEEP, STARTING, FAILED, STOPPED)
+STATE_ORDER = (AWAKE, ASLEEP, STARTING, HUNG, FAILED, STOPPED)
 
 
 class BodyTooLarge(Exception):
