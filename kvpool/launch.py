@@ -1,12 +1,13 @@
 """Starting kvpool daemons (and ``kvpool serve`` servers) as child processes: the one
 launcher tests, benchmarks and the demo use (``tests/daemon/helpers.py``, ``kvpool.demo.cluster.Cluster.daemon``,
 ``benchmarks/*``). Imports neither torch nor the daemon: the child is
-``python -m kvpool.cli.main daemon ...``.
+``python -P -m kvpool.cli.main daemon ...`` (:func:`module_argv`: the current directory
+never shadows the package).
 
 Invariants:
 
 * :func:`daemon_argv` is the one place such a command line is built: the launcher
-  (default ``python -m kvpool.cli.main``; a wrapper such as ``setpriv ... python -m
+  (default ``python -P -m kvpool.cli.main``; a wrapper such as ``setpriv ... python -m
   kvpool.cli.main`` or a fault-injecting script replaces it), ``daemon --backend B
   --run-dir D``, ``--config``/``--budget``/``--page-size`` when given (else the
   daemon's defaults), then the caller's extra flags, in that order.
@@ -52,9 +53,21 @@ class DaemonStartError(ChildStartError):
     """The daemon exited before it served, or did not serve in time; says which, with its log."""
 
 
+def module_argv(module: str) -> list[str]:
+    """``python -m MODULE`` with this interpreter, the current directory kept off the
+    module search path (``-P``; before 3.11, ``-c`` dropping it and :mod:`runpy`): a
+    child started where a folder named ``kvpool`` lies (the folder holding a clone)
+    imports the installed package, not that folder. Every kvpool child starts so."""
+    if sys.version_info >= (3, 11):
+        return [sys.executable, "-P", "-m", module]
+    return [sys.executable, "-c", "import runpy, sys; del sys.path[0]; "
+            f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)"]
+
+
 def cli_argv() -> list[str]:
-    """``python -m kvpool.cli.main`` with this interpreter: the default launcher."""
-    return [sys.executable, "-m", "kvpool.cli.main"]
+    """``python -P -m kvpool.cli.main`` with this interpreter (:func:`module_argv`): the
+    default launcher."""
+    return module_argv("kvpool.cli.main")
 
 
 def daemon_argv(run_dir: str | os.PathLike[str], *extra: str,
@@ -203,10 +216,17 @@ def spawn_process(argv: Sequence[str], log: Path | None = None,
                   env: Mapping[str, str] | None = None,
                   cwd: str | os.PathLike[str] | None = None, new_session: bool = False,
                   append: bool = False,
-                  base_env: Mapping[str, str] | None = None) -> subprocess.Popen[bytes]:
+                  base_env: Mapping[str, str] | None = None,
+                  die_with_parent: bool = False) -> subprocess.Popen[bytes]:
     """Start ``argv`` (a daemon's or a server's) without waiting; stdout and stderr go to
     ``log`` (appended to with ``append``), or are inherited when ``log`` is None; ``env``
-    is added to ``base_env`` (default: this process's environment)."""
+    is added to ``base_env`` (default: this process's environment).
+
+    ``die_with_parent`` (Linux): the child is SIGKILLed when this process dies, however
+    it dies (SIGKILL included: ``PR_SET_PDEATHSIG``, armed before the child's exec; a
+    parent already gone by then kills it at once). Caller's obligation: the kernel
+    sends the signal when the *thread* that started the child ends, so call it from a
+    thread that lives as long as the process (the main thread, or the event loop's)."""
     out = open(log, "ab" if append else "wb") if log is not None else None
     try:
         return subprocess.Popen(list(argv), stdout=out,
@@ -214,18 +234,37 @@ def spawn_process(argv: Sequence[str], log: Path | None = None,
                                 env={**(os.environ if base_env is None else base_env),
                                      **(env or {})},
                                 cwd=None if cwd is None else str(cwd),
-                                start_new_session=new_session)
+                                start_new_session=new_session,
+                                preexec_fn=_deathsig(os.getpid()) if die_with_parent else None)
     finally:
         if out is not None:
             out.close()
 
 
+PR_SET_PDEATHSIG = 1
+
+
+def _deathsig(parent: int) -> Callable[[], None]:
+    """The child's first step (before exec): SIGKILL when ``parent`` dies."""
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here, not in the child
+
+    def arm() -> None:
+        if prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL)) != 0 or os.getppid() != parent:
+            os.kill(os.getpid(), signal.SIGKILL)  # cannot be armed, or too late: go now
+
+    return arm
+
+
 def spawn(argv: Sequence[str], run_dir: str | os.PathLike[str], log: Path | None = None,
           env: Mapping[str, str] | None = None, cwd: str | os.PathLike[str] | None = None,
-          new_session: bool = False, append: bool = False) -> DaemonProcess:
+          new_session: bool = False, append: bool = False,
+          die_with_parent: bool = False) -> DaemonProcess:
     """Start the daemon ``argv`` (from :func:`daemon_argv`) on ``run_dir`` without
     waiting (:func:`spawn_process`)."""
-    popen = spawn_process(argv, log, env, cwd, new_session, append)
+    popen = spawn_process(argv, log, env, cwd, new_session, append,
+                          die_with_parent=die_with_parent)
     return DaemonProcess(Path(run_dir), popen, list(argv), log, dict(env or {}),
                          None if cwd is None else str(cwd), new_session)
 
@@ -236,12 +275,14 @@ def start_daemon(run_dir: str | os.PathLike[str], *extra: str,
                  log: Path | None = None,
                  env: Mapping[str, str] | None = None, cwd: str | os.PathLike[str] | None = None,
                  launcher: Sequence[str] | None = None, new_session: bool = False,
-                 timeout_s: float = START_TIMEOUT_S) -> DaemonProcess:
+                 timeout_s: float = START_TIMEOUT_S,
+                 die_with_parent: bool = False) -> DaemonProcess:
     """Start a daemon on ``run_dir`` and return once it serves. If it does not, it is
-    stopped and :class:`DaemonStartError` says why."""
+    stopped and :class:`DaemonStartError` says why. ``die_with_parent``: see
+    :func:`spawn_process`."""
     argv = daemon_argv(run_dir, *extra, budget=budget, page_size=page_size, backend=backend,
                        config=config, launcher=launcher)
-    d = spawn(argv, run_dir, log, env, cwd, new_session)
+    d = spawn(argv, run_dir, log, env, cwd, new_session, die_with_parent=die_with_parent)
     try:
         d.wait_serving(timeout_s)
     except BaseException:

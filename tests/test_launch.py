@@ -28,7 +28,7 @@ def run_dir() -> Iterator[Path]:
 
 def test_the_command_line_is_launcher_daemon_flags_then_extra(run_dir):
     argv = launch.daemon_argv(run_dir, "--warm-max", "0", budget="8MiB", page_size=PAGE)
-    assert argv == [sys.executable, "-m", "kvpool.cli.main", "daemon", "--backend", "host",
+    assert argv == [sys.executable, "-P", "-m", "kvpool.cli.main", "daemon", "--backend", "host",
                     "--run-dir", str(run_dir), "--budget", "8MiB", "--page-size", str(PAGE),
                     "--warm-max", "0"]
     wrapped = launch.daemon_argv(run_dir, launcher=["setpriv", "--", "kvpool"], config="a.toml")
@@ -75,8 +75,8 @@ def test_a_killed_daemon_restarts_with_the_same_command_line(run_dir):
 def test_the_serve_command_line_names_the_model_port_and_kv_size():
     argv = launch.serve_argv("/m", "--max-model-len", "512", port=8001, name="a",
                              kv_cache_size="4MiB", elastic=True)
-    assert argv[:4] == [sys.executable, "-m", "kvpool.cli.main", "serve"]
-    assert argv[4:] == ["/m", "--port", "8001", "--served-model-name", "a", "--kv-cache-size",
+    assert argv[:5] == [sys.executable, "-P", "-m", "kvpool.cli.main", "serve"]
+    assert argv[5:] == ["/m", "--port", "8001", "--served-model-name", "a", "--kv-cache-size",
                         "4MiB", "--log-level", "warning", "--elastic", "--max-model-len", "512"]
     assert "--elastic" not in launch.serve_argv("/m", port=1, name="a", kv_cache_size=1)
 

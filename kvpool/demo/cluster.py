@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -125,7 +124,7 @@ class Cluster:
         else:
             args += ["--kv-cache-memory-bytes", str(kv_cache_size)]
         proc = self._spawn(f"vllm-{name}",
-                           [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *args],
+                           [*launch.module_argv("vllm.entrypoints.openai.api_server"), *args],
                            env)
         proc.url = f"http://127.0.0.1:{port}"
         return proc

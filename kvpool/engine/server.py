@@ -30,8 +30,10 @@ from contextlib import asynccontextmanager
 from typing import Any, cast
 
 from fastapi import FastAPI, Request
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvpool.engine.api_bodies import (ChatBody, CommonBody, CompletionBody, OpenAIPrompt,
                                       describe, problem)
@@ -92,6 +94,14 @@ def create_app(aengine: AsyncEngine) -> FastAPI:
     @app.exception_handler(EngineUnavailable)
     async def _unavailable(_: Request, e: EngineUnavailable) -> JSONResponse:
         return _error(503, str(e), "unavailable")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException) -> Response:
+        if e.status_code != 400:  # (a route's 404/405: FastAPI's own answer)
+            return await http_exception_handler(request, e)
+        # a body FastAPI could not parse (nested deeper than the parser goes, say)
+        return _error(400, f"invalid request body: {str(e.detail).splitlines()[0][:200]}",
+                      "invalid_request")
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:

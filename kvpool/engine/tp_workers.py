@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -41,6 +40,7 @@ from kvpool.engine.collective import GlooGroup
 from kvpool.engine.errors import EngineBroken
 from kvpool.engine.kv_cache import KVLayout
 from kvpool.engine.step_input import StepEntry
+from kvpool.launch import module_argv
 
 if TYPE_CHECKING:
     from kvpool.engine.config import EngineConfig
@@ -86,7 +86,7 @@ class TPWorkers:
                     max_num_batched_tokens=config.max_num_batched_tokens,
                     prepack=config.prepack, threads=threads)
                 procs.append(subprocess.Popen(
-                    [sys.executable, "-m", config.tp_rank_module,
+                    [*module_argv(config.tp_rank_module),
                      msgspec.json.encode(spec).decode()],
                     stdin=subprocess.PIPE, env=os.environ.copy()))
             for rank, proc in enumerate(procs, start=1):

@@ -12,8 +12,8 @@ While it waits:
   shared by every waiter (:meth:`~kvpool.fleet.supervisor.Supervisor.wake`); a wake that
   fails is :class:`Unavailable` (503);
 * else the model's stopped replicas are started, and the request waits for a change of
-  state; every replica failed (and not yet due for another try), or no replica ready
-  within ``wait_s``: :class:`Unavailable`.
+  state; every replica failed (and not yet due for another try) or hung, or no replica
+  ready within ``wait_s``: :class:`Unavailable`. A hung replica is never chosen.
 
 Only the fleet's event loop calls a queue.
 """
@@ -24,7 +24,7 @@ import time
 from collections.abc import Sequence
 
 from kvpool.fleet.balance import Picker, Prompt, Remembering, choose
-from kvpool.fleet.member import ASLEEP, AWAKE, FAILED_BACKOFF_S, STARTING, Member
+from kvpool.fleet.member import ASLEEP, AWAKE, FAILED_BACKOFF_S, HUNG, STARTING, Member
 from kvpool.fleet.metrics import FleetMetrics
 from kvpool.fleet.supervisor import Supervisor, WakeFailed
 
@@ -89,6 +89,9 @@ class ModelQueue:
                     continue
                 now = time.monotonic()
                 if not any(m.state == STARTING or m.startable(now) for m in self.members):
+                    if any(m.state == HUNG for m in self.members):
+                        raise Unavailable(f"model {self.model!r}: its server does not answer "
+                                          f"(hung); the fleet restarts it", RETRY_AFTER_S)
                     why = next((m.last_error for m in self.members if m.last_error), "")
                     raise Unavailable(f"model {self.model!r} failed to start: {why}",
                                       int(FAILED_BACKOFF_S))

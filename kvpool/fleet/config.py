@@ -105,6 +105,8 @@ class FleetConfig:
     port: int = 8080
     queue: int = 64  # per model: requests waiting for a ready server
     start_timeout_s: float = 180.0
+    hung_after_s: float = 30.0  # a ready member silent this long: hung, no requests
+    hung_restart_s: float = 120.0  # ... silent this long: killed and started again
     daemon: DaemonSection = DaemonSection()
     models: tuple[ModelEntry, ...] = ()
 
@@ -222,7 +224,8 @@ def load(path: str | Path, with_daemon: bool = False, inspect_checkpoint: Inspec
     problems: list[str] = []
     top = _Table(raw, "", problems, ("fleet", "daemon", "models"))
     fleet = _Table(raw.get("fleet", {}), "fleet", problems,
-                   ("name", "host", "port", "queue", "start_timeout_s"))
+                   ("name", "host", "port", "queue", "start_timeout_s", "hung_after_s",
+                    "hung_restart_s"))
     name = fleet.text("name", path.stem)
     if not NAME.match(str(name)):
         where = "fleet.name" if "name" in fleet.values else "fleet.name (the file's name)"
@@ -232,6 +235,11 @@ def load(path: str | Path, with_daemon: bool = False, inspect_checkpoint: Inspec
     port = fleet.integer("port", 8080, 0, 65535)
     queue = fleet.integer("queue", 64, 1, 1_000_000)
     start_timeout = fleet.number("start_timeout_s", 180.0, 0, 86400)
+    hung_after = fleet.number("hung_after_s", 30.0, 0, 86400)
+    hung_restart = fleet.number("hung_restart_s", 120.0, 0, 86400)
+    if hung_after is not None and hung_restart is not None and hung_restart < hung_after:
+        fleet.bad("hung_restart_s", f"{hung_restart:g} is less than hung_after_s "
+                                    f"({hung_after:g})")
     daemon = _daemon(_Table(raw.get("daemon", {}), "daemon", problems,
                             ("budget", "page_size", "backend")))
     models_raw = raw.get("models", [])
@@ -255,9 +263,10 @@ def load(path: str | Path, with_daemon: bool = False, inspect_checkpoint: Inspec
         _fits(daemon, entries, problems)
     if problems:
         raise FleetConfigError([f"{shown}: {p}" for p in problems])
-    assert start_timeout is not None
+    assert start_timeout is not None and hung_after is not None and hung_restart is not None
     return FleetConfig(path=path, name=str(name), host=str(host), port=port, queue=queue,
-                       start_timeout_s=start_timeout, daemon=daemon,
+                       start_timeout_s=start_timeout, hung_after_s=hung_after,
+                       hung_restart_s=hung_restart, daemon=daemon,
                        models=tuple(e for _, e, _ in entries))
 
 

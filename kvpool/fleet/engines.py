@@ -18,7 +18,6 @@ fleet's own ``KVPOOL_*`` settings (a member is configured by the fleet file alon
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Protocol
@@ -133,7 +132,7 @@ class Vllm:
 
     def launch(self, member: MemberSpec, port: int) -> Launch:
         e = member.entry
-        argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        argv = [*launch.module_argv("vllm.entrypoints.openai.api_server"),
                 "--model", str(e.checkpoint), "--served-model-name", e.name,
                 "--host", "127.0.0.1", "--port", str(port),
                 "--max-num-seqs", str(e.max_num_seqs), "--disable-log-stats", *e.args]

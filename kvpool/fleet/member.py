@@ -2,8 +2,10 @@
 
 States (``state``): ``stopped`` (no process: lazy and not asked for yet), ``starting``
 (spawned, ``/health`` not yet 200), ``awake``, ``asleep`` (both answer requests: an
-asleep one is woken first), ``failed`` (did not start in time, or exited while
-starting; retried by a request after ``FAILED_BACKOFF_S``).
+asleep one is woken first), ``hung`` (awake or asleep, but its server has answered no
+look for a while: no request goes to it; killed and started again if it stays
+silent), ``failed`` (did not start in time, or exited while starting; retried by a
+request after ``FAILED_BACKOFF_S``).
 
 The process runs in a session of its own (its process group is signalled: the server
 and anything it started, a ``--pd`` child say, stop together) and writes to its log in
@@ -25,7 +27,9 @@ from kvpool.fleet.balance import ReplicaLoad
 from kvpool.fleet.engines import MemberSpec, ServerKind
 
 STOPPED, STARTING, AWAKE, ASLEEP, FAILED = "stopped", "starting", "awake", "asleep", "failed"
+HUNG = "hung"
 READY = (AWAKE, ASLEEP)
+WATCHED = (AWAKE, ASLEEP, HUNG)  # a process that served: looked at, restarted if it dies
 FAILED_BACKOFF_S = 10.0  # a failed member is started again by a request after this long
 STOP_GRACE_S = 10.0
 
@@ -53,6 +57,7 @@ class Member:
         self.popen: subprocess.Popen[bytes] | None = None
         self.url: str | None = None
         self.started_at = 0.0  # monotonic, of the current process
+        self.answered_at = 0.0  # monotonic: the last look its server answered
         self.failed_at = 0.0
         self.last_error = ""
         self.starts = 0
@@ -85,10 +90,10 @@ class Member:
         how = self.kind.launch(self.spec, port)
         self.log.parent.mkdir(parents=True, exist_ok=True)
         self.popen = launch.spawn_process(how.argv, self.log, new_session=True, append=True,
-                                          base_env=how.env)
+                                          base_env=how.env, die_with_parent=True)
         self.url = f"http://127.0.0.1:{port}"
         self.state = STARTING
-        self.started_at = time.monotonic()
+        self.started_at = self.answered_at = time.monotonic()
         self.starts += 1
         self.sleeps_seen, self.wakes_seen = {}, 0
 
@@ -112,6 +117,13 @@ class Member:
         """The last non-empty lines of the server's log (why it died)."""
         tail = [x for x in launch.log_tail(self.log, 40).splitlines() if x.strip()]
         return " | ".join(tail[-lines:])[:300]
+
+    def kill(self) -> None:
+        """SIGKILL the process group (a hung server: a stopped one ignores SIGTERM) and
+        reap the server. Blocks until reaped (call it on a thread)."""
+        if self.popen is not None:
+            self.kill_group()
+            self.popen.wait()
 
     def kill_group(self) -> None:
         """SIGKILL whatever is left of the process group of a server that exited (a

@@ -18,7 +18,8 @@ Names (docs/ARCHITECTURE.md, "Fleet"; the Grafana row reads them):
 * ``kvpool_fleet_upstream_errors_total{model,kind}``: kind ``connect`` (no answer),
   ``broken`` (the server went away mid-answer), ``wake`` (a wake failed), ``start`` (a
   server did not start);
-* ``kvpool_fleet_restarts_total{model}``: servers that died and were started again;
+* ``kvpool_fleet_restarts_total{model}``: servers that died (or hung, and were killed)
+  and were started again;
 * ``kvpool_fleet_replica_up{model,replica,state}``: 1 for the replica's current state;
 * ``kvpool_fleet_routed_total{model,replica,reason}``: which replica a request went to
   and why (``only``: one could take it; ``load``: the picker chose by load).
@@ -30,7 +31,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
-STATES = ("stopped", "starting", "awake", "asleep", "failed")
+STATES = ("stopped", "starting", "awake", "asleep", "hung", "failed")
 CAUSES = ("idle", "pressure", "operator")
 WAKE_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 UNKNOWN = "-"  # the model label of a request that names none of the fleet's

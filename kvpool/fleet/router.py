@@ -6,14 +6,15 @@ Routes:
   ``model`` to that model's :class:`~kvpool.fleet.admission.ModelQueue` (a replica, or a
   bounded wait for one), then passed through (:func:`kvpool.fleet.proxy.forward`).
   The body is untrusted: more than ``MAX_BODY`` bytes is a 413, a body that is not a
-  JSON object a 400, a ``model`` that is missing or names no model of the fleet a 404 in
-  the shape a single server answers (``{"error": {"message", "type", "code":
+  JSON object (or nests deeper than the parser goes) a 400, a ``model`` that is
+  missing or names no model of the fleet a 404 in the shape a single server answers (``{"error": {"message", "type", "code":
   "model_not_found"}}``); the model's name is echoed at most ``SHOWN`` characters long
   and never becomes a metric label. Everything else in the body is the server's to check
   (its 400s pass through). A full queue: 429 with ``Retry-After``; no replica can serve
-  (failed to start, could not wake): 503 with ``Retry-After``.
+  (failed to start, could not wake, hung): 503 with ``Retry-After``.
 * ``GET /v1/models``: every model (OpenAI's list) with its ``state`` (``awake`` if a
-  replica is, else ``asleep``, ``starting``, ``failed``, ``stopped`` in that order) and
+  replica is, else ``asleep``, ``starting``, ``hung``, ``failed``, ``stopped`` in that
+  order: a member that stopped answering shows ``hung``) and
   its ``replicas`` (``index``, ``state``, ``url``: the loopback address of its server,
   null when it has none).
 * ``GET /health``: 200 ``{"status": "ok", "models": {name: state}}`` while the fleet serves.
@@ -38,13 +39,13 @@ from fastapi.responses import JSONResponse, Response
 from kvpool.fleet import proxy
 from kvpool.fleet.admission import ModelQueue, QueueFull, Unavailable
 from kvpool.fleet.balance import prompt_of
-from kvpool.fleet.member import ASLEEP, AWAKE, FAILED, STARTING, STOPPED, Member
+from kvpool.fleet.member import ASLEEP, AWAKE, FAILED, HUNG, STARTING, STOPPED, Member
 from kvpool.fleet.metrics import CONTENT_TYPE, UNKNOWN, FleetMetrics
 from kvpool.fleet.supervisor import Supervisor
 
 MAX_BODY = 32 << 20  # bytes of one request body
 SHOWN = 64  # characters of a client's model name echoed in a 404
-STATE_ORDER = (AWAKE, ASLEEP, STARTING, FAILED, STOPPED)
+STATE_ORDER = (AWAKE, ASLEEP, STARTING, HUNG, FAILED, STOPPED)
 
 
 class BodyTooLarge(Exception):
@@ -93,6 +94,10 @@ def create_app(queues: Mapping[str, ModelQueue], supervisor: Supervisor,
         except (ValueError, UnicodeDecodeError) as e:
             metrics.requests.labels(UNKNOWN, UNKNOWN, "400").inc()
             return proxy.error(400, f"invalid request body: not JSON ({str(e)[:80]})",
+                               "invalid_request")
+        except RecursionError:  # deeper than the parser goes: no request nests so
+            metrics.requests.labels(UNKNOWN, UNKNOWN, "400").inc()
+            return proxy.error(400, "invalid request body: JSON nested too deeply",
                                "invalid_request")
         if not isinstance(parsed, dict):
             metrics.requests.labels(UNKNOWN, UNKNOWN, "400").inc()

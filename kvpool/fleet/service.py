@@ -8,9 +8,16 @@ under /tmp, the ``[daemon]`` table's budget, page size and backend; its log
 members and the watch). ``fleet: serving N models on http://H:P`` goes to stderr once
 the socket listens. On SIGTERM/SIGINT the ASGI server stops (open streams get
 ``GRACE_S``), the app's lifespan stops every member (process groups), and then the
-daemon the fleet started is stopped and its run directory removed. A fleet killed with
-SIGKILL cannot clean up: its members and daemon, each in a session of its own, stay
-until stopped.
+daemon the fleet started is stopped and its run directory removed (also when the
+daemon did not start).
+
+A fleet killed with SIGKILL cannot clean up, so its children do not wait for it: the
+daemon and every member are started with ``die_with_parent`` (the kernel SIGKILLs each
+when the fleet dies; their own children follow them: a ``--pd`` prefill half has its
+own death signal). The run directory it leaves is named for the fleet's pid
+(``/tmp/kvpool-fleet-PID-*``); the next ``--with-daemon`` start removes every such
+directory of this uid whose fleet is gone and whose daemon no longer answers
+(:func:`sweep`).
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import sys
 import tempfile
 from collections.abc import Callable
@@ -76,7 +84,9 @@ def build(config: FleetConfig, run_dir: Path, log_dir: Path,
     except control_token.ControlTokenError as e:
         raise FleetError(str(e)) from None
     supervisor = Supervisor(members, metrics, client, config.start_timeout_s, log,
-                            control_headers=control)
+                            control_headers=control,
+                            hung_after_s=config.hung_after_s,
+                            hung_restart_s=config.hung_restart_s)
     queues = {e.name: ModelQueue(e.name, members[e.name], supervisor, make_picker(e.routing),
                                  metrics, config.queue, config.start_timeout_s + QUEUE_SLACK_S)
               for e in config.models}
@@ -105,6 +115,67 @@ def _raise_stop(sig: int, frame: FrameType | None) -> None:
     raise _Stop()
 
 
+RUN_ROOT = Path("/tmp")  # short: a unix socket's path holds at most 107 bytes
+RUN_PREFIX = "kvpool-fleet-"
+
+
+def new_run_dir(root: Path = RUN_ROOT) -> Path:
+    """A fresh private run directory for the fleet's own daemon, named for this process
+    (``kvpool-fleet-PID-XXXXXXXX``) so a later start can tell whether its fleet lives."""
+    return Path(tempfile.mkdtemp(prefix=f"{RUN_PREFIX}{os.getpid()}-", dir=root))
+
+
+def sweep(root: Path = RUN_ROOT, say: Callable[[str], None] = say) -> list[Path]:
+    """Remove the run directories that killed fleets left under ``root`` and return
+    them. A directory is removed only when all of these hold: its name is
+    ``kvpool-fleet-PID-*``, it is a directory (not a symlink) owned by this uid, no
+    process ``PID`` exists, and nothing answers on its ``control.sock``. Anything else
+    (another user's, a live fleet's, a name this fleet never makes) is left alone."""
+    removed: list[Path] = []
+    try:
+        entries = list(root.iterdir())
+    except OSError:
+        return removed
+    for path in entries:
+        rest = path.name[len(RUN_PREFIX):] if path.name.startswith(RUN_PREFIX) else ""
+        pid, dash, _ = rest.partition("-")
+        if not (dash and pid.isdigit() and 0 < int(pid) < 1 << 22):
+            continue
+        try:
+            st = path.lstat()
+        except OSError:
+            continue
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or _alive(int(pid)) \
+                or _answers(paths.control_path(path)):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        if not path.exists():
+            removed.append(path)
+            say(f"fleet: removed {path}, left by a fleet that was killed (pid {pid})")
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process: alive
+    return True
+
+
+def _answers(sock_path: Path) -> bool:
+    """Something accepts connections on the unix socket ``sock_path``."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(2.0)
+        try:
+            s.connect(str(sock_path))
+        except OSError:
+            return False
+    return True
+
+
 def serve(config: FleetConfig, *, with_daemon: bool = False, host: str | None = None,
           port: int | None = None, log_dir: str | os.PathLike[str] | None = None) -> None:
     """Run the fleet until SIGTERM/SIGINT (see the module); raises :class:`FleetError`
@@ -127,15 +198,18 @@ def serve(config: FleetConfig, *, with_daemon: bool = False, host: str | None = 
     sock = _listen(host, port)
     daemon: launch.DaemonProcess | None = None
     supervisor: Supervisor | None = None
+    own_run_dir = False
     try:
         if with_daemon:
-            run_dir = Path(tempfile.mkdtemp(prefix="kvpool-fleet-", dir="/tmp"))
+            sweep()
+            run_dir = new_run_dir()
+            own_run_dir = True
             d = config.daemon
             try:
                 daemon = launch.start_daemon(
                     run_dir, budget=d.budget, backend=d.backend, log=logs / "daemon.log",
                     page_size=None if d.page_size is None else int(d.page_size),
-                    new_session=True)
+                    new_session=True, die_with_parent=True)
             except launch.DaemonStartError as e:
                 raise FleetError(f"the fleet's daemon did not start: "
                                  f"{str(e).splitlines()[0]} (log {logs / 'daemon.log'})"
@@ -159,6 +233,7 @@ def serve(config: FleetConfig, *, with_daemon: bool = False, host: str | None = 
         sock.close()
         if daemon is not None:
             daemon.stop()
+        if own_run_dir:  # (also when its daemon did not start)
             shutil.rmtree(run_dir, ignore_errors=True)
         for s, handler in previous.items():
             signal.signal(s, handler)

@@ -5,12 +5,19 @@ One watch task looks at every member each ``poll_s`` (all looks at once):
 * ``starting``: ``GET /health`` 200 makes it ``awake``; a process that exits, or is not
   healthy within the fleet's ``start_timeout_s``, makes it ``failed`` (one log line
   with the end of its log; ``kvpool_fleet_upstream_errors_total{kind="start"}``);
-* ``awake``/``asleep``: a process that exited is started again at once (one log line,
-  ``kvpool_fleet_restarts_total``); else its sleep state is read (``GET`` the kind's
-  ``state_path``). Sleeps are counted by cause from the server's own counters when it
-  keeps them (bundled); otherwise an ``awake -> asleep`` change counts as ``idle`` when
-  the model has ``sleep_after`` and the router sent it nothing for that long, else as
-  ``pressure`` (an operator's sleep of such a server is counted as pressure).
+* ``awake``/``asleep``/``hung``: a process that exited is started again at once (one
+  log line, ``kvpool_fleet_restarts_total``); else its sleep state is read (``GET`` the
+  kind's ``state_path``, ``LOOK_TIMEOUT_S``). Sleeps are counted by cause from the
+  server's own counters when it keeps them (bundled); otherwise an ``awake -> asleep``
+  change counts as ``idle`` when the model has ``sleep_after`` and the router sent it
+  nothing for that long, else as ``pressure`` (an operator's sleep of such a server is
+  counted as pressure).
+* a member whose server has answered no look for ``hung_after_s`` (a stopped or
+  deadlocked process: the kernel still accepts its connections, nothing answers) is
+  ``hung``: the router sends it nothing (another replica serves; none: 503). One that
+  answers again is awake or asleep again; one silent for ``hung_restart_s`` is killed
+  (SIGKILL to its process group: a stopped process ignores SIGTERM) and started again
+  (one log line, ``kvpool_fleet_restarts_total``); the requests it held end then (502).
 
 A look whose answer comes back after the member changed (a wake the router asked for,
 a restart) is dropped (``version``). Every change of state sets the current
@@ -31,10 +38,13 @@ from typing import Any
 
 import httpx
 
-from kvpool.fleet.member import ASLEEP, AWAKE, FAILED, READY, STARTING, STOPPED, Member
+from kvpool.fleet.member import (ASLEEP, AWAKE, FAILED, HUNG, STARTING, STOPPED, WATCHED,
+                                 Member)
 from kvpool.fleet.metrics import FleetMetrics
 
 POLL_S = 0.5
+HUNG_AFTER_S = 30.0
+HUNG_RESTART_S = 120.0
 LOOK_TIMEOUT_S = 5.0  # one health or state look (a busy server on 2 cores answers slowly)
 WAKE_TIMEOUT_S = 330.0  # the server's own wake wait is 300 s (kvpool.engine_adapters.sleep)
 
@@ -50,10 +60,14 @@ class Supervisor:
     def __init__(self, members: Mapping[str, Sequence[Member]], metrics: FleetMetrics,
                  client: httpx.AsyncClient, start_timeout_s: float,
                  say: Callable[[str], None], poll_s: float = POLL_S,
-                 control_headers: Mapping[str, str] | None = None) -> None:
+                 control_headers: Mapping[str, str] | None = None,
+                 hung_after_s: float = HUNG_AFTER_S,
+                 hung_restart_s: float = HUNG_RESTART_S) -> None:
         self.members = members
         # sent with every wake: the bearer token of KVPOOL_CONTROL_TOKEN (members inherit it)
         self.control_headers = dict(control_headers or {})
+        self.hung_after_s = hung_after_s
+        self.hung_restart_s = max(hung_restart_s, hung_after_s)
         self.metrics = metrics
         self.client = client
         self.start_timeout_s = start_timeout_s
@@ -176,7 +190,7 @@ class Supervisor:
         try:
             if m.state == STARTING:
                 await self._look_starting(m)
-            elif m.state in READY:
+            elif m.state in WATCHED:
                 await self._look_ready(m)
         except Exception as e:  # a look never ends the watch
             self.say(f"fleet: watching {m.tenant}: {type(e).__name__}: {e}")
@@ -190,6 +204,7 @@ class Supervisor:
         version = self._version(m)
         if await self._healthy(m):
             if self._version(m) == version and m.exit_code() is None:
+                m.answered_at = time.monotonic()
                 self.say(f"fleet: {m.tenant} is up at {m.url} "
                          f"({time.monotonic() - m.started_at:.1f} s)")
                 self.set_state(m, AWAKE)
@@ -211,13 +226,40 @@ class Supervisor:
         try:
             reply = await self.client.get(f"{m.url}{m.kind.state_path}",
                                           timeout=LOOK_TIMEOUT_S)
+        except httpx.HTTPError:
+            await self._silent(m)  # busy, going away, or hung: the silence tells
+            return
+        m.answered_at = time.monotonic()
+        try:
             observed = m.kind.observe(reply.json()) if reply.status_code == 200 else None
-        except (httpx.HTTPError, ValueError):
-            return  # busy or going away: the next look will tell
-        if observed is None or self._version(m) != version:
+        except ValueError:
+            observed = None
+        if self._version(m) != version:
+            return
+        if m.state == HUNG:
+            self.say(f"fleet: {m.tenant} answers again")
+            if observed is None:
+                self.set_state(m, AWAKE)  # (asleep: it wakes itself for a request)
+        if observed is None:
             return
         self._count(m, observed.asleep, observed.sleeps, observed.wakes)
         self.set_state(m, ASLEEP if observed.asleep else AWAKE)
+
+    async def _silent(self, m: Member) -> None:
+        """A look ``m`` did not answer: hung after ``hung_after_s`` of silence, killed and
+        started again after ``hung_restart_s`` (see the module)."""
+        silent = time.monotonic() - m.answered_at
+        if silent >= self.hung_restart_s:
+            self.say(f"fleet: {m.tenant} answered nothing for {silent:.0f} s; killed it, "
+                     f"restarting it")
+            self.metrics.restarts.labels(m.model).inc()
+            await asyncio.to_thread(m.kill)
+            if not self.closed:
+                self._spawn(m)
+        elif silent >= self.hung_after_s and m.state != HUNG:
+            self.say(f"fleet: {m.tenant} answered nothing for {silent:.0f} s: hung, no "
+                     f"request goes to it (killed if silent for {self.hung_restart_s:g} s)")
+            self.set_state(m, HUNG)
 
     def _count(self, m: Member, asleep: bool, sleeps: Mapping[str, int] | None,
                wakes: int | None) -> None:

@@ -104,3 +104,24 @@ def test_values_at_the_edges_are_served(server):
         assert r.status_code == 200, (kw, r.text)
     r = post(server, "/v1/chat/completions", chat(logprobs=False, top_logprobs=0))
     assert r.status_code == 200, r.text
+
+
+def test_deeply_nested_bodies_are_400s_with_one_line(server):
+    """JSON nested deeper than the parser goes (issue 33 item 10), bare or in a field the
+    server reads (``prompt``, ``messages``, ``stop``), and nested just under that depth:
+    a 400 in OpenAI's shape, one line, never a 500."""
+    deep = b"[" * 100_000
+    under = b"[" * 900 + b"1" + b"]" * 900
+    for route, body in (("/v1/completions", deep),
+                        ("/v1/completions", b'{"model": "tiny", "prompt": ' + deep),
+                        ("/v1/completions", b'{"model": "tiny", "prompt": ' + under + b"}"),
+                        ("/v1/completions", b'{"model": "tiny", "prompt": "a", "stop": '
+                         + under + b"}"),
+                        ("/v1/chat/completions", b'{"model": "tiny", "messages": ' + deep),
+                        ("/v1/chat/completions", b'{"model": "tiny", "messages": '
+                         + under + b"}")):
+        r = httpx.post(f"{server}{route}", content=body,
+                       headers={"content-type": "application/json"}, timeout=60)
+        assert r.status_code == 400, (route, body[:40], r.status_code, r.text[:300])
+        msg = r.json()["error"]["message"]
+        assert "\n" not in msg, msg

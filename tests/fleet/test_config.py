@@ -112,6 +112,10 @@ def test_each_bad_value_is_one_line_exit_2(folder: Path, extra: str, key: str | 
     ("[fleet]\nname = 'x'\n", "models", "no [[models]] entry"),
     ("[fleet\nname = 'x'\n", "", "not valid TOML"),
     ("[daemon]\npage_size = \"3KiB\"\n" + GOOD, "daemon.page_size", "power of two"),
+    ("[fleet]\nname = 'x'\nhung_after_s = 0\n[[models]]\nname = 'a'\ncheckpoint = 'alpha'\n",
+     "fleet.hung_after_s", "out of range"),
+    ("[fleet]\nname = 'x'\nhung_after_s = 60\nhung_restart_s = 30\n[[models]]\nname = 'a'"
+     "\ncheckpoint = 'alpha'\n", "fleet.hung_restart_s", "less than hung_after_s"),
 ])
 def test_fleet_and_daemon_tables(folder: Path, text: str, key: str, why: str) -> None:
     code, lines, out = run(folder, text)

@@ -126,6 +126,13 @@ def test_hostile_bodies_are_4xx(fleet) -> None:
             assert r.status_code == status and "error" in r.json(), (content, r.text)
         r = await router.post("/v1/completions", content=b"x" * (MAX_BODY + 1))
         assert r.status_code == 413, r.text
+        # nesting deeper than the parser recurses (issue 33 item 10: was a 500 and a
+        # traceback), bare or inside a routed body
+        for content in (b"[" * 100_000, b'{"model": "a", "prompt": ' + b"[" * 100_000,
+                        b'{"model": "a", "prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}"):
+            r = await router.post("/v1/completions", content=content)
+            error = r.json()["error"]
+            assert r.status_code == 400 and len(error["message"].splitlines()) == 1, r.text
 
     asyncio.run(go())
 

@@ -281,14 +281,13 @@ def serve_pair(config: EngineConfig, argv: list[str], host: str = "127.0.0.1",
     still choose any of this process's CPUs."""
     import socket
     import subprocess
-    import sys
 
-    from kvpool.launch import wait_healthy
+    from kvpool.launch import cli_argv, wait_healthy
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         child_port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "kvpool.cli.main", *argv, "--role", "prefill",
+    cmd = [*cli_argv(), *argv, "--role", "prefill",
            "--host", "127.0.0.1", "--port", str(child_port)]
     child = subprocess.Popen(cmd, preexec_fn=_die_with_parent)
     url = f"http://127.0.0.1:{child_port}"
