@@ -16,7 +16,8 @@ _PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*|%)\s*$")
 
 def parse_size(text: str | int, total: int | None = None) -> int:
     """Bytes for ``text``. Bare letters are binary (``2G`` = 2 GiB); ``KB/MB/GB`` are
-    decimal; ``N%`` needs ``total``. Raises ValueError naming the bad input."""
+    decimal; ``N%`` needs ``total``. A fraction of a byte (``0.5``) is refused, not
+    truncated. Raises ValueError naming the bad input."""
     if isinstance(text, int) and not isinstance(text, bool):
         if text < 0:
             raise ValueError(f"size must not be negative, got {text}")
@@ -36,6 +37,9 @@ def parse_size(text: str | int, total: int | None = None) -> int:
         return int(total * number / 100)
     if unit not in _UNITS:
         raise ValueError(f"unknown size unit {m.group(2)!r} in {text!r}")
+    if _UNITS[unit] == 1 and number != int(number):
+        raise ValueError(f"size {text!r} is a fraction of a byte: give a unit (e.g. "
+                         f"{m.group(1)}GiB) or a share (e.g. 50%)")
     return int(number * _UNITS[unit])
 
 

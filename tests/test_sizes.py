@@ -29,6 +29,15 @@ def test_bad_sizes_have_clear_errors(bad):
         parse_size(bad)
 
 
+@pytest.mark.parametrize("bad", ["0.5", "2.25", "1.5B", " 0.5 b"])
+def test_a_fraction_of_a_byte_is_refused(bad):
+    """Issue 33 item 12: ``kvpool limit t1 0.5`` set 0 bytes (truncated); a bare
+    fraction has no sensible meaning in bytes, so it is refused, naming the way out."""
+    with pytest.raises(ValueError, match="fraction of a byte.*unit.*%"):
+        parse_size(bad)
+    assert parse_size("0.5KiB") == 512 and parse_size("1.0") == 1
+
+
 @given(st.integers(min_value=0, max_value=1 << 50))
 def test_format_then_parse_is_close(n):
     assert abs(parse_size(format_size(n).replace(" ", "")) - n) <= max(1, n * 0.05)

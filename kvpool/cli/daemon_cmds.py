@@ -68,7 +68,8 @@ def _config_exit(e: ConfigError) -> NoReturn:
 @click.option("--device", type=int, default=None, help="Device ordinal (default 0).")
 @click.option("--devices", default=None,
               help="Serve several devices, a pool and a budget each: 'all', a count N "
-                   "(devices 0..N-1; on host, N independent pools) or a list '0,1'.")
+                   "(devices 0..N-1; on host, N independent pools, each an equal share "
+                   "of RAM) or a list '0,1'.")
 @click.option("--budget", type=SizeParam(percent=True), default=None,
               help="Bytes the daemon may hand out: a size or a share of device memory "
                    "(default 80%).")
@@ -287,9 +288,9 @@ def limit(tenant: str, size: str | None, max_: str | None, min_: str | None,
             try:
                 out[key] = parse_size(text, stats.pool.budget)
             except ValueError as e:
-                raise click.BadParameter(str(e), param_hint=key.upper()) from None
+                _bad_value(key.upper(), str(e))
             if out[key] > p.MAX_BYTES:
-                raise click.BadParameter(f"{text!r} is too large", param_hint=key.upper())
+                _bad_value(key.upper(), f"{text!r} is too large")
         if not out and weight is None:
             raise click.UsageError("nothing to change: give SIZE, --min or --weight")
         reply = mon.set_limit(tenant, out.get("max"), min=out.get("min"), weight=weight)
@@ -317,6 +318,12 @@ def limit(tenant: str, size: str | None, max_: str | None, min_: str | None,
     click.echo("; ".join(_knob_changes(tenant, out, weight)))
     if not reply.applied:
         click.echo(f"pending: {format_size(reply.pending)} still to free")
+
+
+def _bad_value(what: str, why: str) -> NoReturn:
+    """A bad argument: one line on stderr, exit status 2 (nothing was changed)."""
+    click.echo(f"Error: {what}: {why}", err=True)
+    sys.exit(2)
 
 
 def _knob_changes(tenant: str, out: dict[str, int], weight: float | None) -> list[str]:

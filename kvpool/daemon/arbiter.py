@@ -245,6 +245,7 @@ class Arbiter:
                 self.counters.errors += 1
             o.envelope = w.envelope
             out.append(o)
+        self.gangs.serve()  # waiting gang grants every device covers now (all at once)
         self.gangs.mirror_asks(now)  # a gang is asked as one (every rank, same ask)
         return out
 

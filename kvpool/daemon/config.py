@@ -222,17 +222,29 @@ class Config:
             raise ConfigError(problems)
         return cls(**out)
 
-    def check_budget(self, total: int, page_size: int, free: int | None = None) -> int:
+    def check_budget(self, total: int, page_size: int, free: int | None = None,
+                     share: int = 1) -> int:
         """The budget in bytes (whole pages) given the device's ``total`` memory (the huge
-        page pool with ``huge_pages``, whose ``free`` bytes must then hold ``warm_min``);
-        raises :class:`ConfigError` when the budget exceeds the device or is under one
-        page, or the configured tenants' ``min`` add up to more than the budget."""
+        page pool with ``huge_pages``, whose ``free`` bytes must then hold ``warm_min``),
+        of which this device gets an equal ``share``-th (the devices of a backend that
+        draw on one memory: ``Capabilities.devices_share_memory``); raises
+        :class:`ConfigError` when the budget exceeds the device (its share) or is under
+        one page, ``warm_min`` exceeds the budget, or the configured tenants' ``min``
+        add up to more than the budget."""
         problems: list[str] = []
+        whole, total = total, total // share
+        free = free // share if free is not None else None
         if self.huge_pages and total < page_size:
             raise ConfigError([values_.no_huge_pages(page_size, total)])
         budget = parse_size(self.budget, total)
         device = "hugetlb pool's (vm.nr_hugepages)" if self.huge_pages else "device's"
-        if budget > total:
+        if budget > total and share > 1:
+            problems.append(f"budget = {values_.show_size(self.budget)}: more than "
+                            f"{format_size(total)}, each of the {share} devices' equal share "
+                            f"of the {'hugetlb pool' if self.huge_pages else 'memory'} "
+                            f"({format_size(whole)}) they all draw on (lower the budget or "
+                            f"the number of devices)")
+        elif budget > total:
             problems.append(f"budget = {values_.show_size(self.budget)}: more than the {device} "
                             f"{format_size(total)}")
         elif budget < page_size:
@@ -241,6 +253,10 @@ class Config:
         if problems:
             raise ConfigError(problems)
         budget = budget // page_size * page_size
+        if self.resolve_pages(self.warm_min, page_size, budget) > budget // page_size:
+            problems.append(f"warm_min = {values_.show_size(self.warm_min)}: more than the "
+                            f"budget {format_size(budget)} (zeroed pages kept ready come "
+                            f"out of it)")
         mins = {n: parse_size(t.min, budget) for n, t in self.tenants.items()}
         for name, policy in self.tenants.items():
             if policy.max is not None and mins[name] > parse_size(policy.max, budget):

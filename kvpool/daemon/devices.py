@@ -47,17 +47,20 @@ class Stack:
     budget: int
 
 
-def open_stack(cfg: Config, device: int, tenants: Tenants, gangs: Gangs) -> Stack:
+def open_stack(cfg: Config, device: int, tenants: Tenants, gangs: Gangs,
+               served: int = 1) -> Stack:
     """Open ``device``'s backend and build its pool and arbiter (``cfg.for_device``:
-    its budget); raises ``ConfigError`` (the backend closed) when the budget does not
-    fit the device."""
+    its budget), one of ``served`` devices; raises ``ConfigError`` (the backend closed)
+    when the budget does not fit the device (on a backend whose devices share one
+    memory, host RAM: an equal ``served``-th of it)."""
     dcfg = cfg.for_device(device)
     page_size = parse_size(cfg.page_size) if cfg.page_size is not None else None
     backend = open_backend(cfg.backend, device, page_size, cfg.huge_pages)
     ps = backend.page_size
     free, total = backend.mem_info()
+    share = served if backend.caps.devices_share_memory else 1
     try:  # budget vs the device, tenants' min vs the budget (ConfigError)
-        budget_pages = dcfg.check_budget(total, ps, free) // ps
+        budget_pages = dcfg.check_budget(total, ps, free, share) // ps
     except ValueError:
         backend.close()
         raise
@@ -80,7 +83,7 @@ class Devices:
         self.stacks: dict[int, Stack] = {}
         try:
             for d in ordinals:
-                self.stacks[d] = open_stack(cfg, d, self.tenants, self.gangs)
+                self.stacks[d] = open_stack(cfg, d, self.tenants, self.gangs, len(ordinals))
         except BaseException:
             self.close()
             raise

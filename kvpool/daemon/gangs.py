@@ -11,11 +11,18 @@ Grants and releases are **collective**: a rank's ``Grant``/``Release`` is a *par
 matched with the other ranks' by (operation, group index in the layout, units). A part
 waits (its answer deferred) until every rank sent the same one, then in one call:
 
-* grant: every rank admitted (its cap) and the units fitting on every device now;
-  pages *reserved* on each device in turn (``Pool.take``), any failure giving back what
-  the devices before it reserved; only then *committed* to every rank's page table, each
+* grant: every rank admitted (its cap); when the units fit on every device now, pages
+  *reserved* on each device in turn (``Pool.take``), any failure giving back what the
+  devices before it reserved; only then *committed* to every rank's page table, each
   rank answered with its own descriptors. Every part gets ``Granted`` or every part the
   same error: no rank ever sees a partial grant;
+* a grant that does not fit on some device *waits* as a single grant does (when every
+  short rank may grow by reclaim: not asked to give back, within its fair share or
+  covered by a sleep): a :class:`Waiting` with a *collective* waiter on every rank's
+  device (:meth:`Reclaimer.wait`), so each device's reclaimer asks for its missing pages
+  and sets aside the free ones in arrival order; :meth:`Gangs.serve` commits it on every
+  device at once when every device covers its rank's waiter (:meth:`Reclaimer.covers`),
+  :meth:`Gangs.expire` fails it at its deadline. Nothing is taken before the commit;
 * release: every rank's pages of the units go back on every device together.
 
 A part whose peers do not all come within ``timeout_s`` is answered ``NO_MEMORY``
@@ -30,7 +37,8 @@ reclaimer) are attached by that device's arbiter (:meth:`Gangs.attach`).
 
 Invariant (:meth:`Gangs.check`, part of ``kvpool check``): for every live gang and group
 index ``k``, every rank's ``k``-th group holds exactly the same units; an ended gang's
-remaining ranks hold nothing.
+remaining ranks hold nothing; a waiting grant belongs to a live gang and has a waiter
+queued on every rank's device.
 """
 
 from __future__ import annotations
@@ -46,7 +54,7 @@ from kvpool import protocol as p
 from kvpool.daemon.grants import MAX_PAGES_PER_GRANT, Grants, check_units, require_holder
 from kvpool.daemon.outcome import Fail, Outbox, Outcome, Sender
 from kvpool.daemon.pool import Pool, PoolExhausted
-from kvpool.daemon.reclaim import Reclaimer
+from kvpool.daemon.reclaim import Reclaimer, Waiter
 from kvpool.daemon.regions import GroupRecord
 from kvpool.daemon.tenants import NO_MEMORY_KINDS, TenantRecord
 
@@ -73,6 +81,19 @@ class Part:
     envelope: list[bytes]
     req: Collective
     group: GroupRecord
+    deadline: float
+
+
+@dataclass(eq=False)
+class Waiting:
+    """A gang's grant that did not fit on every device: ``waiters[rank]`` is rank's
+    collective waiter on its device; served when all are covered, failed at
+    ``deadline``."""
+
+    gang: Gang
+    key: PartKey
+    parts: dict[int, Part]
+    waiters: dict[int, Waiter]
     deadline: float
 
 
@@ -114,6 +135,7 @@ class Gangs:
         self.outbox = Outbox()
         self._ready: list[Outcome] = []
         self._ids = itertools.count(1)
+        self.waiting: list[Waiting] = []  # grants waiting for reclaim, oldest first
 
     def attach(self, device: int, parts: GangDevice) -> None:
         """Device ``device``'s pool, grants and reclaimer (its arbiter calls this)."""
@@ -248,7 +270,9 @@ class Gangs:
                 raise Fail(p.BAD_REQUEST, f"unit {missing[0]} of group {grp.id} is not granted")
         key: PartKey = (op, k, tuple(r.units))
         mine = set(r.units)
-        for (o, kk, units), waiting in g.parts.items():
+        pending = list(g.parts.items()) + [(w.key, w.parts) for w in self.waiting
+                                           if w.gang is g]
+        for (o, kk, units), waiting in pending:
             if kk == k and t.rank in waiting and mine & set(units):
                 raise Fail(p.BAD_REQUEST, f"a unit of group {grp.id} is already in a waiting "
                                           f"{o} of this rank")
@@ -256,22 +280,86 @@ class Gangs:
         parts[t.rank] = Part(t, sender.envelope, r, grp, time.monotonic() + self.timeout_s)
         if len(parts) == g.size:
             del g.parts[key]
-            self._ready.extend(self._grant(g, parts) if op == "grant" else self._release(parts))
+            self._ready.extend(self._grant(g, key, parts) if op == "grant"
+                               else self._release(parts))
         return Outcome(None, tenant=t, deferred=True)
 
-    def _grant(self, g: Gang, parts: dict[int, Part]) -> list[Outcome]:
-        """Every rank's part is in: reserve on every device, then commit; or nothing."""
-        order = sorted(parts.items())
-        for rank, part in order:  # admission and room on every device, before any take
-            dev, t = self.devices[part.tenant.device], part.tenant
-            n = len(part.req.units) * part.group.n_regions
+    def _grant(self, g: Gang, key: PartKey, parts: dict[int, Part]) -> list[Outcome]:
+        """Every rank's part is in: commit now when it fits on every device, else wait
+        for reclaim (when every short rank may), else every part the same error."""
+        failed = self._admit(g, parts)
+        if failed:
+            return failed
+        speculative = any(x.req.speculative for x in parts.values()
+                          if isinstance(x.req, p.Grant))
+        short = []
+        for rank, part in sorted(parts.items()):  # room on every device, before any take
+            dev, t, n = self.devices[part.tenant.device], part.tenant, _pages(part)
+            if not speculative:
+                dev.reclaimer.make_room(n)  # cached weight sets nobody holds go first
+            if not dev.grants.fits(t, n, speculative):
+                short.append(rank)
+        if not short:
+            return self._commit(g, parts)
+        now = time.monotonic()
+        why = self._refusal(g, parts, short, speculative, now)
+        if why:
+            return self._fail(parts, p.NO_MEMORY, why)
+        waiters = {rank: self.devices[x.tenant.device].reclaimer.wait(
+            x.tenant, x.envelope, x.req, _pages(x), now, collective=True)
+            for rank, x in sorted(parts.items())}
+        self.waiting.append(Waiting(g, key, parts, waiters, now + self.timeout_s))
+        log.info("gang %d: a grant of %s pages waits for reclaim on device(s) %s", g.id,
+                 _pages(parts[short[0]]), [parts[r].tenant.device for r in short])
+        return []
+
+    def _admit(self, g: Gang, parts: dict[int, Part]) -> list[Outcome]:
+        """Every rank's admission (its cap, recovery); the failures ([]: all admitted)."""
+        for rank, part in sorted(parts.items()):
             try:
-                dev.grants.admit(t, n)
+                self.devices[part.tenant.device].grants.admit(part.tenant, _pages(part))
             except Fail as e:
                 return self._fail(parts, e.code, f"gang {g.id} rank {rank}: {e}")
-            dev.reclaimer.make_room(n)  # cached weight sets nobody holds go first
-            if not dev.grants.fits(t, n, True):
-                return self._fail(parts, p.NO_MEMORY, self._short(g, rank, t, n))
+        return []
+
+    def _refusal(self, g: Gang, parts: dict[int, Part], short: list[int],
+                 speculative: bool, now: float) -> str:
+        """Why the grant may not wait for reclaim ("": it may): as for a single grant,
+        a speculative one never does, nor a gang asked to give back, nor one whose rank
+        on a short device would pass its fair share (and no sleep covers it)."""
+        for rank in short:
+            t, n = parts[rank].tenant, _pages(parts[rank])
+            rc = self.devices[t.device].reclaimer
+            asked = any(x.tenant.ask is not None for x in parts.values())
+            why = ("speculative grants use free memory only" if speculative else
+                   f"{t.name} is being asked to give memory back" if asked else
+                   "" if rc.may_grow(t, n) or rc.sleep_would_cover(t, n, now) else
+                   f"{t.name} is at its fair share there")
+            if why:
+                return (f"gang {g.id}: {n} pages asked on device {t.device} (rank {rank}), "
+                        f"{rc.pool.available - rc.waiting_pages} free there; {why}")
+        return ""
+
+    def serve(self) -> None:
+        """Waiting grants whose every rank's device covers its pages now are committed
+        (on every device at once); their answers join :meth:`take_ready`. Any device's
+        tick calls this after its reclaim step."""
+        for w in list(self.waiting):
+            if all(self.devices[x.tenant.device].reclaimer.covers(x)
+                   for x in w.waiters.values()):
+                self._settle(w)
+                self._ready.extend(self._admit(w.gang, w.parts)  # (its limit may have
+                                   or self._commit(w.gang, w.parts))  # changed meanwhile)
+
+    def _settle(self, w: Waiting) -> None:
+        """``w`` is answered now: its waiters leave every device's queue."""
+        self.waiting.remove(w)
+        for x in w.waiters.values():
+            self.devices[x.tenant.device].reclaimer.withdraw(x)
+
+    def _commit(self, g: Gang, parts: dict[int, Part]) -> list[Outcome]:
+        """Reserve on every device, then commit; or nothing (every part the error)."""
+        order = sorted(parts.items())
         reserved: list[tuple[Part, list[int]]] = []
         for rank, part in order:  # reserve
             dev, t = self.devices[part.tenant.device], part.tenant
@@ -294,12 +382,6 @@ class Gangs:
             out.append(Outcome(reply, pfns_to_send=pfns, tenant=t, envelope=part.envelope))
         return out
 
-    def _short(self, g: Gang, rank: int, t: TenantRecord, n: int) -> str:
-        dev = self.devices[t.device]
-        return (f"gang {g.id}: {n} pages asked on device {t.device} (rank {rank}), "
-                f"{dev.pool.available - dev.reclaimer.waiting_pages} free there; gang "
-                f"grants use free memory only")
-
     def _release(self, parts: dict[int, Part]) -> list[Outcome]:
         out: list[Outcome] = []
         for _, part in sorted(parts.items()):
@@ -319,12 +401,22 @@ class Gangs:
                 for _, x in sorted(parts.items())]
 
     def next_deadline(self) -> float | None:
-        return min((x.deadline for g in self.by_id.values() for parts in g.parts.values()
-                    for x in parts.values()), default=None)
+        return min([x.deadline for g in self.by_id.values() for parts in g.parts.values()
+                    for x in parts.values()] + [w.deadline for w in self.waiting],
+                   default=None)
 
     def expire(self, now: float) -> None:
         """Parts whose peers did not all come by their deadline are answered: the grant
-        (or release) does not happen; nothing was reserved for it."""
+        (or release) does not happen; nothing was reserved for it. So are grants that
+        waited for reclaim past their deadline (nothing was taken for them)."""
+        for w in [w for w in self.waiting if w.deadline <= now]:
+            short = [(r, x.tenant.device) for r, x in sorted(w.waiters.items())
+                     if not self.devices[x.tenant.device].reclaimer.covers(x)]
+            self._settle(w)
+            where = ", ".join(f"device {d} (rank {r})" for r, d in short) or "every device"
+            self._ready.extend(self._fail(w.parts, p.NO_MEMORY, (
+                f"gang {w.gang.id}: {_pages(next(iter(w.parts.values())))} pages not "
+                f"freed on {where} within {self.timeout_s:g} s (reclaim deadline)")))
         for g in self.by_id.values():
             for key, parts in list(g.parts.items()):
                 if min(x.deadline for x in parts.values()) > now:
@@ -346,6 +438,10 @@ class Gangs:
         for key, parts in list(g.parts.items()):  # waiting parts: answered (t's too)
             del g.parts[key]
             self._ready.extend(self._fail(parts, p.NO_MEMORY, (
+                f"gang {g.id} ended: rank {t.rank} {why}")))
+        for w in [w for w in self.waiting if w.gang is g]:  # so are its waiting grants
+            self._settle(w)
+            self._ready.extend(self._fail(w.parts, p.NO_MEMORY, (
                 f"gang {g.id} ended: rank {t.rank} {why}")))
         if not g.ended:
             g.ended = f"rank {t.rank} (pid {t.pid}) {why}"
@@ -395,6 +491,12 @@ class Gangs:
     # ---- integrity -----------------------------------------------------------------
     def check(self) -> list[str]:
         problems: list[str] = []
+        for w in self.waiting:  # a waiting grant: a live gang, queued on every device
+            queued = [r for r, x in w.waiters.items()
+                      if x in self.devices[x.tenant.device].reclaimer.waiters]
+            if w.gang.ended or sorted(queued) != list(range(w.gang.size)):
+                problems.append(f"gang {w.gang.id}: a waiting grant is queued for ranks "
+                                f"{sorted(queued)} only{' (the gang ended)' * bool(w.gang.ended)}")
         for g in self.by_id.values():
             for rank, x in g.ranks.items():
                 if x.gang != g.id or x.rank != rank:
@@ -416,6 +518,11 @@ class Gangs:
                     problems.append(f"gang {g.id} group {k} is half-granted: units by rank "
                                     f"{ {r: len(u) for r, u in sorted(tables.items())} }")
         return problems
+
+
+def _pages(part: Part) -> int:
+    """The pages ``part`` moves on its rank's device."""
+    return len(part.req.units) * part.group.n_regions
 
 
 def _show(layout: list[tuple[int, int]]) -> str:

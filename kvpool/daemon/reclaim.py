@@ -120,6 +120,10 @@ class Waiter:
     req: p.Request  # p.Grant or p.Lease
     pages: int
     deadline: float
+    # one rank's part of a gang's grant (kvpool.daemon.gangs): the gang serves it with
+    # its other ranks' (when :meth:`Reclaimer.covers` holds on every device) and fails
+    # it at its deadline; :meth:`Reclaimer.step` only sets its pages aside, in order
+    collective: bool = False
 
 
 class Reclaimer:
@@ -170,9 +174,27 @@ class Reclaimer:
     def asked_pages(self) -> int:
         return sum(t.ask.pages for t in self.tenants if t.ask is not None)
 
-    def wait(self, t: TenantRecord, envelope: list[bytes], req: p.Request, pages: int, now: float) -> None:
-        self.waiters.append(Waiter(t, envelope, req, pages, now + self.timeout_s))
+    def wait(self, t: TenantRecord, envelope: list[bytes], req: p.Request, pages: int, now: float,
+             collective: bool = False) -> Waiter:
+        w = Waiter(t, envelope, req, pages, now + self.timeout_s, collective)
+        self.waiters.append(w)
         t.waiting_pages += pages
+        return w
+
+    def covers(self, w: Waiter) -> bool:
+        """Whether the free pages cover waiter ``w`` after every waiter queued before it
+        (what :meth:`step` sets aside for a collective waiter). Read-only."""
+        ahead = 0
+        for x in self.waiters:
+            if x is w:
+                return ahead + w.pages <= self.pool.available
+            ahead += x.pages
+        return False
+
+    def withdraw(self, w: Waiter) -> None:
+        """``w`` is answered by its owner (a gang's part): no longer waiting here."""
+        if w in self.waiters:
+            self._pop(w)
 
     def released(self, t: TenantRecord, pages: int) -> None:
         """``t`` gave back ``pages``: they count towards its outstanding ask."""
@@ -252,8 +274,12 @@ class Reclaimer:
         self._expire_asks(now)
         self.make_room(0)  # cached weight sets go before anyone is asked
         avail = self.pool.available
-        while self.waiters:
-            w = self.waiters[0]
+        for w in list(self.waiters):
+            if w.collective:  # served by its gang (covers); its pages set aside meanwhile
+                if w.pages > avail:
+                    break
+                avail -= w.pages
+                continue
             if w.tenant.held + w.tenant.weight_pages + w.pages > w.tenant.cap_pages:
                 self._pop(w)
                 done.append((w, p.error(w.req.id, p.OVER_LIMIT, f"{w.tenant.name}: its limit "
@@ -264,7 +290,7 @@ class Reclaimer:
             self._pop(w)
             avail -= w.pages
             done.append((w, None))
-        for w in [w for w in self.waiters if w.deadline <= now]:
+        for w in [w for w in self.waiters if w.deadline <= now and not w.collective]:
             self._pop(w)
             done.append((w, p.error(w.req.id, p.NO_MEMORY,
                                     f"{w.pages} pages not freed within {self.timeout_s:g} s "

@@ -33,6 +33,11 @@ class Capabilities:
 
     ``huge_pages``: pages can be backed by hugetlb memory (``huge_pages = true``).
 
+    ``devices_share_memory``: every device ordinal of the backend draws on the same
+    memory (host RAM: ``--devices N`` simulates N devices in it), so a daemon serving N
+    of them gives each an equal share of what :meth:`~kvpool.vmm.base.Backend.mem_info`
+    reports (budgets are checked, and percentages resolved, against that share).
+
     ``read_only_maps``: pages can be created for a weight set
     (:meth:`~kvpool.vmm.base.Backend.create_sealable_page`) and mapped read-only
     (:meth:`~kvpool.vmm.base.Backend.map_read_only`), a write through such a mapping
@@ -55,6 +60,7 @@ class Capabilities:
     huge_pages: bool
     read_only_maps: bool = False
     read_only_shares: bool = False
+    devices_share_memory: bool = False
 
     def __post_init__(self) -> None:
         if self.read_only_shares and not self.read_only_maps:
@@ -64,7 +70,7 @@ class Capabilities:
 #: memfd pages in RAM (:mod:`kvpool.vmm.host`)
 HOST_CAPS = Capabilities(handles_are_fds=True, fresh_pages_zeroed=True,
                          device_memory_bounded=False, tensor_device="cpu", huge_pages=True,
-                         read_only_maps=True, read_only_shares=True)
+                         read_only_maps=True, read_only_shares=True, devices_share_memory=True)
 #: CUDA VMM allocations on a GPU (:mod:`kvpool.vmm.cuda`)
 CUDA_CAPS = Capabilities(handles_are_fds=False, fresh_pages_zeroed=False,
                          device_memory_bounded=True, tensor_device="cuda", huge_pages=False,

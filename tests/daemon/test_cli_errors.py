@@ -24,6 +24,20 @@ def test_limit_of_a_tenant_not_connected_says_so(daemon):
             "connected"] == 1
 
 
+@pytest.mark.parametrize("size", ["0.5", "0.5B"])
+def test_limit_refuses_a_fraction_of_a_byte_in_one_line(daemon, size):
+    """Issue 33 item 12: ``kvpool limit t1 0.5`` set the limit to 0 bytes. Now: one
+    line, exit 2, and the limit is what it was."""
+    with daemon.connect("t1") as t:
+        before = t.limit
+        out = daemon.cli("limit", "t1", size, check=False)
+        assert out.returncode == 2, out
+        assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+        assert "fraction of a byte" in out.stderr and "Traceback" not in out.stderr
+        (shown,) = [x for x in daemon.cli_json("ps")["tenants"] if x["name"] == "t1"]
+        assert shown["max"] == before > 0
+
+
 @pytest.mark.parametrize("args", [("ps",), ("check",), ("map",), ("stop",),
                                   ("limit", "x", "1MiB")])
 def test_commands_against_a_dead_daemon_say_no_daemon(start_daemon, args):

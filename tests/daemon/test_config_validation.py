@@ -67,6 +67,7 @@ def refused(proc: subprocess.Popen, run_dir: Path) -> list[str]:
     (("--devices", "0,0"), "devices = '0,0': a device is named twice"),
     (("--devices", "0"), "devices = '0': no device to serve"),
     (("--devices", "one"), "--devices = 'one'"),
+    (("--warm-min", "100GiB"), "warm_min = 100 GiB: more than the budget"),  # issue 33 #12
 ])
 def test_bad_flags_are_refused(run_dir, flags, needle):
     budget = flags[1] if flags[0] == "--budget" else "8MiB"
@@ -94,6 +95,7 @@ def test_bad_flags_are_refused(run_dir, flags, needle):
     ('device_budgets = { "1" = "abc" }\n', "device 1: cannot parse size"),
     ('device_budgets = { "x" = "1MiB" }\n', "device_budgets"),
     ("budget = [\n", "not valid TOML"),
+    ('warm_min = "200p"\n', "warm_min = '200p': more than the budget"),  # (128 pages)
 ])
 def test_bad_config_values_are_refused(run_dir, toml, needle):
     lines = refused(start(run_dir, toml=toml), run_dir)
@@ -120,6 +122,44 @@ def test_good_values_start_the_daemon(run_dir):
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=20)
+    assert proc.returncode == 0
+
+
+def ram_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        return next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemTotal:"))
+
+
+def test_host_devices_share_one_ram_and_a_budget_that_cannot_hold_is_refused(run_dir):
+    """Issue 33 item 12: ``--devices N`` on host simulates N devices in one RAM, so their
+    budgets together must fit it: each device's budget is checked against its equal
+    share, one line when it cannot hold."""
+    third = ram_bytes() // 3  # fits RAM on one device; 4 of them do not
+    (line,) = refused(start(run_dir, "--backend", "host", "--devices", "4",
+                            budget=str(third)), run_dir)
+    assert "budget = " in line and "4 devices" in line and "share" in line, line
+
+
+def test_a_percentage_budget_is_split_between_host_devices(run_dir):
+    """Issue 33 item 12: ``--devices 64 --budget 80%`` admitted ~51x RAM (each device 80%
+    of it); now the 64 budgets add up to at most 80% of RAM."""
+    proc = start(run_dir, "--backend", "host", "--devices", "64", budget="80%")
+    d = DaemonProc(run_dir=run_dir, proc=proc, log=run_dir / "none.log", page_size=PAGE)
+    try:
+        wait_ready(d)
+        from kvpool.client_lib import Monitor
+
+        budgets = []
+        for dev in range(64):
+            with Monitor(run_dir, device=dev) as m:
+                pool = m.ps().pool
+                assert pool is not None and pool.device == dev
+                budgets.append(pool.budget)
+        assert min(budgets) > 0
+        assert sum(budgets) <= ram_bytes() * 0.8, (sum(budgets), ram_bytes())
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
     assert proc.returncode == 0
 
 

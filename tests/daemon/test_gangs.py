@@ -49,10 +49,10 @@ def two_devices(start_daemon, *extra: str):
     return start_daemon(budget=str(BUDGET * PAGE), extra=("--devices", "2", *extra))
 
 
-def make_gang(d, name="tp", devices=(0, 1)):
-    r0 = d.connect(name, device=devices[0])
+def make_gang(d, name="tp", devices=(0, 1), **kw):
+    r0 = d.connect(name, device=devices[0], **kw)
     token = r0.create_gang(list(devices), LAYOUT)
-    r1 = d.connect(name, device=devices[1], gang=token, rank=1, layout=LAYOUT)
+    r1 = d.connect(name, device=devices[1], gang=token, rank=1, layout=LAYOUT, **kw)
     return token, r0, r1, r0.region_group(*LAYOUT[0]), r1.region_group(*LAYOUT[0])
 
 
@@ -98,6 +98,80 @@ def test_a_gang_grant_is_all_or_none(start_daemon):
         assert (a, b) == (None, None)
         assert m0.ps().pool.granted == m1.ps().pool.granted == 2 * PAGE
         assert invariant_problems(mons, 2) == []
+
+
+def shrinker(g):
+    """A shrink callback releasing ``g``'s highest units (what the ask asks for)."""
+    def shrink(nbytes, urgent):
+        mapped = sorted(g.mapped)
+        k = min(len(mapped), -(-nbytes // g.unit_bytes))
+        if k:
+            g.release(mapped[-k:])
+    return shrink
+
+
+def asks_to(mon, name):
+    return [e for e in mon.call(p.Events(), p.EventsReply).events
+            if e.kind == "ask" and e.tenant == name]
+
+
+def grow_until_full(g):
+    """A single tenant grows one unit at a time until its device refuses it."""
+    for u in range(g.npages):
+        try:
+            g.grant([u])
+        except NoMemory:
+            return
+
+
+def test_a_gang_grant_waits_while_a_growing_tenant_is_asked_to_shrink(start_daemon):
+    """Issue 33 item 7: a single tenant grows until device 1 is full; the gang's grant
+    waits (it does not fit on device 1), the single tenant is asked to shrink to its
+    fair share, gives back, and the gang gets its pages on both devices at once."""
+    d = two_devices(start_daemon, "--reclaim-timeout", "60")  # the outcome never waits on it
+    _, r0, r1, g0, g1 = make_gang(d, timeout_s=120)  # (the ranks' calls neither)
+    with r0, r1, d.connect("solo", device=1) as solo, \
+            Monitor(d.run_dir, device=0) as m0, Monitor(d.run_dir, device=1) as m1:
+        sg = solo.region_group(1, BUDGET * PAGE)
+        solo.set_shrink_callback(shrinker(sg))
+        grow_until_full(sg)
+        assert len(sg.mapped) == BUDGET and m1.ps().pool.granted == BUDGET * PAGE
+        a, b = together(lambda: g0.grant(range(4)), lambda: g1.grant(range(4)))
+        assert (a, b) == (None, None), (a, b)
+        assert g0.mapped == g1.mapped == {0, 1, 2, 3}
+        # (the callback releases what each call names: the library calls it until the
+        # ask is met, so it may give back more than its pages above its share)
+        assert len(sg.mapped) <= BUDGET - 8
+        asks = asks_to(m1, "solo")
+        assert asks and all(e.detail.get("mode") == "shrink" for e in asks), asks
+        assert not asks_to(m0, "tp") and not asks_to(m1, "tp")  # the waiter is not asked
+        ps0, ps1 = m0.ps(), m1.ps()
+        assert ps0.pool.granted == 8 * PAGE
+        assert [(x.name, x.mapped) for x in ps1.tenants if x.name == "tp"] == [("tp", 8 * PAGE)]
+        assert invariant_problems({0: m0, 1: m1}, 2) == []
+
+
+def test_a_gang_grant_not_freed_by_its_deadline_takes_nothing(start_daemon):
+    """Issue 33 item 7: the single tenant ignores the ask; at the deadline every rank
+    gets the same NO_MEMORY naming the device, and no device holds a page for the gang
+    (the pages set aside on device 0 while it waited were never taken)."""
+    d = two_devices(start_daemon, "--reclaim-timeout", "3")
+    _, r0, r1, g0, g1 = make_gang(d)
+    with r0, r1, d.connect("solo", device=1) as solo, \
+            Monitor(d.run_dir, device=0) as m0, Monitor(d.run_dir, device=1) as m1:
+        sg = solo.region_group(1, BUDGET * PAGE)  # (no shrink callback: it gives nothing)
+        grow_until_full(sg)
+        a, b = together(lambda: g0.grant(range(4)), lambda: g1.grant(range(4)))
+        assert isinstance(a, NoMemory) and isinstance(b, NoMemory), (a, b)
+        assert str(a) == str(b) and "device 1" in str(a) and "not freed" in str(a), a
+        assert asks_to(m1, "solo")  # it was asked (and did not give back)
+        assert not g0.mapped and not g1.mapped
+        assert m0.ps().pool.granted == 0 and m1.ps().pool.granted == BUDGET * PAGE
+        assert invariant_problems({0: m0, 1: m1}, 2) == []
+        sg.release(range(8))  # room again: the gang goes on
+        a, b = together(lambda: g0.grant([0, 1]), lambda: g1.grant([0, 1]))
+        assert (a, b) == (None, None) and g0.mapped == g1.mapped == {0, 1}
+        assert invariant_problems({0: m0, 1: m1}, 2) == []
 
 
 def test_a_rank_missing_its_part_is_rolled_back_by_the_deadline(start_daemon):

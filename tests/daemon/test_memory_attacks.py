@@ -108,9 +108,10 @@ def test_a_page_handed_to_another_tenant_was_never_exported_to_the_previous(daem
 
 
 def test_warm_pool_is_clamped_to_the_budget(start_daemon):
-    """``warm_min``/``warm_max`` above the budget: the warm pool still never holds more
-    than the budget leaves."""
-    d = start_daemon(budget=str(8 * PAGE), extra=("--warm-min", str(16 * PAGE),
+    """``warm_max`` above the budget, ``warm_min`` all of it: the warm pool still never
+    holds more than the budget leaves. (A ``warm_min`` above the budget is refused at
+    start: tests/daemon/test_config_validation.py.)"""
+    d = start_daemon(budget=str(8 * PAGE), extra=("--warm-min", str(8 * PAGE),
                                                   "--warm-max", str(64 * PAGE)))
     pool = d.stats().pool
     assert pool.warm_max <= pool.budget and pool.warm_min <= pool.budget
