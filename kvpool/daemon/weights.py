@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from kvpool import protocol as p
+from kvpool.daemon.events import Moves
 from kvpool.daemon.outcome import Fail, Outcome, Sender
 from kvpool.daemon.pool import Pool, PoolExhausted
 from kvpool.daemon.tenants import NO_MEMORY_KINDS, TenantRecord, Tenants
@@ -93,7 +94,8 @@ class WeightSets:
     :meth:`serve`)."""
 
     def __init__(self, pool: Pool, tenants: Tenants, owed: Callable[[], int],
-                 wait: WaitForRoom | None = None):
+                 wait: WaitForRoom | None = None, moves: Moves | None = None):
+        self.moves = moves if moves is not None else Moves()  # every set's moves recorded
         self.pool = pool
         self.page_size = pool.page_size
         self.tenants = tenants
@@ -129,6 +131,7 @@ class WeightSets:
             freed += s.pages
             log.info("weight set %s reclaimed (%d pages, cached, nobody held it)",
                      s.key[:KEY_SHOWN], s.pages)
+            self.moves.pages("weights", None, s.pages, op="evict", key=s.key[:KEY_SHOWN])
             self._drop(s)
         return freed
 
@@ -197,6 +200,7 @@ class WeightSets:
         self.sets[(scope, r.key)] = s
         self.by_id[sid] = s
         t.weight_pages += n
+        self.moves.pages("weights", t, n, op="create", key=s.key[:KEY_SHOWN])
         return self._granted(t, r.id, s)
 
     def seal(self, t: TenantRecord, sender: Sender, r: p.WeightSeal) -> p.Reply:
@@ -210,6 +214,7 @@ class WeightSets:
         except VmmError as e:
             raise Fail(p.BUSY, f"cannot seal the weight set: {e}") from e
         s.state = "sealed"
+        self.moves.pages("weights", t, s.pages, op="seal", key=s.key[:KEY_SHOWN])
         return p.Done(id=r.id)
 
     def attach(self, t: TenantRecord, sender: Sender, r: p.WeightAttach) -> Outcome:
@@ -224,6 +229,7 @@ class WeightSets:
         self._admit(t, s.pages, "attach")
         s.holders.add(t.id)
         t.weight_pages += s.pages
+        self.moves.pages("weights", t, s.pages, op="attach", key=s.key[:KEY_SHOWN])
         return self._granted(t, r.id, s)
 
     def detach(self, t: TenantRecord, sender: Sender, r: p.WeightDetach) -> p.Reply:
@@ -298,8 +304,10 @@ class WeightSets:
     def _let_go(self, t: TenantRecord, s: WeightSet) -> None:
         s.holders.discard(t.id)
         t.weight_pages -= s.pages
+        self.moves.pages("weights", t, s.pages, op="detach", key=s.key[:KEY_SHOWN])
         if s.state == "loading":  # never sealed: never attachable, its pages return
             log.info("weight set %s dropped before it was sealed", s.key[:KEY_SHOWN])
+            self.moves.pages("weights", None, s.pages, op="discard", key=s.key[:KEY_SHOWN])
             self._drop(s)
         elif not s.holders:
             s.idle_since = time.monotonic()
