@@ -77,6 +77,7 @@ class Observer:
         self.hists = {k: Hist(b) for k, b in HISTOGRAMS.items()}
         self._waiting: dict[tuple[int, int], tuple[float, int, str]] = {}  # (tenant, req id) -> (t0, pages, op)
         self._answered: Counter[int] = Counter()  # tenant id -> pages released since its ask
+        self._given_now: Counter[int] = Counter()  # tenant id -> bytes of this release asked for
         self.round: Round | None = None
         self._errors_seen = 0  # error replies the arbiter produced (the rest: the server's)
         self._refused = 0
@@ -98,6 +99,7 @@ class Observer:
     def handled(self, req: p.Request, out: Outcome, dt: float, before: int,
                 sender: TenantRecord | None) -> None:
         self._guard(self._handled, req, out, dt, before, sender)
+        self._given_now.clear()  # (a request's own: a gang's part records no release)
 
     def ticked(self, outs: list[Outcome]) -> None:
         if outs or self.round is not None:
@@ -224,6 +226,7 @@ class Observer:
     def _gave_back(self, t: TenantRecord, pages: int, mode: str) -> None:
         nbytes = pages * self.ps
         self._answered[t.id] += pages
+        self._given_now[t.id] += nbytes  # (its release event must not count it again)
         self.counts["reclaimed_bytes", t.name, mode] += nbytes
         if self.round is not None:
             self.round.answered[t.name] += nbytes
@@ -233,6 +236,7 @@ class Observer:
         """A move recorded on this device (by a handler or here): a reclaim round
         counts who was put to sleep for it, what that tenant gave back meanwhile and the
         cached weight sets dropped."""
+        counted = self._given_now.pop(ev.tenant_id, 0) if ev.kind == "release" else 0
         rnd = self.round
         if rnd is None:
             return
@@ -242,7 +246,7 @@ class Observer:
             rnd.sleepers.add(ev.tenant_id)
         elif ev.tenant_id in rnd.sleepers and (ev.kind == "release" or (
                 ev.kind == "weights" and ev.detail.get("op") == "detach")):
-            rnd.answered[ev.tenant] += ev.bytes
+            rnd.answered[ev.tenant] += ev.bytes - counted  # (what gave_back did not count)
         elif ev.kind == "weights" and ev.detail.get("op") == "evict":
             rnd.evicted += ev.bytes
 
@@ -250,6 +254,7 @@ class Observer:
                  dt: float) -> None:
         self.events.forget(t.id)
         self._answered.pop(t.id, None)
+        self._given_now.pop(t.id, None)
         for key in [k for k in self._waiting if k[0] == t.id]:
             del self._waiting[key]
         if arbitrated:
