@@ -127,3 +127,30 @@ def test_top_shows_grants_and_releases(daemon):
     grant = next(ln for ln in shown.splitlines() if " grant " in ln)
     assert "busy" in grant and "x=3" in grant and "192 KiB" in grant, shown
     assert any(" release " in ln and "busy" in ln for ln in shown.splitlines()), shown
+
+
+def test_a_sleep_answering_the_daemons_ask_takes_its_reason_from_the_ask(daemon):
+    """A tenant that reports ``asleep`` without saying why, after the operator asked it
+    to sleep: the daemon names the operator (its own ask), not the tenant."""
+    import subprocess
+    import sys
+
+    from daemon.helpers import REPO
+
+    with daemon.connect("quiet", timeout_s=30) as quiet:  # no sleep handler: it says itself
+        quiet.report_state("idle")
+        cli = subprocess.Popen([sys.executable, "-m", "kvpool.cli.main", "sleep", "quiet",
+                                "--wait", "60", "--run-dir", str(daemon.run_dir)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               cwd=REPO)
+        daemon.workers.append(cli)
+        wait_for(lambda: any(e["kind"] == "ask" for e in events(daemon, "--tenant", "quiet")),
+                 what="the operator's ask")
+        quiet.report_state("asleep")
+        out, err = cli.communicate(timeout=60)
+        assert cli.returncode == 0 and out.strip() == "quiet: asleep", (out, err)
+        (slept,) = [e for e in events(daemon, "--tenant", "quiet") if e["kind"] == "sleep"]
+        assert slept["detail"]["reason"] == "operator"
+        quiet.report_state("idle")  # a wake nobody asked for, without a word: its own
+        (woke,) = [e for e in events(daemon, "--tenant", "quiet") if e["kind"] == "wake"]
+        assert woke["detail"]["reason"] == "tenant"
