@@ -90,7 +90,7 @@ class Arbiter:
         self.outbox = Outbox()
         self.counters = Counters()
         self.observer: ArbiterObserver = NoObserver()
-        self.moves = Moves(self.device, self.page_size)  # the handlers' memory moves (kvpool.daemon.events)
+        self.moves = Moves(self.device, self.page_size)  # handlers record moves here (events.py)
         most, vmost = cfg.max_groups_per_tenant, cfg.max_virtual_pages_per_tenant
         self.weights = WeightSets(pool, self.tenants, lambda: self.reclaimer.waiting_pages,
                                   self._weights_wait, moves=self.moves)

@@ -122,8 +122,9 @@ class Server:
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.fdwatch.watch(self._wake_r, self._on_signal_pipe)
         # counters, event log, /metrics if configured
-        # one event log for every device; one exporter (the first device's) with every device's metrics
-        events = EventLog(size=cfg.event_ring)  # one log: every device's, one seq order
+        # one event log for every device (one seq order); one exporter (the first
+        # device's) with every device's metrics
+        events = EventLog(size=cfg.event_ring)
         self.observers = [observe.attach(s.arbiter, self.fdwatch, self.reply, metrics_off(cfg),
                                          events=events)
                           for s in self.devices if s.arbiter is not a]
