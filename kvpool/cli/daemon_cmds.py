@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Callable, NoReturn, TypeVar
 
 import click
 
-from kvpool.cli.monitor import monitor_session
+from kvpool.cli.monitor import device_sessions, monitor_session
 from kvpool.cli.params import SizeParam, device_option, json_option, run_dir_option
 from kvpool.sizes import format_size, parse_size
 
@@ -31,6 +31,12 @@ GRID_WIDTH = 64
 def _call(run_dir: str | None, fn: Callable[[Monitor], T]) -> T:
     with monitor_session(run_dir) as mon:
         return fn(mon)
+
+
+def _call_each(run_dir: str | None, fn: Callable[[Monitor], T]) -> list[T]:
+    """``fn`` on each device shown (``--device``'s, else every device served)."""
+    with device_sessions(run_dir) as mons:
+        return [fn(m) for m in mons]
 
 
 def _json(obj: object) -> None:
@@ -141,18 +147,30 @@ def ps(run_dir: str | None, as_json: bool) -> None:
     idle, busy; sleepable) (and the endpoint
     a tenant says it serves on, when one does; the weight sets it holds, when any
     does; the fleet it belongs to, when one does); then the retained memory per uid and
-    the pool's weight sets."""
-    reply = _call(run_dir, lambda m: m.ps())
+    the pool's weight sets. A daemon serving several devices: every device's (a DEVICE
+    column), or --device's."""
+    from kvpool import protocol as p
+
+    replies = _call_each(run_dir, lambda m: m.ps())
+    pools = [r.pool for r in replies if r.pool is not None]
+    retained: dict[int, int] = {}
+    for r in replies:  # (charged per device: summed per uid)
+        for uid, n in r.retained_by_uid.items():
+            retained[uid] = retained.get(uid, 0) + n
+    reply = p.PsReply(tenants=[t for r in replies for t in r.tenants],
+                      pool=pools[0] if pools else None, retained_by_uid=retained)
     if as_json:
-        _json({"tenants": reply.tenants, "pool": reply.pool,
+        _json({"tenants": reply.tenants, "pool": reply.pool, "pools": pools,
                "retained_by_uid": reply.retained_by_uid})
         return
     from rich.console import Console
     from rich.table import Table
 
     table = Table(box=None)
-    cols: tuple[str, ...] = ("ID", "NAME", "PID", "KIND", "MAPPED", "IN USE", "RESERVE", "LEASE", "SHARE",
-            "MIN", "LIMIT", "WEIGHT", "GROUPS", "STATE")
+    several = len(replies) > 1
+    cols: tuple[str, ...] = ("ID", "NAME", "PID", "KIND", *(("DEVICE",) if several else ()),
+                             "MAPPED", "IN USE", "RESERVE", "LEASE", "SHARE",
+                             "MIN", "LIMIT", "WEIGHT", "GROUPS", "STATE")
     serving = any(t.endpoint for t in reply.tenants)  # (tenant-supplied: Register.endpoint)
     cols += ("ENDPOINT",) if serving else ()
     weights = any(t.weights for t in reply.tenants)  # weight sets (kvpool.daemon.weights)
@@ -176,7 +194,7 @@ def ps(run_dir: str | None, as_json: bool) -> None:
         if t.retained:  # released pages it still holds a descriptor or mapping of
             state.append(f"retained {format_size(t.retained)}")
         table.add_row(str(t.id), t.name or "(unregistered)", str(t.pid) if t.pid else "-",
-                      t.kind,
+                      t.kind, *((str(t.device),) if several else ()),
                       format_size(t.mapped), format_size(t.in_use), format_size(t.reserve),
                       format_size(t.lease), format_size(t.share), format_size(t.min),
                       format_size(t.max), f"{t.weight:g}", str(t.groups), ", ".join(state),
@@ -186,13 +204,15 @@ def ps(run_dir: str | None, as_json: bool) -> None:
                       *((t.group or "-",) if fleets else ()))
     console = Console(width=None if sys.stdout.isatty() else 200)
     console.print(table)
-    pool = reply.pool
-    if pool is not None and pool.weight_sets:
+    for pool in pools:
+        if not pool.weight_sets:
+            continue
+        on = f" (device {pool.device})" if several else ""
         held, cached = pool.weights - pool.weights_cached, pool.weights_cached
         nobody = "cached (held by nobody; reclaimed first)"
         where = (", all held by tenants" if not cached else f", all {nobody}" if not held
                  else f": {format_size(held)} held by tenants, {format_size(cached)} {nobody}")
-        console.print(f"weight sets: {pool.weight_sets}, {format_size(pool.weights)} in the "
+        console.print(f"weight sets{on}: {pool.weight_sets}, {format_size(pool.weights)} in the "
                       f"pool{where}"
                       + ("" if pool.weights_across_uids else
                          f"; the {pool.backend} backend has no seals: each set, an admin's "
@@ -244,12 +264,21 @@ def render_map(reply: p.MapReply, width: int = GRID_WIDTH) -> str:
 @json_option
 def map_cmd(tenant: str | None, pfns: bool, width: int, run_dir: str | None,
             as_json: bool) -> None:
-    """Draw every region's virtual page table and the pool (the memory map)."""
-    reply = _call(run_dir, lambda m: m.map(tenant, pfns=pfns))
+    """Draw every region's virtual page table and the pool (the memory map); a daemon
+    serving several devices: one section per device (or --device's)."""
+    from kvpool.protocol import to_builtins
+
+    replies = _call_each(run_dir, lambda m: m.map(tenant, pfns=pfns))
     if as_json:
-        _json({"pool": reply.pool, "groups": reply.groups})
+        _json({"pool": replies[0].pool, "pools": [r.pool for r in replies],
+               "groups": [{**to_builtins(g), "device": r.pool.device}
+                          for r in replies for g in r.groups]})
         return
-    click.echo(render_map(reply, width))
+    if len(replies) == 1:
+        click.echo(render_map(replies[0], width))
+        return
+    click.echo("\n\n".join(f"== device {r.pool.device} ==\n{render_map(r, width)}"
+                           for r in replies))
 
 
 @click.command()
@@ -345,8 +374,15 @@ def stop(run_dir: str | None) -> None:
 
 @query_command
 def check(run_dir: str | None, as_json: bool) -> None:
-    """Run the daemon's invariant check (exit status 1 if it finds problems)."""
-    problems = _call(run_dir, lambda m: m.check())
+    """Run the daemon's invariant check (exit status 1 if it finds problems): every
+    device's, or --device's."""
+    def each(m: Monitor) -> list[str]:
+        found = m.check()
+        several = len(m.conn.hello.devices) > 1 if m.conn.hello is not None else False
+        where = f"device {m.stats().pool.device}: " if several and found else ""
+        return [where + x for x in found]
+
+    problems = [x for found in _call_each(run_dir, each) for x in found]
     if as_json:
         click.echo(json.dumps({"ok": not problems, "problems": problems}))
     else:

@@ -1,7 +1,10 @@
-"""``kvpool events``: the daemon's decisions (grant, wait, deny, ask, answer, reclaim
-round, lease, limit change, tenant death) from its ring buffer, and with ``--follow``
-as they happen (a long poll: the daemon answers as soon as there is something new).
-A gap (events the ring no longer held) is printed as such, never hidden."""
+"""``kvpool events``: the daemon's decisions and memory moves (grant, release, wait,
+deny, ask, answer, reclaim round, lease, sleep, wake, weight sets, limit change, tenant
+death) from its ring buffer, and with ``--follow`` as they happen (a long poll: the
+daemon answers as soon as there is something new). A gap (events the ring no longer
+held) is printed as such, never hidden. The daemon keeps one log for every device it
+serves (one ``seq`` order); on a daemon of several each line names its device, and
+``--device`` keeps one device's."""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from kvpool.cli.monitor import monitor_session
+from kvpool.cli.monitor import chosen_device, monitor_session, served
 from kvpool.cli.params import device_option, json_option, run_dir_option
 from kvpool.sizes import format_size
 
@@ -37,24 +40,33 @@ def fetch(mon: Monitor, since: int, tenant: str | None, follow: bool) -> p.Event
         raise
 
 
-def describe(ev: p.EventInfo, brief: bool = False) -> str:
-    """One event as a line of text (``brief``: without messages and timings)."""
+def _sizes(by_name: dict[str, int]) -> str:
+    return ", ".join(f"{k} {format_size(v)}" for k, v in sorted(by_name.items()))
+
+
+def describe(ev: p.EventInfo, brief: bool = False, device: bool = False) -> str:
+    """One event as a line of text (``brief``: without messages and timings; ``device``:
+    naming its device)."""
     d = dict(ev.detail)
     if brief:
         for key in ("message", "service_s", "group", "units", "seq", "urgent"):
             d.pop(key, None)
     when = datetime.datetime.fromtimestamp(ev.time).strftime("%H:%M:%S.%f")[:-3]
+    where = f" dev {ev.device}" if device else ""
     who = ev.tenant or "-"
     size = format_size(ev.bytes) if ev.bytes else ""
     if ev.kind == "reclaim":
-        asks = ", ".join(f"{k} {format_size(v)}" for k, v in sorted(d.get("asked", {}).items()))
-        got = ", ".join(f"{k} {format_size(v)}" for k, v in sorted(d.get("answered", {}).items()))
         text = (f"round of {d.get('duration_s', 0) * 1000:.1f} ms granted {size}: asked "
-                f"[{asks or 'nobody'}], answered [{got or 'nothing'}], "
-                f"{format_size(d.get('free_at_start', 0))} free at start")
-        return f"{when} {ev.seq:>7} reclaim  {text}"
+                f"[{_sizes(d.get('asked', {})) or 'nobody'}], answered "
+                f"[{_sizes(d.get('answered', {})) or 'nothing'}]")
+        if d.get("slept"):
+            text += f", put to sleep [{_sizes(d['slept'])}]"
+        if d.get("evicted"):
+            text += f", {format_size(d['evicted'])} of cached weight sets evicted"
+        text += f", {format_size(d.get('free_at_start', 0))} free at start"
+        return f"{when} {ev.seq:>7}{where} reclaim  {text}"
     extra = " ".join(f"{k}={v}" for k, v in d.items() if k != "tenants")
-    return f"{when} {ev.seq:>7} {ev.kind:<8} {who:<16} {size:>10} {extra}".rstrip()
+    return f"{when} {ev.seq:>7}{where} {ev.kind:<8} {who:<16} {size:>10} {extra}".rstrip()
 
 
 @click.command()
@@ -67,10 +79,14 @@ def describe(ev: p.EventInfo, brief: bool = False) -> str:
 @json_option
 def events(follow: bool, tenant: str | None, since: int, run_dir: str | None,
            as_json: bool) -> None:
-    """Show the daemon's recent decisions; with --follow, as they happen."""
+    """Show the daemon's recent decisions and memory moves; with --follow, as they
+    happen. A daemon serving several devices: every device's (each line names it), or
+    --device's."""
     from kvpool import protocol as p
 
+    device = chosen_device()
     with monitor_session(run_dir) as mon, contextlib.suppress(KeyboardInterrupt):
+        several = len(served(mon)) > 1
         while True:
             reply = fetch(mon, since, tenant, follow)
             if reply is None:
@@ -79,7 +95,10 @@ def events(follow: bool, tenant: str | None, since: int, run_dir: str | None,
                 click.echo(json.dumps({"kind": "gap", "lost": reply.lost}) if as_json else
                            f"... {reply.lost} events lost (the daemon's ring buffer moved on)")
             for ev in reply.events:
-                click.echo(json.dumps(p.to_builtins(ev)) if as_json else describe(ev))
+                if device is not None and ev.device != device:
+                    continue
+                click.echo(json.dumps(p.to_builtins(ev)) if as_json else
+                           describe(ev, device=several))
             since = reply.next
             if not follow and len(reply.events) < p.EVENTS_LIMIT:
                 return

@@ -2,8 +2,10 @@
 
 One row per tenant: a bar of in use / reserve / lease against its limit with its fair
 share marked, grant and reclaim-ask rates (from the event stream), a sparkline of its
-mapped memory; then the pool line and the last few events. ``q`` quits; ``--once``
-prints one frame (no terminal needed). Fits 80 columns (usable over ssh).
+mapped memory; then the pool lines and the last few events (grants and releases summed
+per tenant: ``grant x12``). A daemon serving several devices: every device's tenants (a
+DEV column) and pools, or ``--device``'s. ``q`` quits; ``--once`` prints one frame (no
+terminal needed). Fits 80 columns (usable over ssh).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import TYPE_CHECKING, Iterable, Iterator, Literal
 
 import click
 
-from kvpool.cli.monitor import monitor_session
+from kvpool.cli.monitor import chosen_device, device_sessions
 from kvpool.cli.params import device_option, run_dir_option
 from kvpool.sizes import format_size
 
@@ -33,6 +35,7 @@ BAR = 18
 SPARK = "▁▂▃▄▅▆▇█"
 HISTORY = 12
 EVENT_LINES = 5
+FREQUENT = ("grant", "release")  # summed per tenant in the last events
 
 
 @dataclass
@@ -45,15 +48,17 @@ class View:
     rates: dict[str, tuple[float, float]] = field(default_factory=dict)  # name -> (grants/s, asks/s)
     last: float = 0.0
 
-    def update(self, mon: Monitor) -> tuple[p.PsReply, list[p.EventInfo]]:
-        """Fetch ``ps`` and the events since the last frame; returns (ps reply, events)."""
+    def update(self, mons: list[Monitor], device: int | None = None
+               ) -> tuple[list[p.PsReply], list[p.EventInfo]]:
+        """Fetch each device's ``ps`` and the events since the last frame (only
+        ``device``'s when given); returns (ps replies, events)."""
         from kvpool import protocol as p
 
-        ps = mon.ps()
+        replies = [m.ps() for m in mons]
         evs: list[p.EventInfo] = []
         for _ in range(10):  # at most 10 x EVENTS_LIMIT events per frame
-            reply = mon.call(p.Events(since=self.since), p.EventsReply)
-            evs.extend(reply.events)
+            reply = mons[0].call(p.Events(since=self.since), p.EventsReply)  # (every device's)
+            evs.extend(ev for ev in reply.events if device is None or ev.device == device)
             self.since = reply.next
             if len(reply.events) < p.EVENTS_LIMIT:
                 break
@@ -67,13 +72,34 @@ class View:
                 grants[ev.tenant] += 1
             elif ev.kind == "ask":
                 asks[ev.tenant] += 1
-            if ev.kind not in ("grant",):  # grants are counted, the rest is shown
-                self.recent.append(ev)
-        for t in ps.tenants:
+            self.remember(ev)
+        for t in (t for r in replies for t in r.tenants):
             self.history.setdefault(t.name, deque(maxlen=HISTORY)).append(t.mapped)
             self.rates[t.name] = ((grants[t.name] / span, asks[t.name] / span)
                                   if span else (0.0, 0.0))
-        return ps, evs
+        return replies, evs
+
+    def remember(self, ev: p.EventInfo) -> None:
+        """Keep ``ev`` among the last events; a grant or release joins the one of its
+        tenant already shown (summed: bytes, ``x`` count), so the frequent ones do not
+        push the rest out."""
+        from kvpool import protocol as p
+
+        if ev.kind in FREQUENT:
+            for old in self.recent:
+                if old.kind == ev.kind and old.tenant_id == ev.tenant_id \
+                        and old.device == ev.device:
+                    self.recent.remove(old)
+                    ev = p.EventInfo(seq=ev.seq, time=ev.time, kind=ev.kind, tenant=ev.tenant,
+                                     tenant_id=ev.tenant_id, bytes=old.bytes + ev.bytes,
+                                     device=ev.device,
+                                     detail={"x": int(old.detail.get("x", 1)) + 1})
+                    break
+            else:
+                ev = p.EventInfo(seq=ev.seq, time=ev.time, kind=ev.kind, tenant=ev.tenant,
+                                 tenant_id=ev.tenant_id, bytes=ev.bytes, device=ev.device,
+                                 detail={"x": 1})
+        self.recent.append(ev)
 
 
 def bar(t: p.TenantInfo, width: int = BAR) -> str:
@@ -98,43 +124,49 @@ def sparkline(values: Iterable[int]) -> str:
     return "".join(SPARK[min(len(SPARK) - 1, int(v * (len(SPARK) - 1) / top + 0.5))] for v in vals)
 
 
-def frame(view: View, ps: p.PsReply, width: int = 80) -> Group:
-    """One frame as a rich renderable."""
+def frame(view: View, replies: list[p.PsReply], width: int = 80) -> Group:
+    """One frame as a rich renderable: every device's tenants and pool in ``replies``."""
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
 
     from kvpool.cli.events_cmd import describe
 
+    several = len(replies) > 1
     table = Table(box=None, padding=(0, 1), pad_edge=False, expand=False)
     columns: tuple[tuple[str, Literal["left", "right"]], ...] = (
-        ("TENANT", "left"), ("MAPPED", "right"), ("USE▒RES▓LEASE|SHARE", "left"),
-        ("LIMIT", "right"), ("STATE", "left"), ("GR/s", "right"), ("RC/s", "right"),
-        ("HISTORY", "left"))
+        ("TENANT", "left"), *((("DEV", "right"),) if several else ()), ("MAPPED", "right"),
+        ("USE▒RES▓LEASE|SHARE", "left"), ("LIMIT", "right"), ("STATE", "left"),
+        ("GR/s", "right"), ("RC/s", "right"), ("HISTORY", "left"))
     for col, justify in columns:
         table.add_column(col, justify=justify, no_wrap=True)
-    for t in ps.tenants:
+    tenants = [t for r in replies for t in r.tenants]
+    for t in tenants:
         g, r = view.rates.get(t.name, (0.0, 0.0))
-        name = (t.name or "(unregistered)")[:14]
+        name = (t.name or "(unregistered)")[:14 - 4 * several]
         if t.unresponsive:
             name += "!"
-        table.add_row(name, format_size(t.mapped), bar(t), format_size(t.max),
-                      t.state + ("*" if t.sleepable else ""), f"{g:.0f}", f"{r:.0f}", sparkline(view.history.get(t.name, ())))
-    pool = ps.pool
-    assert pool is not None, "the daemon's ps reply always carries the pool"
-    line = (f"pool {pool.backend}:{pool.device}  budget {format_size(pool.budget)}  granted "
-            f"{format_size(pool.granted)}  leased {format_size(pool.leased)}  free "
-            f"{format_size(pool.free)}")
-    line2 = f"     warm {format_size(pool.warm)}  dirty {format_size(pool.dirty)}"
-    if pool.waiting:
-        line2 += f"  waiting {format_size(pool.waiting)}"
-    events = [Text(describe(ev, brief=True)[: width - 1], no_wrap=True, overflow="crop")
-              for ev in view.recent] or [Text("(no events yet)")]
-    head = Text(f"kvpool top — {len(ps.tenants)} tenants — {time.strftime('%H:%M:%S')}"
+        history = sparkline(view.history.get(t.name, ()))
+        table.add_row(name, *((str(t.device),) if several else ()), format_size(t.mapped),
+                      bar(t), format_size(t.max), t.state + ("*" if t.sleepable else ""),
+                      f"{g:.0f}", f"{r:.0f}", history[-(HISTORY - 4 * several):])
+    pools: list[Text] = []
+    for ps in replies:
+        pool = ps.pool
+        assert pool is not None, "the daemon's ps reply always carries the pool"
+        line = (f"pool {pool.backend}:{pool.device}  budget {format_size(pool.budget)}  "
+                f"granted {format_size(pool.granted)}  leased {format_size(pool.leased)}  "
+                f"free {format_size(pool.free)}")
+        line2 = f"     warm {format_size(pool.warm)}  dirty {format_size(pool.dirty)}"
+        if pool.waiting:
+            line2 += f"  waiting {format_size(pool.waiting)}"
+        pools += [Text(line[: width - 1], no_wrap=True), Text(line2[: width - 1], no_wrap=True)]
+    events = [Text(describe(ev, brief=True, device=several)[: width - 1], no_wrap=True,
+                   overflow="crop") for ev in view.recent] or [Text("(no events yet)")]
+    where = f" — {len(replies)} devices" if several else ""
+    head = Text(f"kvpool top — {len(tenants)} tenants{where} — {time.strftime('%H:%M:%S')}"
                 f"   (q quits)", style="bold")
-    return Group(head, table, Text(line[: width - 1], no_wrap=True),
-                 Text(line2[: width - 1], no_wrap=True), Text("last events:"),
-                 *events)
+    return Group(head, table, *pools, Text("last events:"), *events)
 
 
 @contextlib.contextmanager
@@ -176,11 +208,12 @@ def top(once: bool, interval: float, run_dir: str | None) -> None:
     from rich.live import Live
 
     view = View()
-    with monitor_session(run_dir) as mon, contextlib.suppress(KeyboardInterrupt):
+    device = chosen_device()
+    with device_sessions(run_dir) as mons, contextlib.suppress(KeyboardInterrupt):
         if once:
-            view.update(mon)  # a first sample, then the rates over a short span
+            view.update(mons, device)  # a first sample, then the rates over a short span
             time.sleep(min(interval, 0.5))
-            ps, _ = view.update(mon)
+            ps, _ = view.update(mons, device)
             console = Console(width=80 if not sys.stdout.isatty() else None)
             console.print(frame(view, ps, console.width))
             return
@@ -189,7 +222,7 @@ def top(once: bool, interval: float, run_dir: str | None) -> None:
         with cbreak(fd) as keys, Live(console=console, auto_refresh=False,
                                       screen=console.is_terminal) as live:
             while True:
-                ps, _ = view.update(mon)
+                ps, _ = view.update(mons, device)
                 live.update(frame(view, ps, console.width), refresh=True)
                 if keys and quit_pressed(fd, interval):
                     return

@@ -41,7 +41,7 @@ class SleepWorker:
     """Runs a :class:`SleepHandler` for the daemon's asks, one at a time, and reports
     the outcome through ``report`` (``Tenant.report_state``: never raises)."""
 
-    def __init__(self, report: Callable[[str], None], name: str = "kvpool-sleep"):
+    def __init__(self, report: Callable[[str, str], None], name: str = "kvpool-sleep"):
         self.report = report
         self.name = name
         self._lock = threading.Lock()
@@ -80,9 +80,9 @@ class SleepWorker:
             log.exception("sleep handler's %s failed", "wake" if m.wake else "sleep")
             done = False
         if m.wake:
-            self.report("idle" if done else "asleep")
+            self.report("idle" if done else "asleep", m.reason)
         else:
-            self.report("asleep" if done else "idle")
+            self.report("asleep" if done else "idle", m.reason)
 
     def join(self, timeout_s: float | None = None) -> None:
         """Wait for the ask running now, if any (tests; closing a tenant)."""

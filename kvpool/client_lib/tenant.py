@@ -213,12 +213,15 @@ class Tenant:
         worker thread, never the keeper. None: asks are ignored."""
         self._sleep_handler = handler
 
-    def report_state(self, state: str) -> None:
+    def report_state(self, state: str, reason: str | None = None) -> None:
         """Tell the daemon this tenant is ``busy``, ``idle`` or ``asleep`` (only when it
-        changed). Thread-safe; never raises for a gone daemon (the state is sent again
-        after a reconnect). ``ValueError`` for any other state."""
+        changed); ``reason`` (one of ``p.SLEEP_REASONS``, others are left out): why it
+        went to sleep or woke, for the daemon's event log. Thread-safe; never raises for
+        a gone daemon (the state is sent again after a reconnect). ``ValueError`` for any
+        other state."""
         if state not in p.SLEEP_STATES:
             raise ValueError(f"state {state!r} is not one of {', '.join(p.SLEEP_STATES)}")
+        why = reason if reason in p.SLEEP_REASONS else None
         with self._state_lock:
             if state == self._state and self._state_sent:
                 return
@@ -226,7 +229,8 @@ class Tenant:
             if self.closed:
                 return
             try:
-                self.conn.call(p.TenantState(state=state), p.Done)  # type: ignore[arg-type]
+                self.conn.call(p.TenantState(state=state, reason=why),  # type: ignore[arg-type]
+                               p.Done)
                 self._state_sent = True
             except KvpoolError as e:
                 log.debug("state %s not sent (sent after a reconnect): %s", state, e)

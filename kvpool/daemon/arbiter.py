@@ -47,6 +47,7 @@ from kvpool.daemon.adoption import Adoption
 from kvpool.daemon.auth import Denied, authorize
 from kvpool.daemon.config import Config
 from kvpool.daemon.counters import Counters
+from kvpool.daemon.events import Moves
 from kvpool.daemon.gangs import GangDevice, Gangs
 from kvpool.daemon.grants import Grants
 from kvpool.daemon.handoff import Handoff
@@ -89,10 +90,12 @@ class Arbiter:
         self.outbox = Outbox()
         self.counters = Counters()
         self.observer: ArbiterObserver = NoObserver()
+        self.moves = Moves(self.device, self.page_size)  # handlers record moves here (events.py)
         most, vmost = cfg.max_groups_per_tenant, cfg.max_virtual_pages_per_tenant
         self.weights = WeightSets(pool, self.tenants, lambda: self.reclaimer.waiting_pages,
-                                  self._weights_wait)
-        self.sleep = SleepBook(cfg, self.tenants, self.outbox, cfg.reclaim_timeout_s)
+                                  self._weights_wait, moves=self.moves)
+        self.sleep = SleepBook(cfg, self.tenants, self.outbox, cfg.reclaim_timeout_s,
+                               moves=self.moves)
         self.reclaimer = Reclaimer(self.tenants, pool, budget, self.outbox,
                                    cfg.reclaim_timeout_s, cfg.short_backoff_s,
                                    POLICIES[cfg.reclaim_policy], self.weights, self.sleep)

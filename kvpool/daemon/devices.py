@@ -29,7 +29,7 @@ from kvpool.daemon.config import Config
 from kvpool.daemon.gangs import Gangs
 from kvpool.daemon.pool import Pool
 from kvpool.daemon.restart import StateFile, devices_of, live_tenants, next_group_of
-from kvpool.daemon.tenants import NO_MEMORY_KINDS, TenantRecord, Tenants
+from kvpool.daemon.tenants import TenantRecord, Tenants
 from kvpool.sizes import parse_size
 from kvpool.vmm import Backend, device_count, open_backend
 
@@ -93,6 +93,11 @@ class Devices:
         return iter(list(self.stacks.values()))
 
     @property
+    def served(self) -> list[int]:
+        """Every device served, in order."""
+        return list(self.stacks)
+
+    @property
     def pools(self) -> dict[int, Pool]:
         return {d: s.pool for d, s in self.stacks.items()}
 
@@ -104,15 +109,14 @@ class Devices:
     def route(self, t: TenantRecord | None, req: p.Request) -> str | None:
         """Before a request is handled: an unregistered session's ``Register`` moves it
         to the device it names (it holds nothing yet). Returns why the request is
-        refused here (a memory-holding session naming a device not served), else None."""
+        refused here (a session naming a device not served, a monitor's too: it would
+        read another device's state as if it were the one asked), else None."""
         if t is None or t.registered or not isinstance(req, p.Register):
             return None
         if req.device in self.stacks:
             t.device = req.device
             return None
         t.device = self.first.device
-        if req.kind in NO_MEMORY_KINDS:
-            return None  # a monitor of a device not served reads the first one
         return (f"device {req.device} is not served (this daemon serves "
                 f"{'device' if len(self.stacks) == 1 else 'devices'} "
                 f"{', '.join(map(str, self.stacks))})")

@@ -1,4 +1,12 @@
-"""The daemon's decisions as a stream: a bounded ring buffer plus long-poll followers.
+"""The daemon's decisions and memory moves as one stream: a bounded ring buffer plus
+long-poll followers, and :class:`Moves`, the one place a handler records a move.
+
+One :class:`EventLog` serves the whole daemon (every device's events, each marked with
+its ``device``: one ``seq`` order, so ``kvpool events --since`` means the same on every
+device). Each device's handlers record through that device's :class:`Moves` (one call
+per move: ``moves.record(kind, tenant, bytes, **cause)``): grants and releases, reclaim
+asks and answers, leases, sleeps and wakes with their reason, weight sets created,
+sealed, attached, detached and evicted, a dead tenant's memory returned.
 
 Every event gets the next ``seq`` (1, 2, ...). :meth:`EventLog.after` answers an
 ``Events{since}`` request from the ring; events older than the ring holds are counted
@@ -14,8 +22,9 @@ Only the event loop's thread touches an :class:`EventLog`.
 
 from __future__ import annotations
 
+import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -23,6 +32,8 @@ from kvpool import protocol as p
 
 if TYPE_CHECKING:
     from kvpool.daemon.tenants import TenantRecord
+
+log = logging.getLogger("kvpool.daemon.events")
 
 RING = 4096  # events kept (the default of Config.event_ring)
 
@@ -39,21 +50,23 @@ class EventLog:
         self.ring: deque[p.EventInfo] = deque(maxlen=size)
         self.seq = 0
         self.followers: dict[int, Follower] = {}  # session (tenant id) -> parked request
-        self._wake = wake
+        self.wake = wake  # asks the loop to flush (set once, by the first observer)
         self._woken = False
+        self.recorded: Counter[int] = Counter()  # device -> events recorded since start
 
     def record(self, kind: str, tenant: TenantRecord | None = None, nbytes: int = 0,
-               **detail: Any) -> p.EventInfo:
-        """Append one event (about ``tenant``, or about none)."""
+               device: int = 0, **detail: Any) -> p.EventInfo:
+        """Append one event (about ``tenant``, or about none) of ``device``."""
         self.seq += 1
+        self.recorded[device] += 1
         ev = p.EventInfo(seq=self.seq, time=time.time(), kind=kind,
                          tenant=tenant.name if tenant is not None else "",
                          tenant_id=tenant.id if tenant is not None else 0,
-                         bytes=nbytes, detail=detail)
+                         bytes=nbytes, device=device, detail=detail)
         self.ring.append(ev)
-        if self.followers and not self._woken and self._wake is not None:
+        if self.followers and not self._woken and self.wake is not None:
             self._woken = True
-            self._wake()
+            self.wake()
         return ev
 
     def after(self, since: int, tenant: str | None = None,
@@ -104,3 +117,42 @@ class EventLog:
             else:
                 f.req.since = reply.next  # skip what this follower's filter left out
         return done
+
+
+Watch = Callable[[p.EventInfo], None]
+
+
+class Moves:
+    """Where one device's handlers record what they did with memory, and why: one call
+    per move, ``moves.record(kind, tenant, nbytes, **cause)`` (``cause``: small values,
+    e.g. ``reason="pressure"``, ``key=...``). Records nothing until the observer attaches
+    the daemon's :class:`EventLog` (:meth:`attach`); ``watch`` then hears every event of
+    this device as it is recorded (the observer's reclaim round).
+
+    Obligations of a caller: record after the move is done (the numbers are the state
+    now), only from the loop's thread. :meth:`record` never raises and is cheap (an
+    append to a bounded ring): it may sit on the grant path."""
+
+    def __init__(self, device: int = 0, page_size: int = 1):
+        self.device = device
+        self.page_size = page_size
+        self.log: EventLog | None = None
+        self.watch: Watch | None = None
+
+    def attach(self, events: EventLog, watch: Watch | None = None) -> None:
+        self.log, self.watch = events, watch
+
+    def record(self, kind: str, tenant: TenantRecord | None = None, nbytes: int = 0,
+               **cause: Any) -> None:
+        if self.log is None:
+            return
+        try:
+            ev = self.log.record(kind, tenant, nbytes, device=self.device, **cause)
+            if self.watch is not None:
+                self.watch(ev)
+        except Exception:  # recording must never change what the daemon does
+            log.exception("recording a %s event failed", kind)
+
+    def pages(self, kind: str, tenant: TenantRecord | None, pages: int, **cause: Any) -> None:
+        """:meth:`record` of ``pages`` pages of this device."""
+        self.record(kind, tenant, pages * self.page_size, **cause)

@@ -62,6 +62,10 @@ class SessionBook(Protocol):
 
     tenants: Tenants
 
+    @property
+    def served(self) -> list[int]:
+        """Every device served (named in each hello)."""
+
     def open_session(self, conn: socket.socket, pid: int, uid: int, gid: int,
                      pidfd: int | None) -> TenantRecord:
         """A record for a new connection; raises ``Fail`` past a session cap."""
@@ -116,7 +120,7 @@ class FdSessions:
     def _hello(self, token: str, error: str = "") -> bytes:
         b = self.pool.backend
         return p.encode(p.FdHello(p.VERSION, token, b.name, b.device,
-                                  self.pool.page_size, error=error))
+                                  self.pool.page_size, error=error, devices=self.book.served))
 
     def open(self, conn: socket.socket) -> None:
         """A new fd-channel session: non-blocking from the start, hello sent at once (a

@@ -179,6 +179,7 @@ class Grants:
                      or self.reclaimer.sleep_would_cover(t, n, now)):
             why = ("speculative grants use free memory only" if speculative else
                    f"{t.name} is being asked to give memory back" if t.ask is not None else
+                   self.reclaimer.lease_room(t) if isinstance(r, p.Lease) else
                    f"{t.name} is at its fair share")
             raise Fail(p.NO_MEMORY, f"{n} pages asked, {self.pool.available} available; {why}")
         self.reclaimer.wait(t, sender.envelope, r, n, now)

@@ -48,6 +48,9 @@ class Round:
     asked: Counter[str] = field(default_factory=Counter)  # tenant name -> bytes asked
     answered: Counter[str] = field(default_factory=Counter)  # tenant name -> bytes given back
     by_mode: Counter[str] = field(default_factory=Counter)  # reserve | shrink -> bytes given back
+    slept: Counter[str] = field(default_factory=Counter)  # put to sleep -> bytes it held
+    sleepers: set[int] = field(default_factory=set)  # their tenant ids
+    evicted: int = 0  # bytes of cached weight sets dropped
     granted: int = 0  # bytes granted to the round's waiters
     waiters: int = 0
     served: int = 0

@@ -30,7 +30,7 @@ from kvpool.daemon import metrics
 from kvpool.daemon.arbiter import Arbiter
 from kvpool.daemon.config import Config
 from kvpool.daemon.counters import Counters
-from kvpool.daemon.events import EventLog
+from kvpool.daemon.events import EventLog, Moves
 from kvpool.daemon.fdwatch import FdWatch
 from kvpool.daemon.measures import BYE_REASONS, HISTOGRAMS, Hist, Round, Snapshot
 from kvpool.daemon.outcome import Outcome, Sender
@@ -56,12 +56,14 @@ class Observer:
     It reads ``views`` (snapshots), ``reclaimer``'s waiters and ``pool``'s free pages (a
     reclaim round's bounds), the request ``counters`` and the live ``tenants``; its wake
     pipe is watched on ``fdwatch``, and parked ``Events`` followers are answered with
-    ``send``. ``event_ring`` events are kept; a snapshot asked from another thread waits
-    at most ``snapshot_timeout_s`` for the loop."""
+    ``send``. Events go to the daemon's ``events`` log through this device's ``moves``
+    (the handlers record there too; the observer watches them for its reclaim round);
+    a snapshot asked from another thread waits at most ``snapshot_timeout_s`` for the
+    loop."""
 
     def __init__(self, views: Views, reclaimer: Reclaimer, pool: Pool, tenants: Tenants,
-                 counters: Counters, fdwatch: FdWatch, send: Send, event_ring: int,
-                 snapshot_timeout_s: float):
+                 counters: Counters, fdwatch: FdWatch, send: Send, events: EventLog,
+                 moves: Moves, snapshot_timeout_s: float):
         self.views = views
         self.reclaimer = reclaimer
         self.pool = pool
@@ -75,11 +77,16 @@ class Observer:
         self.hists = {k: Hist(b) for k, b in HISTOGRAMS.items()}
         self._waiting: dict[tuple[int, int], tuple[float, int, str]] = {}  # (tenant, req id) -> (t0, pages, op)
         self._answered: Counter[int] = Counter()  # tenant id -> pages released since its ask
+        self._given_now: Counter[int] = Counter()  # tenant id -> bytes of this release asked for
         self.round: Round | None = None
         self._errors_seen = 0  # error replies the arbiter produced (the rest: the server's)
         self._refused = 0
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self.events = EventLog(size=event_ring, wake=self._poke)
+        self.events = events
+        if events.wake is None:  # the first device's observer flushes the followers
+            events.wake = self._poke
+        self.moves = moves
+        moves.attach(events, self._noted)
         self._want = False
         self._ready = threading.Event()
         self._snap_lock = threading.Lock()
@@ -92,6 +99,7 @@ class Observer:
     def handled(self, req: p.Request, out: Outcome, dt: float, before: int,
                 sender: TenantRecord | None) -> None:
         self._guard(self._handled, req, out, dt, before, sender)
+        self._given_now.clear()  # (a request's own: a gang's part records no release)
 
     def ticked(self, outs: list[Outcome]) -> None:
         if outs or self.round is not None:
@@ -126,27 +134,29 @@ class Observer:
             spec = bool(getattr(req, "speculative", False))
             self._error(t, "speculative" if spec else _op(req), reply, None)
         elif isinstance(reply, p.Claimed):  # a page handoff: pages moved, none granted
-            self.events.record("handoff", t, reply.nfds * self.ps, giver=reply.giver,
+            self.moves.record("handoff", t, reply.nfds * self.ps, giver=reply.giver,
                                group=reply.group, units=len(reply.units))
         elif isinstance(reply, p.Granted):
             self.counts["grants"] += 1
             self.counts["grant_pages"] += reply.nfds
             self.hists["grant_service"].observe(dt)
-            self.events.record("grant", t, reply.nfds * self.ps, service_s=round(dt, 6),
+            self.moves.record("grant", t, reply.nfds * self.ps, service_s=round(dt, 6),
                                group=reply.group, units=len(reply.units))
         elif isinstance(reply, p.Leased):
             self.counts["leases"] += 1
-            self.events.record("lease", t, reply.bytes)
+            self.moves.record("lease", t, reply.bytes)
         elif isinstance(req, (p.Release, p.DestroyGroup)) and t is not None:
             self.counts["releases"] += 1
             self.counts["release_pages"] += max(0, before - t.granted)
+            if before > t.granted:  # (a gang's part moves nothing yet: gangs.py)
+                self.moves.record("release", t, (before - t.granted) * self.ps, group=req.group)
         elif isinstance(req, p.Reclaimed) and t is not None:
-            self.events.record("answer", t, self._answered.pop(t.id, 0) * self.ps, seq=req.seq)
+            self.moves.record("answer", t, self._answered.pop(t.id, 0) * self.ps, seq=req.seq)
         elif isinstance(req, p.SetLimit):
             self.counts["limit_changes"] += 1
             change = {k: getattr(req, k) for k in ("min", "max", "weight")
                       if getattr(req, k) is not None}
-            self.events.record("limit", None, 0, tenants=[req.tenant], **change)
+            self.moves.record("limit", None, 0, tenants=[req.tenant], **change)
         self._close_round()
 
     def _error(self, t: TenantRecord | None, op: str, reply: p.Error,
@@ -160,7 +170,7 @@ class Observer:
                                       "message": reply.message[:200]}
             if waited is not None:
                 detail["waited_s"] = round(waited, 6)
-            self.events.record("deny", t, 0, **detail)
+            self.moves.record("deny", t, 0, **detail)
 
     def _wait_began(self, t: TenantRecord, req: p.Grant | p.Lease) -> None:
         w = self.reclaimer.waiters[-1] if self.reclaimer.waiters else None
@@ -171,7 +181,7 @@ class Observer:
         if self.round is None:
             self.round = Round(start=now, free_at_start=self.pool.available * self.ps)
         self.round.waiters += 1
-        self.events.record("wait", t, pages * self.ps, request=_op(req))
+        self.moves.record("wait", t, pages * self.ps, request=_op(req))
 
     def _ticked(self, outs: list[Outcome]) -> None:
         now = time.monotonic()
@@ -179,7 +189,7 @@ class Observer:
             t, reply = o.tenant, o.reply
             assert t is not None and reply is not None  # tick's outcomes have both
             if isinstance(reply, p.Claimed):  # a handoff whose giver let go (no wait)
-                self.events.record("handoff", t, reply.nfds * self.ps, giver=reply.giver,
+                self.moves.record("handoff", t, reply.nfds * self.ps, giver=reply.giver,
                                    group=reply.group, units=len(reply.units))
                 continue
             t0, pages, op = self._waiting.pop((t.id, reply.id), (now, 0, ""))
@@ -197,11 +207,11 @@ class Observer:
             if isinstance(reply, p.Granted):
                 self.counts["grants"] += 1
                 self.counts["grant_pages"] += reply.nfds
-                self.events.record("grant", t, reply.nfds * self.ps, waited_s=round(waited, 6),
+                self.moves.record("grant", t, reply.nfds * self.ps, waited_s=round(waited, 6),
                                    group=reply.group, units=len(reply.units))
             elif isinstance(reply, p.Leased):
                 self.counts["leases"] += 1
-                self.events.record("lease", t, reply.bytes, waited_s=round(waited, 6),
+                self.moves.record("lease", t, reply.bytes, waited_s=round(waited, 6),
                                    grew=pages * self.ps)
         self._close_round()
 
@@ -210,28 +220,48 @@ class Observer:
         self._answered[t.id] = 0
         if self.round is not None:
             self.round.asked[t.name] += msg.bytes
-        self.events.record("ask", t, msg.bytes, mode=msg.mode, urgent=msg.urgent,
+        self.moves.record("ask", t, msg.bytes, mode=msg.mode, urgent=msg.urgent,
                            reason=msg.reason, seq=msg.seq)
 
     def _gave_back(self, t: TenantRecord, pages: int, mode: str) -> None:
         nbytes = pages * self.ps
         self._answered[t.id] += pages
+        self._given_now[t.id] += nbytes  # (its release event must not count it again)
         self.counts["reclaimed_bytes", t.name, mode] += nbytes
         if self.round is not None:
             self.round.answered[t.name] += nbytes
             self.round.by_mode[mode] += nbytes
 
+    def _noted(self, ev: p.EventInfo) -> None:
+        """A move recorded on this device (by a handler or here): a reclaim round
+        counts who was put to sleep for it, what that tenant gave back meanwhile and the
+        cached weight sets dropped."""
+        counted = self._given_now.pop(ev.tenant_id, 0) if ev.kind == "release" else 0
+        rnd = self.round
+        if rnd is None:
+            return
+        if ev.kind == "ask" and ev.detail.get("mode") == "sleep" \
+                and ev.detail.get("reason") == "pressure":
+            rnd.slept[ev.tenant] += ev.bytes
+            rnd.sleepers.add(ev.tenant_id)
+        elif ev.tenant_id in rnd.sleepers and (ev.kind == "release" or (
+                ev.kind == "weights" and ev.detail.get("op") == "detach")):
+            rnd.answered[ev.tenant] += ev.bytes - counted  # (what gave_back did not count)
+        elif ev.kind == "weights" and ev.detail.get("op") == "evict":
+            rnd.evicted += ev.bytes
+
     def _dropped(self, t: TenantRecord, why: str, held: int, arbitrated: bool,
                  dt: float) -> None:
         self.events.forget(t.id)
         self._answered.pop(t.id, None)
+        self._given_now.pop(t.id, None)
         for key in [k for k in self._waiting if k[0] == t.id]:
             del self._waiting[key]
         if arbitrated:
             bye = why in BYE_REASONS
             self.counts["drops", "bye" if bye else "death"] += 1
             self.hists["tenant_drop"].observe(dt)
-            self.events.record("bye" if bye else "death", t, held * self.ps, reason=why,
+            self.moves.record("bye" if bye else "death", t, held * self.ps, reason=why,
                                seconds=round(dt, 6))
         self._close_round()
 
@@ -249,11 +279,12 @@ class Observer:
             if nbytes:
                 self.counts["rounds_by_stage", stage] += 1
         self.hists["reclaim_round"].observe(dt)
-        self.events.record(
+        self.moves.record(
             "reclaim", None, rnd.granted, duration_s=round(dt, 6), asked=dict(rnd.asked),
-            answered=dict(rnd.answered), free_at_start=rnd.free_at_start,
+            answered=dict(rnd.answered), slept=dict(rnd.slept), evicted=rnd.evicted,
+            free_at_start=rnd.free_at_start,
             from_pool=from_pool, waiters=rnd.waiters, served=rnd.served, failed=rnd.failed,
-            tenants=sorted(set(rnd.asked) | set(rnd.answered)))
+            tenants=sorted(set(rnd.asked) | set(rnd.answered) | set(rnd.slept)))
 
     # ---- the Events request --------------------------------------------------------
     def events_request(self, t: TenantRecord, sender: Sender,
@@ -294,7 +325,7 @@ class Observer:
             counters=dict(self.counts), hists={k: h.copy() for k, h in self.hists.items()},
             requests=n.requests, errors=n.errors, refused=refused,
             waiters=len(self.reclaimer.waiters), uptime_s=n.uptime_s,
-            events=self.events.seq)
+            events=self.events.recorded[self.moves.device])
         snap.build_s = time.perf_counter() - t0
         return snap
 
@@ -321,13 +352,18 @@ class Observer:
 
 
 def attach(arbiter: Arbiter, fdwatch: FdWatch, send: Send, cfg: Config,
-           others: Sequence[Observer] = ()) -> Observer:
+           others: Sequence[Observer] = (), events: EventLog | None = None) -> Observer:
     """Observe ``arbiter`` (it reports to the observer and dispatches ``Events`` to it);
-    the wake pipe on ``fdwatch``, followers answered with ``send``; serve ``/metrics``
-    when ``cfg`` names an address (a refused or unusable one is a ``StartupError``),
-    with the other devices' observers ``others`` (their ``device`` label)."""
+    its events (and its handlers' moves) go to ``events``, the daemon's one log (a new
+    one of ``cfg.event_ring`` events when None); the wake pipe on ``fdwatch``, followers
+    answered with ``send``; serve ``/metrics`` when ``cfg`` names an address (a refused
+    or unusable one is a ``StartupError``), with the other devices' observers
+    ``others`` (their ``device`` label)."""
+    if events is None:
+        events = EventLog(size=cfg.event_ring)
     obs = Observer(arbiter.views, arbiter.reclaimer, arbiter.pool, arbiter.tenants,
-                   arbiter.counters, fdwatch, send, cfg.event_ring, cfg.snapshot_timeout_s)
+                   arbiter.counters, fdwatch, send, events, arbiter.moves,
+                   cfg.snapshot_timeout_s)
     arbiter.observe(obs)
     arbiter.add_handler(p.Events, obs.events_request)
     address = cfg.metrics_address

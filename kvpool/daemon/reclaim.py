@@ -257,6 +257,22 @@ class Reclaimer:
         return self.policy.may_grow(self.shared_budget, self.claims(extra=(t, pages)), str(t.id),
                                     pages * ps, ps)
 
+    def lease_room(self, t: TenantRecord) -> str:
+        """Why a lease of ``t`` cannot grow past what :meth:`may_grow` allows: the pages
+        it may hold, the weight sets in use and the others' floors (min, leases), by
+        name. Its weight plays no part (said so: raising it would change nothing)."""
+        ps = self.page_size
+        floors = {x.name: max(x.min_pages, x.lease_pages) for x in self.tenants
+                  if x.arbitrated and x is not t and max(x.min_pages, x.lease_pages)}
+        room = max(0, self.shared_budget // ps - sum(floors.values()) - t.held
+                   - t.waiting_pages)
+        held = ", ".join(f"{n} {k}" for n, k in sorted(floors.items(), key=lambda x: -x[1]))
+        return (f"a lease may take {room} pages more here: the budget of "
+                f"{self.budget // ps} pages less {self.cache.pinned_pages} pages of weight "
+                f"sets in use, less {sum(floors.values())} pages the others are guaranteed "
+                f"(their min and leases{': ' + held if held else ''}); a lease takes "
+                f"memory down to those floors whatever its weight")
+
     def sleep_would_cover(self, t: TenantRecord, pages: int, now: float) -> bool:
         """Whether putting one idle tenant to sleep (not ``t``, not a waiter) would free
         enough, with the memory free beyond the waiters', for ``pages`` more for ``t``:

@@ -58,6 +58,7 @@ from kvpool.daemon import observe
 from kvpool.daemon.config import Config
 from kvpool.daemon.control import Control
 from kvpool.daemon.devices import Devices, metrics_off
+from kvpool.daemon.events import EventLog
 from kvpool.daemon.fdsend import FdSender
 from kvpool.daemon.fdsessions import FdSessions
 from kvpool.daemon.fdwatch import FdWatch
@@ -121,10 +122,14 @@ class Server:
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.fdwatch.watch(self._wake_r, self._on_signal_pipe)
         # counters, event log, /metrics if configured
-        # events per device; one exporter (the first device's) with every device's metrics
-        self.observers = [observe.attach(s.arbiter, self.fdwatch, self.reply, metrics_off(cfg))
+        # one event log for every device (one seq order); one exporter (the first
+        # device's) with every device's metrics
+        events = EventLog(size=cfg.event_ring)
+        self.observers = [observe.attach(s.arbiter, self.fdwatch, self.reply, metrics_off(cfg),
+                                         events=events)
                           for s in self.devices if s.arbiter is not a]
-        self.observer = observe.attach(a, self.fdwatch, self.reply, cfg, self.observers)
+        self.observer = observe.attach(a, self.fdwatch, self.reply, cfg, self.observers,
+                                       events=events)
         signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)

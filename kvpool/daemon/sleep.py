@@ -40,6 +40,7 @@ from typing import AbstractSet
 from kvpool import protocol as p
 from kvpool.daemon.auth import may_act_on
 from kvpool.daemon.config import Config
+from kvpool.daemon.events import Moves
 from kvpool.daemon.outcome import Fail, Outbox, Sender
 from kvpool.daemon.tenants import NO_MEMORY_KINDS, TenantRecord, Tenants
 
@@ -58,14 +59,18 @@ class SleepState:
     asked_at: float | None = None  # a pressure ask is pending since then
     not_before: float = 0.0  # refused or ignored a pressure ask: not asked before this
     changes: int = 0  # states it reported that differed from the one before
+    holding: int = 0  # pages it held (KV, lease, weight sets) at its last report
+    ask: str = ""  # the daemon's last ask not answered yet: "sleep:REASON", "wake:REASON"
 
 
 class SleepBook:
     """The sleep states of ``tenants`` (sleepable as ``cfg`` says, else as each asked);
     asks leave through ``outbox``; a pressure ask left unanswered ``2 x timeout_s``
-    (the reclaim deadline) is given up."""
+    (the reclaim deadline) is given up. Asks, sleeps and wakes are recorded in ``moves``."""
 
-    def __init__(self, cfg: Config, tenants: Tenants, outbox: Outbox, timeout_s: float):
+    def __init__(self, cfg: Config, tenants: Tenants, outbox: Outbox, timeout_s: float,
+                 moves: Moves | None = None):
+        self.moves = moves if moves is not None else Moves()
         self.cfg = cfg
         self.tenants = tenants
         self.outbox = outbox
@@ -119,7 +124,9 @@ class SleepBook:
             if r.state == "idle":
                 rec.idle_since = now
             log.debug("tenant %d (%s): %s -> %s", t.id, t.name, rec.state, r.state)
+            self._record_change(t, rec, r)
             rec.state = r.state
+        rec.holding = t.held + t.weight_pages
         if rec.asked_at is not None:  # its answer to a pressure ask
             rec.asked_at = None
             if r.state != "asleep":  # refused: do not ask it again at once
@@ -175,3 +182,23 @@ class SleepBook:
     def _send(self, t: TenantRecord, wake: bool, reason: str) -> None:
         self._seq += 1
         self.outbox.send(t, p.SleepAsk(wake=wake, reason=reason, seq=self._seq))
+        if t.id in self.records:
+            self.records[t.id].ask = f"{'wake' if wake else 'sleep'}:{reason}"
+        self.moves.pages("ask", t, t.held + t.weight_pages, mode="wake" if wake else "sleep",
+                         reason=reason)
+
+    def _record_change(self, t: TenantRecord, rec: SleepState, r: p.TenantState) -> None:
+        """A sleep (to ``asleep``: what it freed since its last report) or a wake (from
+        ``asleep``: what it took back) is an event; its reason is the daemon's ask it
+        answers, else the tenant's own word, else ``tenant``."""
+        asked, rec.ask = rec.ask, ""
+        if "asleep" not in (r.state, rec.state):
+            return
+        kind = "sleep" if r.state == "asleep" else "wake"
+        verb, _, reason = asked.partition(":")
+        reason = reason if verb == kind else (r.reason or "tenant")
+        now = t.held + t.weight_pages
+        if kind == "sleep":
+            self.moves.pages(kind, t, max(0, rec.holding - now), reason=reason)
+        else:
+            self.moves.pages(kind, t, max(0, now - rec.holding), reason=reason)

@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from kvpool import protocol as p
+from kvpool.daemon.events import Moves
 from kvpool.daemon.outcome import Fail, Outcome, Sender
 from kvpool.daemon.pool import Payer, Pool, PoolExhausted
 from kvpool.daemon.tenants import NO_MEMORY_KINDS, TenantRecord, Tenants
@@ -103,9 +104,10 @@ class WeightSets:
 
     def __init__(self, pool: Pool, tenants: Tenants, owed: Callable[[], int],
                  wait: WaitForRoom | None = None, max_sets: int = MAX_SETS,
-                 max_cached_per_uid: int = MAX_CACHED_PER_UID):
+                 max_cached_per_uid: int = MAX_CACHED_PER_UID, moves: Moves | None = None):
         self.max_sets = max_sets
         self.max_cached_per_uid = max_cached_per_uid
+        self.moves = moves if moves is not None else Moves()  # every set's moves recorded
         self.pool = pool
         self.page_size = pool.page_size
         self.tenants = tenants
@@ -209,6 +211,7 @@ class WeightSets:
         self.sets[(scope, r.key)] = s
         self.by_id[sid] = s
         t.weight_pages += n
+        self.moves.pages("weights", t, n, op="create", key=s.key[:KEY_SHOWN])
         return self._granted(t, r.id, s)
 
     def seal(self, t: TenantRecord, sender: Sender, r: p.WeightSeal) -> p.Reply:
@@ -222,6 +225,7 @@ class WeightSets:
         except VmmError as e:
             raise Fail(p.BUSY, f"cannot seal the weight set: {e}") from e
         s.state = "sealed"
+        self.moves.pages("weights", t, s.pages, op="seal", key=s.key[:KEY_SHOWN])
         return p.Done(id=r.id)
 
     def attach(self, t: TenantRecord, sender: Sender, r: p.WeightAttach) -> Outcome:
@@ -236,6 +240,7 @@ class WeightSets:
         self._admit(t, s.pages, "attach")
         s.holders.add(t.id)
         t.weight_pages += s.pages
+        self.moves.pages("weights", t, s.pages, op="attach", key=s.key[:KEY_SHOWN])
         return self._granted(t, r.id, s)
 
     def detach(self, t: TenantRecord, sender: Sender, r: p.WeightDetach) -> p.Reply:
@@ -327,6 +332,7 @@ class WeightSets:
     def _evict(self, s: WeightSet, why: str) -> None:
         log.info("weight set %s %s (%d pages, cached, nobody held it)", s.key[:KEY_SHOWN],
                  why, s.pages)
+        self.moves.pages("weights", None, s.pages, op="evict", key=s.key[:KEY_SHOWN])
         self._drop(s)
 
     def _granted(self, t: TenantRecord, rid: int, s: WeightSet) -> Outcome:
@@ -337,8 +343,10 @@ class WeightSets:
     def _let_go(self, t: TenantRecord, s: WeightSet) -> None:
         s.holders.discard(t.id)
         t.weight_pages -= s.pages
+        self.moves.pages("weights", t, s.pages, op="detach", key=s.key[:KEY_SHOWN])
         if s.state == "loading":  # never sealed: never attachable, its pages return
             log.info("weight set %s dropped before it was sealed", s.key[:KEY_SHOWN])
+            self.moves.pages("weights", None, s.pages, op="discard", key=s.key[:KEY_SHOWN])
             self._drop(s)
         elif not s.holders:
             s.idle_since = time.monotonic()

@@ -97,9 +97,10 @@ class SleepTarget(Protocol):
 class StateReport(Protocol):
     """Where the engine's state goes (the tenant: ``Tenant.report_state``)."""
 
-    def report_state(self, state: str) -> None:
-        """``"busy"``, ``"idle"`` or ``"asleep"``; thread-safe, never raises, cheap
-        (sends only changes)."""
+    def report_state(self, state: str, reason: str | None = None) -> None:
+        """``"busy"``, ``"idle"`` or ``"asleep"``; ``reason``: why it went to sleep or
+        woke (``idle``, ``request``, ``http``, ``operator``, ``pressure``; None
+        otherwise). Thread-safe, never raises, cheap (sends only changes)."""
         ...
 
 
@@ -163,16 +164,17 @@ class SleepController:
             return "asleep" if self._state == ASLEEP else "busy"
         return "busy" if self._active or self._engine_busy else "idle"
 
-    def report(self) -> None:
+    def report(self, reason: str | None = None) -> None:
         """Send the current state to the tenant (what it is now, so reports racing from
-        several threads end in the right one)."""
+        several threads end in the right one); ``reason``: the transition's, if one
+        just ended."""
         if self.reporter is None:
             return
         with self._report_lock:
             with self._cond:
                 state = self._reported_state()
             try:
-                self.reporter.report_state(state)
+                self.reporter.report_state(state, reason)
             except Exception:  # the contract says it never raises; never let it kill us
                 log.exception("kvpool: reporting state %r failed", state)
 
@@ -212,7 +214,7 @@ class SleepController:
                     self._engine_busy = False  # asleep: no work, whatever was reported
                 self._set(ASLEEP)
                 log.warning("kvpool: asleep (%s): what it held is back in the pool", reason)
-        self.report()
+        self.report(reason)
         return ok
 
     def wake(self, reason: str = "operator") -> bool:
@@ -220,7 +222,7 @@ class SleepController:
         False when the memory did not come (``last_error`` says why; still asleep)."""
         with self._transition:
             ok = self._wake_locked(reason)
-        self.report()
+        self.report(reason)
         return ok
 
     def _wake_locked(self, reason: str) -> bool:

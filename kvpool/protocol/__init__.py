@@ -59,7 +59,7 @@ from kvpool.protocol.requests import (
     Reclaimed, AdoptGroup, Adopt, Bye, Ping, Ps, Stats, MapReq, SetLimit, Shutdown,
     Check, EVENTS_LIMIT, Events, REQUESTS, AnyRequest, MONITOR_OPS, ADMIN_OPS,
     TicketId, MAX_TTL_MS, Offer, Claim, Cancel, Locate, WeightKey, WeightCreate,
-    WeightSeal, WeightAttach, WeightDetach, SLEEP_STATES, SleepTenant, TenantState,
+    WeightSeal, WeightAttach, WeightDetach, SLEEP_REASONS, SLEEP_STATES, SleepTenant, TenantState,
     SESSION_OPS, GangGroup, Layout, CreateGang,
 )
 from kvpool.protocol.replies import (
@@ -94,7 +94,7 @@ __all__ = [
     "error", "to_builtins", "TicketId", "MAX_TTL_MS", "Offer", "Claim", "Cancel",
     "SETTLED_STATES", "Offered", "Claimed", "Settled", "Locate", "Located",
     "MAX_ENDPOINT", "Endpoint", "WeightKey", "WeightCreate", "WeightSeal",
-    "WeightAttach", "WeightDetach", "WeightGranted", "SLEEP_STATES", "SleepTenant",
+    "WeightAttach", "WeightDetach", "WeightGranted", "SLEEP_REASONS", "SLEEP_STATES", "SleepTenant",
     "TenantState", "SESSION_OPS", "SleepAsked", "SleepAsk", "MAX_RANKS",
     "MAX_GANG_GROUPS", "MAX_DEVICE", "GangToken", "Device", "Rank", "GangGroup", "Layout",
     "CreateGang", "GangCreated", "GangEnded",

@@ -7,7 +7,8 @@ from msgspec import Struct
 
 
 class FdHello(Struct, array_like=True):
-    """First message on a new fd-channel connection (no descriptors). A refused session
+    """First message on a new fd-channel connection (no descriptors): the session token,
+    the first device's backend and page size, the devices served. A refused session
     (too many sessions) gets an empty ``token`` and the reason in ``error``, then EOF."""
 
     version: int
@@ -16,6 +17,7 @@ class FdHello(Struct, array_like=True):
     device: int
     page_size: int
     error: str = ""
+    devices: list[int] = []  # every device the daemon serves (``device`` is the first)
 
 
 class FdHeader(Struct, array_like=True):

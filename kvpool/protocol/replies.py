@@ -236,9 +236,14 @@ class Adopted(Reply, tag="adopted"):
 
 
 class EventInfo(Struct, kw_only=True):
-    """One decision of the daemon. ``kind``: grant, wait, deny, lease, ask, reclaim (a
-    whole round: ``detail`` has its asks and answers by tenant), limit, death, bye,
-    handoff (pages a tenant claimed from a giver: ``detail`` names the giver)."""
+    """One decision of the daemon or memory move, on ``device``. ``kind``: grant,
+    release, wait, deny, lease, ask (``mode`` reserve/shrink, or sleep: ``reason``
+    operator or pressure), answer, reclaim (a whole round: ``detail`` has its asks and
+    answers by tenant, and who was put to sleep), sleep and wake (``reason``: operator,
+    pressure, idle, request, http or tenant; ``freed``/``took`` bytes), weights (a set
+    created, sealed, attached, detached or evicted: ``op``, ``key``), limit, death and
+    bye (the memory returned), handoff (pages a tenant claimed from a giver: ``detail``
+    names the giver)."""
 
     seq: int
     time: float  # unix seconds
@@ -247,6 +252,7 @@ class EventInfo(Struct, kw_only=True):
     tenant_id: int = 0
     bytes: int = 0
     detail: dict[str, Any] = {}
+    device: int = 0
 
 
 class EventsReply(Reply, tag="events"):

@@ -318,6 +318,7 @@ class WeightDetach(Request, tag="weight_detach"):
 
 # ---- sleep and wake (kvpool.daemon.sleep; docs/ARCHITECTURE.md "Sleep and wake") ------
 SLEEP_STATES = ("busy", "idle", "asleep")  # what a tenant may say it is doing
+SLEEP_REASONS = ("operator", "pressure", "idle", "request", "http")  # why it slept or woke
 
 
 class SleepTenant(Request, tag="sleep_tenant"):
@@ -334,9 +335,12 @@ class SleepTenant(Request, tag="sleep_tenant"):
 class TenantState(Request, tag="tenant_state"):
     """The tenant says what it is doing: ``busy`` (serving), ``idle`` (may be put to
     sleep when it opted in), ``asleep`` (holds nothing until it wakes). The daemon
-    records it and when it became idle."""
+    records it and when it became idle; a sleep or wake is an event (with ``reason``)."""
 
     state: Literal["busy", "idle", "asleep"]
+    # why it went to sleep or woke (its own word, shown by ``kvpool events``): the
+    # daemon's ask (operator, pressure), its idle timer, a request, its HTTP route
+    reason: Optional[Literal["operator", "pressure", "idle", "request", "http"]] = None
 
 
 REQUESTS = (

@@ -58,7 +58,7 @@ class FakeTenant:
         self.states: list[str] = []
         self.changed = threading.Condition()
 
-    def report_state(self, state: str) -> None:
+    def report_state(self, state: str, reason: str | None = None) -> None:
         with self.changed:
             if not self.states or self.states[-1] != state:
                 self.states.append(state)

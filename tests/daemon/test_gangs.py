@@ -276,8 +276,11 @@ def test_the_cli_reads_the_device_it_is_given(start_daemon):
         ps1 = d.cli_json("ps", "--device", "1")
         assert [x["name"] for x in ps1["tenants"]] == ["one"]
         assert ps1["pool"]["device"] == 1 and ps1["pool"]["granted"] == 2 * PAGE
-        ps0 = d.cli_json("ps")  # the first device by default
+        ps0 = d.cli_json("ps", "--device", "0")
         assert ps0["tenants"] == [] and ps0["pool"]["device"] == 0
+        every = d.cli_json("ps")  # every device by default (issue 34 item 4)
+        assert [x["name"] for x in every["tenants"]] == ["one"]
+        assert [x["device"] for x in every["pools"]] == [0, 1]
         assert d.cli("check", "--device", "1").stdout.strip() == "ok"
         assert "one" in d.cli("map", "--device", "1").stdout
 
@@ -354,7 +357,8 @@ def test_a_lease_reclaims_a_gang_as_one_with_one_ask_per_rank(start_daemon):
         assert not g0.mapped and not g1.mapped
         assert m0.ps().pool.leased == BUDGET * PAGE and m1.ps().pool.granted == 0
         lease.close()
-        for mon in (m0, m1):
-            asks = [e for e in mon.call(p.Events(), p.EventsReply).events if e.kind == "ask"]
+        evs = m0.call(p.Events(), p.EventsReply).events  # (one log: every device's)
+        for dev in (0, 1):
+            asks = [e for e in evs if e.kind == "ask" and e.device == dev]
             assert len(asks) == 1 and asks[0].tenant == "tp", asks  # mirrored once, no echo
         assert invariant_problems({0: m0, 1: m1}, 2) == []
