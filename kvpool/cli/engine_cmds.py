@@ -7,9 +7,11 @@ core install (no torch) answers these commands with one clear line.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, cast
 
 import click
@@ -36,6 +38,20 @@ def _enable_elastic(engine_config: EngineConfig) -> None:
         bundled.enable(engine_config, settings)
     except bundled.AdapterError as e:
         raise click.ClickException(f"cannot make the KV cache elastic: {e}") from None
+
+
+@contextlib.contextmanager
+def _daemon_errors() -> Iterator[None]:
+    """The daemon's absence (one line saying what to do) or its refusal (``CODE:
+    message``) ends the command with exit status 1, never a traceback."""
+    from kvpool.client_lib.errors import DaemonUnavailable, KvpoolError
+
+    try:
+        yield
+    except DaemonUnavailable as e:
+        raise click.ClickException(e.message) from None
+    except KvpoolError as e:
+        raise click.ClickException(f"{e.code}: {e.message}") from None
 
 
 def _elastic_env(elastic: bool, weights: str | None, sleep_after: str | None,
@@ -186,12 +202,14 @@ def register(cli: click.Group) -> None:
             if role == "decode" and not prefill_url and not pd:
                 raise click.BadParameter("--role decode needs --prefill-url")
             try:
-                if pd:
-                    argv = [a for a in sys.argv[1:] if a != "--pd"]
-                    pd_server.serve_pair(config, argv, host, port, log_level, cpus=pin_to)
-                else:
-                    pd_server.serve_role(config, role, host, port, log_level, prefill_url,
-                                         handoff_to)
+                with _daemon_errors():
+                    if pd:
+                        argv = [a for a in sys.argv[1:] if a != "--pd"]
+                        pd_server.serve_pair(config, argv, host, port, log_level,
+                                             cpus=pin_to)
+                    else:
+                        pd_server.serve_role(config, role, host, port, log_level,
+                                             prefill_url, handoff_to)
             except (AdapterError, RuntimeError, CheckpointError) as e:  # one line, no trace
                 raise click.ClickException(str(e)) from None
             return
@@ -200,7 +218,8 @@ def register(cli: click.Group) -> None:
             from kvpool.engine_adapters.bundled import warm_server
 
             try:  # the elastic server: also /pd/retire (warm restart, issue 15)
-                warm_server.serve_elastic(config, host, port, log_level, handoff_from)
+                with _daemon_errors():
+                    warm_server.serve_elastic(config, host, port, log_level, handoff_from)
             except (RuntimeError, CheckpointError) as e:
                 raise click.ClickException(str(e)) from None
             return

@@ -29,9 +29,11 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, overload
 
+from kvpool import protocol as p
 from kvpool.client_lib.chunk_book import ChunkBook
 from kvpool.client_lib.errors import KvpoolError
 from kvpool.client_lib.refill import Refiller
@@ -95,11 +97,15 @@ class ElasticBlockAllocator:
         max_blocks: int | None = None,
         background: bool = True,
         take_first: int = 0,
+        first_wait_s: float = 0.0,
     ):
         """``take_first``: ``take_first`` blocks are allocated to the caller here, before
         the background thread can map any chunk, so they are blocks ``0, 1, ...`` (an
         engine's null block must be block 0): :attr:`first_blocks`, empty when the
-        memory was not there (the caller checks)."""
+        memory was not there (the caller checks; :attr:`last_refusal` says why). While
+        the daemon answers ``NO_MEMORY`` that grant is asked again for up to
+        ``first_wait_s`` seconds (others may shrink or leave meanwhile); any other
+        refusal ends it at once."""
         if block_bytes_per_region <= 0:
             raise ValueError("block_bytes_per_region must be positive")
         if not 0 <= low <= high:
@@ -131,12 +137,32 @@ class ElasticBlockAllocator:
         self.book = ChunkBook(nchunks, self.blocks_per_chunk)
         group.allocator = self
         self._refill = Refiller(self, start=False)
+        #: the daemon's last refusal of a grant (None: none yet)
+        self.last_refusal: KvpoolError | None = None
         #: the blocks taken for the caller at construction (``take_first``)
         self.first_blocks: list[int] = []
         if take_first:
-            self.first_blocks = self.alloc(take_first) or []
+            self.first_blocks = self._take_first(take_first, first_wait_s)
         if background:
             self._refill.start()
+
+    def _take_first(self, n: int, wait_s: float) -> list[int]:
+        """(construction, before the refill thread runs) ``n`` blocks, asking again while
+        the daemon answers NO_MEMORY, up to ``wait_s``; [] when they did not come."""
+        deadline = time.monotonic() + wait_s
+        pause = 0.05
+        while True:
+            got = self.alloc(n)
+            if got is not None:
+                return got
+            why = self.last_refusal
+            if why is None or why.code != p.NO_MEMORY or time.monotonic() >= deadline:
+                return []
+            if pause == 0.05:
+                log.warning("no memory for the KV cache's first chunk yet (%s); waiting up "
+                            "to %.0f s for others to shrink or leave", why.message, wait_s)
+            time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+            pause = min(pause * 2, 1.0)
 
     # ---- fast path -------------------------------------------------------------------
     def alloc(self, n: int = 1, wait: bool = True) -> list[int] | None:
@@ -221,6 +247,7 @@ class ElasticBlockAllocator:
                              in_use=self.in_use_bytes(), speculative=speculative)
         except KvpoolError as e:
             log.debug("grant of %d chunks failed: %s", len(chunks), e)
+            self.last_refusal = e
             with self.lock:
                 self.book.return_unmapped(chunks)
             return False

@@ -47,6 +47,22 @@ class UntrustedDaemon(DaemonUnavailable):
     """Something other than a trusted daemon serves the run directory (``UNAUTHORIZED``)."""
 
 
+def no_daemon(run_dir: Path, why: str = "") -> DaemonUnavailable:
+    """No daemon serves ``run_dir``: one line that says so (``why``, when known) and what
+    to do about it."""
+    detail = f" ({why})" if why else ""
+    return DaemonUnavailable(p.INTERNAL, f"no kvpool daemon at {run_dir}{detail}; start one "
+                             f"with `kvpool daemon --run-dir {run_dir}`, or point "
+                             f"--run-dir / KVPOOL_RUN_DIR at the one that runs")
+
+
+def probe(run_dir: Path, timeout_s: float = 10.0) -> None:
+    """Raise :class:`DaemonUnavailable` (:class:`UntrustedDaemon`) unless a trusted daemon
+    listens at ``run_dir``; registers nothing (a command checks before it starts
+    children that would each fail on their own)."""
+    Connection._check_control_peer(run_dir, Connection._check_run_dir(run_dir), timeout_s)
+
+
 class Connection:
     def __init__(self, run_dir: Path, timeout_s: float = 10.0, fd_channel: bool = True):
         self.run_dir = run_dir
@@ -86,13 +102,12 @@ class Connection:
             paths.check_daemon_dir(run_dir, trusted)
             control = os.lstat(paths.control_path(run_dir))
         except FileNotFoundError:
-            raise DaemonUnavailable(p.INTERNAL, f"no kvpool daemon at {run_dir}") from None
+            raise no_daemon(run_dir) from None
         except paths.UnsafePath as e:
             raise UntrustedDaemon(p.UNAUTHORIZED, f"not trusting the daemon at {run_dir}: "
                                   f"{e} (set KVPOOL_DAEMON_UID to trust its owner)") from None
         except OSError as e:
-            raise DaemonUnavailable(p.INTERNAL, f"no kvpool daemon at {run_dir} "
-                                    f"({e.strerror or e})") from None
+            raise no_daemon(run_dir, e.strerror or str(e)) from None
         if not stat.S_ISSOCK(control.st_mode) or control.st_uid not in trusted:
             raise UntrustedDaemon(p.UNAUTHORIZED, f"not trusting the daemon at {run_dir}: "
                                   f"{paths.CONTROL_SOCKET} is not a socket of a trusted uid")
@@ -109,11 +124,9 @@ class Connection:
             probe.connect(str(paths.control_path(run_dir)))
             _, uid, _ = fdchannel.peer_credentials(probe)
         except (FileNotFoundError, ConnectionRefusedError):
-            raise DaemonUnavailable(p.INTERNAL, f"no kvpool daemon at {run_dir} (nothing "
-                                    f"listens on {paths.CONTROL_SOCKET})") from None
+            raise no_daemon(run_dir, f"nothing listens on {paths.CONTROL_SOCKET}") from None
         except OSError as e:
-            raise DaemonUnavailable(p.INTERNAL, f"no kvpool daemon at {run_dir} "
-                                    f"({e.strerror or e})") from None
+            raise no_daemon(run_dir, e.strerror or str(e)) from None
         finally:
             probe.close()
         if uid not in trusted:
@@ -128,9 +141,7 @@ class Connection:
         try:
             sock = fdchannel.connect(str(paths.pages_path(run_dir)))
         except OSError as e:
-            raise DaemonUnavailable(
-                p.INTERNAL, f"no kvpool daemon at {run_dir} ({e.strerror or e}); "
-                f"start one with `kvpool daemon --run-dir {run_dir}`") from None
+            raise no_daemon(run_dir, e.strerror or str(e)) from None
         try:
             _, uid, _ = fdchannel.peer_credentials(sock)
             if uid not in trusted:

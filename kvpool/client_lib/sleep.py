@@ -5,7 +5,10 @@ The daemon asks with an unsolicited ``SleepAsk`` (the operator's ``kvpool sleep|
 or memory pressure); the tenant's keeper thread hands it to :class:`SleepWorker`, which
 runs the engine's :class:`SleepHandler` on a thread of its own (a sleep may take seconds:
 the keeper must go on answering reclaims meanwhile) and then reports the new state
-(``TenantState``): ``asleep`` when ``sleep`` returned True, ``idle`` when it refused or
+(``TenantState``): a handler that keeps the state itself (:class:`ReportsState`, e.g.
+the engines' :class:`~kvpool.engine_adapters.sleep.SleepController`) reports what it is
+now — ``busy`` after a sleep it refused because requests run, never ``idle`` mid-request;
+for any other handler, ``asleep`` when ``sleep`` returned True, ``idle`` when it refused or
 when ``wake`` returned True. One ask runs at a time; asks that arrive meanwhile are
 kept, the latest only, and run next (a sleep then a wake while sleeping ends awake).
 """
@@ -14,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Callable, Protocol
+from typing import Callable, Protocol, runtime_checkable
 
 from kvpool import protocol as p
 
@@ -34,6 +37,16 @@ class SleepHandler(Protocol):
     def wake(self, reason: str) -> bool:
         """Take back what it needs to serve (weights re-attached or reloaded, KV
         re-granted lazily); True when awake. Same thread rules as :meth:`sleep`."""
+        ...
+
+
+@runtime_checkable
+class ReportsState(Protocol):
+    """A sleep handler that tells the tenant its state itself: after an ask the worker
+    has it report what it is now, instead of guessing from the ask's outcome."""
+
+    def report(self) -> None:
+        """Send the current state (``busy``, ``idle``, ``asleep``) to the tenant."""
         ...
 
 
@@ -79,6 +92,9 @@ class SleepWorker:
         except Exception:
             log.exception("sleep handler's %s failed", "wake" if m.wake else "sleep")
             done = False
+        if isinstance(handler, ReportsState):  # a refused sleep changed nothing: busy
+            handler.report()                     # stays busy (issue 33 item 8)
+            return
         if m.wake:
             self.report("idle" if done else "asleep", m.reason)
         else:

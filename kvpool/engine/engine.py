@@ -42,7 +42,7 @@ from kvpool.engine.model_runner import ModelRunner
 from kvpool.engine.request import Request, RequestOutput, RequestStatus
 from kvpool.engine.sampling import SamplingParams, sample
 from kvpool.engine.scheduler import Scheduler
-from kvpool.engine.tokenizer import Tokenizer
+from kvpool.engine.tokenizer import MAX_CHARS_PER_TOKEN, Tokenizer
 from kvpool.engine.tp_layers import check_divisible
 from kvpool.engine.tp_workers import TPWorkers
 
@@ -193,10 +193,19 @@ class Engine:
         return rid
 
     def encode(self, prompt: str | list[int]) -> list[int]:
+        """A prompt's token ids; RequestError (one line) when it has none, an id is out
+        of the vocabulary, or text is longer than the context could hold
+        (``MAX_CHARS_PER_TOKEN`` characters a token: refused before tokenizing). Takes
+        time in proportion to the text: servers call it off their event loop."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise RequestError(f"{self.config.model} has no tokenizer.json; "
                                    "pass token ids instead of text")
+            limit = MAX_CHARS_PER_TOKEN * self.max_model_len
+            if len(prompt) > limit:
+                raise RequestError(f"{len(prompt)} characters is more than a context of "
+                                   f"{self.max_model_len} tokens could hold (at most "
+                                   f"{limit} characters)")
             ids = self.tokenizer.encode(prompt)
         else:
             ids = [int(t) for t in prompt]

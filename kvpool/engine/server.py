@@ -38,6 +38,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvpool.engine.api_bodies import (ChatBody, CommonBody, CompletionBody, OpenAIPrompt,
                                       describe, problem)
 from kvpool.engine.async_engine import AsyncEngine
+from kvpool.engine.body_limit import BodyLimit, body_limit
 from kvpool.engine.chat_template import ChatTemplateError
 from kvpool.engine.config import EngineConfig
 from kvpool.engine.errors import EngineUnavailable, RequestError
@@ -45,12 +46,9 @@ from kvpool.engine.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from kvpool.engine.metrics import EngineMetrics
 from kvpool.engine.request import RequestOutput
 from kvpool.engine.sampling import SamplingParams
+from kvpool.engine.tokenizer import MAX_CHARS_PER_TOKEN
 
 log = logging.getLogger(__name__)
-
-# a chat's message text beyond this many characters per context token is refused before
-# rendering (no real tokenizer packs that many characters into one token)
-MAX_CHARS_PER_TOKEN = 64
 
 
 class APIError(Exception):
@@ -82,6 +80,7 @@ def create_app(aengine: AsyncEngine) -> FastAPI:
             close()
 
     app = FastAPI(title="kvpool engine", lifespan=lifespan)
+    app.add_middleware(BodyLimit, max_bytes=body_limit(engine.max_model_len))  # 413 past it
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> JSONResponse:
@@ -165,7 +164,9 @@ def create_app(aengine: AsyncEngine) -> FastAPI:
     async def completions(body: CompletionBody) -> Any:
         check(body)
         prompts = _prompt_list(body.prompt)
-        ids = [encode(p) for p in prompts]
+        # a thread: tokenizing a long prompt must not hold up the streams (each text is
+        # bounded before it is tokenized: Engine.encode)
+        ids = await asyncio.to_thread(lambda: [encode(p) for p in prompts])
         sps = [params(body, p, body.max_tokens if body.max_tokens is not None else 16)
                for p in ids]
         rid = f"cmpl-{uuid.uuid4().hex}"

@@ -18,6 +18,11 @@ from tokenizers import Tokenizer as HFTokenizer
 from kvpool.engine.chat_template import CHATML, ChatTemplate, special_tokens
 from kvpool.engine.errors import CheckpointError
 
+# text beyond this many characters per context token is refused before it is tokenized
+# (no real tokenizer packs that many characters into one token; tokenizing costs time and
+# memory in proportion to the text, so the bound comes first)
+MAX_CHARS_PER_TOKEN = 64
+
 
 class Tokenizer:
     def __init__(self, tok: HFTokenizer, eos_token: str | None = None,
@@ -58,7 +63,10 @@ class Tokenizer:
         return self.tok.get_vocab_size()
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids of ``text``. Releases the GIL while it works (``encode_batch`` does,
+        ``encode`` does not), so a long text encoded on a thread does not stall the
+        server's event loop; callers bound the text first (:data:`MAX_CHARS_PER_TOKEN`)."""
+        return self.tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)

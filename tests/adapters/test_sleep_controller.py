@@ -1,6 +1,8 @@
 """SleepController (kvpool.engine_adapters.sleep) against a fake engine target and a
 fake tenant (B's ``report_state``): transitions, refusal while busy, wake on request,
-the idle timer, failures. No daemon, no engine: each test takes milliseconds."""
+the idle timer, failures. No daemon, no engine: each test takes milliseconds — except
+the last, which puts the controller behind a real tenant of a real daemon (what ``ps``
+shows after the daemon's asks)."""
 
 from __future__ import annotations
 
@@ -220,3 +222,37 @@ def test_reported_work_is_busy_for_the_tenant_and_the_timer() -> None:
 def test_bad_sleep_after_is_refused() -> None:
     with pytest.raises(ValueError, match="positive"):
         SleepController(FakeTarget(), None, sleep_after_s=0)
+
+
+def daemon_state(d, name: str) -> str:
+    with d.monitor() as m:
+        return next(t.state for t in m.ps().tenants if t.name == name)
+
+
+def test_a_refused_sleep_leaves_the_daemon_seeing_busy(start_daemon) -> None:
+    """Issue 33 item 8: the operator's sleep, refused because a request runs, made the
+    tenant say ``idle`` mid-request (``ps`` said idle; the busy server was the first
+    pressure-sleep candidate). The state after an ask is the controller's own."""
+    from daemon.helpers import PAGE, wait_for
+
+    d = start_daemon()
+    with d.connect("srv", timeout_s=30, sleepable=True) as srv:
+        g = srv.region_group(1, 8 * PAGE)
+        g.grant(range(2))
+        c = SleepController(FakeTarget(), srv)
+        srv.set_sleep_handler(c)
+        c.start()
+        assert daemon_state(d, "srv") == "idle"
+        c.enter_blocking()  # a request runs
+        assert daemon_state(d, "srv") == "busy"
+        for ask in (("sleep", "srv", "--wait", "0.3"), ("wake", "srv", "--wait", "10")):
+            handled = srv._sleep.handled
+            d.cli(*ask, check=False)
+            wait_for(lambda: srv._sleep.handled > handled, 30, what="the ask handled")
+            assert daemon_state(d, "srv") == "busy", ask  # still serving
+        assert c.state == AWAKE and c.refusals == 1
+        c.leave()
+        wait_for(lambda: daemon_state(d, "srv") == "idle", 30, what="idle at last")
+        c.close()
+    assert d.check() == []
+

@@ -75,6 +75,9 @@ class ElasticBlockPool(FixedBlockPool):
         self._allocator = allocator
         self._policy = ElasticPolicy(self, allocator)
         null = allocator.first_blocks
+        if not null:
+            raise AdapterError(f"no memory for the KV cache's first chunk: "
+                               f"{allocator.last_refusal or 'the daemon refused the grant'}")
         if null != [NULL_BLOCK]:
             raise AdapterError(f"expected the allocator's first block to be 0, got {null}")
         self._null_held = True

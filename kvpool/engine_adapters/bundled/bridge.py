@@ -49,7 +49,7 @@ from kvpool.engine_adapters.bundled.block_pool import ElasticBlockPool
 from kvpool.engine_adapters.bundled import gang_messages
 from kvpool.engine_adapters.bundled.checks import KNOWN_LAYOUTS
 from kvpool.engine_adapters.bundled.gang_session import GangSession
-from kvpool.engine_adapters.bundled.settings import AdapterError, Settings
+from kvpool.engine_adapters.bundled.settings import MEMORY_WAIT_S, AdapterError, Settings
 from kvpool.engine_adapters.bundled.weights import Layout, PoolWeights, set_key
 
 if TYPE_CHECKING:
@@ -165,7 +165,8 @@ class Bridge:
                                               region_bytes, name)
             allocator = ElasticBlockAllocator(
                 self.group, per_region, low=s.low, high=s.high,
-                idle_timeout_s=s.idle_timeout_s, populate=s.populate, take_first=1)
+                idle_timeout_s=s.idle_timeout_s, populate=s.populate, take_first=1,
+                first_wait_s=MEMORY_WAIT_S)  # block 0, waited for like the weight set
             self.pool.bind(allocator)
             if s.request_aligned:
                 self.pool.align_requests()

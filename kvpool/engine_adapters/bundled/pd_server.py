@@ -282,8 +282,11 @@ def serve_pair(config: EngineConfig, argv: list[str], host: str = "127.0.0.1",
     import socket
     import subprocess
 
+    from kvpool import paths
+    from kvpool.client_lib.connection import probe
     from kvpool.launch import cli_argv, wait_healthy
 
+    probe(paths.run_dir())  # no daemon: one line here, not the child's and then ours
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         child_port = s.getsockname()[1]

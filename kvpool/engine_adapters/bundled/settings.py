@@ -11,6 +11,9 @@ from typing import TypeVar
 from kvpool.engine_adapters.env import TenantSettings
 
 WEIGHTS_MODES = ("pool", "local")
+# how long a starting engine waits for the memory it cannot serve without (its weight set,
+# its KV cache's first chunk) while the daemon answers NO_MEMORY
+MEMORY_WAIT_S = 600.0
 B = TypeVar("B", bound="Settings")
 
 

@@ -33,6 +33,7 @@ from kvpool import protocol as p
 from kvpool.client_lib.errors import KvpoolError
 from kvpool.client_lib.tensors import tensor_view
 from kvpool.client_lib.weights import WeightSession, WeightSet
+from kvpool.engine_adapters.bundled.settings import MEMORY_WAIT_S
 from kvpool.vmm import Range
 
 log = logging.getLogger("kvpool.engine_adapters.bundled.weights")
@@ -94,7 +95,7 @@ class PoolWeights:
 
     def __init__(self, session: WeightSession, key: str, layout: Layout,
                  load: Callable[[Mapping[str, torch.Tensor]], None],
-                 wait_s: float = 600.0) -> None:
+                 wait_s: float = MEMORY_WAIT_S) -> None:
         self.session = session
         self.key = key
         self.layout = layout
