@@ -35,9 +35,10 @@ def no_daemon_advice(e: KvpoolError) -> str:
     msg = e.message
     if not msg.startswith("no kvpool daemon at"):
         return msg
-    if "`kvpool daemon" not in msg:
-        msg += "; start one with `kvpool daemon`"
-    return msg + " (or pass --run-dir, or set KVPOOL_RUN_DIR, to where one runs)"
+    if "`kvpool daemon" in msg:  # the client library's line already says what to do
+        return msg
+    return msg + ("; start one with `kvpool daemon`, or pass --run-dir (or set "
+                  "KVPOOL_RUN_DIR) to where one runs")
 
 
 def _monitor(run_dir: str | None, device: int | None) -> Monitor:
