@@ -404,11 +404,6 @@ class ElasticBlockAllocator:
         """Tell the daemon the current reserve and bytes in use (for ``ps``/``map``)."""
         self._refill.report()
 
-    @property
-    def refilling(self) -> bool:
-        """Whether the background thread runs."""
-        return self._refill.alive
-
     # ---- views -----------------------------------------------------------------------
     def _units(self, chunks: Iterable[int]) -> list[int]:
         per_chunk = self.pages_per_chunk

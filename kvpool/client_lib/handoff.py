@@ -54,7 +54,6 @@ so it imports neither.
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import AbstractSet, Mapping, Protocol, Sequence, TypeVar
 
@@ -286,12 +285,3 @@ def claim(group: HandoffGroup, ticket: Ticket | str, at_units: Sequence[int],
 
 def cancel(tenant: HandoffHolder, ticket: Ticket | str) -> bool:
     return of(tenant).cancel(ticket)
-
-
-def wait_all(tenant: HandoffHolder, timeout_s: float) -> bool:
-    """Whether every offer of ``tenant`` settled within ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    for t in of(tenant).pending():
-        if t.wait(max(0.0, deadline - time.monotonic())) == PENDING:
-            return False
-    return True

@@ -130,10 +130,6 @@ class Refiller:
             self._thread.join()
             self._thread = None
 
-    @property
-    def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
     # ---- the thread ---------------------------------------------------------------------
     def _run(self) -> None:
         tenant = self._alloc.group.tenant

@@ -80,10 +80,6 @@ class Layout:
     n_regions: int
     unit_bytes: int  # bytes of one unit in one region (the page size)
 
-    @property
-    def pages_per_unit(self) -> int:
-        return self.n_regions
-
 
 @dataclass(eq=False)
 class Ticket:
@@ -241,9 +237,6 @@ class Escrow:
 
     def of_giver(self, giver: int) -> list[Ticket]:
         return [self.pending[tid] for tid in self.by_giver.get(giver, ())]
-
-    def in_escrow(self, group: int, unit: int) -> str | None:
-        return self.held.get((group, unit))
 
     def _settle(self, t: Ticket, state: str, now: float) -> None:
         assert t.state == PENDING and state != PENDING, (t.state, state)

@@ -43,6 +43,7 @@ from kvpool.demo.progress import Progress
 from kvpool.demo.prompts import question
 from kvpool.demo.workload import WorkloadShape, generate
 from kvpool.sizes import format_size
+from kvpool.vmm.registry import capabilities
 
 MODES = ("static", "elastic")
 
@@ -94,9 +95,14 @@ class DemoConfig:
             return self.checkpoint.path
         return self.out_dir / "models" / name
 
+    @property
+    def device(self) -> str:
+        """Where the servers run: where the backend's memory lives for a tensor."""
+        return capabilities(self.backend).tensor_device
+
     def kv_bytes_per_token(self) -> int:
         if self.checkpoint is not None:
-            return self.checkpoint.kv_bytes_per_token(on_cpu=self.backend != "cuda")
+            return self.checkpoint.kv_bytes_per_token(on_cpu=self.device == "cpu")
         return self.layers * 2 * self.kv_heads * (self.hidden // self.heads) * 4
 
 
@@ -138,7 +144,7 @@ def _start_servers(cfg: DemoConfig, cluster: Cluster, elastic: bool,
         return {m: cluster.serve_vllm(m, cfg.model_dir(m), size, elastic, extra, env)
                 for m in cfg.models}
     return {m: cluster.serve(m, cfg.model_dir(m), size, elastic, env=env,
-                             extra=("--device", "cuda" if cfg.backend == "cuda" else "cpu",
+                             extra=("--device", cfg.device,
                                     "--max-num-seqs", str(cfg.max_num_seqs),
                                     "--block-size", str(cfg.block_size)))
             for m in cfg.models}

@@ -30,7 +30,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import msgspec
 import torch
@@ -42,15 +42,39 @@ from kvpool.engine.kv_cache import KVLayout
 from kvpool.engine.step_input import StepEntry
 from kvpool.launch import module_argv
 
-if TYPE_CHECKING:
-    from kvpool.engine.config import EngineConfig
-
 #: how long a rank may take to start (import torch, connect) before start() gives up
 START_WAIT_S = 300.0
 #: how long close() waits for the ranks to exit before it kills them
 STOP_WAIT_S = 30.0
 #: how often start() looks whether a starting rank announced itself or exited
 ANNOUNCE_POLL_S = 0.05
+
+
+class RankSettings(Protocol):
+    """What :meth:`TPWorkers.start` reads of the engine's configuration (an
+    :class:`~kvpool.engine.config.EngineConfig`, which holds these hooks' type in turn:
+    a Protocol here, so the two modules do not import each other)."""
+
+    @property
+    def model(self) -> str: ...
+
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def attention_backend(self) -> str: ...
+
+    @property
+    def max_num_batched_tokens(self) -> int: ...
+
+    @property
+    def prepack(self) -> bool: ...
+
+    @property
+    def tensor_parallel_size(self) -> int: ...
+
+    @property
+    def tp_rank_module(self) -> str: ...
 
 
 class TPWorkers:
@@ -64,7 +88,7 @@ class TPWorkers:
         self._write = threading.Lock()  # one frame at a time on every pipe
 
     @classmethod
-    def start(cls, config: EngineConfig, device: torch.device, dtype: torch.dtype
+    def start(cls, config: RankSettings, device: torch.device, dtype: torch.dtype
               ) -> TPWorkers:
         """Start the other ranks of ``config.tensor_parallel_size`` (see the module).
 

@@ -113,9 +113,6 @@ class PrefixAffinity:
         self.load_margin = load_margin
         self._routed: dict[int, RoutedPrefixes] = {}
 
-    def pick(self, prompt: Prompt, replicas: Sequence[ReplicaLoad]) -> int:
-        return self.choose(prompt, replicas).index
-
     def choose(self, prompt: Prompt, replicas: Sequence[ReplicaLoad]) -> Pick:
         """The replica for ``prompt`` and why; remembers the prompt's prefix there."""
         ready = ready_replicas(replicas)

@@ -3,8 +3,6 @@ bounded memory, ready-only), the reason seam, and the routing key of hostile bod
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -182,21 +180,12 @@ def test_bad_settings_are_refused() -> None:
             PrefixAffinity(**kw)  # type: ignore[arg-type]
 
 
-class PlainPicker:
-    """A picker that does not explain itself (the seam before reasons)."""
-
-    def pick(self, prompt: balance.Prompt, replicas: Any) -> int:
-        return 1
-
-
 def test_choose_explains_every_picker() -> None:
-    assert choose(PlainPicker(), "x", idle(2)) == Pick(1, "load")
-    assert choose(PlainPicker(), "x", loads(0, 0, ready=(False, True))) == Pick(1, "only")
     assert choose(LeastLoaded(), "x", loads(2, 1)) == Pick(1, "load")
     rr = RoundRobin()
     assert [choose(rr, "x", idle(3)) for _ in range(4)] == [
         Pick(0, "turn"), Pick(1, "turn"), Pick(2, "turn"), Pick(0, "turn")]
-    assert make_picker("prefix").pick(ids(1, group=1), idle(2)) in (0, 1)
+    assert make_picker("prefix").choose(ids(1, group=1), idle(2)).index in (0, 1)
     assert all(c.reason in balance.REASONS for c in (choose(make_picker(n), "y" * 100, idle(2))
                                                      for n in balance.PICKERS))
 

@@ -56,7 +56,9 @@ AllocateSlots = Callable[..., "KVCacheBlocks | None"]
 log = logging.getLogger("kvpool.vllm")
 
 
-class ElasticBlockPool(BlockPool):
+# without the vllm extra BlockPool is Any (pyproject.toml's mypy overrides): both
+# configurations type-check, hence the unused-ignore codes in this module
+class ElasticBlockPool(BlockPool):  # type: ignore[misc, unused-ignore]
     """vLLM's block pool over kvpool memory (see the module); the adapter contract's
     :class:`~kvpool.engine_adapters.elastic.ElasticHooks` for vLLM."""
 
@@ -83,8 +85,8 @@ class ElasticBlockPool(BlockPool):
 
     # ---- allocation -----------------------------------------------------------------
     def get_num_free_blocks(self) -> int:
-        return self.allocator.free_blocks + self.free_block_queue.num_free_blocks + len(
-            self._stash)
+        cached: int = self.free_block_queue.num_free_blocks
+        return self.allocator.free_blocks + cached + len(self._stash)
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         if num_blocks <= 0:
@@ -164,12 +166,13 @@ class ElasticBlockPool(BlockPool):
                 return False
             self.evict_cached(None)
             self.stash_free()
-            self.cached_block_hash_to_block = BlockHashToBlockMap()  # type: ignore[no-untyped-call]
+            self.cached_block_hash_to_block = (
+                BlockHashToBlockMap())  # type: ignore[no-untyped-call, unused-ignore]
             self.cached_block_hashes_by_block.clear()
             if self._reuse_watchers:
                 self._notify_reuse([self.blocks[i] for i in list(self._reuse_watchers)])
             for block in self.blocks:
-                block.reset_hash()  # type: ignore[no-untyped-call]
+                block.reset_hash()  # type: ignore[no-untyped-call, unused-ignore]
             if self.metrics_collector:
                 self.metrics_collector.reset()
             if self.enable_kv_cache_events:
@@ -215,7 +218,7 @@ class ElasticBlockPool(BlockPool):
         """Evict up to ``n`` (None: all) cached blocks, LRU first, into the allocator."""
         with self.lock:
             q = self.free_block_queue
-            k = q.num_free_blocks if n is None else min(n, q.num_free_blocks)
+            k: int = q.num_free_blocks if n is None else min(n, q.num_free_blocks)
             if k <= 0:
                 return 0
             blocks = q.popleft_n(k)
@@ -357,12 +360,12 @@ def allocate_slots(original: AllocateSlots) -> AllocateSlots:
 
         def counted(*a: Any, **k: Any) -> int:
             nonlocal needed
-            n = count(*a, **k)
+            n: int = count(*a, **k)
             needed = max(needed, n)
             return n
 
         # this call only (an instance attribute over vLLM's own method)
-        coord.get_num_blocks_to_allocate = counted  # type: ignore[method-assign]
+        coord.get_num_blocks_to_allocate = counted  # type: ignore[method-assign, unused-ignore]
         try:
             out = original(self, request, num_new_tokens, *args, **kwargs)
         finally:

@@ -37,7 +37,6 @@ if TYPE_CHECKING:
     from kvpool.client_lib import ElasticBlockAllocator, RegionGroup, Tenant
     from kvpool.engine_adapters.sleep import SleepController
     from kvpool.engine_adapters.vllm.tp import ExecutorStatus, ReclaimPoll
-    from kvpool.engine_adapters.vllm.sleep import Waker
 
 log = logging.getLogger("kvpool.vllm")
 REFILL_TICK_S = 0.5  # the allocator's background tick (idle trim, reports)
@@ -52,6 +51,15 @@ class CreateViews(Protocol):
                  kernel_block_size: int | None = None) -> list[torch.Tensor]: ...
 
 
+class RequestWaker(Protocol):
+    """What the engine core's patched loop calls on the sleep side (:class:`.sleep.Waker`),
+    with ``step_lock`` held."""
+
+    def for_request(self, core: EngineCore) -> None: ...
+
+    def after_step(self, core: EngineCore) -> None: ...
+
+
 class Stoppable(Protocol):
     """What the bridge needs of the elastic block pool: stop its background thread."""
 
@@ -64,7 +72,7 @@ def served_name(vllm_config: VllmConfig) -> str:
     name = bridge().settings.name
     if name:
         return name
-    n = vllm_config.model_config.served_model_name
+    n: str | list[str] | tuple[str, ...] | None = vllm_config.model_config.served_model_name
     if isinstance(n, (list, tuple)):
         n = n[0] if n else None
     return n or os.path.basename(os.path.normpath(vllm_config.model_config.model))
@@ -81,7 +89,7 @@ class Bridge:
         self.engine_core: EngineCore | None = None
         self.step_lock = threading.RLock()  # held by the engine core's loop per step
         self.sleep: SleepController | None = None  # KV-level sleep (.sleep.attach)
-        self.waker: Waker | None = None
+        self.waker: RequestWaker | None = None
         self.num_blocks = 0
         self.block_bytes = 0  # per region
         self.n_regions = 0
