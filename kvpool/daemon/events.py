@@ -54,6 +54,12 @@ class EventLog:
         self._woken = False
         self.recorded: Counter[int] = Counter()  # device -> events recorded since start
 
+    def waker(self, wake: Callable[[], None]) -> None:
+        """``wake`` asks the loop to flush the followers; the first caller's is kept (one
+        log serves every device, and one observer's wake is enough)."""
+        if self.wake is None:
+            self.wake = wake
+
     def record(self, kind: str, tenant: TenantRecord | None = None, nbytes: int = 0,
                device: int = 0, **detail: Any) -> p.EventInfo:
         """Append one event (about ``tenant``, or about none) of ``device``."""

@@ -83,8 +83,7 @@ class Observer:
         self._refused = 0
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.events = events
-        if events.wake is None:  # the first device's observer flushes the followers
-            events.wake = self._poke
+        events.waker(self._poke)  # the first device's observer flushes the followers
         self.moves = moves
         moves.attach(events, self._noted)
         self._want = False
