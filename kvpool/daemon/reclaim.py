@@ -26,7 +26,9 @@ arrival order among themselves (freed pages go to the oldest waiter); a newcomer
 free memory past the waiters only when it fits now and keeps the newcomer within its
 fair share (``Grants.fits``: no head-of-line blocking — the waiter's missing pages
 are then asked for at the next step); a waiter is answered exactly once (granted, or
-``NO_MEMORY``/``OVER_LIMIT`` at its deadline).
+``NO_MEMORY``/``OVER_LIMIT`` at its deadline): a waiter taken off the queue goes to
+:attr:`Reclaimer.done` at once, where the arbiter takes it even when the rest of the
+step raised (a bug), so no waiter is ever lost between the queue and its answer.
 Pure bookkeeping over the tenants' records and the pool's free count: no sockets, no
 clocks of its own (``now`` is passed in), so it is testable alone. Asks leave through
 the :class:`~kvpool.daemon.outcome.Outbox`; an observer (:mod:`kvpool.daemon.hooks`)
@@ -144,6 +146,8 @@ class Reclaimer:
         self.timeout_s = timeout_s
         self.short_backoff_s = short_backoff_s
         self.waiters: list[Waiter] = []
+        # taken off the queue, not yet answered: (waiter, None) to serve, or its error
+        self.done: list[tuple[Waiter, p.Reply | None]] = []
         self._seq = 0
 
     def observe(self, observer: ReclaimObserver) -> None:
@@ -244,11 +248,11 @@ class Reclaimer:
         return freed > 0 and self.pool.available - self.waiting_pages + freed >= pages
 
     # ---- the step ---------------------------------------------------------------------
-    def step(self, now: float) -> list[tuple[Waiter, p.Reply | None]]:
-        """Serve what fits, expire what is late, and ask for what is missing. Returns the
-        waiters that are done: ``(waiter, None)`` to be served now (in order), or
-        ``(waiter, error reply)``."""
-        done: list[tuple[Waiter, p.Reply | None]] = []
+    def step(self, now: float) -> None:
+        """Take what fits and what is late off the queue (into :attr:`done`), then ask
+        for what is missing. The caller must then :meth:`take_done` and answer each,
+        also when this raised."""
+        done = self.done
         self._expire_asks(now)
         self.make_room(0)  # cached weight sets go before anyone is asked
         avail = self.pool.available
@@ -273,6 +277,11 @@ class Reclaimer:
         need = self.waiting_pages - avail - self.asked_pages
         if need > 0:
             self._ask(need, now)
+
+    def take_done(self) -> list[tuple[Waiter, p.Reply | None]]:
+        """The waiters :meth:`step` took off the queue, in order: ``(waiter, None)`` to
+        be served now, or ``(waiter, error reply)``; the caller answers every one."""
+        done, self.done = self.done, []
         return done
 
     def _ask(self, need: int, now: float) -> None:
