@@ -19,7 +19,11 @@ d. when b and c leave pages missing (nobody else to ask, or the asked answered s
 A tenant above its hard limit (``max`` lowered by an admin) gets an urgent shrink ask for
 the excess at once, idle or not. Every ask has a deadline; a tenant that lets one expire
 is counted (``ignored``) and marked unresponsive: capped at its ``min`` until it answers a
-reclaim, so memory it releases above ``min`` does not come back.
+reclaim, so memory it releases above ``min`` does not come back. Until then nothing is
+counted on from it: later rounds still ask it for all it holds above its floor (so
+that it can answer), but plan as if it gave nothing (its ask is not in
+:attr:`Reclaimer.asked_pages`, its claim keeps what it holds), so the other tenants are
+asked and an idle one is put to sleep (d.): a hung tenant cannot block reclaim.
 
 Invariants: at most one outstanding ask per tenant; waiters are served strictly in
 arrival order among themselves (freed pages go to the oldest waiter); a newcomer takes
@@ -92,6 +96,12 @@ class SleepSource(Protocol):
         """Pages (KV and weight sets) that the tenant :meth:`put_one_to_sleep` would ask
         now holds; 0 when it would ask nobody. Read-only."""
         ...
+
+
+def counted_ask(t: TenantRecord) -> int:
+    """The pages of ``t``'s outstanding ask that reclaim counts on: none when it has
+    none, or when it is unresponsive (it ignored its last ask)."""
+    return t.ask.pages if t.ask is not None and not t.unresponsive else 0
 
 
 class NoSleep:
@@ -172,7 +182,9 @@ class Reclaimer:
 
     @property
     def asked_pages(self) -> int:
-        return sum(t.ask.pages for t in self.tenants if t.ask is not None)
+        """Pages asked for and counted on (not an unresponsive tenant's: it may never
+        answer)."""
+        return sum(counted_ask(t) for t in self.tenants)
 
     def wait(self, t: TenantRecord, envelope: list[bytes], req: p.Request, pages: int, now: float) -> None:
         self.waiters.append(Waiter(t, envelope, req, pages, now + self.timeout_s))
@@ -213,8 +225,7 @@ class Reclaimer:
         for t in self.tenants:
             if not t.arbitrated:
                 continue
-            held = t.held - (t.ask.pages if t.ask is not None else 0)
-            held = max(held, 0)
+            held = max(t.held - counted_ask(t), 0)
             demand = held + t.waiting_pages + (extra[1] if extra and extra[0] is t else 0)
             floor = max(t.min_pages, t.lease_pages)  # a lease is never reclaimed
             if t.id in protect:
@@ -289,16 +300,24 @@ class Reclaimer:
         reserves do not cover ``need``. Asking a tenant for its reserve alone and only
         then for more would let a busy tenant, whose reserve refills as requests finish,
         answer reserve asks forever while the waiter starves."""
-        reserves = self._plan_reserve_asks(need)
+        everyone = self._victims()
+        victims = [t for t in everyone if not t.unresponsive]
+        reserves = self._plan_reserve_asks(victims, need)
         rest = need - sum(reserves.values())
-        shrinks, urgent = self._plan_shrink_asks(rest, now) if rest > 0 else ({}, False)
-        victims = {t.id: t for t in self._victims()}
+        shrinks = self._plan_shrink_asks(victims, rest, now) if rest > 0 else {}
+        urgent = any(w.deadline - now < self.timeout_s / 2 for w in self.waiters)
+        by_id = {t.id: t for t in victims}
         for tid in sorted(set(reserves) | set(shrinks)):
             pages = reserves.get(tid, 0) + shrinks.get(tid, 0)
             if tid in shrinks:
-                self._send_ask(victims[tid], pages, "shrink", urgent, "fair share", now)
+                self._send_ask(by_id[tid], pages, "shrink", urgent, "fair share", now)
             else:
-                self._send_ask(victims[tid], pages, "reserve", False, "reserve", now)
+                self._send_ask(by_id[tid], pages, "reserve", False, "reserve", now)
+        for t in everyone:  # ignored its last ask: asked again, counted on by nobody
+            excess = t.held - max(t.min_pages, t.lease_pages)
+            if t.unresponsive and excess > 0:
+                self._send_ask(t, excess, "shrink", urgent, "unresponsive: above its min",
+                               now)
         if rest - sum(shrinks.values()) > 0:  # nobody else to ask: one idle tenant sleeps
             self.sleep.put_one_to_sleep({w.tenant.id for w in self.waiters}, now)
 
@@ -354,9 +373,9 @@ class Reclaimer:
         return [t for t in self.tenants
                 if t.arbitrated and t.ask is None and t.id not in waiting]
 
-    def _plan_reserve_asks(self, need: int) -> dict[int, int]:
+    def _plan_reserve_asks(self, victims: list[TenantRecord], need: int) -> dict[int, int]:
         plan: dict[int, int] = {}
-        for t in sorted(self._victims(), key=lambda t: -t.reserve_pages):
+        for t in sorted(victims, key=lambda t: -t.reserve_pages):
             if need <= 0:
                 break
             spare = min(t.reserve_pages, t.held - t.min_pages)
@@ -366,12 +385,12 @@ class Reclaimer:
             need -= plan[t.id]
         return plan
 
-    def _plan_shrink_asks(self, need: int, now: float) -> tuple[dict[int, int], bool]:
+    def _plan_shrink_asks(self, candidates: list[TenantRecord], need: int,
+                          now: float) -> dict[int, int]:
         ps = self.page_size
-        victims = {t.id: t for t in self._victims() if t.short_until <= now}
+        victims = {t.id: t for t in candidates if t.short_until <= now}
         protect = {t.id for t in self.tenants if t.id not in victims}
         plan = self.policy.plan(self.shared_budget, self.claims(protect=protect), need * ps, ps)
-        urgent = any(w.deadline - now < self.timeout_s / 2 for w in self.waiters)
         asked: dict[int, int] = {}
         for name, nbytes in plan:
             if int(name) in victims:
@@ -386,7 +405,7 @@ class Reclaimer:
                 take = min(spare, rest)
                 asked[t.id] = asked.get(t.id, 0) + take
                 rest -= take
-        return asked, urgent
+        return asked
 
     def next_deadline(self) -> float | None:
         times = [w.deadline for w in self.waiters]

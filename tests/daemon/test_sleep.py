@@ -289,6 +289,11 @@ def states(d, name: str) -> list[tuple[str, int]]:
         return [(t.state, t.mapped) for t in m.ps().tenants if t.name == name]
 
 
+def unresponsive(d, name: str) -> list[bool]:
+    with d.monitor() as m:
+        return [t.unresponsive for t in m.ps().tenants if t.name == name]
+
+
 def test_operator_sleep_and_wake_reach_the_handler_and_ps_shows_them(start_daemon):
     port = free_port()
     daemon = start_daemon(extra=("--metrics-address", f"127.0.0.1:{port}"))
@@ -445,3 +450,41 @@ def test_another_uids_kvpool_sleep_is_refused(start_daemon, tmp_path):
         assert states(d, "rootsrv") == [("idle", 0)]
         out = d.cli("sleep", "rootsrv", "--wait", "0.2", check=False)  # its own uid may
         assert "not asleep" in out.stderr, out  # (asked; no handler: the wait expires)
+
+
+def test_a_tenant_that_ignores_asks_does_not_block_pressure_sleep(start_daemon):
+    """16 pages: a hung tenant (never answers a reclaim) holds 8, x holds 4 and frees
+    them only in its sleep handler, y (busy) asks for 5 (its fair share; 4 are free).
+    First x is busy too: the hung tenant, above its share, is asked for the missing
+    page and ignores it; y's grant ends NO_MEMORY and the hung tenant is marked
+    unresponsive. Then x says idle and y asks again: the hung tenant's pages must not
+    count as coming back (it ignored its last ask), so x is put to sleep and y's grant
+    goes through (it used to end NO_MEMORY at every try: the hung tenant's ask
+    "covered" the need and nobody else was asked)."""
+    d = start_daemon(budget=str(BUDGET * PAGE), extra=("--reclaim-timeout", "5",
+                                                      "--warm-max", "0"))
+    hung = RawPeer(d.run_dir)
+    try:
+        hung.register("hung")
+        gid = hung.group(BUDGET, PAGE)
+        assert isinstance(hung.call(p.Grant(group=gid, units=list(range(8)))), p.Granted)
+        with d.connect("x", timeout_s=60, sleepable=True) as x, \
+                d.connect("y", timeout_s=60) as y:
+            gx = x.region_group(1, BUDGET * PAGE)
+            gx.grant(range(4))
+            handler = Releaser(gx)
+            x.set_sleep_handler(handler)
+            x.report_state("busy")
+            y.report_state("busy")
+            gy = y.region_group(1, BUDGET * PAGE)
+            with pytest.raises(KvpoolError) as e:
+                gy.grant(range(5))
+            assert e.value.code == p.NO_MEMORY
+            wait_for(lambda: unresponsive(d, "hung") == [True], what="hung unresponsive")
+            x.report_state("idle")
+            gy.grant(range(5))
+            assert handler.calls == [("sleep", "pressure")]
+            assert gy.mapped == set(range(5))
+    finally:
+        hung.close()
+    assert d.check() == []
