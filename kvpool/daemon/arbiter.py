@@ -92,7 +92,8 @@ class Arbiter:
         most, vmost = cfg.max_groups_per_tenant, cfg.max_virtual_pages_per_tenant
         self.weights = WeightSets(pool, self.tenants, lambda: self.reclaimer.waiting_pages,
                                   self._weights_wait)
-        self.sleep = SleepBook(cfg, self.tenants, self.outbox, cfg.reclaim_timeout_s)
+        self.sleep = SleepBook(cfg, self.tenants, self.outbox, cfg.reclaim_timeout_s,
+                               self.weights.sole_pages)
         self.reclaimer = Reclaimer(self.tenants, pool, budget, self.outbox,
                                    cfg.reclaim_timeout_s, cfg.short_backoff_s,
                                    POLICIES[cfg.reclaim_policy], self.weights, self.sleep)

@@ -85,16 +85,20 @@ class Evictable(Protocol):
 class SleepSource(Protocol):
     """Tenants the daemon may put to sleep (:class:`kvpool.daemon.sleep.SleepBook`)."""
 
-    def put_one_to_sleep(self, spare: AbstractSet[int], now: float) -> TenantRecord | None:
-        """Waiting grants miss pages that no ask covers: ask at most one tenant (never
-        one whose id is in ``spare``, the waiters') to sleep, unless one was asked
-        already and has not answered. Returns the tenant asked, or None. Called at every
-        reclaim step that still misses pages: it must be cheap and must not ask twice."""
+    def put_one_to_sleep(self, spare: AbstractSet[int], need: int,
+                         now: float) -> TenantRecord | None:
+        """Waiting grants miss ``need`` pages beyond the memory free and the asks
+        counted on: ask at most one tenant (never one whose id is in ``spare``, the
+        waiters') whose sleep frees something to sleep, the one that frees ``need``
+        first, unless one was asked already and has not answered. Returns the tenant
+        asked, or None. Called at every reclaim step that still misses pages: it must
+        be cheap and must not ask twice."""
         ...
 
-    def could_free(self, spare: AbstractSet[int], now: float) -> int:
-        """Pages (KV and weight sets) that the tenant :meth:`put_one_to_sleep` would ask
-        now holds; 0 when it would ask nobody. Read-only."""
+    def could_free(self, spare: AbstractSet[int], need: int, now: float) -> int:
+        """Pages the sleep of the tenant :meth:`put_one_to_sleep` would choose for
+        ``need`` would give back (its KV, and only the weight sets nobody else holds);
+        0 when it would ask nobody. Read-only."""
         ...
 
 
@@ -107,10 +111,11 @@ def counted_ask(t: TenantRecord) -> int:
 class NoSleep:
     """Nobody is ever put to sleep (the default)."""
 
-    def put_one_to_sleep(self, spare: AbstractSet[int], now: float) -> TenantRecord | None:
+    def put_one_to_sleep(self, spare: AbstractSet[int], need: int,
+                         now: float) -> TenantRecord | None:
         return None
 
-    def could_free(self, spare: AbstractSet[int], now: float) -> int:
+    def could_free(self, spare: AbstractSet[int], need: int, now: float) -> int:
         return 0
 
 
@@ -255,8 +260,9 @@ class Reclaimer:
         enough, with the memory free beyond the waiters', for ``pages`` more for ``t``:
         a request past its fair share then waits for that instead of being refused."""
         spare = {w.tenant.id for w in self.waiters} | {t.id}
-        freed = self.sleep.could_free(spare, now)
-        return freed > 0 and self.pool.available - self.waiting_pages + freed >= pages
+        free = self.pool.available - self.waiting_pages
+        freed = self.sleep.could_free(spare, pages - free, now)
+        return freed > 0 and free + freed >= pages
 
     # ---- the step ---------------------------------------------------------------------
     def step(self, now: float) -> None:
@@ -319,7 +325,9 @@ class Reclaimer:
                 self._send_ask(t, excess, "shrink", urgent, "unresponsive: above its min",
                                now)
         if rest - sum(shrinks.values()) > 0:  # nobody else to ask: one idle tenant sleeps
-            self.sleep.put_one_to_sleep({w.tenant.id for w in self.waiters}, now)
+            # (chosen by what its sleep frees towards all that is missing: the asks
+            # just sent may come back short)
+            self.sleep.put_one_to_sleep({w.tenant.id for w in self.waiters}, need, now)
 
     def _pop(self, w: Waiter) -> None:
         self.waiters.remove(w)
