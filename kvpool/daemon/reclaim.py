@@ -14,7 +14,9 @@ c. tenants above their share under the reclaim policy (:mod:`kvpool.daemon.polic
    callback frees cached blocks so whole units empty, and the library releases them;
 d. when b and c leave pages missing (nobody else to ask, or the asked answered short):
    ONE idle tenant that opted in is asked to sleep (:class:`SleepSource`,
-   :mod:`kvpool.daemon.sleep`): it releases all its KV and its weight-set holds.
+   :mod:`kvpool.daemon.sleep`): it releases all its KV and its weight-set holds. It
+   is credited only with what that frees (a set another tenant holds stays), never
+   chosen when that is nothing, and the one that frees all that is missing first.
 
 A tenant above its hard limit (``max`` lowered by an admin) gets an urgent shrink ask for
 the excess at once, idle or not. Every ask has a deadline; a tenant that lets one expire
