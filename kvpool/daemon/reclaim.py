@@ -295,7 +295,7 @@ class Reclaimer:
         self._enforce_limits(now)
         need = self.waiting_pages - avail - self.asked_pages
         if need > 0:
-            self._ask(need, now)
+            self._ask(need, self.waiting_pages - avail, now)
 
     def take_done(self) -> list[tuple[Waiter, p.Reply | None]]:
         """The waiters :meth:`step` took off the queue, in order: ``(waiter, None)`` to
@@ -303,11 +303,14 @@ class Reclaimer:
         done, self.done = self.done, []
         return done
 
-    def _ask(self, need: int, now: float) -> None:
+    def _ask(self, need: int, missing: int, now: float) -> None:
         """One ask per tenant per round: its reserve first (cheap), plus a shrink when
-        reserves do not cover ``need``. Asking a tenant for its reserve alone and only
-        then for more would let a busy tenant, whose reserve refills as requests finish,
-        answer reserve asks forever while the waiter starves."""
+        reserves do not cover ``need`` (``missing`` less the asks counted on); when
+        they do not either, one idle tenant sleeps, chosen by what it frees towards
+        ``missing``, all the waiters miss (asks may come back short). Asking a tenant
+        for its reserve alone and only then for more would let a busy tenant, whose
+        reserve refills as requests finish, answer reserve asks forever while the
+        waiter starves."""
         everyone = self._victims()
         victims = [t for t in everyone if not t.unresponsive]
         reserves = self._plan_reserve_asks(victims, need)
@@ -327,9 +330,7 @@ class Reclaimer:
                 self._send_ask(t, excess, "shrink", urgent, "unresponsive: above its min",
                                now)
         if rest - sum(shrinks.values()) > 0:  # nobody else to ask: one idle tenant sleeps
-            # (chosen by what its sleep frees towards all that is missing: the asks
-            # just sent may come back short)
-            self.sleep.put_one_to_sleep({w.tenant.id for w in self.waiters}, need, now)
+            self.sleep.put_one_to_sleep({w.tenant.id for w in self.waiters}, missing, now)
 
     def _pop(self, w: Waiter) -> None:
         self.waiters.remove(w)

@@ -569,7 +569,7 @@ def test_pressure_sleep_picks_the_tenant_whose_sleep_frees_the_need(start_daemon
         b.report_state("idle")
         gy = y.region_group(1, BUDGET * PAGE)
         gy.grant(range(6))
-        assert sleep_b.calls == ["pressure"] and sleep_a.calls == []
+        assert sleep_b.calls == ["pressure"] and sleep_a.calls == [], d.logs()
         assert states(d, "a") == [("idle", PAGE)]
         wz.detach()
     assert d.check() == []
