@@ -95,7 +95,7 @@ class Arbiter:
         self.weights = WeightSets(pool, self.tenants, lambda: self.reclaimer.waiting_pages,
                                   self._weights_wait, moves=self.moves)
         self.sleep = SleepBook(cfg, self.tenants, self.outbox, cfg.reclaim_timeout_s,
-                               moves=self.moves)
+                               self.weights.sole_pages, moves=self.moves)
         self.reclaimer = Reclaimer(self.tenants, pool, budget, self.outbox,
                                    cfg.reclaim_timeout_s, cfg.short_backoff_s,
                                    POLICIES[cfg.reclaim_policy], self.weights, self.sleep)
@@ -229,28 +229,50 @@ class Arbiter:
 
     def tick(self, now: float | None = None) -> list[Outcome]:
         """Serve waiting requests whose pages are free, fail the late ones, and send the
-        reclaim asks still needed. Returns outcomes to emit (each with its envelope)."""
-        outs = self._step(time.monotonic() if now is None else now)
-        self.observer.ticked(outs)
+        reclaim asks still needed. Returns outcomes to emit (each with its envelope).
+        Never raises: a bug in the step is logged and counted, and every waiter it took
+        off the queue is still answered (served, or ``INTERNAL`` when serving it raised)."""
+        now = time.monotonic() if now is None else now
+        outs: list[Outcome] = []
+        try:
+            self._step(now, outs)
+        except Exception:  # a bug: the waiters already taken are answered below
+            self.counters.errors += 1
+            log.exception("device %d: the reclaim step failed", self.device)
+        outs += [self._answer(w, err) for w, err in self.reclaimer.take_done()]
+        try:
+            self.observer.ticked(outs)
+        except Exception:
+            log.exception("device %d: the observer failed", self.device)
         return outs
 
-    def _step(self, now: float) -> list[Outcome]:
+    def _step(self, now: float, out: list[Outcome]) -> None:
         if self.recovery.finish_if_done(now):
             log.info("recovery done: %d tenants, %d pages adopted", len(self.tenants),
                      self.pool.granted)
         self.handoff.tick(now)  # expired tickets: their givers keep the pages
         if self.recovering:
-            return []
-        out = self.handoff.let_go(now)  # claims whose givers have let go (or failed to)
-        for w, err in self.reclaimer.step(now):
-            o = Outcome(err, tenant=w.tenant) if err is not None else self._serve(w)
-            if err is not None:
-                self.counters.errors += 1
-            o.envelope = w.envelope
-            out.append(o)
+            return
+        out += self.handoff.let_go(now)  # claims whose givers have let go (or failed to)
+        self.reclaimer.step(now)  # (the waiters it took are answered by tick)
         self.gangs.serve()  # waiting gang grants every device covers now (all at once)
         self.gangs.mirror_asks(now)  # a gang is asked as one (every rank, same ask)
-        return out
+
+    def _answer(self, w: Waiter, err: p.Reply | None) -> Outcome:
+        """The outcome for a waiter taken off the queue: ``err``, or served now (an
+        ``INTERNAL`` error when serving raises: a bug, logged)."""
+        if err is None:
+            try:
+                o = self._serve(w)
+            except Exception as e:
+                log.exception("device %d: serving tenant %d's waiting %s failed",
+                              self.device, w.tenant.id, type(w.req).__name__)
+                err = p.error(w.req.id, p.INTERNAL, f"{type(e).__name__}: {e}")
+        if err is not None:
+            self.counters.errors += 1
+            o = Outcome(err, tenant=w.tenant)
+        o.envelope = w.envelope
+        return o
 
     def _serve(self, w: Waiter) -> Outcome:
         """A waiter whose pages are free: a weight set's create, or a grant/lease."""

@@ -14,19 +14,27 @@ c. tenants above their share under the reclaim policy (:mod:`kvpool.daemon.polic
    callback frees cached blocks so whole units empty, and the library releases them;
 d. when b and c leave pages missing (nobody else to ask, or the asked answered short):
    ONE idle tenant that opted in is asked to sleep (:class:`SleepSource`,
-   :mod:`kvpool.daemon.sleep`): it releases all its KV and its weight-set holds.
+   :mod:`kvpool.daemon.sleep`): it releases all its KV and its weight-set holds. It
+   is credited only with what that frees (a set another tenant holds stays), never
+   chosen when that is nothing, and the one that frees all that is missing first.
 
 A tenant above its hard limit (``max`` lowered by an admin) gets an urgent shrink ask for
 the excess at once, idle or not. Every ask has a deadline; a tenant that lets one expire
 is counted (``ignored``) and marked unresponsive: capped at its ``min`` until it answers a
-reclaim, so memory it releases above ``min`` does not come back.
+reclaim, so memory it releases above ``min`` does not come back. Until then nothing is
+counted on from it: later rounds still ask it for all it holds above its floor (so
+that it can answer), but plan as if it gave nothing (its ask is not in
+:attr:`Reclaimer.asked_pages`, its claim keeps what it holds), so the other tenants are
+asked and an idle one is put to sleep (d.): a hung tenant cannot block reclaim.
 
 Invariants: at most one outstanding ask per tenant; waiters are served strictly in
 arrival order among themselves (freed pages go to the oldest waiter); a newcomer takes
 free memory past the waiters only when it fits now and keeps the newcomer within its
 fair share (``Grants.fits``: no head-of-line blocking — the waiter's missing pages
 are then asked for at the next step); a waiter is answered exactly once (granted, or
-``NO_MEMORY``/``OVER_LIMIT`` at its deadline).
+``NO_MEMORY``/``OVER_LIMIT`` at its deadline): a waiter taken off the queue goes to
+:attr:`Reclaimer.done` at once, where the arbiter takes it even when the rest of the
+step raised (a bug), so no waiter is ever lost between the queue and its answer.
 Pure bookkeeping over the tenants' records and the pool's free count: no sockets, no
 clocks of its own (``now`` is passed in), so it is testable alone. Asks leave through
 the :class:`~kvpool.daemon.outcome.Outbox`; an observer (:mod:`kvpool.daemon.hooks`)
@@ -79,26 +87,37 @@ class Evictable(Protocol):
 class SleepSource(Protocol):
     """Tenants the daemon may put to sleep (:class:`kvpool.daemon.sleep.SleepBook`)."""
 
-    def put_one_to_sleep(self, spare: AbstractSet[int], now: float) -> TenantRecord | None:
-        """Waiting grants miss pages that no ask covers: ask at most one tenant (never
-        one whose id is in ``spare``, the waiters') to sleep, unless one was asked
-        already and has not answered. Returns the tenant asked, or None. Called at every
-        reclaim step that still misses pages: it must be cheap and must not ask twice."""
+    def put_one_to_sleep(self, spare: AbstractSet[int], need: int,
+                         now: float) -> TenantRecord | None:
+        """Waiting grants miss ``need`` pages beyond the memory free and the asks
+        counted on: ask at most one tenant (never one whose id is in ``spare``, the
+        waiters') whose sleep frees something to sleep, the one that frees ``need``
+        first, unless one was asked already and has not answered. Returns the tenant
+        asked, or None. Called at every reclaim step that still misses pages: it must
+        be cheap and must not ask twice."""
         ...
 
-    def could_free(self, spare: AbstractSet[int], now: float) -> int:
-        """Pages (KV and weight sets) that the tenant :meth:`put_one_to_sleep` would ask
-        now holds; 0 when it would ask nobody. Read-only."""
+    def could_free(self, spare: AbstractSet[int], need: int, now: float) -> int:
+        """Pages the sleep of the tenant :meth:`put_one_to_sleep` would choose for
+        ``need`` would give back (its KV, and only the weight sets nobody else holds);
+        0 when it would ask nobody. Read-only."""
         ...
+
+
+def counted_ask(t: TenantRecord) -> int:
+    """The pages of ``t``'s outstanding ask that reclaim counts on: none when it has
+    none, or when it is unresponsive (it ignored its last ask)."""
+    return t.ask.pages if t.ask is not None and not t.unresponsive else 0
 
 
 class NoSleep:
     """Nobody is ever put to sleep (the default)."""
 
-    def put_one_to_sleep(self, spare: AbstractSet[int], now: float) -> TenantRecord | None:
+    def put_one_to_sleep(self, spare: AbstractSet[int], need: int,
+                         now: float) -> TenantRecord | None:
         return None
 
-    def could_free(self, spare: AbstractSet[int], now: float) -> int:
+    def could_free(self, spare: AbstractSet[int], need: int, now: float) -> int:
         return 0
 
 
@@ -148,6 +167,8 @@ class Reclaimer:
         self.timeout_s = timeout_s
         self.short_backoff_s = short_backoff_s
         self.waiters: list[Waiter] = []
+        # taken off the queue, not yet answered: (waiter, None) to serve, or its error
+        self.done: list[tuple[Waiter, p.Reply | None]] = []
         self._seq = 0
 
     def observe(self, observer: ReclaimObserver) -> None:
@@ -172,7 +193,9 @@ class Reclaimer:
 
     @property
     def asked_pages(self) -> int:
-        return sum(t.ask.pages for t in self.tenants if t.ask is not None)
+        """Pages asked for and counted on (not an unresponsive tenant's: it may never
+        answer)."""
+        return sum(counted_ask(t) for t in self.tenants)
 
     def wait(self, t: TenantRecord, envelope: list[bytes], req: p.Request, pages: int, now: float,
              collective: bool = False) -> Waiter:
@@ -231,8 +254,7 @@ class Reclaimer:
         for t in self.tenants:
             if not t.arbitrated:
                 continue
-            held = t.held - (t.ask.pages if t.ask is not None else 0)
-            held = max(held, 0)
+            held = max(t.held - counted_ask(t), 0)
             demand = held + t.waiting_pages + (extra[1] if extra and extra[0] is t else 0)
             floor = max(t.min_pages, t.lease_pages)  # a lease is never reclaimed
             if t.id in protect:
@@ -278,15 +300,16 @@ class Reclaimer:
         enough, with the memory free beyond the waiters', for ``pages`` more for ``t``:
         a request past its fair share then waits for that instead of being refused."""
         spare = {w.tenant.id for w in self.waiters} | {t.id}
-        freed = self.sleep.could_free(spare, now)
-        return freed > 0 and self.pool.available - self.waiting_pages + freed >= pages
+        free = self.pool.available - self.waiting_pages
+        freed = self.sleep.could_free(spare, pages - free, now)
+        return freed > 0 and free + freed >= pages
 
     # ---- the step ---------------------------------------------------------------------
-    def step(self, now: float) -> list[tuple[Waiter, p.Reply | None]]:
-        """Serve what fits, expire what is late, and ask for what is missing. Returns the
-        waiters that are done: ``(waiter, None)`` to be served now (in order), or
-        ``(waiter, error reply)``."""
-        done: list[tuple[Waiter, p.Reply | None]] = []
+    def step(self, now: float) -> None:
+        """Take what fits and what is late off the queue (into :attr:`done`), then ask
+        for what is missing. The caller must then :meth:`take_done` and answer each,
+        also when this raised."""
+        done = self.done
         self._expire_asks(now)
         self.make_room(0)  # cached weight sets go before anyone is asked
         avail = self.pool.available
@@ -314,26 +337,42 @@ class Reclaimer:
         self._enforce_limits(now)
         need = self.waiting_pages - avail - self.asked_pages
         if need > 0:
-            self._ask(need, now)
+            self._ask(need, self.waiting_pages - avail, now)
+
+    def take_done(self) -> list[tuple[Waiter, p.Reply | None]]:
+        """The waiters :meth:`step` took off the queue, in order: ``(waiter, None)`` to
+        be served now, or ``(waiter, error reply)``; the caller answers every one."""
+        done, self.done = self.done, []
         return done
 
-    def _ask(self, need: int, now: float) -> None:
+    def _ask(self, need: int, missing: int, now: float) -> None:
         """One ask per tenant per round: its reserve first (cheap), plus a shrink when
-        reserves do not cover ``need``. Asking a tenant for its reserve alone and only
-        then for more would let a busy tenant, whose reserve refills as requests finish,
-        answer reserve asks forever while the waiter starves."""
-        reserves = self._plan_reserve_asks(need)
+        reserves do not cover ``need`` (``missing`` less the asks counted on); when
+        they do not either, one idle tenant sleeps, chosen by what it frees towards
+        ``missing``, all the waiters miss (asks may come back short). Asking a tenant
+        for its reserve alone and only then for more would let a busy tenant, whose
+        reserve refills as requests finish, answer reserve asks forever while the
+        waiter starves."""
+        everyone = self._victims()
+        victims = [t for t in everyone if not t.unresponsive]
+        reserves = self._plan_reserve_asks(victims, need)
         rest = need - sum(reserves.values())
-        shrinks, urgent = self._plan_shrink_asks(rest, now) if rest > 0 else ({}, False)
-        victims = {t.id: t for t in self._victims()}
+        shrinks = self._plan_shrink_asks(victims, rest, now) if rest > 0 else {}
+        urgent = any(w.deadline - now < self.timeout_s / 2 for w in self.waiters)
+        by_id = {t.id: t for t in victims}
         for tid in sorted(set(reserves) | set(shrinks)):
             pages = reserves.get(tid, 0) + shrinks.get(tid, 0)
             if tid in shrinks:
-                self._send_ask(victims[tid], pages, "shrink", urgent, "fair share", now)
+                self._send_ask(by_id[tid], pages, "shrink", urgent, "fair share", now)
             else:
-                self._send_ask(victims[tid], pages, "reserve", False, "reserve", now)
+                self._send_ask(by_id[tid], pages, "reserve", False, "reserve", now)
+        for t in everyone:  # ignored its last ask: asked again, counted on by nobody
+            excess = t.held - max(t.min_pages, t.lease_pages)
+            if t.unresponsive and excess > 0:
+                self._send_ask(t, excess, "shrink", urgent, "unresponsive: above its min",
+                               now)
         if rest - sum(shrinks.values()) > 0:  # nobody else to ask: one idle tenant sleeps
-            self.sleep.put_one_to_sleep({w.tenant.id for w in self.waiters}, now)
+            self.sleep.put_one_to_sleep({w.tenant.id for w in self.waiters}, missing, now)
 
     def _pop(self, w: Waiter) -> None:
         self.waiters.remove(w)
@@ -387,9 +426,9 @@ class Reclaimer:
         return [t for t in self.tenants
                 if t.arbitrated and t.ask is None and t.id not in waiting]
 
-    def _plan_reserve_asks(self, need: int) -> dict[int, int]:
+    def _plan_reserve_asks(self, victims: list[TenantRecord], need: int) -> dict[int, int]:
         plan: dict[int, int] = {}
-        for t in sorted(self._victims(), key=lambda t: -t.reserve_pages):
+        for t in sorted(victims, key=lambda t: -t.reserve_pages):
             if need <= 0:
                 break
             spare = min(t.reserve_pages, t.held - t.min_pages)
@@ -399,12 +438,12 @@ class Reclaimer:
             need -= plan[t.id]
         return plan
 
-    def _plan_shrink_asks(self, need: int, now: float) -> tuple[dict[int, int], bool]:
+    def _plan_shrink_asks(self, candidates: list[TenantRecord], need: int,
+                          now: float) -> dict[int, int]:
         ps = self.page_size
-        victims = {t.id: t for t in self._victims() if t.short_until <= now}
+        victims = {t.id: t for t in candidates if t.short_until <= now}
         protect = {t.id for t in self.tenants if t.id not in victims}
         plan = self.policy.plan(self.shared_budget, self.claims(protect=protect), need * ps, ps)
-        urgent = any(w.deadline - now < self.timeout_s / 2 for w in self.waiters)
         asked: dict[int, int] = {}
         for name, nbytes in plan:
             if int(name) in victims:
@@ -419,7 +458,7 @@ class Reclaimer:
                 take = min(spare, rest)
                 asked[t.id] = asked.get(t.id, 0) + take
                 rest -= take
-        return asked, urgent
+        return asked
 
     def next_deadline(self) -> float | None:
         times = [w.deadline for w in self.waiters]

@@ -63,6 +63,7 @@ from kvpool.daemon.fdsend import FdSender
 from kvpool.daemon.fdsessions import FdSessions
 from kvpool.daemon.fdwatch import FdWatch
 from kvpool.daemon.notify import Notifier
+from kvpool.daemon.outcome import Outcome
 from kvpool.daemon.restart import StateFile
 from kvpool.daemon.startup import (
     AlreadyRunning, Sockets, StartupError, group_id, open_sockets, prepare_run_dir,
@@ -363,23 +364,33 @@ class Server:
 
     def tick(self) -> None:
         """Answer waiting requests that are done (every device's, the gangs' parts),
-        then send queued reclaim asks and gang notices."""
-        try:
-            self.gangs.expire(time.monotonic())
-            outs = [o for s in self.devices for o in s.arbiter.tick()]
-            ready = self.gangs.take_ready()  # gang parts answered (every rank's, or late)
-            for out in outs + ready:
-                assert out.envelope is not None and out.reply is not None
-                self.fdsend.emit(out.envelope, out.reply.id, out)
-            for s in self.devices:
-                mine = [o for o in ready if o.tenant is not None and o.tenant.device == s.device]
-                if mine:
-                    s.arbiter.observed(mine)
-        except Exception:  # a bug must not stop the daemon
-            log.exception("arbitration step failed")
+        then send queued reclaim asks and gang notices. Each device's step and each
+        answer runs on its own (:meth:`_guard`): a bug in one loses no other device's
+        answers (and ``Arbiter.tick`` answers the waiters its own step took)."""
+        self._guard(None, self.gangs.expire, time.monotonic())
+        for s in self.devices:
+            self._guard(None, lambda a=s.arbiter: self._emit(a.tick()))
+        self._guard(None, self._emit_gang_parts)
         queued = [m for s in self.devices for m in s.arbiter.take_outbox()]
         for identity, msg in queued + self.gangs.outbox.take():
             self.control.reply([identity], msg)
+
+    def _emit_gang_parts(self) -> None:
+        ready = self.gangs.take_ready()  # gang parts answered (every rank's, or late)
+        self._emit(ready)
+        for s in self.devices:
+            mine = [o for o in ready if o.tenant is not None and o.tenant.device == s.device]
+            if mine:
+                s.arbiter.observed(mine)
+
+    def _emit(self, outs: list[Outcome]) -> None:
+        """Send each answer (its descriptors first), each on its own."""
+        for out in outs:
+            self._guard(None, self._emit_one, out)
+
+    def _emit_one(self, out: Outcome) -> None:
+        assert out.envelope is not None and out.reply is not None
+        self.fdsend.emit(out.envelope, out.reply.id, out)
 
     def drop(self, t: TenantRecord, why: str) -> None:
         """End ``t``'s session: its memory returns, its sockets and pidfd close."""

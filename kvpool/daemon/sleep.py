@@ -17,8 +17,13 @@ Two ways to ask:
   :class:`kvpool.daemon.reclaim.SleepSource` seam) when the waiting grants still miss
   pages after it asked every tenant it could for KV: it asks ONE tenant that opted in
   (``sleepable``: the config's ``[tenants.NAME] sleepable``, else ``Register.sleepable``),
-  says ``idle``, holds memory, is not itself waiting, and has no pressure ask pending or
-  recently refused; the longest idle first, then the lowest weight. One pressure ask is
+  says ``idle``, is not itself waiting, has no pressure ask pending or recently refused,
+  and whose sleep would free something: its KV, and the weight sets it is the last
+  holder of (:meth:`SleepBook.frees`; a set another tenant still holds stays, so a
+  replica sharing its model's set with a busy one is credited with its KV only). First
+  the candidates whose sleep covers what the waiters miss (the longest idle, then the
+  lowest weight), else the one that frees the most; when the best one is answering a
+  reclaim ask it is waited for, not passed over for a worse one. One pressure ask is
   outstanding at a time: a tenant asleep frees its whole holding, usually more than the
   waiter misses, and putting a second to sleep before the first has released would put
   to sleep one too many. A tenant that refuses (reports ``idle`` or ``busy`` again) or
@@ -35,7 +40,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import AbstractSet
+from typing import AbstractSet, Callable
 
 from kvpool import protocol as p
 from kvpool.daemon.auth import may_act_on
@@ -66,14 +71,17 @@ class SleepState:
 class SleepBook:
     """The sleep states of ``tenants`` (sleepable as ``cfg`` says, else as each asked);
     asks leave through ``outbox``; a pressure ask left unanswered ``2 x timeout_s``
-    (the reclaim deadline) is given up. Asks, sleeps and wakes are recorded in ``moves``."""
+    (the reclaim deadline) is given up. ``sole_weights(t)``: pages of the weight sets
+    ``t`` alone holds (``WeightSets.sole_pages``; what its sleep gives back of them).
+    Asks, sleeps and wakes are recorded in ``moves``."""
 
     def __init__(self, cfg: Config, tenants: Tenants, outbox: Outbox, timeout_s: float,
-                 moves: Moves | None = None):
+                 sole_weights: Callable[[TenantRecord], int], moves: Moves | None = None):
         self.moves = moves if moves is not None else Moves()
         self.cfg = cfg
         self.tenants = tenants
         self.outbox = outbox
+        self.sole_weights = sole_weights
         self.patience_s = 2 * timeout_s
         self.records: dict[int, SleepState] = {}
         self._seq = 0
@@ -138,46 +146,63 @@ class SleepBook:
     def pending(self) -> bool:
         return any(rec.asked_at is not None for rec in self.records.values())
 
-    def put_one_to_sleep(self, spare: AbstractSet[int], now: float) -> TenantRecord | None:
-        """Waiting grants miss pages no tenant was asked for: ask the best candidate (not
-        one in ``spare``, the waiters' tenant ids) to sleep. Returns the tenant asked,
-        None when none was (one is pending already, or nobody qualifies)."""
+    def put_one_to_sleep(self, spare: AbstractSet[int], need: int,
+                         now: float) -> TenantRecord | None:
+        """Waiting grants miss ``need`` pages no tenant was asked for: ask the best
+        candidate (not one in ``spare``, the waiters' tenant ids) to sleep. Returns the
+        tenant asked, None when none was (one is pending already, the best one is
+        answering a reclaim ask, or nobody's sleep would free anything)."""
         for rec in self.records.values():  # a pending ask that was never answered
             if rec.asked_at is not None and now - rec.asked_at >= self.patience_s:
                 rec.asked_at = None
                 rec.not_before = now + self.patience_s
-        victim = self._choose(spare, now)
-        if victim is None:
+        victim = self._choose(spare, need, now)
+        if victim is None or victim.ask is not None:  # (wait for its answer to the ask)
             return None
         self.records[victim.id].asked_at = now
         self._send(victim, False, "pressure")
-        log.info("asked tenant %d (%s) to sleep: waiting grants need its memory (idle "
-                 "%.1f s, %d pages held)", victim.id, victim.name,
-                 now - self.records[victim.id].idle_since, victim.held + victim.weight_pages)
+        log.info("asked tenant %d (%s) to sleep: waiting grants miss %d pages, its sleep "
+                 "frees %d (idle %.1f s)", victim.id, victim.name, need, self.frees(victim),
+                 now - self.records[victim.id].idle_since)
         return victim
 
-    def could_free(self, spare: AbstractSet[int], now: float) -> int:
-        """What the tenant :meth:`put_one_to_sleep` would ask now holds (0: nobody)."""
-        victim = self._choose(spare, now)
-        return 0 if victim is None else victim.held + victim.weight_pages
+    def could_free(self, spare: AbstractSet[int], need: int, now: float) -> int:
+        """What the sleep of the tenant :meth:`put_one_to_sleep` would choose for
+        ``need`` pages frees (0: nobody)."""
+        victim = self._choose(spare, need, now)
+        return 0 if victim is None else self.frees(victim)
 
-    def _choose(self, spare: AbstractSet[int], now: float) -> TenantRecord | None:
-        """The longest idle, then lowest weight, of the tenants that may be asked (none
-        while a pressure ask is pending)."""
+    def frees(self, t: TenantRecord) -> int:
+        """Pages ``t``'s sleep gives back: all it holds (KV, lease), and the weight sets
+        it is the last holder of (a set another tenant holds stays)."""
+        return t.held + self.sole_weights(t)
+
+    def _choose(self, spare: AbstractSet[int], need: int, now: float) -> TenantRecord | None:
+        """Of the tenants that may be asked (none while a pressure ask is pending) and
+        whose sleep frees something: those that free ``need`` first (the longest idle,
+        then the lowest weight), else the one that frees the most."""
         if self.pending:
             return None
-        candidates = [t for t in self.tenants
-                      if t.arbitrated and t.id not in spare and self._may_ask(t, now)]
+        freed = {t.id: self.frees(t) for t in self.tenants
+                 if t.arbitrated and t.id not in spare and self._may_ask(t, now)}
+        candidates = [t for t in self.tenants if freed.get(t.id, 0) > 0]
         if not candidates:
             return None
-        return min(candidates, key=lambda t: (self.records[t.id].idle_since, t.weight, t.id))
+
+        def rank(t: TenantRecord) -> tuple[bool, int, float, float, int]:
+            covers = freed[t.id] >= need
+            return (not covers, 0 if covers else -freed[t.id],
+                    self.records[t.id].idle_since, t.weight, t.id)
+
+        return min(candidates, key=rank)
 
     def _may_ask(self, t: TenantRecord, now: float) -> bool:
+        """Whether ``t`` is a candidate (it may be answering a reclaim ask: then it is
+        waited for, :meth:`put_one_to_sleep`)."""
         rec = self.records.get(t.id)
         return (rec is not None and rec.sleepable and rec.state == "idle"
                 and rec.asked_at is None and rec.not_before <= now
-                and t.ask is None and t.waiting_pages == 0
-                and t.held + t.weight_pages > 0)
+                and t.waiting_pages == 0)
 
     def _send(self, t: TenantRecord, wake: bool, reason: str) -> None:
         self._seq += 1

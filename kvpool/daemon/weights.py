@@ -158,6 +158,11 @@ class WeightSets:
     def held_by(self, t: TenantRecord) -> list[WeightSet]:
         return [s for s in self.sets.values() if t.id in s.holders]
 
+    def sole_pages(self, t: TenantRecord) -> int:
+        """Pages of the sets ``t`` alone holds: what would come back (be cached, then
+        evictable) if it let go of every set; a set another tenant holds too stays."""
+        return sum(s.pages for s in self.sets.values() if s.holders == {t.id})
+
     def keys_of(self, t: TenantRecord) -> list[str]:
         return [s.key[:KEY_SHOWN] for s in self.held_by(t)]
 

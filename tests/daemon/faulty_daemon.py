@@ -5,6 +5,9 @@
 FAULT ``read``: reading the fd channel of a tenant named ``boom`` raises (a handler bug
 confined to one tenant). FAULT ``crash``: once TRIGGER_FILE exists, the loop itself
 raises (a bug outside any tenant's handling: the daemon ends, with its restart state).
+FAULT ``step``: once TRIGGER_FILE exists, device 1's reclaim step raises after it has
+taken the waiters it serves or fails (a bug in one device's tick, e.g. its policy).
+FAULT ``serve``: once TRIGGER_FILE exists, serving a waiting grant of device 1 raises.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from kvpool.daemon import fdsessions, server  # noqa: E402
+from kvpool.daemon import fdsessions, grants, reclaim, server  # noqa: E402
 
 
 def inject(fault: str, trigger: Path) -> None:
@@ -36,6 +39,25 @@ def inject(fault: str, trigger: Path) -> None:
             return real_turn(self)
 
         server.Server.turn = turn
+    elif fault == "step":
+        real_step = reclaim.Reclaimer.step
+
+        def step(self, now):
+            done = real_step(self, now)
+            if trigger.exists() and self.pool.backend.device == 1:
+                raise RuntimeError("injected fault in device 1's reclaim step")
+            return done
+
+        reclaim.Reclaimer.step = step
+    elif fault == "serve":
+        real_serve = grants.Grants.serve
+
+        def serve(self, w):
+            if trigger.exists() and self.pool.backend.device == 1:
+                raise RuntimeError("injected fault serving a waiter of device 1")
+            return real_serve(self, w)
+
+        grants.Grants.serve = serve
     else:
         raise SystemExit(f"unknown fault {fault!r}")
 

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from kvpool import protocol as p
+from kvpool.client_lib import Monitor
 
-from .helpers import PAGE, DaemonProc, read_event
+from .helpers import PAGE, DaemonProc, read_event, wait_for
 from .rawpeer import RawPeer
 
 FAULTY = Path(__file__).with_name("faulty_daemon.py")
@@ -65,3 +66,60 @@ def test_a_crash_keeps_the_restart_state(faulty, tmp_path):
     assert d.proc.wait(30) != 0  # it did crash
     state = json.loads((d.run_dir / "state.json").read_text())
     assert [t["name"] for t in state["tenants"]] == ["keeper"], state
+
+
+def peer_on(d: DaemonProc, name: str, device: int) -> RawPeer:
+    peer = RawPeer(d.run_dir)
+    assert isinstance(peer.call(p.Register(name=name, device=device)), p.Registered)
+    return peer
+
+
+def waiting_on(d: DaemonProc, device: int) -> int:
+    with Monitor(d.run_dir, device=device) as m:
+        return sum(t.waiting for t in m.ps().tenants)
+
+
+@pytest.mark.parametrize("fault", ["step", "serve"])
+def test_a_device_whose_tick_raises_loses_no_waiter(start_daemon, tmp_path, fault):
+    """Two devices, each full (a holder of all 16 pages) with a grant waiting for 4.
+    Then device 1's tick raises at every turn (``step``: after taking its waiters off
+    the queue; ``serve``: while serving one). Device 1's waiter still gets an answer
+    (granted, or INTERNAL when serving it is what raised), and device 0's waiter, served
+    in ticks where device 1 raises, is granted: nobody waits for a reply that never
+    comes."""
+    d = start_daemon(budget=str(16 * PAGE), launcher=[
+        sys.executable, str(FAULTY), fault, str(tmp_path / "trigger")],
+        extra=("--devices", "2", "--reclaim-timeout", "120", "--warm-max", "0"))
+    peers, holders = [], []
+    try:
+        waiters, rids = [], []
+        for dev in (0, 1):
+            h = d.connect(f"holder{dev}", device=dev)
+            holders.append(h)
+            hg = h.region_group(1, 16 * PAGE)
+            hg.grant(range(16))
+            w = peer_on(d, f"waiter{dev}", dev)
+            peers.append(w)
+            rids.append(w.send(p.Grant(group=w.group(4, PAGE), units=[0, 1, 2, 3])))
+            waiters.append(w)
+            wait_for(lambda: waiting_on(d, dev) == 4 * PAGE, what=f"device {dev}'s waiter")
+        (tmp_path / "trigger").touch()
+        for dev in (1, 0):  # device 1 first: its waiter is taken while it raises
+            (hg,) = holders[dev].groups.values()
+            hg.release([0, 1, 2, 3])
+        got = {}
+        for dev, (w, rid) in enumerate(zip(waiters, rids)):
+            reply = w.recv(60)  # (AssertionError: the daemon never answered)
+            assert reply.id == rid, reply
+            got[dev] = reply
+        assert isinstance(got[0], p.Granted), got
+        if fault == "step":
+            assert isinstance(got[1], p.Granted), got
+        else:
+            assert got[1].code == p.INTERNAL and "injected fault" in got[1].message, got
+        assert d.proc.poll() is None and "injected fault" in d.logs()
+    finally:
+        for peer in peers:
+            peer.close()
+        for h in holders:
+            h.close()

@@ -228,7 +228,7 @@ def test_an_unanswered_pressure_ask_is_given_up(make_arb):
     book = a.arb.sleep
     assert book.pending
     later = time.monotonic() + 2 * book.patience_s
-    assert book.put_one_to_sleep(set(), later) is None  # x was given up, not asked again
+    assert book.put_one_to_sleep(set(), 8, later) is None  # x was given up, not asked again
     assert not book.pending and book.records[x.id].not_before > later
 
 
@@ -287,6 +287,11 @@ class Releaser:
 def states(d, name: str) -> list[tuple[str, int]]:
     with d.monitor() as m:
         return [(t.state, t.mapped) for t in m.ps().tenants if t.name == name]
+
+
+def unresponsive(d, name: str) -> list[bool]:
+    with d.monitor() as m:
+        return [t.unresponsive for t in m.ps().tenants if t.name == name]
 
 
 def test_operator_sleep_and_wake_reach_the_handler_and_ps_shows_them(start_daemon):
@@ -445,3 +450,126 @@ def test_another_uids_kvpool_sleep_is_refused(start_daemon, tmp_path):
         assert states(d, "rootsrv") == [("idle", 0)]
         out = d.cli("sleep", "rootsrv", "--wait", "0.2", check=False)  # its own uid may
         assert "not asleep" in out.stderr, out  # (asked; no handler: the wait expires)
+
+
+def test_a_tenant_that_ignores_asks_does_not_block_pressure_sleep(start_daemon):
+    """16 pages: a hung tenant (never answers a reclaim) holds 8, x holds 4 and frees
+    them only in its sleep handler, y (busy) asks for 5 (its fair share; 4 are free).
+    First x is busy too: the hung tenant, above its share, is asked for the missing
+    page and ignores it; y's grant ends NO_MEMORY and the hung tenant is marked
+    unresponsive. Then x says idle and y asks again: the hung tenant's pages must not
+    count as coming back (it ignored its last ask), so x is put to sleep and y's grant
+    goes through (it used to end NO_MEMORY at every try: the hung tenant's ask
+    "covered" the need and nobody else was asked)."""
+    d = start_daemon(budget=str(BUDGET * PAGE), extra=("--reclaim-timeout", "5",
+                                                      "--warm-max", "0"))
+    hung = RawPeer(d.run_dir)
+    try:
+        hung.register("hung")
+        gid = hung.group(BUDGET, PAGE)
+        assert isinstance(hung.call(p.Grant(group=gid, units=list(range(8)))), p.Granted)
+        with d.connect("x", timeout_s=60, sleepable=True) as x, \
+                d.connect("y", timeout_s=60) as y:
+            gx = x.region_group(1, BUDGET * PAGE)
+            gx.grant(range(4))
+            handler = Releaser(gx)
+            x.set_sleep_handler(handler)
+            x.report_state("busy")
+            y.report_state("busy")
+            gy = y.region_group(1, BUDGET * PAGE)
+            with pytest.raises(KvpoolError) as e:
+                gy.grant(range(5))
+            assert e.value.code == p.NO_MEMORY
+            wait_for(lambda: unresponsive(d, "hung") == [True], what="hung unresponsive")
+            x.report_state("idle")
+            gy.grant(range(5))
+            assert handler.calls == [("sleep", "pressure")]
+            assert gy.mapped == set(range(5))
+    finally:
+        hung.close()
+    assert d.check() == []
+
+
+class Sleeper:
+    """A sleep handler that releases every unit of ``group`` and lets go of ``ws``."""
+
+    def __init__(self, group=None, ws=None):
+        self.group, self.ws = group, ws
+        self.calls: list[str] = []
+
+    def sleep(self, reason: str) -> bool:
+        self.calls.append(reason)
+        if self.group is not None:
+            self.group.release(sorted(self.group.mapped))
+        if self.ws is not None:
+            self.ws.detach()
+        return True
+
+    def wake(self, reason: str) -> bool:
+        return False
+
+
+def shared_set(d, owner, other, pages: int):
+    """A ``pages``-page weight set created and sealed by ``owner``, attached by ``other``:
+    (owner's handle, other's handle)."""
+    from kvpool.client_lib.weights import WeightSet
+
+    ws = WeightSet.create(owner, "ab" * 32, pages * PAGE)
+    ws.seal()
+    return ws, WeightSet.attach(other, "ab" * 32)
+
+
+def test_a_sleeper_whose_weight_set_is_shared_is_not_put_to_sleep_for_nothing(start_daemon):
+    """16 pages: r1 (idle, sleepable, no KV) and r2 (busy) hold one 10-page weight set, two
+    replicas of one model. y asks for 8 KV pages, past its share of the 6 left: putting
+    r1 to sleep would free nothing (r2 still holds the set), so y is refused at once and
+    r1 is never asked (it used to be put to sleep, and y to wait out its deadline)."""
+    d = start_daemon(budget=str(BUDGET * PAGE), extra=("--reclaim-timeout", "5",
+                                                      "--warm-max", "0"))
+    with d.connect("r1", timeout_s=60, sleepable=True) as r1, \
+            d.connect("r2", timeout_s=60) as r2, d.connect("y", timeout_s=60) as y:
+        w1, w2 = shared_set(d, r1, r2, 10)
+        handler = Sleeper(ws=w1)
+        r1.set_sleep_handler(handler)
+        r2.report_state("busy")
+        r1.report_state("idle")
+        y.report_state("busy")
+        gy = y.region_group(1, BUDGET * PAGE)
+        with pytest.raises(KvpoolError) as e:
+            gy.grant(range(8))
+        assert e.value.code == p.NO_MEMORY
+        assert handler.calls == [] and states(d, "r1") == [("idle", 0)]
+        gy.grant(range(6))  # what is free still is
+        w2.detach()
+    assert d.check() == []
+
+
+def test_pressure_sleep_picks_the_tenant_whose_sleep_frees_the_need(start_daemon):
+    """16 pages: a (idle the longest, sleepable) holds 1 KV page and a 6-page weight set
+    that z (busy) holds too; b (idle, sleepable) holds 6 KV pages; 3 are free. y asks for
+    6: a's sleep would free 1 page, b's 6. b is put to sleep and a never is (a, idle
+    longer, used to be put to sleep first, credited with the whole shared set)."""
+    d = start_daemon(budget=str(BUDGET * PAGE), extra=("--reclaim-timeout", "30",
+                                                      "--warm-max", "0"))
+    with d.connect("a", timeout_s=60, sleepable=True) as a, \
+            d.connect("b", timeout_s=60, sleepable=True) as b, \
+            d.connect("z", timeout_s=60) as z, d.connect("y", timeout_s=60) as y:
+        wz, wa = shared_set(d, z, a, 6)
+        ga = a.region_group(1, BUDGET * PAGE)
+        ga.grant([0])
+        gb = b.region_group(1, BUDGET * PAGE)
+        gb.grant(range(6))
+        sleep_a, sleep_b = Sleeper(ga, wa), Sleeper(gb)
+        a.set_sleep_handler(sleep_a)
+        b.set_sleep_handler(sleep_b)
+        z.report_state("busy")
+        y.report_state("busy")
+        a.report_state("idle")
+        wait_for(lambda: states(d, "a") == [("idle", PAGE)], what="a idle")
+        b.report_state("idle")
+        gy = y.region_group(1, BUDGET * PAGE)
+        gy.grant(range(6))
+        assert sleep_b.calls == ["pressure"] and sleep_a.calls == [], d.logs()
+        assert states(d, "a") == [("idle", PAGE)]
+        wz.detach()
+    assert d.check() == []
