@@ -18,8 +18,9 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "kvpool"
 
 
-def module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+def module_name(path: Path, root: Path = ROOT) -> str:
+    """``path``'s dotted module name, ``root`` being the folder that holds the package."""
+    parts = list(path.relative_to(root).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)

@@ -26,6 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import import_cycles  # noqa: E402  (one reading of imports: scripts/import_cycles.py)
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "kvpool"
 
@@ -192,20 +195,7 @@ def _targets(node: ast.AST) -> Iterator[ast.expr]:
 
 
 def _module_name(root: Path, path: Path) -> str:
-    parts = list(path.relative_to(root.parent).with_suffix("").parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
-
-
-def _resolve(current: str, is_package: bool, node: ast.ImportFrom) -> str:
-    if node.level == 0:
-        return node.module or ""
-    base = current.split(".")
-    if not is_package:
-        base = base[:-1]
-    base = base[: len(base) - (node.level - 1)]
-    return ".".join(base + ([node.module] if node.module else []))
+    return import_cycles.module_name(path, root.parent)
 
 
 def _index(package_dir: Path) -> dict[str, _Module]:
@@ -218,7 +208,7 @@ def _index(package_dir: Path) -> dict[str, _Module]:
                         if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom):
-                base = _resolve(name, path.name == "__init__.py", node)
+                base = import_cycles.resolve(name, path.name == "__init__.py", node)
                 for alias in node.names:
                     mod.imports[alias.asname or alias.name] = (base, alias.name)
             elif isinstance(node, ast.ClassDef):
