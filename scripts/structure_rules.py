@@ -101,9 +101,6 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     ("backend-name", "client_lib/tensors.py", "backend.caps.tensor_device == 'cuda'"):
         _TORCH_DEVICE,
     ("backend-name", "engine/engine.py", "self.device.type == 'cuda'"): _TORCH_DEVICE,
-    ("backend-name", "fleet/config.py", "backend == 'host'"):
-        "pending issue 35 item 6: the fleet's config reuses the daemon's typed config "
-        "(kvpool/fleet/ is being edited)",
 }
 
 #: bases and decorators whose annotations are fields the class's machinery assigns

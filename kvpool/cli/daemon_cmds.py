@@ -16,6 +16,7 @@ import click
 from kvpool.cli.monitor import device_sessions, monitor_session
 from kvpool.cli.params import SizeParam, device_option, json_option, run_dir_option
 from kvpool.sizes import format_size, parse_size
+from kvpool.vmm.registry import BACKENDS
 
 if TYPE_CHECKING:
     from kvpool import protocol as p
@@ -69,7 +70,7 @@ def _config_exit(e: ConfigError) -> NoReturn:
 
 
 @click.command()
-@click.option("--backend", type=click.Choice(["auto", "host", "cuda"]), default=None,
+@click.option("--backend", type=click.Choice(BACKENDS), default=None,
               help="Memory backend (default auto: cuda if usable, else host).")
 @click.option("--device", type=int, default=None, help="Device ordinal (default 0).")
 @click.option("--devices", default=None,

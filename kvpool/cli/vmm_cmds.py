@@ -6,9 +6,11 @@ import json
 
 import click
 
+from kvpool.vmm.registry import BACKENDS
+
 
 @click.command()
-@click.option("--backend", type=click.Choice(["auto", "host", "cuda"]), default="auto", show_default=True)
+@click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True)
 @click.option("--device", default=0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 def info(backend: str, device: int, as_json: bool) -> None:

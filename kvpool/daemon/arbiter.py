@@ -98,7 +98,7 @@ class Arbiter:
                                self.weights.sole_pages, moves=self.moves)
         self.reclaimer = Reclaimer(self.tenants, pool, budget, self.outbox,
                                    cfg.reclaim_timeout_s, cfg.short_backoff_s,
-                                   POLICIES[cfg.reclaim_policy], self.weights, self.sleep)
+                                   POLICIES.lookup(cfg.reclaim_policy), self.weights, self.sleep)
         self.registry = Registry(cfg, pool, budget, self.tenants, self.groups,
                                  self.reclaimer, self.recovery)
         self.grants = Grants(pool, self.groups, self.reclaimer, self.recovery,

@@ -58,7 +58,7 @@ import sys
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Callable, Literal, Optional
+from typing import Annotated, Any, Callable, Optional
 
 import msgspec
 from msgspec import Meta
@@ -110,7 +110,7 @@ class Config:
     """Everything the daemon needs. Sizes may be strings until resolved against the
     device (``budget``) or the budget (tenants' ``min``/``max``, ``default_max``)."""
 
-    backend: Literal["auto", "host", "cuda"] = "auto"
+    backend: str = "auto"  # "auto" or a backend of kvpool.vmm.registry.REGISTRY
     device: Annotated[int, Meta(ge=0, le=4096)] = 0
     # every device in one daemon (a pool and an arbiter each): "all", a count "N"
     # (devices 0..N-1) or a list "0,1,3"; None: the one ``device``
@@ -195,22 +195,16 @@ class Config:
         unknown = sorted(set(values) - names)
         if unknown:
             problems.append(f"unknown configuration keys: {', '.join(unknown)}")
-        hints = typing.get_type_hints(cls, include_extras=True)
         out: dict[str, Any] = {}
         for key in names & set(values):
             label = where.get(key, key)
             if key == "tenants":
                 out[key] = _tenants(values[key], problems)
                 continue
-            value = values_.normalise(key, values[key])
             try:
-                out[key] = msgspec.convert(value, hints[key], strict=True)
-            except msgspec.ValidationError as e:
-                problems.append(f"{label} = {values_.show(values[key])}: {values_.reason(e)}")
-                continue
-            problem = values_.check_value(key, out[key])
-            if problem:
-                problems.append(f"{label} = {values_.show(values[key])}: {problem}")
+                out[key] = cls.read(key, values[key])
+            except ValueError as e:
+                problems.append(f"{label} = {values_.show(values[key])}: {e}")
         for key in ("socket_group", "admin_group"):
             if isinstance(out.get(key), str) and not values_.group_exists(out[key]):
                 problems.append(f"{where.get(key, key)} = {out[key]!r}: no such group")
@@ -221,6 +215,22 @@ class Config:
         if problems:
             raise ConfigError(problems)
         return cls(**out)
+
+    @classmethod
+    def read(cls, key: str, value: Any) -> Any:
+        """One top-level value (not ``tenants``) as this config reads it: normalised,
+        converted to the field's type and checked (:mod:`kvpool.daemon.config_values`).
+        Raises ValueError whose message is the one-line reason. Also what the fleet file's
+        ``[daemon]`` table is checked with (:mod:`kvpool.fleet.config`)."""
+        hint = typing.get_type_hints(cls, include_extras=True)[key]
+        try:
+            typed = msgspec.convert(values_.normalise(key, value), hint, strict=True)
+        except msgspec.ValidationError as e:
+            raise ValueError(values_.reason(e)) from None
+        problem = values_.check_value(key, typed)
+        if problem:
+            raise ValueError(problem)
+        return typed
 
     def check_budget(self, total: int, page_size: int, free: int | None = None,
                      share: int = 1) -> int:

@@ -12,7 +12,7 @@ import msgspec
 
 from kvpool.sizes import format_size, parse_size
 from kvpool.daemon.policy import POLICIES
-from kvpool.vmm.registry import capabilities
+from kvpool.vmm.registry import BACKENDS, capabilities
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 MAX_BYTES = 1 << 62
@@ -55,7 +55,9 @@ def check_value(key: str, value: Any) -> str | None:
     if key == "log_level" and value not in LOG_LEVELS:
         return f"expected one of {', '.join(LOG_LEVELS)}"
     if key == "reclaim_policy" and value not in POLICIES:
-        return f"expected one of {', '.join(POLICIES)}"
+        return f"expected one of {', '.join(POLICIES.names())}"
+    if key == "backend" and value not in BACKENDS:
+        return f"expected one of {', '.join(BACKENDS)}"
     if key in ("run_dir", "socket_group", "admin_group") and value is not None and not value:
         return "must not be empty"
     return None

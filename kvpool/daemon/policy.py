@@ -21,7 +21,7 @@ test_policy.py`` checks each registered policy against them):
 4. ``may_grow`` is true exactly when the grown holding stays within ``max(share, min)``.
 
 ``ShareBased`` derives 3 and 4 from ``shares``: a new policy usually writes only
-``shares``. Register it in :data:`POLICIES`; ``reclaim_policy = "<name>"`` in
+``shares``. Register it in :data:`POLICIES` (a :class:`kvpool.registry.Registry`); ``reclaim_policy = "<name>"`` in
 kvpool.toml selects it (docs/ARCHITECTURE.md, "Adding a reclaim policy").
 """
 
@@ -31,6 +31,7 @@ import abc
 from typing import Protocol
 
 from kvpool.daemon.fairshare import Claim, fair_shares, round_down
+from kvpool.registry import Registry
 
 
 class ReclaimPolicy(Protocol):
@@ -117,5 +118,6 @@ class Priority(ShareBased):
 
 
 #: every reclaim policy by its configuration name
-POLICIES: dict[str, ReclaimPolicy] = {policy.name: policy
-                                      for policy in (FairShare(), Priority())}
+POLICIES: Registry[ReclaimPolicy] = Registry("reclaim policy")
+for _policy in (FairShare(), Priority()):
+    POLICIES.register(_policy.name, _policy)

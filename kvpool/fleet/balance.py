@@ -3,7 +3,8 @@
 The router (:mod:`kvpool.fleet.router`) keeps, per model, the live load of each replica
 (:class:`ReplicaLoad`) and asks the model's picker for one; the picker may remember what
 it routed (to send a prompt where its prefix's KV already is). Pickers are registered by
-the name a fleet file's ``routing`` key gives (:data:`PICKERS`). A picker says why it
+the name a fleet file's ``routing`` key gives (:data:`PICKERS`, a
+:class:`kvpool.registry.Registry` of factories). A picker says why it
 chose (a :class:`Pick`), which the router counts by reason.
 """
 
@@ -15,6 +16,7 @@ from typing import Callable, Protocol, Sequence, runtime_checkable
 from kvpool.fleet.loads import REASONS, Pick, ReplicaLoad, least_loaded, ready_replicas
 from kvpool.fleet.prefix_picker import PrefixAffinity
 from kvpool.fleet.prompt import Prompt, prompt_of
+from kvpool.registry import Registry
 
 __all__ = ["PICKERS", "REASONS", "LeastLoaded", "Pick", "Picker", "PrefixAffinity", "Prompt",
            "Remembering", "ReplicaLoad", "RoundRobin", "choose", "make_picker", "prompt_of"]
@@ -66,18 +68,15 @@ class RoundRobin:
                     "only" if len(ready) == 1 else "turn")
 
 
-PICKERS: dict[str, Callable[[], Picker]] = {
-    "least_loaded": LeastLoaded,
-    "round_robin": RoundRobin,
-    "prefix": PrefixAffinity,
-}
+#: a new picker by the fleet file's ``routing`` name
+PICKERS: Registry[Callable[[], Picker]] = Registry("routing")
+PICKERS.register("least_loaded", LeastLoaded)
+PICKERS.register("round_robin", RoundRobin)
+PICKERS.register("prefix", PrefixAffinity)
 
 
 def make_picker(name: str) -> Picker:
-    """A new picker of that registered name; an unknown one raises ValueError (the fleet
-    file's validation says which names exist)."""
-    try:
-        return PICKERS[name]()
-    except KeyError:
-        raise ValueError(f"unknown routing {name!r} (one of {', '.join(sorted(PICKERS))})"
-                         ) from None
+    """A new picker of that registered name; an unknown one raises
+    :class:`kvpool.registry.UnknownName` (a ValueError; the fleet file's validation says
+    which names exist)."""
+    return PICKERS.lookup(name)()

@@ -10,8 +10,13 @@ them all at once (:class:`FleetConfigError`); the CLI prints them and exits 2. C
   :func:`kvpool.sizes.parse_size` reads them, no percentages: a tenant's knobs are bytes);
 * model names: tenant names (``[A-Za-z0-9._@:+-]``, at most 64 characters, replica
   ``i > 0`` adds ``-i``), no two models and no two replicas' tenants alike;
-* ``routing`` a picker of :data:`kvpool.fleet.balance.PICKERS`;
-* ``args``: strings, none of the flags the fleet sets itself (``--port`` ...);
+* ``engine`` a server kind of :data:`kvpool.fleet.engines.KINDS`, ``routing`` a picker
+  of :data:`kvpool.fleet.balance.PICKERS` (the registries' names, not copies);
+* ``[daemon]``: ``budget``, ``page_size`` and ``backend`` as the daemon reads them
+  (:meth:`kvpool.daemon.config.Config.read`), except that ``backend`` defaults to
+  ``host``;
+* ``args``: strings, none of the flags the fleet sets itself (the kind's
+  ``reserved_args``: ``--port`` ...);
 * ``checkpoint``: a folder the engine can load (:func:`kvpool.fleet.checkpoint.inspect`:
   config.json and weight files, read without loading the weights);
 * with ``--with-daemon``, ``[daemon] budget`` must hold the largest model's weights (when
@@ -24,35 +29,34 @@ from __future__ import annotations
 import math
 import re
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from kvpool.daemon.config import Config
 from kvpool.fleet.balance import PICKERS
 from kvpool.fleet.checkpoint import CheckpointInfo, inspect, kv_chunk_bytes
+from kvpool.fleet.engines import KINDS
+from kvpool.fleet.entries import DaemonSection, FleetConfig, ModelEntry
 from kvpool.sizes import format_size, parse_size
+from kvpool.vmm.host import DEFAULT_PAGE_SIZE
+from kvpool.vmm.registry import capabilities
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
 
-ENGINES = ("bundled", "vllm")  # the keys of kvpool.fleet.engines.KINDS
-BACKENDS = ("host", "cuda", "auto")
+__all__ = ["DAEMON_KEYS", "DaemonSection", "FleetConfig", "FleetConfigError", "ModelEntry",
+           "load"]
+
 WEIGHTS = ("pool", "local")
 NAME = re.compile(r"^[A-Za-z0-9._@:+-]{1,64}$")  # kvpool.protocol.bounds.Name
 MAX_REPLICAS = 64
 MAX_ARGS = 64
 MAX_ARG_CHARS = 4096
 MAX_BYTES = 1 << 50
-HOST_PAGE_SIZE = 2 << 20  # the host backend's default page size (kvpool.vmm.host)
-#: flags of a member's command line the fleet sets from the entry's keys
-RESERVED_ARGS = {
-    "bundled": ("--host", "--port", "--served-model-name", "--elastic", "--sleepable",
-                "--sleep-after", "--weights", "--kv-cache-size", "--max-num-seqs", "--pd",
-                "--role"),
-    "vllm": ("--host", "--port", "--model", "--served-model-name", "--max-num-seqs"),
-}
+#: the ``[daemon]`` keys, each checked as the daemon's own config reads it
+DAEMON_KEYS = ("budget", "page_size", "backend")
 
 
 class FleetConfigError(ValueError):
@@ -61,57 +65,6 @@ class FleetConfigError(ValueError):
     def __init__(self, problems: list[str]):
         self.problems = problems
         super().__init__("\n".join(problems))
-
-
-@dataclass(frozen=True)
-class DaemonSection:
-    """``[daemon]``: the daemon ``--with-daemon`` starts (ignored without it)."""
-
-    budget: str | None = None  # None: the daemon's default
-    page_size: str | None = None
-    backend: str = "host"
-
-
-@dataclass(frozen=True)
-class ModelEntry:
-    """One ``[[models]]`` entry: a served model and the tenant knobs of its replicas."""
-
-    name: str
-    checkpoint: Path  # absolute (relative paths are the fleet file's)
-    engine: str = "bundled"
-    replicas: int = 1
-    eager: bool = False
-    min: int | None = None  # bytes (None: the daemon's config or default)
-    max: int | None = None
-    weight: float | None = None
-    sleepable: bool = True
-    sleep_after: float | None = None  # seconds idle before it sleeps itself
-    weights: str = "pool"  # bundled only: "pool" or "local"
-    kv_cache_size: int = 256 << 20
-    max_num_seqs: int = 32
-    routing: str = "least_loaded"
-    args: tuple[str, ...] = ()
-
-    def tenant(self, index: int) -> str:
-        """The tenant name of replica ``index`` (``name``, then ``name-1`` ...)."""
-        return self.name if index == 0 else f"{self.name}-{index}"
-
-
-@dataclass(frozen=True)
-class FleetConfig:
-    path: Path
-    name: str  # the tenant group of every member
-    host: str = "127.0.0.1"
-    port: int = 8080
-    queue: int = 64  # per model: requests waiting for a ready server
-    start_timeout_s: float = 180.0
-    hung_after_s: float = 30.0  # a ready member silent this long: hung, no requests
-    hung_restart_s: float = 120.0  # ... silent this long: killed and started again
-    daemon: DaemonSection = DaemonSection()
-    models: tuple[ModelEntry, ...] = ()
-
-    def entry(self, name: str) -> ModelEntry | None:
-        return next((m for m in self.models if m.name == name), None)
 
 
 Inspect = Callable[[Path, str, bool], CheckpointInfo]
@@ -240,8 +193,7 @@ def load(path: str | Path, with_daemon: bool = False, inspect_checkpoint: Inspec
     if hung_after is not None and hung_restart is not None and hung_restart < hung_after:
         fleet.bad("hung_restart_s", f"{hung_restart:g} is less than hung_after_s "
                                     f"({hung_after:g})")
-    daemon = _daemon(_Table(raw.get("daemon", {}), "daemon", problems,
-                            ("budget", "page_size", "backend")))
+    daemon = _daemon(_Table(raw.get("daemon", {}), "daemon", problems, DAEMON_KEYS))
     models_raw = raw.get("models", [])
     if not isinstance(models_raw, list):
         top.bad("models", "expected [[models]] tables")
@@ -276,20 +228,19 @@ MODEL_KEYS = ("name", "checkpoint", "engine", "replicas", "eager", "min", "max",
 
 
 def _daemon(t: _Table) -> DaemonSection:
-    budget = t.get("budget", None, (int, str), "a size (e.g. \"1GiB\") or a percentage")
-    if budget is not None:
-        try:
-            parse_size(budget, 100)
-        except ValueError as e:
-            t.bad("budget", str(e))
-            budget = None
-    page = t.size("page_size", None, positive=True)
-    if page is not None and (page < 4096 or page & (page - 1)):
-        t.bad("page_size", f"{format_size(page)}: expected a power of two of at least 4 KiB")
-        page = None
-    backend = t.text("backend", "host", BACKENDS)
+    """``[daemon]``: each value read by the daemon's own config (a bad one: its line, and
+    the default)."""
+    read: dict[str, Any] = {}
+    for key in DAEMON_KEYS:
+        if key in t.values:
+            try:
+                read[key] = Config.read(key, t.values[key])
+            except ValueError as e:
+                t.bad(key, f"{_show(t.values[key])}: {e}")
+    budget, page = read.get("budget"), read.get("page_size")
     return DaemonSection(budget=None if budget is None else str(budget),
-                         page_size=None if page is None else str(page), backend=backend)
+                         page_size=None if page is None else str(parse_size(page)),
+                         backend=read.get("backend", "host"))
 
 
 def _model(t: _Table, base: Path, backend: str, inspect_checkpoint: Inspect
@@ -300,7 +251,7 @@ def _model(t: _Table, base: Path, backend: str, inspect_checkpoint: Inspect
         t.bad("name", "missing (the model name requests give)")
     elif isinstance(name, str) and not NAME.match(name):
         t.bad("name", f"{_show(name)} is not a tenant name (1 to 64 of A-Z a-z 0-9 . _ @ : + -)")
-    engine = t.text("engine", "bundled", ENGINES)
+    engine = t.text("engine", "bundled", KINDS.names())
     replicas = t.integer("replicas", 1, 1, MAX_REPLICAS)
     if isinstance(name, str) and NAME.match(name) and replicas > 1 \
             and not NAME.match(f"{name}-{replicas - 1}"):
@@ -319,9 +270,7 @@ def _model(t: _Table, base: Path, backend: str, inspect_checkpoint: Inspect
         t.bad("weights", f"a {engine} server keeps its weights in its own memory (local)")
     kv = t.size("kv_cache_size", 256 << 20, positive=True)
     seqs = t.integer("max_num_seqs", 32, 1, 4096)
-    routing = t.text("routing", "least_loaded")
-    if "routing" in t.values and isinstance(routing, str) and routing not in PICKERS:
-        t.bad("routing", f"{_show(routing)} is not one of {', '.join(sorted(PICKERS))}")
+    routing = t.text("routing", "least_loaded", PICKERS.names())
     args = _args(t, engine)
     ckpt = t.text("checkpoint", None)
     info: CheckpointInfo | None = None
@@ -354,7 +303,7 @@ def _args(t: _Table, engine: str) -> tuple[str, ...]:
             t.bad("args", f"[{j}]: expected a string, got {_show(a)}")
         elif len(a) > MAX_ARG_CHARS or "\0" in a:
             t.bad("args", f"[{j}]: more than {MAX_ARG_CHARS} characters, or a NUL")
-        elif a.split("=", 1)[0] in RESERVED_ARGS.get(engine, ()):
+        elif a.split("=", 1)[0] in KINDS.lookup(engine).reserved_args:
             t.bad("args", f"[{j}]: {_show(a)} is set by the fleet (use the entry's keys)")
         else:
             out.append(a)
@@ -363,13 +312,14 @@ def _args(t: _Table, engine: str) -> tuple[str, ...]:
 
 def _float32(backend: str, args: tuple[str, ...]) -> bool:
     """Whether a bundled server on this backend holds float32 weights and KV (the engine's
-    ``--dtype auto`` on the CPU; ``--dtype`` in ``args`` says otherwise)."""
+    ``--dtype auto`` on the CPU; ``--dtype`` in ``args`` says otherwise). ``auto`` is the
+    backend this machine would open, as for the daemon."""
     for j, a in enumerate(args):
         if a == "--dtype" and j + 1 < len(args):
             return args[j + 1] == "float32"
         if a.startswith("--dtype="):
             return a.split("=", 1)[1] == "float32"
-    return backend == "host"
+    return capabilities(backend).tensor_device == "cpu"
 
 
 def _unique(entries: list[tuple[int, ModelEntry, CheckpointInfo | None]],
@@ -399,7 +349,8 @@ def _fits(daemon: DaemonSection, entries: list[tuple[int, ModelEntry, Checkpoint
     if daemon.budget is None or str(daemon.budget).strip().endswith("%"):
         return  # resolved by the daemon against the device
     budget = parse_size(daemon.budget)
-    page = parse_size(daemon.page_size) if daemon.page_size is not None else HOST_PAGE_SIZE
+    # (no page_size: the host backend's default, also the usual CUDA granularity)
+    page = parse_size(daemon.page_size) if daemon.page_size is not None else DEFAULT_PAGE_SIZE
     worst: tuple[int, int, ModelEntry] | None = None
     for _, e, info in entries:
         if info is None:

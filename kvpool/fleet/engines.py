@@ -1,5 +1,6 @@
 """How the fleet starts and watches each engine's OpenAI server: the :class:`ServerKind`
-seam, its two kinds, and :data:`KINDS` (keyed by a fleet entry's ``engine``).
+seam, its two kinds, and :data:`KINDS` (a :class:`kvpool.registry.Registry` keyed by a
+fleet entry's ``engine``).
 
 * ``bundled``: ``kvpool serve CKPT --elastic --sleepable ...`` (:func:`kvpool.launch.
   serve_argv`); its sleep state and counters at ``GET /kvpool/sleep`` (sleeps by
@@ -24,7 +25,8 @@ from typing import Any, Mapping, Protocol
 
 from kvpool import launch
 from kvpool.engine_adapters.env import TENANT_VARS
-from kvpool.fleet.config import ModelEntry
+from kvpool.fleet.entries import ModelEntry
+from kvpool.registry import Registry
 
 #: variables a member never inherits from the fleet's environment
 NOT_INHERITED = (*TENANT_VARS, "KVPOOL_ENABLE", "KVPOOL_WEIGHTS", "KVPOOL_GROUP")
@@ -73,6 +75,9 @@ class ServerKind(Protocol):
     ``POST /wake_up`` wakes the server (200 once awake)."""
 
     state_path: str
+    #: flags of the server's command line the fleet sets from the entry's keys (a fleet
+    #: file's ``args`` may not give them)
+    reserved_args: tuple[str, ...]
 
     def launch(self, member: MemberSpec, port: int) -> Launch: ...
 
@@ -99,6 +104,9 @@ class Bundled:
     """``kvpool serve --elastic`` (:mod:`kvpool.engine_adapters.bundled`)."""
 
     state_path = "/kvpool/sleep"
+    reserved_args: tuple[str, ...] = ("--host", "--port", "--served-model-name", "--elastic", "--sleepable",
+                     "--sleep-after", "--weights", "--kv-cache-size", "--max-num-seqs",
+                     "--pd", "--role")
 
     def launch(self, member: MemberSpec, port: int) -> Launch:
         e = member.entry
@@ -129,6 +137,7 @@ class Vllm:
     """vLLM's OpenAI server with the kvpool plugin (:mod:`kvpool.engine_adapters.vllm`)."""
 
     state_path = "/is_sleeping"
+    reserved_args: tuple[str, ...] = ("--host", "--port", "--model", "--served-model-name", "--max-num-seqs")
 
     def launch(self, member: MemberSpec, port: int) -> Launch:
         e = member.entry
@@ -150,4 +159,7 @@ class Vllm:
         return Observed(body["is_sleeping"])
 
 
-KINDS: dict[str, ServerKind] = {"bundled": Bundled(), "vllm": Vllm()}
+#: every server kind by a fleet entry's ``engine``
+KINDS: Registry[ServerKind] = Registry("engine")
+KINDS.register("bundled", Bundled())
+KINDS.register("vllm", Vllm())

@@ -39,7 +39,7 @@ import httpx
 from kvpool import control_token, launch, paths
 from kvpool.fleet.admission import ModelQueue
 from kvpool.fleet.balance import make_picker
-from kvpool.fleet.config import FleetConfig
+from kvpool.fleet.entries import FleetConfig
 from kvpool.fleet.engines import KINDS, MemberSpec
 from kvpool.fleet.member import Member
 from kvpool.fleet.metrics import FleetMetrics
@@ -73,7 +73,7 @@ def build(config: FleetConfig, run_dir: Path, log_dir: Path,
                                                    max_keepalive_connections=64))
     members: dict[str, list[Member]] = {}
     for e in config.models:
-        kind = KINDS[e.engine]
+        kind = KINDS.lookup(e.engine)
         members[e.name] = [
             Member(MemberSpec(e, e.tenant(i), config.name, run_dir), i, kind,
                    log_dir / f"{e.tenant(i)}.log")

@@ -16,14 +16,12 @@ from kvpool.vmm.base import (
 )
 
 from kvpool.vmm.capabilities import Capabilities
-from kvpool.vmm.registry import REGISTRY, capabilities, device_count, entry
-
-BACKENDS = ("auto", *REGISTRY)
+from kvpool.vmm.registry import BACKENDS, REGISTRY, capabilities, device_count, entry
 
 
 def cuda_available(device: int = 0) -> bool:
     """True when the CUDA driver loads and ``device`` supports VMM with POSIX-fd handles."""
-    return REGISTRY["cuda"].available(device)
+    return REGISTRY.lookup("cuda").available(device)
 
 
 def open_backend(kind: str = "auto", device: int = 0, page_size: int | None = None,

@@ -2,14 +2,16 @@
 imports the backend's module only when it is opened (the CUDA one needs cuda-python).
 
 Adding a backend: write a :class:`~kvpool.vmm.base.Backend` subclass with a ``caps``
-record, and add one :class:`BackendEntry` here (docs/ARCHITECTURE.md, "Adding a vmm
-backend")."""
+record, and register one :class:`BackendEntry` here (docs/ARCHITECTURE.md, "Adding a
+vmm backend"). ``auto`` is no entry: :func:`entry` resolves it to the first available
+one; :data:`BACKENDS` (the choices a configuration or the CLI offers) adds it."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvpool.registry import Registry
 from kvpool.vmm.base import Backend, InvalidArgument
 from kvpool.vmm.capabilities import CUDA_CAPS, HOST_CAPS, Capabilities
 
@@ -55,21 +57,24 @@ def _cuda_count() -> int:
 
 
 #: every backend, in the order ``auto`` tries them (the last is always available)
-REGISTRY: dict[str, BackendEntry] = {
-    "cuda": BackendEntry("cuda", CUDA_CAPS, _cuda_available, _cuda_open, _cuda_count),
-    "host": BackendEntry("host", HOST_CAPS, lambda device: True, _host_open),
-}
+REGISTRY: Registry[BackendEntry] = Registry("backend")
+for _entry in (BackendEntry("cuda", CUDA_CAPS, _cuda_available, _cuda_open, _cuda_count),
+               BackendEntry("host", HOST_CAPS, lambda device: True, _host_open)):
+    REGISTRY.register(_entry.name, _entry)
+
+#: the backend names a configuration may give: ``auto`` and every registered one
+BACKENDS = ("auto", *REGISTRY.names())
 
 
 def entry(kind: str, device: int = 0) -> BackendEntry:
     """The entry for ``kind`` (``auto``: the first available one); one clear
     InvalidArgument for an unknown name."""
     if kind == "auto":
-        return next(e for e in REGISTRY.values() if e.available(device))
+        return next(e for e in REGISTRY.entries() if e.available(device))
     if kind not in REGISTRY:
-        raise InvalidArgument("open_backend", f"unknown backend {kind!r}; choose one of "
-                                              f"{('auto', *REGISTRY)}")
-    return REGISTRY[kind]
+        raise InvalidArgument("open_backend", f"unknown backend {kind!r} (one of "
+                                              f"{', '.join(BACKENDS)})")
+    return REGISTRY.lookup(kind)
 
 
 def device_count(kind: str) -> int:

@@ -32,7 +32,7 @@ claim = st.builds(
 @given(budget=st.integers(1, 64).map(lambda x: x * UNIT),
        claims=st.lists(claim, min_size=1, max_size=6))
 def test_every_policy_keeps_the_obligations(name: str, budget: int, claims: list[Claim]) -> None:
-    policy = POLICIES[name]
+    policy = POLICIES.lookup(name)
     shares = policy.shares(budget, claims, UNIT)
     floors = sum(c.floor // UNIT * UNIT for c in claims)
     assert sum(shares.values()) <= max(budget, floors)
@@ -54,12 +54,12 @@ def test_priority_fills_the_highest_weight_first_and_keeps_every_floor() -> None
               Claim("prod", 2 * GIB, 8 * GIB, weight=2)]
     # priority: batch keeps its floor, prod takes the rest; fair share splits 1:2
     assert Priority().shares(8 * GIB, claims, UNIT) == {"batch": 1 * GIB, "prod": 7 * GIB}
-    assert POLICIES["fair_share"].shares(8 * GIB, claims, UNIT) == {
+    assert POLICIES.lookup("fair_share").shares(8 * GIB, claims, UNIT) == {
         "batch": 21 * UNIT, "prod": 42 * UNIT}  # 2.625 and 5.25 GiB (whole units)
     # so for 5 GiB more, batch gives all 5 under priority but only its excess over
     # 2.625 GiB (3.375) under fair share
     assert Priority().plan(8 * GIB, claims, 5 * GIB, UNIT) == [("batch", 5 * GIB)]
-    assert POLICIES["fair_share"].plan(8 * GIB, claims, 5 * GIB, UNIT) == [
+    assert POLICIES.lookup("fair_share").plan(8 * GIB, claims, 5 * GIB, UNIT) == [
         ("batch", 27 * UNIT)]
     # ties in the top tier share it fairly, lower tiers keep only their floors
     tier = [Claim("x", 0, 8 * GIB, weight=2), Claim("y", 0, 8 * GIB, weight=2),

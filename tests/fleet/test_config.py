@@ -4,13 +4,15 @@ starts (``kvpool fleet`` run in-process: nothing here starts a process)."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
 from kvpool.cli.main import cli
-from kvpool.fleet.config import load
+from kvpool.fleet.config import FleetConfigError, load
 
 GOOD = """
 [fleet]
@@ -151,6 +153,36 @@ def test_with_daemon_the_budget_must_hold_the_largest_model(folder: Path) -> Non
     assert load(f, with_daemon=True).models[0].weights == "local"
     f.write_text(text.replace("64KiB\"\npage", "1MiB\"\npage"))
     assert load(f, with_daemon=True).models  # ~0.4 MiB of float32 weights and a chunk fit
+
+
+def test_auto_on_a_cpu_host_sizes_weights_as_the_host_backend(
+        folder: Path, tmp_path: Path) -> None:
+    """``backend = "auto"`` on a host without a usable GPU is the host backend: a bundled
+    server there holds float32 weights, so a 16-bit checkpoint's weights count double in
+    the ``--with-daemon`` budget check, exactly as with ``backend = "host"``."""
+    from safetensors.torch import load_file, save_file
+
+    from kvpool.vmm import cuda_available
+
+    if cuda_available():
+        pytest.skip("a usable GPU: auto is the cuda backend here")
+    half = tmp_path / "half"
+    shutil.copytree(folder / "alpha", half)
+    tensors = load_file(str(half / "model.safetensors"))
+    save_file({k: v.bfloat16() for k, v in tensors.items()}, str(half / "model.safetensors"))
+    config = json.loads((half / "config.json").read_text())
+    config.update(dtype="bfloat16", torch_dtype="bfloat16")
+    (half / "config.json").write_text(json.dumps(config))
+    lines = {}
+    for backend in ("host", "auto"):
+        f = tmp_path / f"{backend}.toml"
+        f.write_text(f'[daemon]\nbudget = "64KiB"\npage_size = "64KiB"\nbackend = "{backend}"\n'
+                     f'[[models]]\nname = "alpha"\ncheckpoint = "{half}"\n')
+        with pytest.raises(FleetConfigError) as e:
+            load(f, with_daemon=True)
+        (lines[backend],) = [p.split(": ", 1)[1] for p in e.value.problems]
+    assert lines["auto"] == lines["host"]
+    assert "daemon.budget: 64 KiB cannot hold the largest model" in lines["auto"]
 
 
 def test_without_a_daemon_it_says_so(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:

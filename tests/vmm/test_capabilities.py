@@ -27,7 +27,7 @@ def test_registry_lists_every_backend_class_with_its_own_record() -> None:
     assert BACKENDS == ("auto", *REGISTRY)
     for cls, name in classes.items():
         assert cls.name == name
-        assert REGISTRY[name].caps is cls.caps
+        assert REGISTRY.lookup(name).caps is cls.caps
         assert capabilities(name) is cls.caps
     # every concrete subclass anywhere in the package declares its capabilities
     for cls in Backend.__subclasses__():
