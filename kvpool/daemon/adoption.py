@@ -17,6 +17,7 @@ import os
 
 from kvpool import protocol as p
 from kvpool.daemon.grants import require_holder
+from kvpool.daemon.ledger import Ledger
 from kvpool.daemon.outcome import Fail, Sender
 from kvpool.daemon.pool import Pool
 from kvpool.daemon.regions import GroupIndex, GroupRecord
@@ -47,12 +48,14 @@ def _empty(r: p.Adopt) -> bool:
 
 
 class Adoption:
-    """Adopts into ``pool`` and ``groups`` while ``recovery`` is active, within the
-    per-tenant caps (``max_groups`` groups spanning ``max_virtual_pages``)."""
+    """Adopts into ``pool`` (through ``ledger``) and ``groups`` while ``recovery`` is
+    active, within the per-tenant caps (``max_groups`` groups spanning
+    ``max_virtual_pages``)."""
 
-    def __init__(self, pool: Pool, groups: GroupIndex, recovery: Recovery, max_groups: int,
-                 max_virtual_pages: int):
+    def __init__(self, pool: Pool, ledger: Ledger, groups: GroupIndex, recovery: Recovery,
+                 max_groups: int, max_virtual_pages: int):
         self.pool = pool
+        self.ledger = ledger
         self.page_size = pool.page_size
         self.groups = groups
         self.recovery = recovery
@@ -151,7 +154,6 @@ class Adoption:
         return pages
 
     def _adopt(self, t: TenantRecord, r: p.Adopt, fds: list[int]) -> p.Reply:
-        pool = self.pool
         self._may_adopt(t, r)
         if _empty(r) and not fds:
             self.recovery.returned(t.pid)
@@ -164,15 +166,13 @@ class Adoption:
                             npages=ag.capacity // self.page_size, bases=list(ag.bases),
                             label=ag.label)
             for u in ag.units:
-                g.units[u] = [pool.adopt(pages[i + k], t.id) for k in range(ag.n_regions)]
+                self.ledger.adopt(t, g, u, pages[i:i + ag.n_regions])
                 i += ag.n_regions
             g.record_usage(ag.in_use, ag.reserve)
             t.groups[g.id] = g
             self.groups[g.id] = g
-            t.granted += g.pages
         lease = -(-r.lease // self.page_size)
-        pool.leased += lease
-        t.lease_pages = lease
+        self.ledger.lease(t, lease, adopted=True)
         self.recovery.returned(t.pid)
         log.info("tenant %d (%s, pid %d) adopted: %d groups, %d pages, lease %d pages",
                  t.id, t.name, t.pid, len(r.groups), t.granted, lease)

@@ -53,6 +53,7 @@ from kvpool.daemon.grants import Grants
 from kvpool.daemon.handoff import Handoff
 from kvpool.daemon.hooks import ArbiterObserver, NoObserver
 from kvpool.daemon.integrity import Integrity
+from kvpool.daemon.ledger import Ledger
 from kvpool.daemon.locate import Locator
 from kvpool.daemon.outcome import Fail, Handler, Outbox, Outcome, Sender
 from kvpool.daemon.policy import POLICIES
@@ -92,24 +93,26 @@ class Arbiter:
         self.observer: ArbiterObserver = NoObserver()
         self.moves = Moves(self.device, self.page_size)  # handlers record moves here (events.py)
         most, vmost = cfg.max_groups_per_tenant, cfg.max_virtual_pages_per_tenant
+        # every page move of this device (the reclaimer hears of pages given back)
+        self.ledger = Ledger(pool, self.moves, lambda t, n: self.reclaimer.released(t, n))
         self.weights = WeightSets(pool, self.tenants, lambda: self.reclaimer.waiting_pages,
-                                  self._weights_wait, moves=self.moves)
+                                  self._weights_wait, ledger=self.ledger)
         self.sleep = SleepBook(cfg, self.tenants, self.outbox, cfg.reclaim_timeout_s,
                                self.weights.sole_pages, moves=self.moves)
         self.reclaimer = Reclaimer(self.tenants, pool, budget, self.outbox,
                                    cfg.reclaim_timeout_s, cfg.short_backoff_s,
                                    POLICIES.lookup(cfg.reclaim_policy), self.weights, self.sleep)
-        self.registry = Registry(cfg, pool, budget, self.tenants, self.groups,
+        self.registry = Registry(cfg, pool, self.ledger, budget, self.tenants, self.groups,
                                  self.reclaimer, self.recovery)
-        self.grants = Grants(pool, self.groups, self.reclaimer, self.recovery,
+        self.grants = Grants(pool, self.ledger, self.groups, self.reclaimer, self.recovery,
                              self.counters, most, vmost)
-        self.adoption = Adoption(pool, self.groups, self.recovery, most, vmost)
-        self.handoff = Handoff(pool, self.tenants, self.groups, self.reclaimer,
+        self.adoption = Adoption(pool, self.ledger, self.groups, self.recovery, most, vmost)
+        self.handoff = Handoff(pool, self.ledger, self.tenants, self.groups, self.reclaimer,
                                self.recovery, self.outbox, cfg.handoff_pairs(),
                                cfg.handoff_letgo_s)
-        self.gangs.attach(self.device, GangDevice(pool, self.grants, self.reclaimer))
-        self.integrity = Integrity(pool, self.tenants, self.groups, self.handoff, most, vmost,
-                                   self.weights, self.gangs)
+        self.gangs.attach(self.device, GangDevice(self.ledger, self.grants, self.reclaimer))
+        self.integrity = Integrity(pool, self.ledger, self.tenants, self.groups, self.handoff,
+                                   most, vmost, self.weights, self.gangs)
         self.views = Views(pool, self.tenants, self.groups, self.reclaimer, self.recovery,
                            self.counters, self.integrity, self.weights, self.sleep)
         locator = Locator(self.tenants, self.handoff.pairs)

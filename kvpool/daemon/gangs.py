@@ -12,7 +12,7 @@ matched with the other ranks' by (operation, group index in the layout, units). 
 waits (its answer deferred) until every rank sent the same one, then in one call:
 
 * grant: every rank admitted (its cap); when the units fit on every device now, pages
-  *reserved* on each device in turn (``Pool.take``), any failure giving back what the
+  *reserved* on each device in turn (``Ledger.take``), any failure giving back what the
   devices before it reserved; only then *committed* to every rank's page table, each
   rank answered with its own descriptors. Every part gets ``Granted`` or every part the
   same error: no rank ever sees a partial grant;
@@ -32,7 +32,7 @@ told (``GangEnded``) and refused memory from then on; its waiting parts are answ
 
 Answers to parts other than the one just handled (and to parts that expire) are queued
 as outcomes with their envelopes (:meth:`Gangs.take_ready`); ``GangEnded`` messages in
-:attr:`Gangs.outbox`; the server sends both. Each device's pieces (pool, grants,
+:attr:`Gangs.outbox`; the server sends both. Each device's pieces (ledger, grants,
 reclaimer) are attached by that device's arbiter (:meth:`Gangs.attach`).
 
 Invariant (:meth:`Gangs.check`, part of ``kvpool check``): for every live gang and group
@@ -51,9 +51,10 @@ from dataclasses import dataclass, field
 from typing import Union
 
 from kvpool import protocol as p
-from kvpool.daemon.grants import MAX_PAGES_PER_GRANT, Grants, check_units, require_holder
+from kvpool.daemon.grants import Grants, require_holder
+from kvpool.daemon.ledger import Ledger
 from kvpool.daemon.outcome import Fail, Outbox, Outcome, Sender
-from kvpool.daemon.pool import Pool, PoolExhausted
+from kvpool.daemon.pool import PoolExhausted
 from kvpool.daemon.reclaim import Reclaimer, Waiter
 from kvpool.daemon.regions import GroupRecord
 from kvpool.daemon.tenants import NO_MEMORY_KINDS, TenantRecord
@@ -66,9 +67,10 @@ PartKey = tuple[str, int, tuple[int, ...]]  # (op, group index in the layout, un
 
 @dataclass
 class GangDevice:
-    """One device's pieces a gang's grant acts on (attached by that device's arbiter)."""
+    """One device's pieces a gang's grant acts on (attached by that device's arbiter):
+    its pages move through ``ledger``."""
 
-    pool: Pool
+    ledger: Ledger
     grants: Grants
     reclaimer: Reclaimer
 
@@ -138,7 +140,7 @@ class Gangs:
         self.waiting: list[Waiting] = []  # grants waiting for reclaim, oldest first
 
     def attach(self, device: int, parts: GangDevice) -> None:
-        """Device ``device``'s pool, grants and reclaimer (its arbiter calls this)."""
+        """Device ``device``'s ledger, grants and reclaimer (its arbiter calls this)."""
         self.devices[device] = parts
 
     def take_ready(self) -> list[Outcome]:
@@ -254,20 +256,12 @@ class Gangs:
         if grp is None:
             raise Fail(p.NOT_FOUND, f"no group {r.group} in this session")
         k = g.index_of(t, r.group)
-        check_units(grp, r.units)
+        ledger = self.devices[t.device].ledger
         op = "grant" if isinstance(r, p.Grant) else "release"
         if op == "grant":
-            held = [u for u in r.units if u in grp.units]
-            if held:
-                raise Fail(p.BAD_REQUEST, f"unit {held[0]} of group {grp.id} is already granted")
-            n = len(r.units) * grp.n_regions
-            if n > MAX_PAGES_PER_GRANT:
-                raise Fail(p.BAD_REQUEST, f"{n} pages in one grant exceed "
-                                          f"{MAX_PAGES_PER_GRANT}")
+            ledger.grantable(grp, r.units)
         else:
-            missing = [u for u in r.units if u not in grp.units]
-            if missing:
-                raise Fail(p.BAD_REQUEST, f"unit {missing[0]} of group {grp.id} is not granted")
+            ledger.releasable(grp, r.units)
         key: PartKey = (op, k, tuple(r.units))
         mine = set(r.units)
         pending = list(g.parts.items()) + [(w.key, w.parts) for w in self.waiting
@@ -364,34 +358,25 @@ class Gangs:
         for rank, part in order:  # reserve
             dev, t = self.devices[part.tenant.device], part.tenant
             try:
-                reserved.append((part, dev.pool.take(
-                    len(part.req.units) * part.group.n_regions, t.id)))
+                reserved.append((part, dev.ledger.take(t, _pages(part))))
             except PoolExhausted as e:
                 for done, pfns in reserved:  # nothing was exported: back, as they were
-                    self.devices[done.tenant.device].pool.give_back(pfns, done.tenant.id)
+                    self.devices[done.tenant.device].ledger.untake(done.tenant, pfns)
                 return self._fail(parts, p.NO_MEMORY, f"gang {g.id} rank {rank} (device "
                                                       f"{t.device}): {e}")
         out: list[Outcome] = []
         for part, pfns in reserved:  # commit
-            t, grp, r = part.tenant, part.group, part.req
+            t, r = part.tenant, part.req
             assert isinstance(r, p.Grant)
-            grp.grant(r.units, pfns)
-            t.granted += len(pfns)
-            grp.record_usage(r.in_use, r.reserve)
-            reply = p.Granted(id=r.id, group=grp.id, units=r.units, nfds=len(pfns))
+            reply = self.devices[t.device].ledger.commit(t, part.group, r, pfns)
             out.append(Outcome(reply, pfns_to_send=pfns, tenant=t, envelope=part.envelope))
         return out
 
     def _release(self, parts: dict[int, Part]) -> list[Outcome]:
         out: list[Outcome] = []
         for _, part in sorted(parts.items()):
-            t, grp, r = part.tenant, part.group, part.req
-            dev = self.devices[t.device]
-            pfns = grp.release(r.units)
-            dev.pool.give_back(pfns, t.id)
-            t.granted -= len(pfns)
-            dev.reclaimer.released(t, len(pfns))
-            grp.record_usage(r.in_use, r.reserve)
+            t, r = part.tenant, part.req
+            self.devices[t.device].ledger.release(t, part.group, r.units, r.in_use, r.reserve)
             out.append(Outcome(p.Done(id=r.id), tenant=t, envelope=part.envelope))
         return out
 
@@ -455,14 +440,9 @@ class Gangs:
 
     def _empty(self, x: TenantRecord) -> None:
         """Every page of ``x``'s groups goes back on its device (the groups stay)."""
-        dev = self.devices[x.device]
-        n = 0
+        ledger = self.devices[x.device].ledger
         for grp in x.groups.values():
-            pfns = grp.release_all()
-            dev.pool.give_back(pfns, x.id)
-            n += len(pfns)
-        x.granted -= n
-        dev.reclaimer.released(x, n)
+            ledger.empty(x, grp)
 
     # ---- reclaim: the gang gives back as one -----------------------------------------
     def mirror_asks(self, now: float) -> None:

@@ -15,6 +15,7 @@ import time
 
 from kvpool import protocol as p
 from kvpool.daemon.counters import Counters
+from kvpool.daemon.ledger import Ledger
 from kvpool.daemon.outcome import Fail, Outcome, Sender
 from kvpool.daemon.pool import Pool, PoolExhausted
 from kvpool.daemon.reclaim import Reclaimer, Waiter
@@ -22,22 +23,11 @@ from kvpool.daemon.regions import GroupIndex, GroupRecord
 from kvpool.daemon.restart import Recovery
 from kvpool.daemon.tenants import NO_MEMORY_KINDS, TenantRecord
 
-MAX_PAGES_PER_GRANT = 1 << 16
-
-
 def require_holder(t: TenantRecord, op: str) -> None:
     """Only memory-holding kinds hold memory: a monitor or admin session never does
     (so nothing it could hold escapes ``ps``, reclaim or the budget's accounting)."""
     if t.kind in NO_MEMORY_KINDS:
         raise Fail(p.UNAUTHORIZED, f"a {t.kind} session holds no memory ({op} refused)")
-
-
-def check_units(g: GroupRecord, units: list[int]) -> None:
-    if len(set(units)) != len(units):
-        raise Fail(p.BAD_REQUEST, "a unit is named twice")
-    for u in units:
-        if u >= g.npages:
-            raise Fail(p.BAD_REQUEST, f"unit {u} is outside the group ({g.npages} pages)")
 
 
 def group_of(t: TenantRecord, gid: int, groups: GroupIndex) -> GroupRecord:
@@ -58,15 +48,17 @@ def being_granted(reclaimer: Reclaimer, t: TenantRecord, g: GroupRecord,
 
 
 class Grants:
-    """The memory-moving requests over ``pool``: groups (indexed in ``groups``, at most
-    ``max_groups`` per tenant spanning ``max_virtual_pages``), grants and leases that
-    wait in ``reclaimer`` when they do not fit, refused while ``recovery`` is active;
-    error answers made here are counted in ``counters``."""
+    """The memory-moving requests over ``pool``, every page moved through ``ledger``:
+    groups (indexed in ``groups``, at most ``max_groups`` per tenant spanning
+    ``max_virtual_pages``), grants and leases that wait in ``reclaimer`` when they do
+    not fit, refused while ``recovery`` is active; error answers made here are counted
+    in ``counters``."""
 
-    def __init__(self, pool: Pool, groups: GroupIndex, reclaimer: Reclaimer,
+    def __init__(self, pool: Pool, ledger: Ledger, groups: GroupIndex, reclaimer: Reclaimer,
                  recovery: Recovery, counters: Counters, max_groups: int,
                  max_virtual_pages: int):
         self.pool = pool
+        self.ledger = ledger
         self.page_size = pool.page_size
         self.groups = groups
         self.reclaimer = reclaimer
@@ -108,10 +100,7 @@ class Grants:
 
     def destroy_group(self, t: TenantRecord, sender: Sender, r: p.DestroyGroup) -> p.Reply:
         g = self.group_of(t, r.group)
-        pfns = g.release_all()
-        self.pool.give_back(pfns, t.id)
-        t.granted -= len(pfns)
-        self.reclaimer.released(t, len(pfns))
+        self.ledger.empty(t, g)
         del t.groups[g.id]
         self.groups.pop(g.id, None)
         return p.Done(id=r.id)
@@ -120,13 +109,7 @@ class Grants:
     def grant(self, t: TenantRecord, sender: Sender, r: p.Grant) -> Outcome:
         require_holder(t, "grant")
         g = self.group_of(t, r.group)
-        check_units(g, r.units)
-        held = [u for u in r.units if u in g.units]
-        if held:
-            raise Fail(p.BAD_REQUEST, f"unit {held[0]} of group {g.id} is already granted")
-        n = len(r.units) * g.n_regions
-        if n > MAX_PAGES_PER_GRANT:
-            raise Fail(p.BAD_REQUEST, f"{n} pages in one grant exceed {MAX_PAGES_PER_GRANT}")
+        n = self.ledger.grantable(g, r.units)
         if being_granted(self.reclaimer, t, g, r.units):
             raise Fail(p.BAD_REQUEST, f"a unit of group {g.id} is already being granted")
         self.admit(t, n)
@@ -188,15 +171,11 @@ class Grants:
     def _grant_now(self, t: TenantRecord, g: GroupRecord, r: p.Grant) -> Outcome:
         n = len(r.units) * g.n_regions
         try:
-            pfns = self.pool.take(n, t.id)
+            pfns = self.ledger.take(t, n)
         except PoolExhausted as e:
             self.counters.errors += 1
             return Outcome(p.error(r.id, p.NO_MEMORY, str(e)), tenant=t)
-        g.grant(r.units, pfns)
-        t.granted += n
-        g.record_usage(r.in_use, r.reserve)
-        reply = p.Granted(id=r.id, group=g.id, units=r.units, nfds=n)
-        return Outcome(reply, pfns_to_send=pfns, tenant=t)
+        return Outcome(self.ledger.commit(t, g, r, pfns), pfns_to_send=pfns, tenant=t)
 
     def serve(self, w: Waiter) -> Outcome:
         """A waiter whose pages are free now (``Arbiter.tick``)."""
@@ -209,15 +188,8 @@ class Grants:
     # ---- releases and reports ---------------------------------------------------------
     def release(self, t: TenantRecord, sender: Sender, r: p.Release) -> p.Reply:
         g = self.group_of(t, r.group)
-        check_units(g, r.units)
-        missing = [u for u in r.units if u not in g.units]
-        if missing:
-            raise Fail(p.BAD_REQUEST, f"unit {missing[0]} of group {g.id} is not granted")
-        pfns = g.release(r.units)
-        self.pool.give_back(pfns, t.id)
-        t.granted -= len(pfns)
-        self.reclaimer.released(t, len(pfns))
-        g.record_usage(r.in_use, r.reserve)
+        self.ledger.releasable(g, r.units)
+        self.ledger.release(t, g, r.units, r.in_use, r.reserve)
         return p.Done(id=r.id)
 
     def report(self, t: TenantRecord, sender: Sender, r: p.Report) -> p.Reply:
@@ -234,8 +206,7 @@ class Grants:
         ps = self.page_size
         pages = -(-r.bytes // ps)
         if pages <= t.lease_pages:
-            self.pool.unlease(t.lease_pages - pages)
-            t.lease_pages = pages
+            self.ledger.unlease(t, t.lease_pages - pages)
             return p.Leased(id=r.id, bytes=pages * ps)
         n = pages - t.lease_pages
         if any(w.tenant is t for w in self.reclaimer.waiters):
@@ -249,16 +220,15 @@ class Grants:
     def _lease_now(self, t: TenantRecord, r: p.Lease, n: int) -> p.Reply:
         pool, ps = self.pool, self.page_size
         try:
-            pool.lease(n)
+            self.ledger.lease(t, n)
         except PoolExhausted as e:
             self.counters.errors += 1
             return p.error(r.id, p.NO_MEMORY, str(e))
         if pool.backend.caps.device_memory_bounded:  # its real free memory decides too
             free, _ = pool.backend.mem_info()
             if free < n * ps:
-                pool.unlease(n)
+                self.ledger.unlease(t, n)
                 self.counters.errors += 1
                 return p.error(r.id, p.NO_MEMORY, f"the device has {free} bytes free, "
                                                   f"{n * ps} leased")
-        t.lease_pages += n
         return p.Leased(id=r.id, bytes=t.lease_pages * ps)

@@ -45,7 +45,8 @@ from typing import Iterable
 from kvpool import protocol as p
 from kvpool.daemon import escrow
 from kvpool.daemon.escrow import Escrow, Layout, Party, Refused
-from kvpool.daemon.grants import being_granted, check_units, group_of, require_holder
+from kvpool.daemon.grants import being_granted, group_of, require_holder
+from kvpool.daemon.ledger import Ledger, check_units
 from kvpool.daemon.outcome import Fail, Outbox, Outcome, Sender
 from kvpool.daemon.pool import Payer, Pool
 from kvpool.daemon.reclaim import Reclaimer
@@ -85,15 +86,16 @@ class LettingGo:
 
 
 class Handoff:
-    """Offers and claims between ``tenants``' groups (``groups``), moving ownership in
-    ``pool``; a receiver's room is judged against ``reclaimer``'s waiters, nothing moves
+    """Offers and claims between ``tenants``' groups (``groups``), moving pages of
+    ``pool`` through ``ledger``; a receiver's room is judged against ``reclaimer``'s waiters, nothing moves
     while ``recovery`` is active, and givers hear how their tickets end through
     ``outbox``. ``pairs``: (giver name, receiver name) the config allows across uids."""
 
-    def __init__(self, pool: Pool, tenants: Tenants, groups: GroupIndex,
+    def __init__(self, pool: Pool, ledger: Ledger, tenants: Tenants, groups: GroupIndex,
                  reclaimer: Reclaimer, recovery: Recovery, outbox: Outbox,
                  pairs: Iterable[tuple[str, str]] = (), letgo_s: float = 2.0):
         self.pool = pool
+        self.ledger = ledger
         self.tenants = tenants
         self.groups = groups
         self.reclaimer = reclaimer
@@ -111,10 +113,7 @@ class Handoff:
     def offer(self, t: TenantRecord, sender: Sender, r: p.Offer) -> p.Reply:
         require_holder(t, "offer")
         g = group_of(t, r.group, self.groups)
-        check_units(g, r.units)
-        missing = [u for u in r.units if u not in g.units]
-        if missing:
-            raise Fail(p.BAD_REQUEST, f"unit {missing[0]} of group {g.id} is not granted")
+        self.ledger.releasable(g, r.units)
         for other in self.tenants.named(r.to):  # a receiver already connected: say it now
             why = escrow.may_pair(party(t), party(other), self.pairs)
             if why:
@@ -168,7 +167,7 @@ class Handoff:
             self._tell(ticket, "cancelled", "the giver no longer holds those units")
             raise Fail(p.NOT_FOUND, f"ticket {escrow.short(ticket.id)} is void: the giver no "
                                     f"longer holds those units (cancelled)")
-        pfns = self._move(giver, gg, t, g, ticket, list(r.units))
+        pfns = self.ledger.move(giver, gg, list(ticket.units), t, g, list(r.units))
         self.book.claimed_by_receiver(ticket, party(t), now)
         self._tell(ticket, "claimed", f"claimed by {t.name}", receiver=t.name)
         log.info("tenant %d (%s) claimed ticket %s: %d pages from %s", t.id, t.name,
@@ -224,12 +223,9 @@ class Handoff:
         """``w``'s giver kept references past the deadline: the pages leave the
         receiver's table unsent and are retired, charged to the giver."""
         t, n = w.receiver, len(w.pfns)
-        w.group.release(w.units)
-        t.granted -= n
-        self.reclaimer.released(t, n)
-        w.group.record_usage(None, None)
         live = w.giver in self.tenants.by_id
-        kept = self.pool.retire_kept(w.pfns, w.giver if live else 0, w.payer)
+        kept = self.ledger.unhand(t, w.group, w.units, w.pfns, w.giver if live else 0,
+                                  w.payer)
         log.warning("tenant %d still references %d of the %d pages it handed to tenant %d "
                     "(%s): not handed over, charged to it as retained", w.giver, kept, n,
                     t.id, t.name)
@@ -238,21 +234,6 @@ class Handoff:
                        f"{w.reply.giver!r} still references the pages {self.letgo_s:g} s "
                        f"after being told to let go (not claimed; they stay charged "
                        f"to it)")
-
-    def _move(self, giver: TenantRecord, gg: GroupRecord, t: TenantRecord, g: GroupRecord,
-              ticket: escrow.Ticket,
-              at: list[int]) -> list[int]:
-        """The pages of ``ticket`` leave ``giver``'s group ``gg`` and land at ``at`` in
-        ``t``'s group ``g``; ownership and both tenants' counts move with them."""
-        pfns = gg.release(list(ticket.units))  # unit-major, in the ticket's order
-        giver.granted -= len(pfns)
-        self.reclaimer.released(giver, len(pfns))
-        gg.record_usage(None, None)
-        for pfn in pfns:
-            self.pool.owner[pfn] = t.id
-        g.grant(at, pfns)
-        t.granted += len(pfns)
-        return pfns
 
     def cancel(self, t: TenantRecord, sender: Sender, r: p.Cancel) -> p.Reply:
         now = time.monotonic()

@@ -5,9 +5,10 @@ list of problems (empty when all hold). Read-only; O(pages).
   slot of its owner (the pool's own check covers warm/dirty/owned and the budget);
 * every retained or released page is charged to a live tenant or to a payer (an ended
   session's uid, a dropped weight set's creator's uid): none is charged to no one;
-* per-tenant counts equal their tables, and their sum the pool's ``granted``;
-* tenants' leases add up to the pool's ``leased``;
-* monitor and admin sessions hold nothing;
+* the ledger's accounting (:meth:`kvpool.daemon.ledger.Ledger.check`, the one owner of
+  page moves): per-tenant counts equal their tables, and their sum with the weight
+  sets' the pool's ``granted``; tenants' leases add up to the pool's ``leased``;
+  monitor and admin sessions hold nothing;
 * every weight set's pages are owned by it in the pool, its holders are live tenants,
   and each tenant's weight pages are those of the sets it holds;
 * the group index is exactly the tenants' groups, ids in ``1..MAX_GROUP_ID``, and no
@@ -18,10 +19,11 @@ from __future__ import annotations
 
 from kvpool import protocol as p
 from kvpool.daemon.handoff import Handoff
+from kvpool.daemon.ledger import Ledger
 from kvpool.daemon.pool import Pool
 from kvpool.daemon.regions import GroupIndex
 from kvpool.daemon.gangs import Gangs
-from kvpool.daemon.tenants import NO_MEMORY_KINDS, TenantRecord, Tenants
+from kvpool.daemon.tenants import Tenants
 from kvpool.daemon.weights import WeightSets
 
 
@@ -44,48 +46,17 @@ def check_groups(tenants: Tenants, groups: GroupIndex, most: int, vmost: int) ->
     return problems
 
 
-def check_tables(pool: Pool, t: TenantRecord, seen: dict[int, tuple[int, int, int]],
-                 problems: list[str]) -> int:
-    """Check ``t``'s page tables (recording each pfn's slot in ``seen``); its pages."""
-    pages = 0
-    if t.kind in NO_MEMORY_KINDS and (t.groups or t.held):
-        problems.append(f"{t.kind} session {t.id} holds memory ({t.held} pages, "
-                        f"{len(t.groups)} groups)")
-    for g in t.groups.values():
-        if g.tenant != t.id:
-            problems.append(f"group {g.id} in tenant {t.id} names tenant {g.tenant}")
-        for u, pfns in g.units.items():
-            if not 0 <= u < g.npages:
-                problems.append(f"group {g.id} maps unit {u} outside its {g.npages} pages")
-            if len(pfns) != g.n_regions:
-                problems.append(f"group {g.id} unit {u} has {len(pfns)} pages, "
-                                f"expected {g.n_regions}")
-            for pfn in pfns:
-                if pfn in seen:
-                    problems.append(f"pfn {pfn} is in two slots: {seen[pfn]} and "
-                                    f"{(t.id, g.id, u)}")
-                seen[pfn] = (t.id, g.id, u)
-                if pool.owner.get(pfn) != t.id:
-                    problems.append(f"pfn {pfn} in tenant {t.id}'s table is owned by "
-                                    f"{pool.owner.get(pfn)} in the pool")
-            pages += len(pfns)
-        if not g.reserve <= g.units.keys():
-            problems.append(f"group {g.id} reports reserve units it does not hold")
-    if pages != t.granted:
-        problems.append(f"tenant {t.id} counts {t.granted} pages, its tables hold {pages}")
-    return pages
-
-
 class Integrity:
-    """The self-check over ``pool``, ``tenants``, the group index ``groups`` (with the
-    per-tenant caps ``max_groups`` and ``max_virtual_pages``), ``handoff``'s book and
-    the ``weights`` sets."""
+    """The self-check over ``pool``, its ``ledger``, ``tenants``, the group index
+    ``groups`` (with the per-tenant caps ``max_groups`` and ``max_virtual_pages``),
+    ``handoff``'s book and the ``weights`` sets."""
 
-    def __init__(self, pool: Pool, tenants: Tenants, groups: GroupIndex, handoff: Handoff,
-                 max_groups: int, max_virtual_pages: int, weights: WeightSets,
-                 gangs: Gangs | None = None):
+    def __init__(self, pool: Pool, ledger: Ledger, tenants: Tenants, groups: GroupIndex,
+                 handoff: Handoff, max_groups: int, max_virtual_pages: int,
+                 weights: WeightSets, gangs: Gangs | None = None):
         self.gangs = gangs  # (their tables span devices: checked from every device)
         self.pool = pool
+        self.ledger = ledger
         self.tenants = tenants
         self.groups = groups
         self.handoff = handoff
@@ -97,22 +68,9 @@ class Integrity:
         """Every invariant above; the problems found (empty: all hold)."""
         pool, tenants = self.pool, self.tenants
         problems = pool.check() + pool.check_charges(tenants.by_id)
-        seen: dict[int, tuple[int, int, int]] = {}
-        total = sum(check_tables(pool, t, seen, problems) for t in tenants)
+        problems += self.ledger.check(tenants, self.weights)
         problems += check_groups(tenants, self.groups, self.max_groups,
                                  self.max_virtual_pages)
-        leased = sum(t.lease_pages for t in tenants)
-        if leased != pool.leased:
-            problems.append(f"tenants lease {leased} pages, the pool counts {pool.leased}")
-        in_sets: set[int] = set(seen)
-        problems += self.weights.check(in_sets)
-        if in_sets != set(pool.owner):
-            orphans = set(pool.owner) - in_sets
-            problems.append(f"pfns {sorted(orphans)[:8]} are granted but in no table")
-        total += self.weights.pages
-        if total != pool.granted:
-            problems.append(f"tables and weight sets hold {total} pages, the pool counts "
-                            f"{pool.granted}")
         problems += self.handoff.check()  # tickets in escrow (kvpool.daemon.handoff)
         if self.gangs is not None:  # no gang half-granted (kvpool.daemon.gangs)
             problems += self.gangs.check()

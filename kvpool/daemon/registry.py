@@ -19,6 +19,7 @@ from typing import Any
 from kvpool import protocol as p
 from kvpool.daemon.auth import may_claim, peer_groups
 from kvpool.daemon.config import Config
+from kvpool.daemon.ledger import Ledger
 from kvpool.daemon.outcome import Fail, Sender
 from kvpool.daemon.pool import Pool
 from kvpool.daemon.reclaim import Reclaimer
@@ -39,13 +40,16 @@ def session_level(kind: str) -> int:
 
 class Registry:
     """The sessions in ``tenants``, within ``cfg``'s caps and tenant policies; a session
-    that ends gives its groups (``groups``) and lease back to ``pool`` and its waiters
-    up (``reclaimer``), and stops ``recovery`` waiting for its pid. ``budget`` bytes."""
+    that ends gives its groups (``groups``) and lease back to ``pool`` through
+    ``ledger`` and its waiters up (``reclaimer``), and stops ``recovery`` waiting for
+    its pid. ``budget`` bytes."""
 
-    def __init__(self, cfg: Config, pool: Pool, budget: int, tenants: Tenants,
-                 groups: GroupIndex, reclaimer: Reclaimer, recovery: Recovery):
+    def __init__(self, cfg: Config, pool: Pool, ledger: Ledger, budget: int,
+                 tenants: Tenants, groups: GroupIndex, reclaimer: Reclaimer,
+                 recovery: Recovery):
         self.cfg = cfg
         self.pool = pool
+        self.ledger = ledger
         self.page_size = pool.page_size
         self.budget = budget
         self.tenants = tenants
@@ -75,17 +79,10 @@ class Registry:
     def drop(self, t: TenantRecord, why: str) -> None:
         """The tenant is gone: every page it held returns to the pool (to be zeroed);
         the pages it still references stay charged to its uid (and configured name)."""
-        pages = 0
+        pages = self.ledger.end(t)  # what it retains stays charged to its uid (name)
         for g in t.groups.values():
-            pfns = g.release_all()
-            self.pool.give_back(pfns, t.id)
-            pages += len(pfns)
             self.groups.pop(g.id, None)
         t.groups.clear()
-        t.granted = 0
-        self.pool.ended(t.id, t.payer)  # what it retains stays charged to its uid (name)
-        self.pool.unlease(t.lease_pages)
-        t.lease_pages = 0
         t.ask = None
         self.reclaimer.forget(t)
         if t.arbitrated:  # a returning tenant's session ended: stop waiting for its pid

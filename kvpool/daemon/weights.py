@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from kvpool import protocol as p
-from kvpool.daemon.events import Moves
+from kvpool.daemon.ledger import Ledger
 from kvpool.daemon.outcome import Fail, Outcome, Sender
 from kvpool.daemon.pool import Payer, Pool, PoolExhausted
 from kvpool.daemon.tenants import NO_MEMORY_KINDS, TenantRecord, Tenants
@@ -97,17 +97,18 @@ WaitForRoom = Callable[[TenantRecord, Sender, p.WeightCreate, int], "Outcome | N
 
 
 class WeightSets:
-    """The weight sets over ``pool``, held by ``tenants``; ``owed()`` is how many free
-    pages waiting grants are owed (a new set does not take them); ``wait`` queues a
-    create that does not fit behind reclaim (:data:`WaitForRoom`; served later by
-    :meth:`serve`)."""
+    """The weight sets over ``pool``, held by ``tenants``, their pages moved (and the
+    moves recorded) through ``ledger`` (a ledger of ``pool`` alone when not given);
+    ``owed()`` is how many free pages waiting grants are owed (a new set does not take
+    them); ``wait`` queues a create that does not fit behind reclaim
+    (:data:`WaitForRoom`; served later by :meth:`serve`)."""
 
     def __init__(self, pool: Pool, tenants: Tenants, owed: Callable[[], int],
                  wait: WaitForRoom | None = None, max_sets: int = MAX_SETS,
-                 max_cached_per_uid: int = MAX_CACHED_PER_UID, moves: Moves | None = None):
+                 max_cached_per_uid: int = MAX_CACHED_PER_UID, ledger: Ledger | None = None):
         self.max_sets = max_sets
         self.max_cached_per_uid = max_cached_per_uid
-        self.moves = moves if moves is not None else Moves()  # every set's moves recorded
+        self.ledger = ledger if ledger is not None else Ledger(pool)
         self.pool = pool
         self.page_size = pool.page_size
         self.tenants = tenants
@@ -207,7 +208,7 @@ class WeightSets:
         scope = self.scope_of(t)
         sid = self._next_id
         try:
-            pfns = self.pool.take_sealable(n, -sid)
+            pfns = self.ledger.take_set(t, n, -sid, r.key[:KEY_SHOWN])
         except PoolExhausted as e:
             raise Fail(p.NO_MEMORY, str(e)) from e
         self._next_id += 1
@@ -215,8 +216,6 @@ class WeightSets:
                       scope=scope, payer=t.payer, holders={t.id})
         self.sets[(scope, r.key)] = s
         self.by_id[sid] = s
-        t.weight_pages += n
-        self.moves.pages("weights", t, n, op="create", key=s.key[:KEY_SHOWN])
         return self._granted(t, r.id, s)
 
     def seal(self, t: TenantRecord, sender: Sender, r: p.WeightSeal) -> p.Reply:
@@ -230,7 +229,7 @@ class WeightSets:
         except VmmError as e:
             raise Fail(p.BUSY, f"cannot seal the weight set: {e}") from e
         s.state = "sealed"
-        self.moves.pages("weights", t, s.pages, op="seal", key=s.key[:KEY_SHOWN])
+        self.ledger.record_set(t, s.pages, "seal", s.key[:KEY_SHOWN])
         return p.Done(id=r.id)
 
     def attach(self, t: TenantRecord, sender: Sender, r: p.WeightAttach) -> Outcome:
@@ -244,8 +243,7 @@ class WeightSets:
             raise Fail(p.BAD_REQUEST, "this session holds the weight set already")
         self._admit(t, s.pages, "attach")
         s.holders.add(t.id)
-        t.weight_pages += s.pages
-        self.moves.pages("weights", t, s.pages, op="attach", key=s.key[:KEY_SHOWN])
+        self.ledger.hold_set(t, s.pages, s.key[:KEY_SHOWN])
         return self._granted(t, r.id, s)
 
     def detach(self, t: TenantRecord, sender: Sender, r: p.WeightDetach) -> p.Reply:
@@ -337,8 +335,7 @@ class WeightSets:
     def _evict(self, s: WeightSet, why: str) -> None:
         log.info("weight set %s %s (%d pages, cached, nobody held it)", s.key[:KEY_SHOWN],
                  why, s.pages)
-        self.moves.pages("weights", None, s.pages, op="evict", key=s.key[:KEY_SHOWN])
-        self._drop(s)
+        self._drop(s, "evict")
 
     def _granted(self, t: TenantRecord, rid: int, s: WeightSet) -> Outcome:
         reply = p.WeightGranted(id=rid, group=0, units=[], nfds=s.pages, key=s.key,
@@ -347,26 +344,22 @@ class WeightSets:
 
     def _let_go(self, t: TenantRecord, s: WeightSet) -> None:
         s.holders.discard(t.id)
-        t.weight_pages -= s.pages
-        self.moves.pages("weights", t, s.pages, op="detach", key=s.key[:KEY_SHOWN])
+        self.ledger.let_go_set(t, s.pages, s.key[:KEY_SHOWN])
         if s.state == "loading":  # never sealed: never attachable, its pages return
             log.info("weight set %s dropped before it was sealed", s.key[:KEY_SHOWN])
-            self.moves.pages("weights", None, s.pages, op="discard", key=s.key[:KEY_SHOWN])
-            self._drop(s)
+            self._drop(s, "discard")
         elif not s.holders:
             s.idle_since = time.monotonic()
             self._trim_cached(s.payer.uid)
 
-    def _drop(self, s: WeightSet) -> None:
-        for tid in s.holders:  # (only a loading set's creator, when it dies)
-            holder = self.tenants.by_id.get(tid)
-            if holder is not None:
-                holder.weight_pages -= s.pages
-        s.holders.clear()
+    def _drop(self, s: WeightSet, op: str) -> None:
+        """``s`` goes (recorded as ``op``): its pages back, what anyone kept of them
+        charged to its creator's uid."""
+        holders = [h for h in map(self.tenants.by_id.get, s.holders) if h is not None]
+        s.holders.clear()  # (only a loading set's creator, when it dies)
         del self.sets[(s.scope, s.key)]
         del self.by_id[s.id]
-        self.pool.give_back(s.pfns, s.owner)  # dirty: retired, never handed on as is
-        self.pool.ended(s.owner, s.payer)  # what anyone kept of it is its creator's uid's
+        self.ledger.drop_set(s.pfns, s.owner, s.payer, holders, op, s.key[:KEY_SHOWN])
 
     # ---- integrity ------------------------------------------------------------------
     def check(self, seen: set[int]) -> list[str]:
