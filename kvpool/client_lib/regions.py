@@ -147,6 +147,16 @@ def unit_runs(units: Sequence[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
+def take_mapped(mapped: set[int], units: Sequence[int], group: int) -> None:
+    """The release bookkeeping of a group's ``mapped`` set (a :class:`RegionGroup`'s, a
+    :class:`BlockGroup` stand-in's): take ``units`` out of it; ValueError, changing
+    nothing, when one of them is not mapped (the caller holds its lock)."""
+    missing = [u for u in units if u not in mapped]
+    if missing:
+        raise ValueError(f"unit {missing[0]} of group {group} is not mapped")
+    mapped.difference_update(units)
+
+
 class RegionGroup:
     def __init__(self, tenant: Session, n_regions: int, capacity: int, label: str = ""):
         self.tenant = tenant
@@ -270,10 +280,7 @@ class RegionGroup:
         if not units:
             return
         with self._lock:
-            missing = [u for u in units if u not in self.mapped]
-            if missing:
-                raise ValueError(f"unit {missing[0]} of group {self.id} is not mapped")
-            self.mapped.difference_update(units)
+            take_mapped(self.mapped, units, self.id)
             handles = {u: self.handles.pop(u) for u in units if u in self.handles}
         self._unmap(units, handles)
         self.tenant.call(p.Release(group=self.id, units=units, in_use=in_use,

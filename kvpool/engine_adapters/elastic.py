@@ -1,7 +1,7 @@
 """The adapter contract: what every engine's elastic block pool does the same way.
 
 An engine adapter gives its engine a block pool whose free blocks come from and go back
-to the client library's :class:`~kvpool.client_lib.ElasticBlockAllocator`. Two things
+to the client library's :class:`~kvpool.client_lib.ElasticBlockAllocator`. Three things
 about such a pool do not depend on the engine, and live here once:
 
 * **shrink** (the tenant's shrink callback: the daemon wants ``nbytes`` back), between
@@ -15,11 +15,18 @@ about such a pool do not depend on the engine, and live here once:
   ``idle_timeout_s``, evict its whole prefix cache (and stash), so the allocator's idle
   trim gives the emptied chunks back: an idle engine keeps one unit (its null block's);
   otherwise its cache counts as held memory that fair share protects.
+* **sleep and wake of the pool** (the KV half of an engine's
+  :class:`~kvpool.engine_adapters.sleep.SleepTarget`): asleep, the pool holds nothing:
+  the engine empties it (``empty_for_sleep``: cache evicted, stash back, refused while a
+  block is in use), the null block is freed and the allocator suspended (every chunk
+  released, no refill); a wake resumes the allocator taking block 0 first (waiting for
+  memory like a grant), checks it is block 0 (else frees what came and fails), and the
+  pool hands out blocks again.
 
 The engine-specific half is :class:`ElasticHooks`, which the pool implements;
 :class:`ElasticPolicy` is the shared half, which the pool builds with itself as the hooks
 and with its allocator, and to which it hands the tenant's shrink callback, the idle
-watcher and ``stop``. The rules a pool keeps itself (see :class:`ElasticHooks`): block 0
+watcher, ``stop`` and its ``sleep``/``wake`` (its ``asleep`` is the pool's). The rules a pool keeps itself (see :class:`ElasticHooks`): block 0
 is the engine's null block, allocated from the allocator before anything else and never
 freed; block ids equal allocator block ids; a block is in exactly one of {allocator free,
 stash, evictable (cached, unreferenced), in use}; blocks taken ahead of need (the stash:
@@ -59,6 +66,12 @@ class ChunkHoldings(Protocol):
 
     def chunk_of(self, block: int) -> int: ...
 
+    def free(self, ids: Iterable[int]) -> None: ...
+
+    def suspend(self) -> int: ...
+
+    def resume(self, take_first: int = 0) -> list[int] | None: ...
+
 
 class ElasticHooks(Protocol):
     """The engine-specific half of an elastic pool: what :class:`ElasticPolicy` asks of it.
@@ -89,6 +102,12 @@ class ElasticHooks(Protocol):
     * ``activity`` returns None while the engine has a request (running or waiting) or
       there is no engine to watch yet, else a counter that changes whenever the engine
       does work (its step count, the allocator's operation count).
+    * ``empty_for_sleep`` (``lock`` held; the caller holds ``step_lock`` with no request
+      in the engine) evicts every cached block and gives the stash back, so only the
+      null block stays held; it raises ``sleep_error(...)`` while a block is in use or
+      the pool cannot sleep (the null block is not its own), having freed no block in
+      use. ``sleep_error(message)`` is the engine's own error for a pool that cannot
+      sleep or wake, worded as that engine's errors are.
     """
 
     @property
@@ -111,6 +130,10 @@ class ElasticHooks(Protocol):
 
     def activity(self) -> int | None: ...
 
+    def empty_for_sleep(self) -> None: ...
+
+    def sleep_error(self, message: str) -> Exception: ...
+
 
 @dataclass(frozen=True)
 class ShrinkOutcome:
@@ -125,7 +148,8 @@ class ElasticPolicy:
 
     Counters (read by tests and stats): ``shrinks`` (callbacks received),
     ``shrink_evictions`` and ``shrink_preemptions`` (what shrinks did),
-    ``idle_evictions`` (blocks the idle watcher evicted).
+    ``idle_evictions`` (blocks the idle watcher evicted). ``asleep``: every block given
+    back (:meth:`sleep`), until :meth:`wake`.
     """
 
     def __init__(self, hooks: ElasticHooks, allocator: ChunkHoldings) -> None:
@@ -135,6 +159,7 @@ class ElasticPolicy:
         self.idle_evictions = 0
         self._stopped = threading.Event()
         self._idle_thread: threading.Thread | None = None
+        self.asleep = False
 
     # ---- shrink -----------------------------------------------------------------------
     def shrink(self, nbytes: int, urgent: bool) -> ShrinkOutcome | None:
@@ -240,3 +265,43 @@ class ElasticPolicy:
             return 0
         finally:
             hooks.step_lock.release()
+
+    # ---- sleep ------------------------------------------------------------------------
+    def sleep(self) -> int:
+        """(the caller holds ``step_lock``, no request in the engine) Give every block
+        back: the engine empties the pool (``empty_for_sleep``), the null block is freed
+        and the allocator suspended (every chunk released, no refill until :meth:`wake`).
+        Returns the chunks released (0 when already asleep). Raises the engine's
+        ``sleep_error`` (nothing given back) while a block is in use; when the suspend
+        fails the null block is taken back (:meth:`wake`) before it raises."""
+        hooks = self.hooks
+        with hooks.lock:
+            if self.asleep:
+                return 0
+            hooks.empty_for_sleep()
+            self.allocator.free([NULL_BLOCK])
+            self.asleep = True
+        try:
+            return self.allocator.suspend()
+        except BaseException:
+            self.wake()  # not suspended after all: the null block back
+            raise
+
+    def wake(self) -> None:
+        """Resume the allocator after :meth:`sleep`, taking block 0 (the null block) back
+        first, waiting for memory like a grant; raises the engine's ``sleep_error``
+        when the memory did not come or the first block is not block 0 (what came is
+        freed; still asleep: call again). A no-op when awake."""
+        hooks = self.hooks
+        with hooks.lock:
+            if not self.asleep:
+                return
+        got = self.allocator.resume(take_first=1)
+        if got is None:
+            raise hooks.sleep_error("no memory for the KV cache's first chunk (the daemon "
+                                    "refused the grant)")
+        if got != [NULL_BLOCK]:
+            self.allocator.free(got)
+            raise hooks.sleep_error(f"expected block {NULL_BLOCK} back on wake, got {got}")
+        with hooks.lock:
+            self.asleep = False

@@ -1,6 +1,7 @@
 """The shared elastic-pool policy (kvpool.engine_adapters.elastic) over a fake engine:
 the order of a shrink (whole chunks of cache fewest-held first, then the whole cache,
-then preempt newest), the null block's chunk, and the idle release."""
+then preempt newest), the null block's chunk, the idle release, and the pool's sleep and
+wake (the null block freed, the allocator suspended; block 0 back first)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import threading
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+
+import pytest
 
 from kvpool.client_lib import Holdings
 from kvpool.engine_adapters.elastic import ElasticPolicy, ShrinkOutcome
@@ -28,6 +31,8 @@ class FakeEngine:
     log: list[tuple[str, object]] = field(default_factory=list)
     busy: bool = False
     steps: int = 0
+    suspended: bool = False
+    resume_gives: list[int] | None = field(default_factory=lambda: [0])  # what resume hands
     step_lock: threading.RLock = field(default_factory=threading.RLock)
     lock: threading.RLock = field(default_factory=threading.RLock)
 
@@ -42,6 +47,25 @@ class FakeEngine:
 
     def chunk_of(self, block: int) -> int:
         return block // PER
+
+    def free(self, ids: Iterable[int]) -> None:
+        ids = list(ids)
+        assert set(ids) <= self.held, f"free of blocks not held: {ids}"
+        self.log.append(("free", sorted(ids)))
+        self.held -= set(ids)
+
+    def suspend(self) -> int:
+        assert not self.held, f"suspend with blocks held: {self.held}"
+        self.suspended = True
+        return 1
+
+    def resume(self, take_first: int = 0) -> list[int] | None:
+        got = self.resume_gives
+        if got is None:
+            return None
+        self.suspended = False
+        self.held |= set(got)
+        return list(got)
 
     # ElasticHooks
     def evictable_blocks(self) -> Iterable[int]:
@@ -77,6 +101,15 @@ class FakeEngine:
 
     def activity(self) -> int | None:
         return None if self.busy or self.running else self.steps
+
+    def empty_for_sleep(self) -> None:
+        if self.running:
+            raise self.sleep_error("cannot sleep: blocks are in use")
+        self.release_stash()
+        self.evict_cached()
+
+    def sleep_error(self, message: str) -> Exception:
+        return RuntimeError(f"fake: {message}")
 
 
 def _engine() -> FakeEngine:
@@ -138,3 +171,43 @@ def test_idle_release_evicts_only_an_idle_engine_between_steps():
     assert e.log == []
     assert policy.release_idle() == 6 and e.log == [("all", 6)]
     assert policy.idle_evictions == 6
+
+
+def test_sleep_gives_every_block_back_and_wake_takes_block_0_first():
+    e = _engine()
+    e.running = []
+    e.held -= {13, 16, 17, 18, 19}
+    policy = ElasticPolicy(e, e)
+    assert policy.sleep() == 1
+    assert policy.asleep and e.suspended and e.held == set()
+    assert ("free", [0]) in e.log  # the null block itself, freed by the policy
+    assert policy.sleep() == 0  # already asleep: nothing more
+    policy.wake()
+    assert not policy.asleep and not e.suspended and e.held == {0}
+    policy.wake()  # awake: a no-op
+    assert e.held == {0}
+
+
+def test_a_sleep_with_a_request_in_the_pool_gives_nothing_back():
+    e = _engine()
+    policy = ElasticPolicy(e, e)
+    with pytest.raises(RuntimeError, match="^fake: cannot sleep"):
+        policy.sleep()
+    assert not policy.asleep and not e.suspended and 0 in e.held
+
+
+def test_a_wake_without_memory_or_without_block_0_stays_asleep():
+    e = FakeEngine()
+    policy = ElasticPolicy(e, e)
+    policy.sleep()
+    e.resume_gives = None
+    with pytest.raises(RuntimeError, match="^fake: no memory for the KV cache's first"):
+        policy.wake()
+    assert policy.asleep
+    e.resume_gives = [4]
+    with pytest.raises(RuntimeError, match=r"^fake: expected block 0 back on wake, got \[4\]"):
+        policy.wake()
+    assert policy.asleep and 4 not in e.held  # what came is freed again
+    e.resume_gives = [0]
+    policy.wake()
+    assert not policy.asleep and e.held == {0}

@@ -1,6 +1,7 @@
 """The scheduler's stand-in for a tensor-parallel vLLM server's gang (issue 26, scope 4;
-``vllm/gang_group.py``): an ElasticBlockAllocator drives a CollectiveGroup whose every
-grant and release is applied by each rank's Member, on a two-device daemon.
+the gang driver of ``engine_adapters/gang.py``): an ElasticBlockAllocator drives a
+CollectiveGroup whose every grant and release is applied by each rank's Member, on a
+two-device daemon.
 
 The ranks are in-process sessions on threads (a gang part waits for its peers), the
 stand-in for vLLM's ``collective_rpc`` to its workers; no vLLM needed."""
@@ -13,8 +14,7 @@ import pytest
 
 from kvpool.client_lib import ElasticBlockAllocator, Monitor
 from kvpool.client_lib.errors import NoMemory
-from kvpool.engine_adapters.vllm.gang_group import (CollectiveGroup, GangOp, GroupShape,
-                                                    Member)
+from kvpool.engine_adapters.gang import CollectiveGroup, GangOp, GroupShape, Member
 
 from daemon.helpers import PAGE
 
@@ -123,7 +123,7 @@ class FakeExecutor:
 
 
 def test_the_rpc_collective_holds_the_step_lock_and_the_status_follows_the_executor():
-    from kvpool.engine_adapters.vllm.gang_group import UsageOp
+    from kvpool.engine_adapters.gang import UsageOp
     from kvpool.engine_adapters.vllm.tp import ExecutorStatus, RpcCollective
 
     lock = threading.RLock()

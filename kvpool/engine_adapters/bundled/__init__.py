@@ -17,7 +17,7 @@ them (no engine method is patched); :mod:`.settings` holds the ``KVPOOL_*`` sett
 With ``Settings.weights == "pool"`` (the default) the bridge also builds the model:
 its parameters live in a weight set shared by every engine of the same checkpoint
 (:mod:`.weights`; ``bridge_of(config).weights``). With ``tensor_parallel_size`` > 1 the
-engine's ranks form a kvpool gang (:mod:`.bridge`, :mod:`.gang_session`,
+engine's ranks form a kvpool gang (:mod:`.bridge`, :mod:`kvpool.engine_adapters.gang`,
 :mod:`.gang_rank`): weights stay local, and request-aligned KV is refused.
 """
 

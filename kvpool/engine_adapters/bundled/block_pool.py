@@ -54,7 +54,7 @@ class ElasticBlockPool(FixedBlockPool):
 
     def __init__(self, provisional_capacity: int,
                  on_close: Callable[[], None] | None = None) -> None:
-        self._null_held = True  # block 0 (the engine's null block) is ours
+        self._null_kept = True  # block 0 not handed over (warm restart) (sleep: policy)
         self._allocator: ElasticBlockAllocator | None = None
         self._policy: ElasticPolicy | None = None
         self.engine: PoolUser | None = None
@@ -63,7 +63,6 @@ class ElasticBlockPool(FixedBlockPool):
         self.lock = threading.RLock()
         self._unbound_step_lock = threading.RLock()  # until an engine is bound
         self.aligned: RequestChunks | None = None  # request-aligned mode when set
-        self.asleep = False  # every block given back (sleep), until wake
 
     # ---- binding ------------------------------------------------------------------
     def bind(self, allocator: ElasticBlockAllocator) -> None:
@@ -80,14 +79,14 @@ class ElasticBlockPool(FixedBlockPool):
                                f"{allocator.last_refusal or 'the daemon refused the grant'}")
         if null != [NULL_BLOCK]:
             raise AdapterError(f"expected the allocator's first block to be 0, got {null}")
-        self._null_held = True
+        self._null_kept = True
 
     def null_given_away(self) -> None:
         """(``lock`` held) The null block's chunk went to another engine with a handover
         (warm restart, :func:`~.handoff_cache.settle_cache`): this pool no longer holds
         block 0, its books say so, and it hands out no block again (a later mapping of
         that chunk must never give block 0 to a request): the engine is retired."""
-        self._null_held = False
+        self._null_kept = False
 
     def bind_engine(self, engine: PoolUser) -> None:
         """Preempt through ``engine`` and serialize with its steps (its ``step_lock``)."""
@@ -134,50 +133,16 @@ class ElasticBlockPool(FixedBlockPool):
         if self._on_close is not None:
             self._on_close()
 
-    # ---- sleep ------------------------------------------------------------------------
-    def sleep(self) -> int:
-        """(the engine's ``step_lock`` held, no request in the engine) Give every block
-        back: the prefix cache is evicted, the null block freed and the allocator
-        suspended (every chunk released, no refill until :meth:`wake`). Returns the
-        chunks released. Raises AdapterError (nothing given back) when a block is still
-        in use or the pool is request-aligned with spare chunks."""
-        with self.lock:
-            if self.asleep:
-                return 0
-            if not self._null_held:
-                raise AdapterError("this engine handed its cache over (retired): it "
-                                   "cannot sleep")
-            self.evict_cached_blocks(None)
-            spare = self.aligned.num_spare if self.aligned is not None else 0
-            if self.allocator.used_blocks != 1 + spare or spare:
-                raise AdapterError(f"cannot sleep: {self.allocator.used_blocks - 1} KV "
-                                   "block(s) are in use")
-            self.allocator.free([NULL_BLOCK])
-            self._null_held = False
-            self.asleep = True
-        try:
-            return self.allocator.suspend()
-        except BaseException:
-            self.wake()  # not suspended after all: the null block back
-            raise
+    # ---- sleep (the shared policy's; :mod:`.sleep`) -------------------------------------
+    @property
+    def asleep(self) -> bool:
+        """Every block given back (:meth:`ElasticPolicy.sleep`), until its wake."""
+        return self._policy is not None and self._policy.asleep
 
-    def wake(self) -> None:
-        """Grant again after :meth:`sleep` and take the null block back (block 0 again,
-        waiting for memory like a grant); raises AdapterError when the memory did not
-        come (still asleep: call again)."""
-        with self.lock:
-            if not self.asleep:
-                return
-        got = self.allocator.resume(take_first=1)
-        if got is None:
-            raise AdapterError("no memory for the KV cache's first chunk (the daemon "
-                               "refused the grant)")
-        if got != [NULL_BLOCK]:
-            self.allocator.free(got)
-            raise AdapterError(f"expected block 0 back on wake, got {got}")
-        with self.lock:
-            self._null_held = True
-            self.asleep = False
+    @property
+    def _null_held(self) -> bool:
+        """Block 0 is ours: not given away with a handover, not given back asleep."""
+        return self._null_kept and not self.asleep
 
     @property
     def capacity(self) -> int:
@@ -216,6 +181,21 @@ class ElasticBlockPool(FixedBlockPool):
         if engine is None or engine.has_unfinished():
             return None
         return engine.num_steps
+
+    def empty_for_sleep(self) -> None:
+        """Evict the prefix cache; refused (AdapterError) for a retired engine, a block
+        in use, or a request-aligned pool with spare chunks."""
+        if not self._null_kept:
+            raise AdapterError("this engine handed its cache over (retired): it "
+                               "cannot sleep")
+        self.evict_cached_blocks(None)
+        spare = self.aligned.num_spare if self.aligned is not None else 0
+        if self.allocator.used_blocks != 1 + spare or spare:
+            raise AdapterError(f"cannot sleep: {self.allocator.used_blocks - 1} KV "
+                               "block(s) are in use")
+
+    def sleep_error(self, message: str) -> Exception:
+        return AdapterError(message)
 
     # ---- allocation ---------------------------------------------------------------
     def get_new_blocks(self, n: int) -> list[int]:

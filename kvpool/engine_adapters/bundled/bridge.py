@@ -18,9 +18,10 @@ ranks once they joined (``EngineConfig.tp_started`` is :meth:`Bridge.tp_started`
 tenant becomes rank 0 of a kvpool *gang* (docs/ARCHITECTURE.md, "Gangs"): the bridge
 creates the gang (devices ``settings.device + r`` for rank ``r``), tells every rank to
 join it and create the same group (:mod:`.gang_messages` ``Join``, :mod:`.gang_rank`),
-and builds its own group over a :class:`~.gang_session.GangSession`, so every grant and
-release the allocator makes is made by every rank, all or none, mapped on every rank
-before a step can use it. Weights stay local (each rank loads its share).
+and builds its own group over the gang driver's
+:class:`~kvpool.engine_adapters.gang.GangSession` (its transport: the ranks' pipes,
+:class:`~.gang_messages.PipeCollective`), so every grant and release the allocator makes
+is made by every rank, all or none, mapped on every rank before a step can use it. Weights stay local (each rank loads its share).
 
 Lifetime: connected in :meth:`Bridge.make_model` (pool weights) or
 :meth:`Bridge.make_kv_cache` (during ``Engine(config)``); closed by
@@ -48,9 +49,9 @@ from kvpool.engine.model_config import ModelConfig
 from kvpool.engine_adapters.bundled.block_pool import ElasticBlockPool
 from kvpool.engine_adapters.bundled import gang_messages
 from kvpool.engine_adapters.bundled.checks import KNOWN_LAYOUTS
-from kvpool.engine_adapters.bundled.gang_session import GangSession
 from kvpool.engine_adapters.bundled.settings import MEMORY_WAIT_S, AdapterError, Settings
 from kvpool.engine_adapters.bundled.weights import Layout, PoolWeights, set_key
+from kvpool.engine_adapters.gang import GangDriver, GangSession
 
 if TYPE_CHECKING:
     from kvpool.client_lib import RegionGroup, Tenant
@@ -200,7 +201,7 @@ class Bridge:
             token=token, name=tenant.name, devices=devices,
             run_dir=self.settings.run_dir,
             n_regions=n_regions, capacity=region_bytes, label=label)))
-        session = GangSession(tenant, ranks)
+        session = GangSession(tenant, GangDriver(gang_messages.PipeCollective(ranks)))
         group = RegionGroup(session, n_regions, region_bytes, label)
         session.group_id = group.id
         tenant.groups[group.id] = group  # the tenant's reclaim and close reach it

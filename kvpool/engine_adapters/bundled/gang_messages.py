@@ -6,11 +6,20 @@ frames (:mod:`kvpool.engine.tp_messages`), on the private pipe from rank 0 to ea
   and create the layout's region group, before rank 0's first grant;
 * :class:`Grant` / :class:`Release`: this rank's part of the collective grant or release
   rank 0 is about to ask for (the same units, in order).
+
+:class:`PipeCollective` is the bundled engine's transport for the gang driver
+(:class:`~kvpool.engine_adapters.gang.Collective`): it posts a grant's or release's part
+as these messages and answers nothing (the daemon's reply to rank 0's own part answers
+for every rank).
 """
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import msgspec
+
+from kvpool.engine_adapters.gang import GangOp, GrantOp, RankGone, ReleaseOp
 
 
 class Join(msgspec.Struct, tag="join", frozen=True):
@@ -53,3 +62,35 @@ def decode(payload: bytes) -> GangMessage:
     """Raises msgspec.DecodeError for a payload that is not one (a bug: the pipe is
     private to rank 0 and this rank)."""
     return _decoder.decode(payload)
+
+
+class Ranks(Protocol):
+    """The other ranks (``TPWorkers``): ``post(payload)`` delivers to every one, in
+    order with the engine's steps; raises RuntimeError when a rank is gone."""
+
+    def post(self, payload: bytes) -> None: ...
+
+
+class PipeCollective:
+    """The gang driver's transport over the ranks' pipes: a grant or release is posted
+    to every other rank as :class:`Grant` / :class:`Release` (each rank applies it in
+    pipe order, :mod:`.gang_rank`); a usage report is rank 0's alone (not posted).
+    Returns no answers; a rank that is gone raises
+    :class:`~kvpool.engine_adapters.gang.RankGone`."""
+
+    def __init__(self, ranks: Ranks) -> None:
+        self.ranks = ranks
+
+    def __call__(self, op: GangOp) -> list[str | None]:
+        msg: GangMessage
+        if isinstance(op, GrantOp):
+            msg = Grant(list(op.units))
+        elif isinstance(op, ReleaseOp):
+            msg = Release(list(op.units))
+        else:
+            return []
+        try:
+            self.ranks.post(encode(msg))
+        except RuntimeError as e:
+            raise RankGone(str(e)) from None
+        return []

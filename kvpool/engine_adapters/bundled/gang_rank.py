@@ -4,10 +4,10 @@
 ``tensor_parallel_size`` > 1).
 
 It is the engine's own rank (:mod:`kvpool.engine.tp_rank`) with :class:`GangRank` as its
-hooks: rank 0's adapter (:mod:`.gang_session`, :mod:`.bridge`) tells it, in order with
-the steps, to join the gang (:class:`~.gang_messages.Join`: a tenant of its own on its
-device, registered into the gang with the token, and the gang's one region group) and
-to take its part of every grant and release (:class:`~.gang_messages.Grant` /
+hooks: rank 0's adapter (:mod:`.bridge`, over :mod:`kvpool.engine_adapters.gang`) tells
+it, in order with the steps, to join the gang (:class:`~.gang_messages.Join`: a tenant
+of its own on its device, registered into the gang with the token, and the gang's one
+region group) and to take its part of every grant and release (:class:`~.gang_messages.Grant` /
 ``Release``: the same units as rank 0, mapped before the call returns, unmapped before
 the part is sent). Its KV cache is tensor views over that group, as rank 0's is. It runs
 no allocator, no refill and no shrink: rank 0 decides everything (the daemon mirrors a

@@ -3,8 +3,8 @@
 :class:`BundledSleep` is the bundled engine's :class:`~kvpool.engine_adapters.sleep.
 SleepTarget`: asleep, the tenant holds nothing in the pool. ``release_all`` (under the
 engine's ``step_lock``, refused if a request is in the engine) evicts the prefix cache,
-frees the null block and suspends the allocator (every chunk released, no refill:
-:meth:`~.block_pool.ElasticBlockPool.sleep`), then releases the weight set
+frees the null block and suspends the allocator (every chunk released, no refill: the
+pool's :meth:`~kvpool.engine_adapters.elastic.ElasticPolicy.sleep`), then releases the weight set
 (:meth:`~kvpool.engine_adapters.bundled.weights.PoolWeights.release`: unmapped and
 detached, the virtual range kept, so the parameters keep their addresses). ``restore``
 re-attaches the weights (warm when the daemon still caches the set, else reloaded from
@@ -74,7 +74,7 @@ class BundledSleep:
         with self.engine.step_lock:  # between steps; no request is admitted meanwhile
             if self.busy():
                 raise SleepRefused("requests are running")
-            self.pool.sleep()
+            self.pool.policy.sleep()
             if self.weights is not None and self.weights.held:
                 self.weights.release()
 
@@ -84,7 +84,7 @@ class BundledSleep:
                 self.warm_wakes += 1
             else:
                 self.cold_wakes += 1
-        self.pool.wake()
+        self.pool.policy.wake()
 
 
 def attach(engine: Engine) -> SleepController | None:

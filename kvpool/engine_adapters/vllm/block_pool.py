@@ -23,8 +23,9 @@ ElasticHooks`: vLLM's free queue is the evictable set, preemption is vLLM's own
 uses), the step lock is the bridge's (held by the engine core's loop per step).
 
 Invariant: a block is in exactly one of {allocator free, stash, queue (ref 0, hashed),
-in use (ref > 0)}; block 0 is vLLM's null block and stays held, except asleep
-(:meth:`ElasticBlockPool.sleep`: every page given back; :mod:`.sleep`).
+in use (ref > 0)}; block 0 is vLLM's null block and stays held, except asleep (the
+policy's :meth:`~kvpool.engine_adapters.elastic.ElasticPolicy.sleep`: every page given
+back; :mod:`.sleep`).
 """
 
 from __future__ import annotations
@@ -80,7 +81,6 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc, unused-ignore]
         self._stash: list[int] = []
         self.lock: threading.RLock = threading.RLock()
         self.policy: ElasticPolicy = ElasticPolicy(self, allocator)
-        self.asleep = False  # every KV page given back (sleep), until wake
         b.pool = self
 
     # ---- allocation -----------------------------------------------------------------
@@ -285,39 +285,20 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc, unused-ignore]
     def stop(self) -> None:
         self.policy.stop()
 
-    # ---- sleep (:mod:`.sleep`; the bridge's step_lock held, no request) -----------------
-    def sleep(self) -> int:
-        """Give every KV page back: reset the prefix cache, free the null block, suspend
-        the allocator (no refill until :meth:`wake`). Returns the chunks released;
-        raises AdapterError (nothing given back) while a block is in use."""
-        with self.lock:
-            if self.asleep:
-                return 0
-            if not self.reset_prefix_cache():
-                raise AdapterError("kvpool: cannot sleep: KV blocks are in use")
-            self.allocator.free([0])
-            self.asleep = True
-        try:
-            return self.allocator.suspend()
-        except BaseException:
-            self.wake()
-            raise
+    # ---- sleep (the shared policy's sleep and wake; :mod:`.sleep`) -------------------------
+    @property
+    def asleep(self) -> bool:
+        """Every KV page given back (:meth:`ElasticPolicy.sleep`), until its wake."""
+        return self.policy.asleep
 
-    def wake(self) -> None:
-        """Take the null block back (block 0, waiting for memory like a grant) and grant
-        again; raises AdapterError when the memory did not come (still asleep)."""
-        with self.lock:
-            if not self.asleep:
-                return
-        got = self.allocator.resume(take_first=1)
-        if got is None:
-            raise AdapterError("kvpool: no memory for the KV cache's first chunk (the "
-                               "daemon refused the grant)")
-        if got != [0]:
-            self.allocator.free(got)
-            raise AdapterError(f"kvpool: expected block 0 back on wake, got {got}")
-        with self.lock:
-            self.asleep = False
+    def empty_for_sleep(self) -> None:
+        """Reset the prefix cache (cached blocks and stash back to the allocator);
+        AdapterError (nothing given back) while a block is in use."""
+        if not self.reset_prefix_cache():
+            raise self.sleep_error("cannot sleep: KV blocks are in use")
+
+    def sleep_error(self, message: str) -> Exception:
+        return AdapterError(f"kvpool: {message}")
 
     def check_integrity(self) -> None:
         with self.lock:

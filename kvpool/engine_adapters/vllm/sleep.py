@@ -41,6 +41,7 @@ from kvpool.engine_adapters.vllm.settings import AdapterError
 if TYPE_CHECKING:
     from vllm.v1.engine.core import EngineCore
 
+    from kvpool.engine_adapters.elastic import ElasticPolicy
     from kvpool.engine_adapters.vllm.bridge import Bridge
 
 log = logging.getLogger("kvpool.vllm")
@@ -51,12 +52,12 @@ WAKE_RETRY_S = 0.5  # a wake for waiting requests that failed is retried this of
 
 class SleepingPool(Protocol):
     """The engine core's :class:`~kvpool.engine_adapters.vllm.block_pool.ElasticBlockPool`
-    as sleep uses it; both are called with the bridge's ``step_lock`` held and no
-    request in the scheduler."""
+    as sleep uses it: its policy's ``sleep`` and ``wake`` (the adapter contract's,
+    :class:`~kvpool.engine_adapters.elastic.ElasticPolicy`), called with the bridge's
+    ``step_lock`` held and no request in the scheduler."""
 
-    def sleep(self) -> int: ...
-
-    def wake(self) -> None: ...
+    @property
+    def policy(self) -> ElasticPolicy: ...
 
 
 class VllmSleep:
@@ -77,7 +78,7 @@ class VllmSleep:
         try:
             if self.busy():
                 raise SleepRefused("requests are running")
-            self.pool.sleep()
+            self.pool.policy.sleep()
         finally:
             lock.release()
 
@@ -86,7 +87,7 @@ class VllmSleep:
         if not lock.acquire(timeout=STEP_LOCK_WAIT_S):
             raise AdapterError("kvpool: the engine did not end its step in time")
         try:
-            self.pool.wake()
+            self.pool.policy.wake()
         finally:
             lock.release()
 

@@ -8,13 +8,15 @@ Workers (each its own process, device ``KVPOOL_DEVICE + rank``):
 * ``allocate_kv_cache`` (:func:`join_gang`, inside the collective
   ``initialize_from_config``): rank 0 creates the gang with the layout, the token goes to
   the other ranks over vLLM's TP group (a private gloo broadcast), each joins, creates
-  the same group and builds its views over it; its :class:`~.gang_group.Member` answers
-  the scheduler's operations (:func:`worker_apply`).
+  the same group and builds its views over it; its
+  :class:`~kvpool.engine_adapters.gang.Member` answers the scheduler's operations
+  (:func:`worker_apply`).
 
 Engine core (no KV memory): after ``initialize_from_config`` (:func:`scheduler_allocator`)
-the allocator is built over a :class:`~.gang_group.CollectiveGroup` whose operations are
-``executor.collective_rpc(worker_apply, ...)``, taken under the bridge's step lock (the
-executor's queue sees one RPC at a time); block 0 (the null block) is granted then,
+the allocator is built over the gang driver's
+:class:`~kvpool.engine_adapters.gang.CollectiveGroup` whose transport is
+``executor.collective_rpc(worker_apply, ...)`` (:class:`RpcCollective`), taken under
+the bridge's step lock (the executor's queue sees one RPC at a time); block 0 (the null block) is granted then,
 before the warm-up. Reclaim asks reach each rank's tenant; rank 0's are polled by the
 engine core once per step (:func:`poll_reclaim`), which shrinks the scheduler's pool.
 """
@@ -25,7 +27,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kvpool.engine_adapters.vllm.gang_group import CollectiveGroup, GangOp, GroupShape, Member
+from kvpool.engine_adapters.gang import CollectiveGroup, GangOp, GroupShape, Member
 from kvpool.engine_adapters.vllm.settings import AdapterError
 
 POLL_S = 0.25  # the engine core asks rank 0 for pending reclaim asks at most this often
