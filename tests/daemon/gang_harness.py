@@ -127,14 +127,46 @@ def gang_tables(monitors: dict, views: dict | None = None) -> dict[int, dict[int
     return out
 
 
+SNAPSHOT_TRIES = 50  # reads of every device until two in a row agree
+
+
+def _snapshot(monitors: dict) -> dict:
+    """device -> (ps, map), read device after device."""
+    return {dev: (mon.ps(), mon.map()) for dev, mon in monitors.items()}
+
+
+def _same(a: dict, b: dict) -> bool:
+    """Two snapshots show the same pools and the same gang tables (no page moved)."""
+    pools = all((a[d][0].pool.granted, a[d][0].pool.leased, a[d][0].pool.retained)
+                == (b[d][0].pool.granted, b[d][0].pool.leased, b[d][0].pool.retained)
+                for d in a)
+    return pools and gang_tables(a, a) == gang_tables(b, b)
+
+
+def consistent_views(monitors: dict) -> dict:
+    """Every device's views as of one moment. Devices are read one after another, so a
+    gang's collective move (a reclaim ask it answers on its own thread: every rank's
+    pages go back in one daemon step) can fall between two devices' reads and show a
+    split that never existed; two full reads in a row that agree saw no move between
+    them (only the test's own thread grants, and it waits here)."""
+    views = _snapshot(monitors)
+    for _ in range(SNAPSHOT_TRIES):
+        again = _snapshot(monitors)
+        if _same(views, again):
+            return again
+        views = again
+    raise AssertionError(f"pages kept moving over {SNAPSHOT_TRIES} reads of every device")
+
+
 def invariant_problems(monitors: dict, size: int) -> list[str]:
     """Every device's self-check, its budget, and no gang (of ``size`` ranks)
-    half-granted, as the views show it, independently of the daemon's own check."""
+    half-granted, as the views show it (one consistent reading of every device),
+    independently of the daemon's own check."""
     problems: list[str] = []
-    views = {}
     for dev, mon in monitors.items():
         problems += [f"device {dev}: {x}" for x in mon.check()]
-        views[dev] = (mon.ps(), mon.map())
+    views = consistent_views(monitors)
+    for dev in monitors:
         pool = views[dev][0].pool
         assert pool is not None and pool.device == dev
         if pool.granted + pool.leased + pool.retained > pool.budget:
