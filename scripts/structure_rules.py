@@ -43,8 +43,6 @@ _VLLM = "engine_adapters/vllm/patches.py"
 _VLLM_SEAM = ("vLLM offers no seam here: its own {} is wrapped when vLLM imports it "
               "(docs/VLLM-ADAPTER.md, third-party patches)")
 _TORCH_DEVICE = "a torch/DLPack device type (``tensor_device``), not a backend's name"
-_ISSUE_35_4 = ("pending issue 35 item 4: the engine's hooks move from EngineConfig to a "
-               "seams object passed in; the adapter fills them here today")
 
 #: findings that are kept, each with its reason: (rule, path inside the package, key).
 #: Only third-party extension points (vLLM's and importlib's objects), device types and
@@ -91,13 +89,6 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     ("patch", "engine_adapters/vllm/hooks.py", "_Finder.find_spec: loader.exec_module"):
         "importlib's loader of one vLLM module runs the patches once the module is "
         "executed: importlib has no post-import hook",
-    ("patch", "engine_adapters/bundled/__init__.py", "enable: config.tp_started"): _ISSUE_35_4,
-    ("patch", "engine_adapters/bundled/__init__.py", "enable: config.model_factory"):
-        _ISSUE_35_4,
-    ("patch", "engine_adapters/bundled/__init__.py", "enable: config.block_pool_factory"):
-        _ISSUE_35_4,
-    ("patch", "engine_adapters/bundled/__init__.py", "enable: config.kv_cache_factory"):
-        _ISSUE_35_4,
     ("backend-name", "client_lib/tensors.py", "backend.caps.tensor_device == 'cuda'"):
         _TORCH_DEVICE,
     ("backend-name", "engine/engine.py", "self.device.type == 'cuda'"): _TORCH_DEVICE,

@@ -20,11 +20,12 @@ from kvpool.cli.extras import require
 
 if TYPE_CHECKING:
     from kvpool.engine.config import EngineConfig
+    from kvpool.engine_adapters.bundled.bridge import Bridge
 
 
-def _enable_elastic(engine_config: EngineConfig) -> None:
-    """``--elastic`` / KVPOOL_ENABLE=1: hand the config to the adapter, which installs its
-    block pool and KV storage factories."""
+def _enable_elastic(engine_config: EngineConfig) -> Bridge:
+    """``--elastic`` / KVPOOL_ENABLE=1: the adapter of an engine of this config (its
+    block pool and KV storage factories are the engine's seams)."""
     try:
         from kvpool.engine_adapters import bundled
     except ImportError:
@@ -35,7 +36,7 @@ def _enable_elastic(engine_config: EngineConfig) -> None:
     except ValueError as e:  # a KVPOOL_* variable that does not parse
         raise click.ClickException(f"bad KVPOOL_* setting: {e}") from None
     try:
-        bundled.enable(engine_config, settings)
+        return bundled.enable(engine_config, settings)
     except bundled.AdapterError as e:
         raise click.ClickException(f"cannot make the KV cache elastic: {e}") from None
 
@@ -194,7 +195,7 @@ def register(cli: click.Group) -> None:
                 max_model_len=max_model_len, served_model_name=served_model_name,
                 enable_prefix_caching=not no_prefix_caching,
                 tensor_parallel_size=tensor_parallel_size)
-        except (AssertionError, ValueError) as e:
+        except ValueError as e:  # EngineConfigError, a size that does not parse
             raise click.BadParameter(str(e)) from None
         if role != "both" or pd:  # kvpool.engine_adapters.bundled.pd_server (issue 15)
             from kvpool.engine_adapters.bundled import AdapterError, pd_server
@@ -214,12 +215,12 @@ def register(cli: click.Group) -> None:
                 raise click.ClickException(str(e)) from None
             return
         if elastic or os.environ.get("KVPOOL_ENABLE") == "1":
-            _enable_elastic(config)
+            bridge = _enable_elastic(config)
             from kvpool.engine_adapters.bundled import warm_server
 
             try:  # the elastic server: also /pd/retire (warm restart, issue 15)
                 with _daemon_errors():
-                    warm_server.serve_elastic(config, host, port, log_level, handoff_from)
+                    warm_server.serve_elastic(bridge, host, port, log_level, handoff_from)
             except (RuntimeError, CheckpointError) as e:
                 raise click.ClickException(str(e)) from None
             return

@@ -33,6 +33,7 @@ import torch
 from kvpool.engine.block_pool import BlockPool, FixedBlockPool
 from kvpool.engine.collective import SINGLE, Collective
 from kvpool.engine.config import EngineConfig
+from kvpool.engine.seams import NO_SEAMS, EngineSeams
 from kvpool.engine.errors import CheckpointError, RequestError
 from kvpool.engine.kv_cache import KVCache, KVCacheSpec
 from kvpool.engine.kv_manager import KVCacheManager
@@ -52,8 +53,9 @@ DEFAULT_KV_CACHE_SIZE = 256 << 20
 class Engine:
     """Loads the model, owns the KV cache, pool, scheduler and requests.
 
-    ``block_pool`` / ``kv_cache`` override ``config.block_pool_factory`` /
-    ``config.kv_cache_factory``; the KV storage must hold ``block_pool.capacity`` blocks.
+    ``seams`` (:class:`~kvpool.engine.seams.EngineSeams`, default none) are the hooks an
+    adapter plugs in; ``block_pool`` / ``kv_cache`` override its ``block_pool_factory`` /
+    ``kv_cache_factory``; the KV storage must hold ``block_pool.capacity`` blocks.
     Once built, the engine binds itself to its pool (:meth:`BlockPool.bind_engine`: the
     pool sees it as a :class:`~kvpool.engine.block_pool.PoolUser`) and :meth:`close`
     closes the pool (and stops the other ranks of a tensor-parallel engine). Handing
@@ -64,11 +66,13 @@ class Engine:
     with a ``model_factory``, RuntimeError when another rank could not start.
     """
 
-    def __init__(self, config: EngineConfig, *, block_pool: BlockPool | None = None,
-                 kv_cache: KVCache | None = None) -> None:
+    def __init__(self, config: EngineConfig, seams: EngineSeams = NO_SEAMS, *,
+                 block_pool: BlockPool | None = None, kv_cache: KVCache | None = None
+                 ) -> None:
         #: held for each step, admission and abort (see the module)
         self.step_lock = threading.RLock()
         self.config = config
+        self.seams = seams
         self.device = resolve_device(config.device)
         path = Path(config.model)
         self.model_config = ModelConfig.from_dir(path)
@@ -85,19 +89,19 @@ class Engine:
             raise
 
     def _start_workers(self) -> TPWorkers:
-        c, size = self.config, self.config.tensor_parallel_size
+        c, size, seams = self.config, self.config.tensor_parallel_size, self.seams
         why = check_divisible(self.model_config, size)
         if why is not None:
             raise CheckpointError(f"{c.model}: {why}")
         if self.device.type != "cpu":
             raise ValueError(f"tensor parallelism runs on cpu (gloo), not {self.device}")
-        if c.model_factory is not None:
+        if seams.model_factory is not None:
             raise ValueError("tensor_parallel_size > 1: every rank loads its own share of "
                              "the checkpoint (no model_factory)")
-        workers = TPWorkers.start(c, self.device, self.dtype)
-        if c.tp_started is not None:
+        workers = TPWorkers.start(c, seams.tp_rank_module, self.device, self.dtype)
+        if seams.tp_started is not None:
             try:
-                c.tp_started(workers)
+                seams.tp_started(workers)
             except BaseException:
                 workers.close()
                 raise
@@ -106,8 +110,9 @@ class Engine:
     def _build(self, config: EngineConfig, path: Path, block_pool: BlockPool | None,
                kv_cache: KVCache | None) -> None:
         tp: Collective = SINGLE if self.workers is None else self.workers.group
+        seams = self.seams
         if self.workers is None:
-            self.model = (config.model_factory or load_model)(path, self.device, self.dtype,
+            self.model = (seams.model_factory or load_model)(path, self.device, self.dtype,
                                                               self.model_config)
         else:
             self.model = load_model(path, self.device, self.dtype, self.model_config, tp)
@@ -122,9 +127,9 @@ class Engine:
         num_blocks = config.num_kv_blocks or max(
             2, int(config.kv_cache_size or DEFAULT_KV_CACHE_SIZE) // self.kv_spec.block_bytes)
         if block_pool is None:
-            block_pool = (config.block_pool_factory or FixedBlockPool)(num_blocks)
+            block_pool = (seams.block_pool_factory or FixedBlockPool)(num_blocks)
         if kv_cache is None:
-            kv_cache = (config.kv_cache_factory or KVCache.allocate)(
+            kv_cache = (seams.kv_cache_factory or KVCache.allocate)(
                 self.kv_spec, block_pool.capacity, self.device)
         assert kv_cache.num_blocks >= block_pool.capacity, "KV storage smaller than the pool"
         self.pool, self.kv_cache = block_pool, kv_cache
@@ -139,7 +144,7 @@ class Engine:
                                    config.max_num_seqs)
         self.runner = ModelRunner(self.model, kv_cache, config.block_size, self.device,
                                   self.dtype, config.attention_backend,
-                                  config.max_num_batched_tokens, prepack=config.prepack,
+                                  config.max_num_batched_tokens, prepack=self._prepack(),
                                   followers=self.workers)
         self.eos_token_ids = set(mc.eos_token_ids)
         if self.tokenizer is not None:
@@ -152,6 +157,12 @@ class Engine:
         self.detached: dict[str, Request] = {}
         self.counters = collections.Counter[str]()
         block_pool.bind_engine(self)
+
+    def _prepack(self) -> bool:
+        """Whether the model's fp32 weights get a private oneDNN copy: asked, not set,
+        once the model is built (shared weights never get one)."""
+        shared = self.seams.weights_shared
+        return self.config.prepack and not (shared is not None and shared())
 
     def close(self) -> None:
         """Give the KV memory back (the pool's :meth:`~BlockPool.close`: an elastic pool

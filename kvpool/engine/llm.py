@@ -7,6 +7,7 @@ from typing import Any, cast
 
 from kvpool.engine.block_pool import BlockPool
 from kvpool.engine.config import EngineConfig
+from kvpool.engine.seams import EngineSeams
 from kvpool.engine.engine import Engine
 from kvpool.engine.kv_cache import KVCache
 from kvpool.engine.request import RequestOutput
@@ -20,14 +21,17 @@ class LLM:
     """``LLM(model_dir, **engine_options).generate(prompts, SamplingParams(...))``.
 
     Engine options are the fields of :class:`EngineConfig` (``tensor_parallel_size=2``
-    splits the model over two processes); ``block_pool`` / ``kv_cache`` are passed to
+    splits the model over two processes) and of
+    :class:`~kvpool.engine.seams.EngineSeams` (``kv_cache_factory=`` ...); ``block_pool``
+    / ``kv_cache`` are passed to
     :class:`Engine`. :meth:`close` when done (a tensor-parallel engine's other ranks
     also end with this process).
     """
 
     def __init__(self, model: str, *, block_pool: BlockPool | None = None,
                  kv_cache: KVCache | None = None, **kwargs: Any) -> None:
-        self.engine = Engine(EngineConfig.from_kwargs(model, **kwargs),
+        hooks = {k: kwargs.pop(k) for k in EngineSeams.names() & set(kwargs)}
+        self.engine = Engine(EngineConfig.from_kwargs(model, **kwargs), EngineSeams(**hooks),
                              block_pool=block_pool, kv_cache=kv_cache)
 
     def close(self) -> None:

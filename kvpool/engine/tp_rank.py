@@ -16,7 +16,7 @@ stdin, in order:
 * ``Stop`` or end of file: the hooks close, the rank exits.
 
 It schedules nothing and samples nothing. An adapter runs its own module instead of this
-one (``EngineConfig.tp_rank_module``) whose main calls :func:`main` with a factory of
+one (``EngineSeams.tp_rank_module``) whose main calls :func:`main` with a factory of
 its hooks (given the rank's spec).
 
 Exit status: 0 after ``Stop``/end of file; 1 with one line on stderr when it could not

@@ -5,7 +5,7 @@ other ranks (:mod:`kvpool.engine.tp_rank`, one process each) hold their share of
 weights and of every KV block and run each step's forward pass with it. Lifecycle:
 
 1. :meth:`TPWorkers.start` opens the TCP store and the gloo group of rank 0, starts rank
-   1..size-1 (``python -m`` ``config.tp_rank_module``, by default :mod:`kvpool.engine.tp_rank`;
+   1..size-1 (``python -m`` ``EngineSeams.tp_rank_module``, by default :mod:`kvpool.engine.tp_rank`;
    their stdin a pipe from here) and
    waits until each announced itself, then joins the group. A rank that exits before it
    announced makes ``start`` raise RuntimeError (one line) at once.
@@ -30,7 +30,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 import msgspec
 import torch
@@ -42,39 +42,15 @@ from kvpool.engine.kv_cache import KVLayout
 from kvpool.engine.step_input import StepEntry
 from kvpool.launch import module_argv
 
+if TYPE_CHECKING:
+    from kvpool.engine.config import EngineConfig
+
 #: how long a rank may take to start (import torch, connect) before start() gives up
 START_WAIT_S = 300.0
 #: how long close() waits for the ranks to exit before it kills them
 STOP_WAIT_S = 30.0
 #: how often start() looks whether a starting rank announced itself or exited
 ANNOUNCE_POLL_S = 0.05
-
-
-class RankSettings(Protocol):
-    """What :meth:`TPWorkers.start` reads of the engine's configuration (an
-    :class:`~kvpool.engine.config.EngineConfig`, which holds these hooks' type in turn:
-    a Protocol here, so the two modules do not import each other)."""
-
-    @property
-    def model(self) -> str: ...
-
-    @property
-    def block_size(self) -> int: ...
-
-    @property
-    def attention_backend(self) -> str: ...
-
-    @property
-    def max_num_batched_tokens(self) -> int: ...
-
-    @property
-    def prepack(self) -> bool: ...
-
-    @property
-    def tensor_parallel_size(self) -> int: ...
-
-    @property
-    def tp_rank_module(self) -> str: ...
 
 
 class TPWorkers:
@@ -88,9 +64,10 @@ class TPWorkers:
         self._write = threading.Lock()  # one frame at a time on every pipe
 
     @classmethod
-    def start(cls, config: RankSettings, device: torch.device, dtype: torch.dtype
-              ) -> TPWorkers:
-        """Start the other ranks of ``config.tensor_parallel_size`` (see the module).
+    def start(cls, config: EngineConfig, rank_module: str, device: torch.device,
+              dtype: torch.dtype) -> TPWorkers:
+        """Start the other ranks of ``config.tensor_parallel_size``, each running
+        ``python -m rank_module`` (see the module).
 
         Raises:
             RuntimeError: a rank exited before it joined (its stderr says why), or none
@@ -110,7 +87,7 @@ class TPWorkers:
                     max_num_batched_tokens=config.max_num_batched_tokens,
                     prepack=config.prepack, threads=threads)
                 procs.append(subprocess.Popen(
-                    [*module_argv(config.tp_rank_module),
+                    [*module_argv(rank_module),
                      msgspec.json.encode(spec).decode()],
                     stdin=subprocess.PIPE, env=os.environ.copy()))
             for rank, proc in enumerate(procs, start=1):

@@ -44,9 +44,9 @@ def run(engine: Engine, during=None, params: SamplingParams = GREEDY) -> dict[st
 
 def elastic(model, daemon, name: str, weights: str = "pool", **kw) -> Engine:
     cfg = EngineConfig(model=str(model), **kw)
-    enable(cfg, Settings(run_dir=str(daemon.run_dir), name=name, idle_timeout_s=1.0,
-                         weights=weights))
-    return Engine(cfg)
+    bridge = enable(cfg, Settings(run_dir=str(daemon.run_dir), name=name, idle_timeout_s=1.0,
+                                  weights=weights))
+    return Engine(bridge.config, bridge.seams)
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +118,7 @@ def test_elastic_equals_static_across_reclaim(tiny_model, start_daemon):
 
 def test_refuses_unknown_engine_or_layout(tiny_model, monkeypatch):
     cfg = EngineConfig(model=str(tiny_model))
-    cfg.kv_layout = "interleaved"
+    object.__setattr__(cfg, "kv_layout", "interleaved")  # past the config's own check
     with pytest.raises(AdapterError, match="layout"):
         check_engine(cfg)
     from kvpool.engine import block_pool
@@ -131,9 +131,9 @@ def test_refuses_unknown_engine_or_layout(tiny_model, monkeypatch):
 
 def test_refuses_without_a_daemon(tiny_model, tmp_path):
     cfg = EngineConfig(model=str(tiny_model))
-    enable(cfg, Settings(run_dir=str(tmp_path / "nowhere"), name="x"))
+    bridge = enable(cfg, Settings(run_dir=str(tmp_path / "nowhere"), name="x"))
     with pytest.raises(DaemonUnavailable, match="no kvpool daemon at .*nowhere"):
-        Engine(cfg)
+        Engine(bridge.config, bridge.seams)
 
 
 def test_kvpool_enable_makes_an_unmodified_launch_elastic(tiny_model, tmp_path):

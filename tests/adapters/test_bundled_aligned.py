@@ -18,9 +18,9 @@ from .test_bundled import GREEDY, PROMPTS, run
 
 def aligned(model, d, name: str, **kw) -> Engine:
     cfg = EngineConfig(model=str(model), **kw)
-    enable(cfg, Settings(run_dir=str(d.run_dir), name=name, request_aligned=True,
-                         idle_timeout_s=1.0))
-    return Engine(cfg)
+    bridge = enable(cfg, Settings(run_dir=str(d.run_dir), name=name, request_aligned=True,
+                                  idle_timeout_s=1.0))
+    return Engine(bridge.config, bridge.seams)
 
 
 def assert_aligned(engine: Engine) -> None:

@@ -14,8 +14,8 @@ def test_close_ends_the_tenant_its_pages_and_its_threads(tiny_model, start_daemo
     d = start_daemon(budget="8MiB")
     before = set(threading.enumerate())
     cfg = EngineConfig(model=str(tiny_model), kv_cache_size="2MiB")
-    enable(cfg, Settings(run_dir=str(d.run_dir), name="closing", idle_timeout_s=1.0))
-    e = Engine(cfg)
+    bridge = enable(cfg, Settings(run_dir=str(d.run_dir), name="closing", idle_timeout_s=1.0))
+    e = Engine(bridge.config, bridge.seams)
     e.add_request([11, 12, 13], SamplingParams(max_tokens=4, ignore_eos=True))
     while e.has_unfinished():
         e.step()
@@ -35,6 +35,6 @@ def test_close_ends_the_tenant_its_pages_and_its_threads(tiny_model, start_daemo
     pool = d.stats().pool
     assert pool.granted == pool.weights_cached > 0  # only the weight set, cached
     assert not d.check()
-    assert bridge_of(cfg).tenant is None
+    assert bridge_of(e).tenant is None
     e.close()  # a second close changes nothing
 

@@ -55,3 +55,23 @@ def test_bad_sleep_settings_are_one_line_naming_the_variable(monkeypatch, tiny_m
     assert msg.startswith(f"{var}=") and "\n" not in msg, msg
     with pytest.raises(AdapterError, match=f"^{var}="):  # what `kvpool serve` prints
         enable(EngineConfig(model=str(tiny_model)))
+
+
+def test_enable_returns_one_adapter_and_leaves_the_config_alone(tiny_model):
+    """The adapter object is passed in (the engine's seams), not stored in the config;
+    a request-aligned engine runs a variant of the config, the caller's is unchanged."""
+    import dataclasses
+
+    from kvpool.engine import EngineConfig
+    from kvpool.engine_adapters.bundled import Bridge, enable
+
+    cfg = EngineConfig(model=str(tiny_model))
+    before = dataclasses.asdict(cfg)
+    pooled = enable(cfg, Settings(name="a"))
+    aligned = enable(cfg, Settings(name="b", request_aligned=True, weights="local"))
+    assert dataclasses.asdict(cfg) == before
+    assert isinstance(pooled, Bridge) and pooled.seams.adapter is pooled
+    assert pooled.config is cfg and pooled.seams.model_factory == pooled.make_model
+    assert aligned.seams.adapter is aligned and aligned.seams.model_factory is None
+    assert aligned.config.enable_prefix_caching is False
+    assert aligned.config == dataclasses.replace(cfg, enable_prefix_caching=False)

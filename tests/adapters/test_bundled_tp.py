@@ -67,9 +67,9 @@ def test_tp2_gang_equals_static_tp1_across_a_lease(tiny_model, start_daemon):
     reference = run(Engine(EngineConfig(model=str(tiny_model), kv_cache_size="2MiB")))
     d = start_daemon(budget="1MiB", extra=("--devices", "2", "--reclaim-timeout", "60"))
     cfg = EngineConfig(model=str(tiny_model), kv_cache_size="1MiB", tensor_parallel_size=2)
-    enable(cfg, Settings(run_dir=str(d.run_dir), name="tp", idle_timeout_s=1.0,
-                         weights="local"))
-    e = Engine(cfg)
+    bridge = enable(cfg, Settings(run_dir=str(d.run_dir), name="tp", idle_timeout_s=1.0,
+                                  weights="local"))
+    e = Engine(bridge.config, bridge.seams)
     devices = Devices(d.run_dir)
     other = connect(name="trainer", run_dir=d.run_dir, kind="lease", device=0)
     lease: dict = {}

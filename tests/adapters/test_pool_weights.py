@@ -102,8 +102,8 @@ def test_servers_of_one_checkpoint_share_one_copy(tiny_model, start_daemon, serv
 
 def elastic_engine(model: Path, d, name: str) -> Engine:
     cfg = EngineConfig(model=str(model), kv_cache_size="2MiB")
-    enable(cfg, Settings(run_dir=str(d.run_dir), name=name, idle_timeout_s=1.0))
-    return Engine(cfg)
+    bridge = enable(cfg, Settings(run_dir=str(d.run_dir), name=name, idle_timeout_s=1.0))
+    return Engine(bridge.config, bridge.seams)
 
 
 def run(engine: Engine) -> list[list[int]]:
@@ -121,7 +121,7 @@ def test_release_restore_warm_and_cold_give_the_same_tokens(tiny_model, start_da
     reference = run(Engine(EngineConfig(model=str(tiny_model), kv_cache_size="2MiB")))
     e = elastic_engine(tiny_model, d, "sleepy")
     try:
-        w = bridge_of(e.config).weights
+        w = bridge_of(e).weights
         assert w is not None and w.held and w.loads in (0, 1)
         param = e.model.lm_head.weight
         addr = param.data_ptr()
@@ -151,8 +151,8 @@ WRITER = textwrap.dedent("""
     from kvpool.engine import Engine, EngineConfig
     from kvpool.engine_adapters.bundled import Settings, enable
     cfg = EngineConfig(model=sys.argv[1], kv_cache_size="1MiB")
-    enable(cfg, Settings(run_dir=sys.argv[2], name="writer"))
-    e = Engine(cfg)
+    bridge = enable(cfg, Settings(run_dir=sys.argv[2], name="writer"))
+    e = Engine(bridge.config, bridge.seams)
     w = e.model.model.layers[0].mlp.down_proj.weight
     print("ready", float(w[0, 0]), flush=True)
     w.data[0, 0] = 1.0

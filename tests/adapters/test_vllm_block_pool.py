@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 pytest.importorskip("vllm")
@@ -18,23 +20,23 @@ BLOCK = 32 << 10  # two blocks per page: one chunk = one page of each of 2 regio
 
 
 @pytest.fixture
-def pool(start_daemon, monkeypatch):
+def pool(start_daemon):
     d = start_daemon(budget="1MiB", page_size=PAGE)
     b = bridge_mod.Bridge(Settings(run_dir=str(d.run_dir), idle_timeout_s=0))
-    monkeypatch.setattr(bridge_mod, "_bridge", b)
     b.connect("unit")
     group = b.tenant.region_group(2, 16 * BLOCK)
     b.allocator = ElasticBlockAllocator(group, BLOCK, low=0, high=0, idle_timeout_s=60)
     assert b.allocator.alloc(1) == [0]
-    p = ElasticBlockPool(b.allocator.num_blocks, enable_caching=True, hash_block_size=16)
+    p = ElasticBlockPool(b.allocator.num_blocks, enable_caching=True, hash_block_size=16,
+                         bridge=b)
     yield p
     b.close()
 
 
-def test_a_scheduler_without_the_kv_cache_is_refused(monkeypatch):
-    monkeypatch.setattr(bridge_mod, "_bridge", None)
+def test_a_scheduler_without_the_kv_cache_is_refused():
+    no_kv = bridge_mod.Bridge(Settings())  # this process allocated no KV cache
     with pytest.raises(AdapterError, match="without the KV"):
-        ElasticBlockPool(8, enable_caching=True, hash_block_size=16)
+        ElasticBlockPool(8, enable_caching=True, hash_block_size=16, bridge=no_kv)
 
 
 def test_only_mapped_blocks_count_and_growth_is_asked_for(pool):
@@ -88,12 +90,12 @@ def manager(pool, monkeypatch):
 
     pool.bridge.close()  # the manager builds its own pool over the same allocator
     b = bridge_mod.Bridge(pool.bridge.settings)
-    monkeypatch.setattr(bridge_mod, "_bridge", b)
     b.connect("unit-mgr")
     b.allocator = ElasticBlockAllocator(b.tenant.region_group(2, 16 * BLOCK), BLOCK, low=0,
                                         high=0, idle_timeout_s=60)
     assert b.allocator.alloc(1) == [0]
-    monkeypatch.setattr(kv_cache_coordinator, "BlockPool", ElasticBlockPool)
+    monkeypatch.setattr(kv_cache_coordinator, "BlockPool",
+                        functools.partial(ElasticBlockPool, bridge=b))
     cls = kv_cache_manager.KVCacheManager
     monkeypatch.setattr(cls, "allocate_slots", allocate_slots(cls.allocate_slots))
     spec = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=8, dtype=torch.float32)

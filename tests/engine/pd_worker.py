@@ -135,10 +135,11 @@ def main() -> None:
 
     cfg = EngineConfig(model=args.model, kv_cache_size=args.kv)
     # local weights: the tests count the pool's granted bytes as KV alone
-    enable(cfg, Settings(run_dir=args.run_dir, name=args.name, request_aligned=args.aligned,
-                         idle_timeout_s=600.0 if not args.aligned else 1.0,  # keep the cache
-                         weights="local"))
-    engine = Engine(cfg)
+    settings = Settings(run_dir=args.run_dir, name=args.name, request_aligned=args.aligned,
+                        idle_timeout_s=600.0 if not args.aligned else 1.0,  # keep the cache
+                        weights="local")
+    bridge = enable(cfg, settings)
+    engine = Engine(bridge.config, bridge.seams)
     serve(engine, {"prefill": prefill, "decode": decode, "run": run, "export": export,
                    "import": adopt, "probe": probe})
 

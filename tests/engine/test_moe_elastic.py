@@ -45,8 +45,8 @@ def test_elastic_moe_equals_static(moe_model, start_daemon):  # noqa: F811
     reference = run(Engine(EngineConfig(model=str(moe_model), kv_cache_size="8MiB")))
     d = start_daemon(budget="8MiB")
     cfg = EngineConfig(model=str(moe_model), kv_cache_size="128KiB")  # 8 blocks of 16 KiB
-    enable(cfg, Settings(run_dir=str(d.run_dir), name="moe", idle_timeout_s=1.0))
-    e = Engine(cfg)
+    bridge = enable(cfg, Settings(run_dir=str(d.run_dir), name="moe", idle_timeout_s=1.0))
+    e = Engine(bridge.config, bridge.seams)
     assert isinstance(e.pool, ElasticBlockPool)
     assert run(e) == reference
     assert e.scheduler.num_preemptions > 0

@@ -37,8 +37,8 @@ TTL_S = 2.0  # the offers that expire: ample for the waiting request to come fir
 def aengine(start_daemon, tiny_dir):
     d = start_daemon(budget="8MiB")
     cfg = EngineConfig(model=str(tiny_dir), kv_cache_size=KV)
-    enable(cfg, Settings(run_dir=str(d.run_dir), name="old", idle_timeout_s=600.0))
-    e = warm_engine.RetiringEngine(Engine(cfg))
+    bridge = enable(cfg, Settings(run_dir=str(d.run_dir), name="old", idle_timeout_s=600.0))
+    e = warm_engine.RetiringEngine(Engine(bridge.config, bridge.seams))
     e.start()
     yield e
     e.stop()  # (the engine's integrity is checked after the test, conftest.py)

@@ -88,9 +88,9 @@ def main() -> None:
                        max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens)
     # local weights: the tests count the pool's granted bytes as KV alone
-    enable(cfg, Settings(run_dir=args.run_dir, name=args.name, idle_timeout_s=600.0,
-                         weights="local"))
-    engine = Engine(cfg)
+    bridge = enable(cfg, Settings(run_dir=args.run_dir, name=args.name, idle_timeout_s=600.0,
+                                  weights="local"))
+    engine = Engine(bridge.config, bridge.seams)
     serve(engine, {"start": start, "export": export, "import": adopt})
 
 

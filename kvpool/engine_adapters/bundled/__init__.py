@@ -1,8 +1,10 @@
 """Makes the bundled engine's KV cache elastic: the only bridge between it and kvpool.
 
 ``enable(config)`` (what ``kvpool serve --elastic`` and ``KVPOOL_ENABLE=1`` call) checks
-that the engine is one this adapter knows (:mod:`.checks`), then installs two factories on
-its ``EngineConfig``:
+that the engine is one this adapter knows (:mod:`.checks`), then returns the engine's one
+adapter object, a :class:`Bridge`: build the engine as ``Engine(bridge.config,
+bridge.seams)`` (the config unchanged, or a ``dataclasses.replace`` variant; the seams
+hold two factories):
 
 * the KV storage becomes a kvpool *region group* (one region per KV buffer: one for the
   block-major layout, ``2 * layers`` for per-layer), reserved virtually for the whole
@@ -16,48 +18,39 @@ engine binds itself to the pool and ``engine.close()`` closes the pool, which en
 them (no engine method is patched); :mod:`.settings` holds the ``KVPOOL_*`` settings.
 With ``Settings.weights == "pool"`` (the default) the bridge also builds the model:
 its parameters live in a weight set shared by every engine of the same checkpoint
-(:mod:`.weights`; ``bridge_of(config).weights``). With ``tensor_parallel_size`` > 1 the
+(:mod:`.weights`; ``bridge_of(engine).weights``). With ``tensor_parallel_size`` > 1 the
 engine's ranks form a kvpool gang (:mod:`.bridge`, :mod:`kvpool.engine_adapters.gang`,
 :mod:`.gang_rank`): weights stay local, and request-aligned KV is refused.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 from kvpool.engine.config import EngineConfig
 from kvpool.engine_adapters.bundled.block_pool import ElasticBlockPool
-from kvpool.engine_adapters.bundled.bridge import ADAPTER_KEY, Bridge, bridge_of
+from kvpool.engine_adapters.bundled.bridge import GANG_RANK_MODULE, Bridge, bridge_of
 from kvpool.engine_adapters.bundled.checks import KNOWN_LAYOUTS, KNOWN_POOL_METHODS, check_engine
 from kvpool.engine_adapters.bundled.settings import AdapterError, Settings
 
-GANG_RANK_MODULE = "kvpool.engine_adapters.bundled.gang_rank"
 
-
-def enable(config: EngineConfig, settings: Settings | None = None) -> None:
-    """Make the engine built from ``config`` allocate its KV cache through kvpool; the
-    engine gets a ``close()`` that gives the memory and the daemon session back."""
+def enable(config: EngineConfig, settings: Settings | None = None) -> Bridge:
+    """The adapter of an engine built from ``config`` that allocates its KV cache through
+    kvpool: ``Engine(bridge.config, bridge.seams)``; the engine's ``close()`` gives the
+    memory and the daemon session back. Raises AdapterError (one line)."""
     check_engine(config)
     if settings is None:
         try:
             settings = Settings.from_env()
         except ValueError as e:  # a bad KVPOOL_* value: one line (SettingsError)
             raise AdapterError(str(e)) from None
-    tp = config.tensor_parallel_size > 1
-    if tp and settings.request_aligned:
+    if config.tensor_parallel_size > 1 and settings.request_aligned:
         raise AdapterError("request-aligned KV (prefill/decode handoff) does not combine "
                            "with tensor_parallel_size > 1")
-    if settings.request_aligned:
-        config.enable_prefix_caching = False  # a shared block would tie requests' units
-    bridge = Bridge(config, settings)
-    if tp:  # every rank a member of one gang (.bridge); each rank loads its own weights
-        config.tp_rank_module = GANG_RANK_MODULE
-        config.tp_started = bridge.tp_started
-    elif settings.weights == "pool":  # the parameters in a shared weight set (.weights)
-        config.model_factory = bridge.make_model
-        config.prepack = False  # a private oneDNN copy would undo the sharing
-    config.block_pool_factory = bridge.make_pool
-    config.kv_cache_factory = bridge.make_kv_cache
-    config.extra[ADAPTER_KEY] = bridge
+    if settings.request_aligned:  # a shared block would tie requests' units
+        config = dataclasses.replace(config, enable_prefix_caching=False)
+    return Bridge(config, settings)
 
 
-__all__ = ["ADAPTER_KEY", "AdapterError", "Bridge", "ElasticBlockPool", "KNOWN_LAYOUTS",
+__all__ = ["AdapterError", "Bridge", "ElasticBlockPool", "GANG_RANK_MODULE", "KNOWN_LAYOUTS",
            "KNOWN_POOL_METHODS", "Settings", "bridge_of", "check_engine", "enable"]

@@ -2,19 +2,23 @@
 allocator and pool when the engine builds its KV storage, and tears all of it down again
 on ``engine.close()``.
 
-The engine's own seams do the rest, nothing is patched: ``EngineConfig``'s
-``block_pool_factory`` / ``kv_cache_factory`` are :meth:`Bridge.make_pool` /
-:meth:`Bridge.make_kv_cache`; the built engine binds itself to the pool
+One bridge per engine, passed in, never found through a global: the engine's own seams
+(:class:`~kvpool.engine.seams.EngineSeams`, :attr:`Bridge.seams`, handed to ``Engine``
+alongside :attr:`Bridge.config`) do the rest, nothing is patched: ``block_pool_factory``
+/ ``kv_cache_factory`` are :meth:`Bridge.make_pool` / :meth:`Bridge.make_kv_cache`; the
+built engine binds itself to the pool
 (``BlockPool.bind_engine``: the pool preempts through it and waits for its
 ``step_lock``); ``Engine.close`` closes the pool, whose ``on_close`` is :meth:`Bridge.close`.
 
-With pool weights (``Settings.weights == "pool"``) the bridge is also the config's
-``model_factory`` (:meth:`Bridge.make_model`): the tenant connects there, before the KV
+With pool weights (``Settings.weights == "pool"``) the bridge is also the seams'
+``model_factory`` (:meth:`Bridge.make_model`) and ``weights_shared`` (no private
+oneDNN copy of shared weights): the tenant connects there, before the KV
 cache, and the model's parameters become views into a weight set (:mod:`.weights`,
 :attr:`Bridge.weights`); one tenant holds both the set and the KV.
 
 Tensor parallelism (``tensor_parallel_size`` > 1): the engine hands the bridge its other
-ranks once they joined (``EngineConfig.tp_started`` is :meth:`Bridge.tp_started`). The
+ranks once they joined (``EngineSeams.tp_started`` is :meth:`Bridge.tp_started`; the ranks run
+:data:`GANG_RANK_MODULE`). The
 tenant becomes rank 0 of a kvpool *gang* (docs/ARCHITECTURE.md, "Gangs"): the bridge
 creates the gang (devices ``settings.device + r`` for rank ``r``), tells every rank to
 join it and create the same group (:mod:`.gang_messages` ``Join``, :mod:`.gang_rank`),
@@ -37,7 +41,7 @@ import logging
 import math
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -46,6 +50,7 @@ from kvpool.engine.config import EngineConfig
 from kvpool.engine.kv_cache import KVCache, KVCacheSpec
 from kvpool.engine.model import LlamaForCausalLM
 from kvpool.engine.model_config import ModelConfig
+from kvpool.engine.seams import EngineSeams
 from kvpool.engine_adapters.bundled.block_pool import ElasticBlockPool
 from kvpool.engine_adapters.bundled import gang_messages
 from kvpool.engine_adapters.bundled.checks import KNOWN_LAYOUTS
@@ -60,15 +65,19 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvpool.engine_adapters.bundled")
 
-ADAPTER_KEY = "kvpool"
+#: what every other rank of a tensor-parallel engine runs (``EngineSeams.tp_rank_module``)
+GANG_RANK_MODULE = "kvpool.engine_adapters.bundled.gang_rank"
 
 
 class Bridge:
-    """Builds the tenant, region group, allocator and pool for one engine."""
+    """Builds the tenant, region group, allocator and pool for one engine.
+
+    Caller: build the engine as ``Engine(bridge.config, bridge.seams)``, once."""
 
     def __init__(self, config: EngineConfig, settings: Settings) -> None:
         self.config = config
         self.settings = settings
+        self.seams = self._seams()
         self.pool: ElasticBlockPool | None = None
         self.tenant: Tenant | None = None
         self.group: RegionGroup | None = None
@@ -78,8 +87,29 @@ class Bridge:
         #: the engine's other ranks (tensor parallelism; None: one rank)
         self.ranks: TPWorkers | None = None
 
+    def _seams(self) -> EngineSeams:
+        """The engine's hooks: this bridge's pool and KV storage; with tensor
+        parallelism every rank a member of one gang (each loads its own weights), else
+        with pool weights the parameters in a shared weight set (:mod:`.weights`)."""
+        if self.config.tensor_parallel_size > 1:
+            return EngineSeams(block_pool_factory=self.make_pool,
+                               kv_cache_factory=self.make_kv_cache,
+                               tp_rank_module=GANG_RANK_MODULE, tp_started=self.tp_started,
+                               adapter=self)
+        if self.settings.weights == "pool":
+            return EngineSeams(block_pool_factory=self.make_pool,
+                               kv_cache_factory=self.make_kv_cache,
+                               model_factory=self.make_model,
+                               weights_shared=self.shares_weights, adapter=self)
+        return EngineSeams(block_pool_factory=self.make_pool,
+                           kv_cache_factory=self.make_kv_cache, adapter=self)
+
+    def shares_weights(self) -> bool:
+        """(``EngineSeams.weights_shared``) The model's parameters are a weight set's."""
+        return self.weights is not None
+
     def tp_started(self, workers: TPWorkers) -> None:
-        """(``EngineConfig.tp_started``) The engine's other ranks joined: the KV cache
+        """(``EngineSeams.tp_started``) The engine's other ranks joined: the KV cache
         will be a gang's (see the module)."""
         self.ranks = workers
 
@@ -118,7 +148,6 @@ class Bridge:
             if not tenant.backend.caps.read_only_maps:
                 log.warning("the %s backend cannot map pages read-only: local weights",
                             tenant.backend.name)
-                self.config.prepack = True
                 return loader.load_model(path, device, dtype, model_config)
             layout = Layout.of(model, dtype)
             key = set_key(content_key(path).key, layout)
@@ -223,6 +252,15 @@ class Bridge:
         self.group = None
 
 
-def bridge_of(config: EngineConfig) -> Bridge | None:
-    """The adapter state of an enabled config (tests and the server's stats use it)."""
-    return config.extra.get(ADAPTER_KEY)
+class HasSeams(Protocol):
+    """An engine (:class:`~kvpool.engine.engine.Engine`): what :func:`bridge_of` reads."""
+
+    @property
+    def seams(self) -> EngineSeams: ...
+
+
+def bridge_of(engine: HasSeams) -> Bridge | None:
+    """The bridge an engine was built with (None: not elastic); the servers' routes and
+    tests ask it."""
+    adapter = engine.seams.adapter
+    return adapter if isinstance(adapter, Bridge) else None

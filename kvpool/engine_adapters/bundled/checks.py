@@ -2,7 +2,7 @@
 
 :func:`check_engine` verifies every engine name the adapter relies on: the abstract
 ``BlockPool`` methods, ``FixedBlockPool._release`` (the pool's one exit for freed blocks),
-``KVCache.from_buffers``, the config's factories, and ``Engine.preempt_until_free`` (what
+``KVCache.from_buffers``, the engine seams' factories, and ``Engine.preempt_until_free`` (what
 :meth:`ElasticBlockPool.shrink` calls to get memory back from running requests).
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 from kvpool.engine.block_pool import BlockPool, FixedBlockPool
 from kvpool.engine.config import EngineConfig
 from kvpool.engine.kv_cache import KVCache
+from kvpool.engine.seams import EngineSeams
 from kvpool.engine_adapters.bundled.settings import AdapterError
 
 KNOWN_POOL_METHODS = frozenset({
@@ -30,7 +31,7 @@ def check_engine(config: EngineConfig) -> None:
             f"methods differ (new: {sorted(abstract - KNOWN_POOL_METHODS)}, gone: "
             f"{sorted(KNOWN_POOL_METHODS - abstract)})")
     for owner, attr in ((FixedBlockPool, "_release"), (KVCache, "from_buffers"),
-                        (EngineConfig, "kv_cache_factory")):
+                        (EngineSeams, "kv_cache_factory")):
         if not hasattr(owner, attr) and attr not in {
                 f.name for f in getattr(owner, "__dataclass_fields__", {}).values()}:
             raise AdapterError(f"engine lacks {owner.__name__}.{attr}: unknown engine version")
@@ -41,5 +42,3 @@ def check_engine(config: EngineConfig) -> None:
     if config.kv_layout not in (*KNOWN_LAYOUTS, "auto"):
         raise AdapterError(f"unknown KV layout {config.kv_layout!r}; the adapter knows "
                            f"{KNOWN_LAYOUTS}")
-    if config.block_pool_factory is not None or config.kv_cache_factory is not None:
-        raise AdapterError("the engine config already has a custom block pool or KV storage")

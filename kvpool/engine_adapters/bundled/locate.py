@@ -30,8 +30,7 @@ from typing import Any
 
 import psutil
 
-from kvpool.engine.config import EngineConfig
-from kvpool.engine_adapters.bundled.bridge import Bridge, bridge_of
+from kvpool.engine_adapters.bundled.bridge import Bridge
 from kvpool import protocol as p
 from kvpool.protocol import endpoint
 
@@ -43,16 +42,15 @@ def is_url(source: str) -> bool:
     return source.startswith(("http://", "https://"))
 
 
-def announce(config: EngineConfig, host: str, port: int) -> str | None:
-    """Make the (enabled) config's tenant register the endpoint a server bound to
-    ``host``:``port`` has on loopback; returns it (None: not on loopback, none sent)."""
-    bridge = bridge_of(config)
+def announce(bridge: Bridge, host: str, port: int) -> str | None:
+    """Make the bridge's tenant (its engine not built yet) register the endpoint a server
+    bound to ``host``:``port`` has on loopback; returns it (None: not on loopback, none
+    sent)."""
     url = endpoint.for_listener(host, port)
-    if bridge is not None:
-        bridge.settings.endpoint = url
-        if url is None:
-            log.warning("serving on %s, not on loopback: no endpoint registered, so no "
-                        "successor can find this server by its tenant name", host)
+    bridge.settings.endpoint = url
+    if url is None:
+        log.warning("serving on %s, not on loopback: no endpoint registered, so no "
+                    "successor can find this server by its tenant name", host)
     return url
 
 

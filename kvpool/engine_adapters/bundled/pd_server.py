@@ -32,6 +32,7 @@ from pydantic import BaseModel
 
 from kvpool.engine.async_engine import AddRequest, AsyncEngine
 from kvpool.engine.config import EngineConfig
+from kvpool.engine_adapters.bundled.bridge import Bridge
 from kvpool.engine.errors import RequestError
 from kvpool.engine.request import RequestOutput
 from kvpool.engine.sampling import SamplingParams
@@ -216,8 +217,9 @@ class PrefillBody(BaseModel):
     params: dict[str, Any]
 
 
-def enable_role(config: EngineConfig, role: str) -> None:
-    """Make ``config`` an elastic, request-aligned engine named for ``role``."""
+def enable_role(config: EngineConfig, role: str) -> Bridge:
+    """The adapter of an elastic, request-aligned engine of ``config`` named for
+    ``role``."""
     import os
 
     from kvpool.engine_adapters.bundled import Settings, enable
@@ -226,7 +228,7 @@ def enable_role(config: EngineConfig, role: str) -> None:
     settings.request_aligned = True
     if settings.name is None and "KVPOOL_TENANT" not in os.environ:
         settings.name = f"{tenant_base(config)}-{role}"
-    enable(config, settings)
+    return enable(config, settings)
 
 
 def tenant_base(config: EngineConfig) -> str:
@@ -248,8 +250,8 @@ def serve_role(config: EngineConfig, role: str, host: str = "127.0.0.1", port: i
         raise ValueError(f"role must be one of {ROLES}, not {role!r}")
     if role == "decode" and not prefill_url:
         raise ValueError("a decode server needs --prefill-url (the prefill server)")
-    enable_role(config, role)
-    engine = Engine(config)
+    bridge = enable_role(config, role)
+    engine = Engine(bridge.config, bridge.seams)
     if role == "prefill":
         aengine: AsyncEngine = PrefillEngine(engine, handoff_to or
                                              f"{tenant_base(config)}-decode")

@@ -71,7 +71,7 @@ class RelayAuth:
     def _pid(self, giver: str, what: str) -> int:
         from kvpool.client_lib import KvpoolError
 
-        bridge = bridge_of(self.engine.config)
+        bridge = bridge_of(self.engine)
         tenant = bridge.tenant if bridge is not None else None
         if tenant is None:
             raise Refused(403, f"{what}: this server has no kvpool tenant")

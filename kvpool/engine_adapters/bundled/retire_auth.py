@@ -118,7 +118,7 @@ def _locate(engine: Any, to: str) -> tuple[int, str | None]:
     may hand pages to it."""
     from kvpool.client_lib import KvpoolError
 
-    bridge = bridge_of(engine.config)
+    bridge = bridge_of(engine)
     tenant = bridge.tenant if bridge is not None else None
     if tenant is None:
         raise Refused(403, f"retire to {to!r} refused: this server has no kvpool tenant")

@@ -93,7 +93,7 @@ def attach(engine: Engine) -> SleepController | None:
     runs with ``KVPOOL_SLEEP_AFTER``. None when the engine is not elastic."""
     from kvpool.engine_adapters.bundled.bridge import bridge_of
 
-    bridge = bridge_of(engine.config)
+    bridge = bridge_of(engine)
     if bridge is None or bridge.tenant is None:
         return None
     tenant = bridge.tenant

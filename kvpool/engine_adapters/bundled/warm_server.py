@@ -28,11 +28,11 @@ from fastapi import FastAPI, Request
 from pydantic import BaseModel
 
 from kvpool.control_token import ControlGate, ControlTokenError
-from kvpool.engine.config import EngineConfig
 from kvpool.engine.errors import RequestError
 from kvpool.engine.sampling import SamplingParams
 from kvpool.engine.api_bodies import public_sampling
 from kvpool.engine_adapters.bundled import handoff_cache, relay_auth, retire_auth, warm_relay
+from kvpool.engine_adapters.bundled.bridge import Bridge
 from kvpool.engine_adapters.bundled.warm_engine import RetiringEngine
 
 log = logging.getLogger("kvpool.warm")
@@ -81,32 +81,32 @@ def take_over(engine: Any, url: str, to: str, timeout_s: float = 120.0,
     from kvpool.client_lib import handoff
     from kvpool.engine_adapters.bundled import bridge_of
 
-    bridge = bridge_of(engine.config)
+    bridge = bridge_of(engine)
     tenant = bridge.tenant if bridge is not None else None
     return entries, (handoff.of(tenant).giver_of(c.ticket) if tenant is not None else None)
 
 
-def serve_elastic(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
+def serve_elastic(bridge: Bridge, host: str = "127.0.0.1", port: int = 8000,
                   log_level: str = "info", handoff_from: str | None = None) -> None:
-    """``kvpool serve --elastic`` (the config enabled already): like the plain server,
+    """``kvpool serve --elastic`` (``bridge``: what ``enable`` returned, its engine not
+    built yet): like the plain server,
     plus ``/pd/retire`` and the sleep routes; with ``handoff_from`` it first takes that
     server's cache over."""
     import uvicorn
 
     from kvpool.engine.engine import Engine
     from kvpool.engine.server import create_app
-    from kvpool.engine_adapters.bundled import bridge_of, locate, sleep
+    from kvpool.engine_adapters.bundled import locate, sleep
 
     try:  # who may use /sleep and /wake_up (kvpool.control_token): checked before loading
         gate = ControlGate.of(host, os.environ)
     except ControlTokenError as e:
         raise RuntimeError(str(e)) from None
-    locate.announce(config, host, port)  # our tenant registers where it serves
-    engine = Engine(config)
+    locate.announce(bridge, host, port)  # our tenant registers where it serves
+    engine = Engine(bridge.config, bridge.seams)
     giver = None
     if handoff_from:
-        bridge = bridge_of(config)
-        name = bridge.tenant.name if bridge is not None and bridge.tenant else ""
+        name = bridge.tenant.name if bridge.tenant else ""
         try:  # a tenant name is located through the daemon (locate.resolve)
             n, giver = take_over(engine, locate.resolve(bridge, handoff_from), name,
                                  follow_url=_own_url(host, port))

@@ -63,13 +63,14 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc, unused-ignore]
     """vLLM's block pool over kvpool memory (see the module); the adapter contract's
     :class:`~kvpool.engine_adapters.elastic.ElasticHooks` for vLLM."""
 
-    def __init__(self, num_gpu_blocks: int, *args: Any, **kwargs: Any) -> None:
-        from kvpool.engine_adapters.vllm.bridge import current
-
+    def __init__(self, num_gpu_blocks: int, *args: Any, bridge: Bridge, **kwargs: Any
+                 ) -> None:
+        """vLLM's arguments, and ``bridge``: this process's adapter (the patched
+        coordinator passes it)."""
         super().__init__(num_gpu_blocks, *args, **kwargs)
-        b = current()
-        allocator: ElasticBlockAllocator | None = None if b is None else b.allocator
-        if b is None or allocator is None:
+        b = bridge
+        allocator: ElasticBlockAllocator | None = b.allocator
+        if allocator is None:
             raise AdapterError("kvpool: vLLM's scheduler runs in a process without the KV "
                                "cache (a multi-process executor); kvpool needs one rank")
         if allocator.num_blocks != num_gpu_blocks:

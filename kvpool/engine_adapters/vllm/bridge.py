@@ -66,10 +66,9 @@ class Stoppable(Protocol):
     def stop(self) -> None: ...
 
 
-def served_name(vllm_config: VllmConfig) -> str:
-    """The tenant name: ``KVPOOL_TENANT``, else vLLM's served model name, else the model
-    directory's name."""
-    name = bridge().settings.name
+def served_name(name: str | None, vllm_config: VllmConfig) -> str:
+    """The tenant name: ``name`` (``KVPOOL_TENANT``, ``Settings.name``), else vLLM's
+    served model name, else the model directory's name."""
     if name:
         return name
     n: str | list[str] | tuple[str, ...] | None = vllm_config.model_config.served_model_name
@@ -79,6 +78,12 @@ def served_name(vllm_config: VllmConfig) -> str:
 
 
 class Bridge:
+    """The process's one kvpool adapter object (see the module). Created once per process
+    at plugin load (:func:`kvpool.engine_adapters.vllm.register`) and handed to
+    :func:`.patches.install`, whose patched vLLM methods hold it; every other piece
+    (block pool, sleep, TP) receives it as an argument. Nothing finds it through a
+    global."""
+
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.tenant: Tenant | None = None
@@ -288,20 +293,3 @@ def _layer_specs(kv_cache_config: KVCacheConfig) -> dict[str, KVCacheSpec]:
             out[name] = (spec.kv_cache_specs[name] if isinstance(spec, UniformTypeKVCacheSpecs)
                          else spec)
     return out
-
-
-_bridge: Bridge | None = None
-_bridge_lock = threading.Lock()
-
-
-def bridge() -> Bridge:
-    """This process's bridge (created on first use)."""
-    global _bridge
-    with _bridge_lock:
-        if _bridge is None:
-            _bridge = Bridge(Settings.from_env())
-        return _bridge
-
-
-def current() -> Bridge | None:
-    return _bridge

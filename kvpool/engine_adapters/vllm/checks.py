@@ -107,7 +107,7 @@ def check_config(config: VllmConfig) -> None:
     if config.device_config.device_type == "cpu" and pc.tensor_parallel_size == 1:
         pc.distributed_executor_backend = "uni"
     os.environ.setdefault("KVPOOL_RUN_DIR", str(where))
-    say(f"kvpool: API server pid {os.getpid()}: KV cache of {served_name(config)!r} comes "
+    say(f"kvpool: API server pid {os.getpid()}: KV cache of {served_name(s.name, config)!r} comes "
         f"from the kvpool daemon at {where} ({pool.backend} backend, budget {pool.budget} B, "
         f"page {pool.page_size} B); the engine core registers the tenant")
     sys.stderr.flush()

@@ -53,12 +53,14 @@ if TYPE_CHECKING:
     from vllm.v1.worker.gpu_worker import Worker
     from vllm.utils.mem_utils import MemorySnapshot
 
+    from kvpool.engine_adapters.vllm.bridge import Bridge
+
 log = logging.getLogger("kvpool.vllm")
 _ours: set[Callable[..., object]] = set()  # our wrappers: a second patch leaves them as is
 
 
 # ---- API server process ------------------------------------------------------------------
-def _patch_arg_utils(mod: ModuleType) -> None:
+def _patch_arg_utils(b: Bridge, mod: ModuleType) -> None:
     from kvpool.engine_adapters.vllm.checks import check_config
 
     cls = mod.EngineArgs
@@ -77,11 +79,10 @@ def _patch_arg_utils(mod: ModuleType) -> None:
 
 
 # ---- engine-core process: memory sizing -------------------------------------------------
-def _capacity_for(worker: CPUWorker | Worker) -> int:
-    from kvpool.engine_adapters.vllm.bridge import bridge, served_name
+def _capacity_for(b: Bridge, worker: CPUWorker | Worker) -> int:
+    from kvpool.engine_adapters.vllm.bridge import served_name
 
-    b = bridge()
-    name = served_name(worker.vllm_config)
+    name = served_name(b.settings.name, worker.vllm_config)
     tp = worker.vllm_config.parallel_config.tensor_parallel_size
     if tp == 1:
         b.connect(name)
@@ -104,29 +105,29 @@ def _capacity_for(worker: CPUWorker | Worker) -> int:
     return int(cap)
 
 
-def _patch_cpu_worker(mod: ModuleType) -> None:
+def _patch_cpu_worker(b: Bridge, mod: ModuleType) -> None:
     cls = mod.CPUWorker
 
     def determine_available_memory(self: CPUWorker) -> int:
         if self._should_warm_up_model():
             self.model_runner.warming_up_model()
-        return _capacity_for(self)
+        return _capacity_for(b, self)
 
     # only __wrapped__ (the original is not called, so its name and doc are not ours)
     functools.update_wrapper(determine_available_memory, cls.determine_available_memory,
                              assigned=(), updated=())
     cls.determine_available_memory = determine_available_memory
-    _patch_cpu_worker_sleep(cls)
+    _patch_cpu_worker_sleep(b, cls)
 
 
-def _patch_gpu_worker(mod: ModuleType) -> None:
+def _patch_gpu_worker(b: Bridge, mod: ModuleType) -> None:
     cls = mod.Worker
     original: Callable[[Worker], int] = cls.determine_available_memory
 
     @functools.wraps(original)
     def determine_available_memory(self: Worker) -> int:
         original(self)  # the profile run (compiles, sizes activations); its figure is ours
-        return _capacity_for(self)
+        return _capacity_for(b, self)
 
     cls.determine_available_memory = determine_available_memory
     request: Callable[..., int] = mod.request_memory
@@ -145,8 +146,7 @@ def _patch_gpu_worker(mod: ModuleType) -> None:
     setattr(mod, "request_memory", request_memory)
 
 
-def _patch_engine_core(mod: ModuleType) -> None:
-    from kvpool.engine_adapters.vllm.bridge import bridge, current
+def _patch_engine_core(b: Bridge, mod: ModuleType) -> None:
 
     original: Callable[[VllmConfig, list[dict[str, KVCacheSpec]], list[int]],
                        list[KVCacheConfig]] = mod.get_kv_cache_configs
@@ -156,8 +156,8 @@ def _patch_engine_core(mod: ModuleType) -> None:
                              available_memory: list[int]) -> list[KVCacheConfig]:
         configs = original(vllm_config, kv_cache_specs, available_memory)
         tp = vllm_config.parallel_config.tensor_parallel_size > 1
-        b = bridge() if tp else current()  # a TP engine core registers no tenant
-        if b is None or (b.tenant is None and not tp) or not configs or (
+        # (a TP engine core registers no tenant)
+        if (b.tenant is None and not tp) or not configs or (
                 not configs[0].kv_cache_tensors):
             return configs
         c = configs[0]
@@ -184,7 +184,7 @@ def _patch_engine_core(mod: ModuleType) -> None:
 
             def locked(self: object, *args: Any, _m: Callable[..., Any] = method,
                        **kwargs: Any) -> Any:
-                with bridge().step_lock:
+                with b.step_lock:
                     return _m(self, *args, **kwargs)
 
             functools.update_wrapper(locked, method)
@@ -197,24 +197,22 @@ def _patch_engine_core(mod: ModuleType) -> None:
             return init_kv(self, vllm_config)
         # tensor parallelism: the allocator's refill thread sends its RPCs under the step
         # lock; the warm-up's RPC (after the allocator exists) must not interleave
-        with bridge().step_lock:
+        with b.step_lock:
             return init_kv(self, vllm_config)
 
     setattr(mod.EngineCore, "_initialize_kv_caches", _initialize_kv_caches)
-    _patch_sleep(mod)
+    _patch_sleep(b, mod)
 
 
-def _patch_sleep(mod: ModuleType) -> None:
+def _patch_sleep(b: Bridge, mod: ModuleType) -> None:
     """A request wakes a sleeping engine (before it is added), every step reports whether
     the engine has work, and ``is_sleeping`` sees kvpool's sleep too (:mod:`.sleep`)."""
-    from kvpool.engine_adapters.vllm.bridge import current
 
     add: Callable[..., Any] = mod.EngineCore.add_request
 
     @functools.wraps(add)
     def add_request(self: Any, *args: Any, **kwargs: Any) -> Any:
-        b = current()
-        if b is not None and b.waker is not None:
+        if b.waker is not None:
             with b.step_lock:
                 b.waker.for_request(self)
         return add(self, *args, **kwargs)
@@ -225,8 +223,7 @@ def _patch_sleep(mod: ModuleType) -> None:
     @functools.wraps(step)
     def _process_engine_step(self: Any, *args: Any, **kwargs: Any) -> Any:
         out = step(self, *args, **kwargs)
-        b = current()
-        if b is not None and b.waker is not None:
+        if b.waker is not None:
             with b.step_lock:
                 b.waker.after_step(self)
         return out
@@ -237,8 +234,7 @@ def _patch_sleep(mod: ModuleType) -> None:
     @functools.wraps(stepped)
     def poll_after_step(self: Any, *args: Any, **kwargs: Any) -> Any:
         out = stepped(self, *args, **kwargs)
-        b = current()
-        if b is not None and b.poll is not None:  # tensor parallelism: the ranks' asks
+        if b.poll is not None:  # tensor parallelism: the ranks' asks
             from kvpool.engine_adapters.vllm.block_pool import ElasticBlockPool
 
             with b.step_lock:
@@ -250,21 +246,19 @@ def _patch_sleep(mod: ModuleType) -> None:
 
     @functools.wraps(is_sleeping)
     def is_sleeping_too(self: Any) -> bool:
-        b = current()
-        return is_sleeping(self) or (b is not None and b.sleep is not None
-                                     and b.sleep.is_sleeping)
+        return is_sleeping(self) or (b.sleep is not None and b.sleep.is_sleeping)
 
     setattr(mod.EngineCore, "is_sleeping", is_sleeping_too)
 
 
-def _patch_cpu_worker_sleep(cls: Any) -> None:
+def _patch_cpu_worker_sleep(b: Bridge, cls: Any) -> None:
     """vLLM CPU's worker ``sleep``/``wake_up`` (no-ops that log a warning) become the
     KV-level sleep: what ``EngineCore.sleep`` (after pausing the scheduler) and
     ``wake_up`` call. A refusal or a failed wake raises one line (vLLM's route answers
     with it)."""
 
     def sleep(self: Any, level: int = 1) -> None:
-        c = _controller()
+        c = _controller(b)
         if not c.sleep("http"):
             raise AdapterError("kvpool: the engine still has requests (mode=keep?); it "
                                "sleeps only without them")
@@ -272,7 +266,7 @@ def _patch_cpu_worker_sleep(cls: Any) -> None:
     def wake_up(self: Any, tags: list[str] | None = None) -> None:
         if tags and "kv_cache" not in tags:
             return  # weights: they never left (no sleep mode for them on CPU)
-        c = _controller()
+        c = _controller(b)
         if not c.wake("http"):
             raise AdapterError(f"kvpool: cannot wake: {c.last_error}")
 
@@ -281,50 +275,45 @@ def _patch_cpu_worker_sleep(cls: Any) -> None:
         setattr(cls, name, fn)
 
 
-def _controller() -> Any:
-    from kvpool.engine_adapters.vllm.bridge import current
-
-    b = current()
-    if b is None or b.sleep is None:
+def _controller(b: Bridge) -> Any:
+    if b.sleep is None:
         raise AdapterError("kvpool: this process has no elastic KV cache to put to sleep")
     return b.sleep
 
 
 # ---- engine-core process: the KV cache ------------------------------------------------------
-def _elastic_allocate(kv_cache_config: KVCacheConfig, device: torch.device,
-                      layout: KVCacheLayout, kernel_block_sizes: list[int] | None = None
-                      ) -> dict[str, torch.Tensor]:
-    from vllm.v1.kv_cache_interface import create_kv_cache_views
-
-    from kvpool.engine_adapters.vllm.bridge import bridge
-
-    return bridge().allocate(kv_cache_config, device, layout, kernel_block_sizes,
-                             create_kv_cache_views)
-
-
-def _patch_allocate(mod: ModuleType) -> None:
+def _patch_allocate(b: Bridge, mod: ModuleType) -> None:
     if not hasattr(mod, "allocate_kv_cache"):
         raise AdapterError(f"kvpool: {mod.__name__} has no allocate_kv_cache: unknown vLLM")
+
+    def _elastic_allocate(kv_cache_config: KVCacheConfig, device: torch.device,
+                          layout: KVCacheLayout, kernel_block_sizes: list[int] | None = None
+                          ) -> dict[str, torch.Tensor]:
+        from vllm.v1.kv_cache_interface import create_kv_cache_views
+
+        return b.allocate(kv_cache_config, device, layout, kernel_block_sizes,
+                          create_kv_cache_views)
+
     setattr(mod, "allocate_kv_cache", _elastic_allocate)
 
 
 # ---- engine-core process: the scheduler ------------------------------------------------------
-def _patch_coordinator(mod: ModuleType) -> None:
+def _patch_coordinator(b: Bridge, mod: ModuleType) -> None:
     from kvpool.engine_adapters.vllm.block_pool import ElasticBlockPool
 
-    setattr(mod, "BlockPool", ElasticBlockPool)
+    # vLLM builds its pool as ``BlockPool(...)``: ours, over this process's adapter
+    setattr(mod, "BlockPool", functools.partial(ElasticBlockPool, bridge=b))
 
 
-def _patch_manager(mod: ModuleType) -> None:
+def _patch_manager(b: Bridge, mod: ModuleType) -> None:
     from kvpool.engine_adapters.vllm.block_pool import allocate_slots
 
     cls = mod.KVCacheManager
     cls.allocate_slots = allocate_slots(cls.allocate_slots)
 
 
-def _patch_scheduler(mod: ModuleType) -> None:
+def _patch_scheduler(b: Bridge, mod: ModuleType) -> None:
     from kvpool.engine_adapters.vllm.block_pool import ElasticBlockPool
-    from kvpool.engine_adapters.vllm.bridge import bridge
 
     cls = mod.Scheduler
     original: Callable[..., None] = cls.__init__
@@ -334,7 +323,6 @@ def _patch_scheduler(mod: ModuleType) -> None:
         original(self, *args, **kwargs)
         pool = self.kv_cache_manager.block_pool
         if isinstance(pool, ElasticBlockPool):
-            b = bridge()
             b.scheduler = self
             if b.status is not None:  # tensor parallelism: no tenant here; asks are polled
                 pool.start_idle_release(b.settings.idle_timeout_s)
@@ -349,10 +337,9 @@ def _patch_scheduler(mod: ModuleType) -> None:
     cls.__init__ = __init__
 
 
-def _patch_executor(mod: ModuleType) -> None:
+def _patch_executor(b: Bridge, mod: ModuleType) -> None:
     """Tensor parallelism: once every worker allocated its KV cache (and before the
     warm-up), the engine core builds its allocator over the gang (:mod:`.tp`)."""
-    from kvpool.engine_adapters.vllm.bridge import bridge
 
     cls = mod.Executor
     original: Callable[..., None] = cls.initialize_from_config
@@ -364,7 +351,6 @@ def _patch_executor(mod: ModuleType) -> None:
             from kvpool.engine_adapters.vllm.bridge import REFILL_TICK_S
             from kvpool.engine_adapters.vllm.tp import ReclaimPoll, scheduler_allocator
 
-            b = bridge()
             b.allocator, b.status = scheduler_allocator(self, b.settings, b.step_lock,
                                                         REFILL_TICK_S)
             b.poll = ReclaimPoll(self, b.allocator)
@@ -372,15 +358,18 @@ def _patch_executor(mod: ModuleType) -> None:
     cls.initialize_from_config = initialize_from_config
 
 
-def install() -> None:
-    """Register every patch (each applies when its module is imported)."""
-    when_imported("vllm.engine.arg_utils", _patch_arg_utils)
-    when_imported("vllm.v1.worker.cpu_worker", _patch_cpu_worker)
-    when_imported("vllm.v1.worker.gpu_worker", _patch_gpu_worker)
-    when_imported("vllm.v1.engine.core", _patch_engine_core)
-    when_imported("vllm.v1.worker.gpu_model_runner", _patch_allocate)
-    when_imported("vllm.v1.worker.gpu.attn_utils", _patch_allocate)
-    when_imported("vllm.v1.core.kv_cache_coordinator", _patch_coordinator)
-    when_imported("vllm.v1.core.kv_cache_manager", _patch_manager)
-    when_imported("vllm.v1.core.sched.scheduler", _patch_scheduler)
-    when_imported("vllm.v1.executor.abstract", _patch_executor)
+def install(b: Bridge) -> None:
+    """Register every patch (each applies when its module is imported) over ``b``, this
+    process's one adapter object: each patched vLLM method holds it (a closure); no
+    module global refers to it."""
+    for name, patch in (("vllm.engine.arg_utils", _patch_arg_utils),
+                        ("vllm.v1.worker.cpu_worker", _patch_cpu_worker),
+                        ("vllm.v1.worker.gpu_worker", _patch_gpu_worker),
+                        ("vllm.v1.engine.core", _patch_engine_core),
+                        ("vllm.v1.worker.gpu_model_runner", _patch_allocate),
+                        ("vllm.v1.worker.gpu.attn_utils", _patch_allocate),
+                        ("vllm.v1.core.kv_cache_coordinator", _patch_coordinator),
+                        ("vllm.v1.core.kv_cache_manager", _patch_manager),
+                        ("vllm.v1.core.sched.scheduler", _patch_scheduler),
+                        ("vllm.v1.executor.abstract", _patch_executor)):
+        when_imported(name, functools.partial(patch, b))
