@@ -94,8 +94,8 @@ def test_smoke_run_survives_a_hanging_step(tmp_path):
     r = run_check(out, GPU_CHECK_SMOKE="1", GPU_CHECK_PY=str(hanging_python(tmp_path)),
                   # the steps that must pass get room for a loaded machine (their own
                   # default limits are sized for an idle GPU host)
-                  GPU_CHECK_TIMEOUTS="vmm-bench=5 alloc-bench=400 daemon=400",
-                  GPU_CHECK_BUDGET="1200",
+                  GPU_CHECK_TIMEOUTS="vmm-bench=5 diagnostics=400 alloc-bench=400 daemon=400",
+                  GPU_CHECK_BUDGET="1600",
                   GPU_CHECK_STEPS="vmm-bench alloc-bench daemon")
     log = r.stdout[-4000:] + r.stderr[-2000:]
     assert r.returncode == 1, log
