@@ -215,11 +215,6 @@ def register(cli: click.Group) -> None:
                 raise click.ClickException(str(e)) from None
             return
         if elastic or os.environ.get("KVPOOL_ENABLE") == "1":
-            from kvpool import paths
-            from kvpool.client_lib.connection import probe
-
-            with _daemon_errors():  # before any rank starts: a missing daemon is one line
-                probe(paths.run_dir())
             bridge = _enable_elastic(config)
             from kvpool.engine_adapters.bundled import warm_server
 

@@ -94,6 +94,8 @@ def serve_elastic(bridge: Bridge, host: str = "127.0.0.1", port: int = 8000,
     server's cache over."""
     import uvicorn
 
+    from kvpool import paths
+    from kvpool.client_lib.connection import probe
     from kvpool.engine.engine import Engine
     from kvpool.engine.server import create_app
     from kvpool.engine_adapters.bundled import locate, sleep
@@ -102,6 +104,8 @@ def serve_elastic(bridge: Bridge, host: str = "127.0.0.1", port: int = 8000,
         gate = ControlGate.of(host, os.environ)
     except ControlTokenError as e:
         raise RuntimeError(str(e)) from None
+    # a missing daemon is one line (DaemonUnavailable) before any TP rank starts
+    probe(paths.run_dir(bridge.settings.run_dir))
     locate.announce(bridge, host, port)  # our tenant registers where it serves
     engine = Engine(bridge.config, bridge.seams)
     giver = None
