@@ -39,8 +39,12 @@ from common import write_result
 from rich.console import Console
 from rich.table import Table
 
-from kvpool.engine import LLM, SamplingParams, fused, native
-from kvpool.engine.tiny import make_tiny_model
+from kvpool.engine import LLM, SamplingParams
+
+from kvpool.engine.model import fused
+
+from kvpool.engine.model import native
+from kvpool.engine.model.tiny import make_tiny_model
 
 CONFIGS = ("fp32", "bf16", "bf16-torch")
 

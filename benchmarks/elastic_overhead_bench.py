@@ -44,7 +44,7 @@ from rich.table import Table
 
 from kvpool.engine import Engine, EngineConfig, SamplingParams
 from kvpool.demo.cluster import Cluster
-from kvpool.engine.tiny import make_tiny_model
+from kvpool.engine.model.tiny import make_tiny_model
 from kvpool.sizes import parse_size
 
 REPO = Path(__file__).resolve().parents[1]

@@ -45,7 +45,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvpool.engine import LLM, Engine, EngineConfig, SamplingParams
-from kvpool.engine.tiny import make_tiny_model
+from kvpool.engine.model.tiny import make_tiny_model
 
 
 def _engine(path: Path, args: argparse.Namespace, **kw) -> Engine:
@@ -308,8 +308,8 @@ def peer_model(choice: str, tmp: Path, seed: int) -> tuple[str, dict[str, Any]]:
                                num_experts=8, experts_per_token=2,
                                max_position_embeddings=4096, seed=seed)
     elif choice == "smollm2":
-        from kvpool.engine.gguf_convert import convert_gguf
-        from kvpool.engine.real_models import smollm2_gguf
+        from kvpool.engine.gguf.convert import convert_gguf
+        from kvpool.engine.model.real_models import smollm2_gguf
 
         found = smollm2_gguf()
         if found.path is None:

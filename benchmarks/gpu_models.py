@@ -1,6 +1,6 @@
 """Random-weight Llama checkpoints of realistic size for the GPU benchmarks, written fast.
 
-``kvpool.engine.tiny.make_tiny_model`` writes float32 weights drawn on the CPU, which for a
+``kvpool.engine.model.tiny.make_tiny_model`` writes float32 weights drawn on the CPU, which for a
 1B-parameter model means ~4 GB of file and tens of seconds; here the tokenizer and the
 config files come from ``make_tiny_model`` at a tiny size, then ``config.json`` gets the
 real dimensions and ``model.safetensors`` is rewritten with weights drawn on the GPU (when
@@ -36,7 +36,7 @@ def model_dir(preset: str, dtype: str, default: str | Path) -> Path:
 def make_model(path: str | Path, preset: str = "llama-1b", dtype: str = "bfloat16",
                seed: int = 0, device: str | None = None) -> Path:
     """Write a ``preset``-sized random Llama into ``path`` (kept if already there)."""
-    from kvpool.engine.tiny import make_tiny_model, random_weights
+    from kvpool.engine.model.tiny import make_tiny_model, random_weights
 
     if preset not in PRESETS:
         raise ValueError(f"unknown model preset {preset!r}; choose from {', '.join(PRESETS)}")

@@ -203,7 +203,7 @@ def main() -> None:
     args = ap.parse_args()
     from kvpool import launch
     from kvpool.engine import cpus as pinning
-    from kvpool.engine.tiny import make_tiny_model
+    from kvpool.engine.model.tiny import make_tiny_model
 
     try:
         cpus = pinning.parse(args.cpus)

@@ -142,7 +142,7 @@ def main() -> None:
     ap.add_argument("--out")
     a = ap.parse_args()
 
-    from kvpool.engine.tiny import make_tiny_model
+    from kvpool.engine.model.tiny import make_tiny_model
     from kvpool.sizes import parse_size
 
     work = Path(tempfile.mkdtemp(prefix="vllm-bench-"))

@@ -168,7 +168,7 @@ def main() -> None:
     from adapters.vllm_procs import remove_daemon, start_daemon
     from common import write_result
 
-    from kvpool.engine.tiny import make_tiny_model
+    from kvpool.engine.model.tiny import make_tiny_model
 
     work = Path(tempfile.mkdtemp(prefix="vllm-prof-"))
     model = make_tiny_model(work / "tiny-llama", layers=4, hidden=256, heads=8, kv_heads=4,

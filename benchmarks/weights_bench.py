@@ -89,8 +89,8 @@ def log(msg: str) -> None:
 def smollm2(cache: Path) -> Path:
     """The converted SmolLM2 folder under ``cache`` (converted now unless one made from the
     same GGUF file is there); SystemExit when the package is missing."""
-    from kvpool.engine.gguf_convert import convert_gguf
-    from kvpool.engine.real_models import smollm2_gguf
+    from kvpool.engine.gguf.convert import convert_gguf
+    from kvpool.engine.model.real_models import smollm2_gguf
 
     located = smollm2_gguf()
     if located.path is None:
@@ -313,8 +313,8 @@ class InProcess:
 
         from kvpool.client_lib import connect
         from kvpool.client_lib.weights import content_key
-        from kvpool.engine import loader
-        from kvpool.engine.model_config import ModelConfig
+        from kvpool.engine.model import loader
+        from kvpool.engine.model.config import ModelConfig
         from kvpool.engine_adapters.bundled.weights import Layout, set_key
 
         self.model, self.run_dir, self.loader = model, run_dir, loader
@@ -595,7 +595,7 @@ def main() -> None:
         if args.model:
             model = Path(args.model)
         elif args.quick:
-            from kvpool.engine.tiny import make_tiny_model
+            from kvpool.engine.model.tiny import make_tiny_model
 
             model = make_tiny_model(tmp / "tiny", seed=0)
         else:

@@ -9,7 +9,12 @@ name, over a package's source tree:
   neither it nor a base class of the package assigns: a class cut across files (a mixin,
   whatever its name);
 * ``backend-name``: a comparison (``==``, ``!=``, ``in``, ``is``, ``match``) with a
-  backend's name outside ``vmm/`` and ``cli/``: callers ask ``backend.caps``.
+  backend's name outside ``vmm/`` and ``cli/``: callers ask ``backend.caps``;
+* ``layer``: an import (at module level or in a function, ``TYPE_CHECKING`` included) of
+  a sub-package that sits above the importer (:data:`ABOVE`: data flows engine ->
+  adapter -> client_lib -> wire -> daemon -> vmm, servers above adapters, never back),
+  or of a library its folder must not load (:data:`NO_LIBRARY`: the daemon never
+  imports torch).
 
     python scripts/structure_rules.py [PACKAGE_DIR]
 
@@ -38,6 +43,27 @@ PACKAGE = "kvpool"
 BACKEND_NAMES = frozenset({"cuda", "host"})
 #: where a backend's name may be compared: the registry and the CLI that parses it
 BACKEND_NAME_HOMES = ("vmm/", "cli/")
+
+_SERVERS = {"elastic_server", "fleet", "cli", "demo"}
+#: sub-package -> the sub-packages it must never import (docs/ARCHITECTURE.md, "Layout")
+ABOVE: dict[str, frozenset[str]] = {
+    "engine": frozenset({"engine_adapters", "client_lib", "protocol", "daemon", "vmm",
+                         *_SERVERS}),
+    "engine_adapters": frozenset({"daemon", *_SERVERS}),
+    "elastic_server": frozenset({"daemon", "fleet", "cli", "demo"}),
+    "client_lib": frozenset({"engine", "engine_adapters", "daemon", *_SERVERS}),
+    "protocol": frozenset({"engine", "engine_adapters", "client_lib", "daemon", "vmm",
+                           *_SERVERS}),
+    "daemon": frozenset({"engine", "engine_adapters", "client_lib", *_SERVERS}),
+    "vmm": frozenset({"engine", "engine_adapters", "client_lib", "protocol", "daemon",
+                      *_SERVERS}),
+    "fleet": frozenset({"cli", "demo"}),
+}
+#: sub-package -> third-party libraries it must never import
+NO_LIBRARY: dict[str, frozenset[str]] = {
+    "daemon": frozenset({"torch", "vllm"}), "vmm": frozenset({"torch", "vllm"}),
+    "protocol": frozenset({"torch", "vllm"}), "engine": frozenset({"vllm"}),
+}
 
 _VLLM = "engine_adapters/vllm/patches.py"
 _VLLM_SEAM = ("vLLM offers no seam here: its own {} is wrapped when vLLM imports it "
@@ -407,6 +433,27 @@ def _backend_names(mod: _Module) -> Iterator[Finding]:
                           f"case {ast.unparse(node.pattern)}")
 
 
+def _layers(mod: _Module, package: str) -> Iterator[Finding]:
+    home = mod.path.split("/")[0] if "/" in mod.path else ""
+    above, libraries = ABOVE.get(home, frozenset()), NO_LIBRARY.get(home, frozenset())
+    if not above and not libraries:
+        return
+    is_package = mod.path.endswith("__init__.py")
+    for node in ast.walk(mod.tree):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            targets = [import_cycles.resolve(mod.name, is_package, node)]
+        else:
+            continue
+        for target in targets:
+            parts = target.split(".")
+            if parts[0] == package and len(parts) > 1 and parts[1] in above:
+                yield Finding("layer", mod.path, node.lineno, f"{home} imports {parts[1]}")
+            elif parts[0] in libraries:
+                yield Finding("layer", mod.path, node.lineno, f"{home} imports {parts[0]}")
+
+
 def findings(package_dir: Path) -> list[Finding]:
     """Every finding in the package at ``package_dir``, allowed ones included."""
     pkg = _Package(package_dir)
@@ -415,6 +462,7 @@ def findings(package_dir: Path) -> list[Finding]:
         out += _patches(pkg, mod)
         out += _cut_classes(pkg, mod)
         out += _backend_names(mod)
+        out += _layers(mod, package_dir.name)
     return sorted(set(out), key=lambda f: (f.path, f.line, f.rule, f.key))
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.engine.real_models import smollm2_gguf
+from kvpool.engine.model.real_models import smollm2_gguf
 
 SMOLLM2_NAME = "SmolLM2-135M-Instruct"
 # seconds the last conversion in this process took (None: reused or not converted)
@@ -33,7 +33,7 @@ def convert_smollm2(root: Path) -> Path:
     """The converted SmolLM2 folder under ``root`` (converted now unless a folder made from
     the same file is there); skips the calling test when the package is missing."""
     global last_conversion_s
-    from kvpool.engine.gguf_convert import convert_gguf
+    from kvpool.engine.gguf.convert import convert_gguf
 
     located = smollm2_gguf()
     if located.path is None:

@@ -115,7 +115,7 @@ def test_model_bad_path_is_one_line(tmp_path):
 
 
 def test_model_folder_without_tokenizer_is_one_line(tmp_path):
-    from kvpool.engine.tiny import make_tiny_model
+    from kvpool.engine.model.tiny import make_tiny_model
 
     d = make_tiny_model(tmp_path / "tiny", layers=1, hidden=32, heads=2, kv_heads=1, vocab=512)
     (d / "tokenizer.json").unlink()
@@ -140,8 +140,9 @@ def test_model_smollm2_is_converted_once_and_again_when_the_file_changes(tmp_pat
                                                                           monkeypatch):
     """The conversion is reused while the package's file is unchanged (size, mtime); the
     real converter is replaced by a tiny model writer (the real one is tested elsewhere)."""
-    from kvpool.engine import gguf_convert, real_models
-    from kvpool.engine.tiny import make_tiny_model
+    from kvpool.engine.gguf import convert as gguf_convert
+    from kvpool.engine.model import real_models
+    from kvpool.engine.model.tiny import make_tiny_model
 
     src = tmp_path / "fake.gguf"
     src.write_bytes(b"GGUF")

@@ -6,7 +6,10 @@ that a reader relies on and that a change could silently break.
 * checked by meaning, not by name (``scripts/structure_rules.py``): no callable assigned
   onto another object's attribute (run-time patching), no class declaring attributes it
   never assigns (a class cut across files), no comparison with a backend's name outside
-  ``vmm/`` and ``cli/``; what is allowed is listed there, each with its reason.
+  ``vmm/`` and ``cli/``, no import of a layer above the importer (data flows engine ->
+  adapter -> client_lib -> wire -> daemon -> vmm; the daemon never imports torch); what
+  is allowed is listed there, each with its reason;
+* docs/ARCHITECTURE.md's layout is the tree's (``scripts/layout_tree.py``).
 
 Each checker is also run over planted violations, so a checker that stops finding
 anything fails here.
@@ -208,6 +211,32 @@ def open_it(backend: str, kind: str, layout: str) -> None:
 def entry(kind: str) -> int:
     return 1 if kind == "host" else 2
 """,
+    "engine/__init__.py": "",
+    "engine/run.py": """
+from planted.daemon import core
+from planted.engine import __init__ as fine
+
+
+def late() -> None:
+    import planted.cli.main
+    from ..client_lib import maps
+""",
+    "engine_adapters/__init__.py": "",
+    "engine_adapters/bridge.py": """
+from planted.engine import run
+from planted.client_lib import maps
+""",
+    "client_lib/__init__.py": "",
+    "client_lib/maps.py": """
+import torch
+""",
+    "daemon/__init__.py": "",
+    "daemon/core.py": """
+from typing import TYPE_CHECKING
+if TYPE_CHECKING:
+    import torch.nn
+from planted.vmm import registry
+""",
     "cli/__init__.py": "",
     "cli/main.py": """
 def main(backend: str) -> bool:
@@ -230,6 +259,10 @@ PLANTED_FINDINGS = {
     ("backend-name", "backends.py", "'cuda' != kind"),
     ("backend-name", "backends.py", "kind in ('cuda', 'other')"),
     ("backend-name", "backends.py", "case 'host' | 'x'"),
+    ("layer", "engine/run.py", "engine imports daemon"),
+    ("layer", "engine/run.py", "engine imports cli"),
+    ("layer", "engine/run.py", "engine imports client_lib"),
+    ("layer", "daemon/core.py", "daemon imports torch"),
 }
 
 
@@ -262,3 +295,36 @@ def test_the_rules_script_fails_on_planted_violations(tmp_path: Path) -> None:
     assert proc.returncode == 1
     assert "[patch] install: pool.shrink" in proc.stdout
     assert "stale allowance" not in proc.stdout  # the allowances are the package's
+
+
+def _layout():  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location("layout_tree",
+                                                  REPO / "scripts" / "layout_tree.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_architecture_layout_is_the_tree() -> None:
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "layout_tree.py"),
+                           "--check"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout
+
+
+def test_the_layout_shows_a_moved_module(tmp_path: Path) -> None:
+    layout = _layout()
+    package = tmp_path / "pkg"
+    (package / "engine").mkdir(parents=True)
+    (package / "__init__.py").write_text('"""A package."""')
+    (package / "engine" / "__init__.py").write_text('"""The engine. More."""')
+    (package / "engine" / "tp_rank.py").write_text('"""One rank; its loop."""')
+    before = layout.tree(package)
+    assert any("engine/" in line and "The engine" in line for line in before)
+    assert any("tp_rank.py" in line and "One rank" in line for line in before)
+    (package / "engine" / "tp").mkdir()
+    (package / "engine" / "tp" / "__init__.py").write_text("")
+    (package / "engine" / "tp_rank.py").rename(package / "engine" / "tp" / "rank.py")
+    after = layout.tree(package)
+    assert after != before and not any("tp_rank.py" in line for line in after)
+    assert any(line.strip().startswith("rank.py") for line in after)

@@ -182,7 +182,7 @@ def ps(run_dir: str | None, as_json: bool) -> None:
         table.add_column(col, justify="left" if col in ("NAME", "KIND", "STATE") else "right")
     for t in reply.tenants:
         state: list[str] = []
-        if t.state != "awake" or t.sleepable:  # (kvpool.daemon.sleep)
+        if t.state != "awake" or t.sleepable:  # (kvpool.daemon.sleepers)
             state.append(t.state + (" (sleepable)" if t.sleepable else ""))
         if t.unresponsive:
             state.append(f"UNRESPONSIVE (ignored {t.ignored})")

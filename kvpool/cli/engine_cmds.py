@@ -20,10 +20,10 @@ from kvpool.cli.extras import require
 
 if TYPE_CHECKING:
     from kvpool.engine.config import EngineConfig
-    from kvpool.engine_adapters.bundled.bridge import Bridge
+    from kvpool.engine_adapters.bundled.bridge import BundledBridge
 
 
-def _enable_elastic(engine_config: EngineConfig) -> Bridge:
+def _enable_elastic(engine_config: EngineConfig) -> BundledBridge:
     """``--elastic`` / KVPOOL_ENABLE=1: the adapter of an engine of this config (its
     block pool and KV storage factories are the engine's seams)."""
     try:
@@ -184,7 +184,7 @@ def register(cli: click.Group) -> None:
             raise click.ClickException(str(e)) from None
         from kvpool.engine.config import EngineConfig
         from kvpool.engine.errors import CheckpointError
-        from kvpool.engine.server import serve as run_server
+        from kvpool.engine.serving.server import serve as run_server
 
         try:
             config = EngineConfig(
@@ -197,8 +197,9 @@ def register(cli: click.Group) -> None:
                 tensor_parallel_size=tensor_parallel_size)
         except ValueError as e:  # EngineConfigError, a size that does not parse
             raise click.BadParameter(str(e)) from None
-        if role != "both" or pd:  # kvpool.engine_adapters.bundled.pd_server (issue 15)
-            from kvpool.engine_adapters.bundled import AdapterError, pd_server
+        if role != "both" or pd:  # kvpool.elastic_server.pd (issue 15)
+            from kvpool.engine_adapters.bundled import AdapterError
+            from kvpool.elastic_server import pd as pd_server
 
             if role == "decode" and not prefill_url and not pd:
                 raise click.BadParameter("--role decode needs --prefill-url")
@@ -216,7 +217,7 @@ def register(cli: click.Group) -> None:
             return
         if elastic or os.environ.get("KVPOOL_ENABLE") == "1":
             bridge = _enable_elastic(config)
-            from kvpool.engine_adapters.bundled import warm_server
+            from kvpool.elastic_server import app as warm_server
 
             try:  # the elastic server: also /pd/retire (warm restart, issue 15)
                 with _daemon_errors():
@@ -303,7 +304,7 @@ def register(cli: click.Group) -> None:
         if from_gguf is not None:
             _convert_gguf(from_gguf, model_dir, dtype)
             return
-        from kvpool.engine.tiny import make_tiny_model
+        from kvpool.engine.model.tiny import make_tiny_model
 
         if hidden % heads or heads % kv_heads:
             raise click.BadParameter("hidden must divide by heads, heads by kv-heads")
@@ -317,11 +318,11 @@ def register(cli: click.Group) -> None:
 
 def _convert_gguf(src: str, model_dir: str, dtype: str) -> None:
     """``make-model --from-gguf``: one line on stderr and exit 1 on any bad input."""
-    from kvpool.engine.gguf_convert import convert_gguf
-    from kvpool.engine.gguf_read import GGUFError
+    from kvpool.engine.gguf.convert import convert_gguf
+    from kvpool.engine.gguf.read import GGUFError
 
     if src == "smollm2" and not os.path.exists(src):
-        from kvpool.engine.real_models import smollm2_gguf
+        from kvpool.engine.model.real_models import smollm2_gguf
 
         located = smollm2_gguf()
         if located.path is None:

@@ -2,7 +2,7 @@
 all its KV and its weight-set holds) or to wake, then wait until ``ps`` shows it so.
 
 Allowed for the tenant's own uid and for admin identities (the daemon decides:
-:mod:`kvpool.daemon.sleep`). One line and a nonzero exit when no tenant of that name is
+:mod:`kvpool.daemon.sleepers`). One line and a nonzero exit when no tenant of that name is
 connected, when the daemon refuses, or when ``--wait`` expires first.
 """
 

@@ -15,7 +15,7 @@ tenant whose own threads do nothing, at once:
   :meth:`Tenant.set_shrink_callback`) frees blocks and the chunks that became empty are
   released, repeated until enough is free or the deadline nears; then ``Reclaimed``;
 * ``SleepAsk`` — the engine's sleep handler (:meth:`Tenant.set_sleep_handler`) runs on a
-  worker thread (:mod:`kvpool.client_lib.sleep`) and the new state is reported
+  worker thread (:mod:`kvpool.client_lib.sleep_handler`) and the new state is reported
   (:meth:`Tenant.report_state`); without a handler the ask is ignored (logged).
 
 The keeper also notices the daemon's death (fd-channel EOF). The tenant keeps serving
@@ -42,7 +42,7 @@ from kvpool.client_lib.errors import KvpoolError
 from kvpool.client_lib.handoff import Handoffs
 from kvpool.client_lib.lease import Lease
 from kvpool.client_lib.regions import RegionGroup
-from kvpool.client_lib.sleep import SleepHandler, SleepWorker
+from kvpool.client_lib.sleep_handler import SleepHandler, SleepWorker
 from kvpool.limits import raise_fd_limit
 from kvpool.vmm import open_backend
 
@@ -195,7 +195,7 @@ class Tenant:
             self.reclaim(m)
         elif isinstance(m, p.Settled):  # an offer of ours ended (kvpool.client_lib.handoff)
             self.handoffs.settled(m)
-        elif isinstance(m, p.SleepAsk):  # (kvpool.client_lib.sleep)
+        elif isinstance(m, p.SleepAsk):  # (kvpool.client_lib.sleep_handler)
             self._sleep.ask(m, self._sleep_handler)
         elif isinstance(m, p.GangEnded):  # a rank's session ended: our pages went back
             self._gang_over(m.gang_id, m.reason)

@@ -16,7 +16,7 @@ on: :mod:`~kvpool.daemon.registry` (sessions, register, knobs, set_limit, drop),
 :mod:`~kvpool.daemon.adoption` (Adopt after a restart), :mod:`~kvpool.daemon.handoff`
 (offer, claim, cancel), :mod:`~kvpool.daemon.locate` (locate a tenant by name),
 :mod:`~kvpool.daemon.weights` (weight sets: create, seal, attach, detach),
-:mod:`~kvpool.daemon.sleep` (sleep states, the operator's sleep/wake, who the reclaimer
+:mod:`~kvpool.daemon.sleepers` (sleep states, the operator's sleep/wake, who the reclaimer
 puts to sleep),
 :mod:`~kvpool.daemon.views` (ps, stats, map, check) and
 :mod:`~kvpool.daemon.integrity` (the self-check). Reclaim policy lives in
@@ -62,7 +62,7 @@ from kvpool.daemon.reclaim import Reclaimer, Waiter
 from kvpool.daemon.regions import GroupIndex
 from kvpool.daemon.registry import Registry
 from kvpool.daemon.restart import Recovery
-from kvpool.daemon.sleep import SleepBook
+from kvpool.daemon.sleepers import SleepBook
 from kvpool.daemon.tenants import TenantRecord, Tenants
 from kvpool.daemon.views import Views
 from kvpool.daemon.weights import WeightSets

@@ -19,7 +19,7 @@ Rules:
   ``stats``, ``map``, ``check``) need a registered session of any kind (a monitor
   registers as kind ``monitor``): their replies are bounded, but not free to build;
 * ``sleep_tenant`` (``p.SESSION_OPS``) needs a registered session of any kind, sent from
-  the identity that registered it; the handler (:mod:`kvpool.daemon.sleep`) refuses a
+  the identity that registered it; the handler (:mod:`kvpool.daemon.sleepers`) refuses a
   tenant of another uid unless the session is an admin identity (:func:`may_act_on`);
 * admin ops (``set_limit``, ``shutdown``) need the token of a session whose peer is an
   *admin identity*: root, the daemon's own uid, or a member of ``admin_group``;

@@ -15,7 +15,7 @@ receive from get the same ``NOT_FOUND`` line.
 
 The endpoint is what the located tenant said at register (loopback http only,
 :mod:`kvpool.protocol.endpoint`); the daemon vouches for the pid and the name, not for
-what listens there (the asker checks that, ``kvpool.engine_adapters.bundled.locate``).
+what listens there (the asker checks that, ``kvpool.elastic_server.locate``).
 Read-only: nothing here changes state.
 """
 

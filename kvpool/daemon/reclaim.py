@@ -14,7 +14,7 @@ c. tenants above their share under the reclaim policy (:mod:`kvpool.daemon.polic
    callback frees cached blocks so whole units empty, and the library releases them;
 d. when b and c leave pages missing (nobody else to ask, or the asked answered short):
    ONE idle tenant that opted in is asked to sleep (:class:`SleepSource`,
-   :mod:`kvpool.daemon.sleep`): it releases all its KV and its weight-set holds. It
+   :mod:`kvpool.daemon.sleepers`): it releases all its KV and its weight-set holds. It
    is credited only with what that frees (a set another tenant holds stays), never
    chosen when that is nothing, and the one that frees all that is missing first.
 
@@ -85,7 +85,7 @@ class Evictable(Protocol):
 
 
 class SleepSource(Protocol):
-    """Tenants the daemon may put to sleep (:class:`kvpool.daemon.sleep.SleepBook`)."""
+    """Tenants the daemon may put to sleep (:class:`kvpool.daemon.sleepers.SleepBook`)."""
 
     def put_one_to_sleep(self, spare: AbstractSet[int], need: int,
                          now: float) -> TenantRecord | None:

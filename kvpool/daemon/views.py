@@ -22,7 +22,7 @@ from kvpool.daemon.pool import Pool
 from kvpool.daemon.reclaim import Reclaimer
 from kvpool.daemon.regions import GroupIndex
 from kvpool.daemon.restart import Recovery
-from kvpool.daemon.sleep import SleepBook
+from kvpool.daemon.sleepers import SleepBook
 from kvpool.daemon.tenants import NO_MEMORY_KINDS, TenantRecord, Tenants
 from kvpool.daemon.weights import WeightSets
 

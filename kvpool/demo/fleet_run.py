@@ -104,7 +104,7 @@ class FleetDemoConfig:
 
 def ensure_models(cfg: FleetDemoConfig) -> None:
     """Write the six checkpoints once (kept between runs), each with its own seed."""
-    from kvpool.engine.tiny import make_tiny_model
+    from kvpool.engine.model.tiny import make_tiny_model
 
     for i, name in enumerate(cfg.models):
         d = cfg.model_dir(name)

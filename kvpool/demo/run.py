@@ -111,7 +111,7 @@ def ensure_models(cfg: DemoConfig) -> None:
     for a real checkpoint (resolved, and converted if need be, before the run)."""
     if cfg.checkpoint is not None:
         return
-    from kvpool.engine.tiny import make_tiny_model
+    from kvpool.engine.model.tiny import make_tiny_model
 
     for i, name in enumerate(cfg.models):
         d = cfg.model_dir(name)

@@ -3,7 +3,7 @@
 Two sources, each read before the workload and again after it (the difference is the
 run's): every elastic bundled server logs each wake as ``kvpool: awake (REASON) in X s``
 (``X``: its restore, the weights re-attached or reloaded and the null block's KV mapped;
-:mod:`kvpool.engine_adapters.sleep`), and a fleet's ``/metrics`` has
+:mod:`kvpool.engine_adapters.sleep_controller`), and a fleet's ``/metrics`` has
 ``kvpool_fleet_wakes_total`` and the ``kvpool_fleet_wake_seconds`` histogram (what the
 router saw: a request's wait from its arrival until the member was ready).
 """

@@ -28,11 +28,11 @@ class EngineConfig:
     adapter plugs in (factories, ``tp_started``, the rank module) are not here but in
     :class:`~kvpool.engine.seams.EngineSeams`, passed to the engine alongside.
     ``prepack``: give fp32 linear layers on CPU a private oneDNN copy of their weights
-    (:func:`kvpool.engine.fused.prepack`: faster GEMMs at 5-256 rows, one more copy of
+    (:func:`kvpool.engine.model.fused.prepack`: faster GEMMs at 5-256 rows, one more copy of
     those weights in memory); weights the seams share are never prepacked.
 
     ``tensor_parallel_size`` > 1 (CPU): the model is split over that many processes
-    (this one is rank 0: :mod:`kvpool.engine.tp_workers`); heads, KV heads, the MLP and
+    (this one is rank 0: :mod:`kvpool.engine.tp.workers`); heads, KV heads, the MLP and
     the vocabulary must divide by it. Each rank holds its KV heads of every block, so
     the KV sizes above (and the seams' factories) are rank 0's.
 

@@ -6,7 +6,7 @@ step, admission and abort holds it, so another thread (an elastic pool giving me
 back, a handoff) can act between two steps by holding it.
 
 Tensor parallelism (``EngineConfig.tensor_parallel_size`` > 1, CPU): this process is
-rank 0: it schedules, samples and owns the block pool; :class:`~kvpool.engine.tp_workers.
+rank 0: it schedules, samples and owns the block pool; :class:`~kvpool.engine.tp.workers.
 TPWorkers` runs the other ranks, each with its share of the weights and of every KV block
 (its KV heads), following rank 0's block tables step by step. The KV storage here (and
 ``kv_spec``) holds rank 0's heads only.
@@ -31,21 +31,21 @@ from typing import Any
 import torch
 
 from kvpool.engine.block_pool import BlockPool, FixedBlockPool
-from kvpool.engine.collective import SINGLE, Collective
+from kvpool.engine.tp.collective import SINGLE, Collective
 from kvpool.engine.config import EngineConfig
 from kvpool.engine.seams import NO_SEAMS, EngineSeams
 from kvpool.engine.errors import CheckpointError, RequestError
 from kvpool.engine.kv_cache import KVCache, KVCacheSpec
 from kvpool.engine.kv_manager import KVCacheManager
-from kvpool.engine.loader import load_model
-from kvpool.engine.model_config import ModelConfig
+from kvpool.engine.model.loader import load_model
+from kvpool.engine.model.config import ModelConfig
 from kvpool.engine.model_runner import ModelRunner
 from kvpool.engine.request import Request, RequestOutput, RequestStatus
 from kvpool.engine.sampling import SamplingParams, sample
 from kvpool.engine.scheduler import Scheduler
 from kvpool.engine.tokenizer import MAX_CHARS_PER_TOKEN, Tokenizer
-from kvpool.engine.tp_layers import check_divisible
-from kvpool.engine.tp_workers import TPWorkers
+from kvpool.engine.tp.layers import check_divisible
+from kvpool.engine.tp.workers import TPWorkers
 
 DEFAULT_KV_CACHE_SIZE = 256 << 20
 

@@ -7,7 +7,7 @@ persistent output workspace of ``max_num_tokens`` rows (grown if a step ever nee
 A step is a list of :class:`~kvpool.engine.step_input.StepEntry` (plain data, not
 requests): :meth:`ModelRunner.run` makes them from the scheduled requests, hands them to
 ``followers`` (a tensor-parallel engine's other ranks, which run the same entries:
-:mod:`kvpool.engine.tp_workers`) and runs them itself (:meth:`ModelRunner.execute`).
+:mod:`kvpool.engine.tp.workers`) and runs them itself (:meth:`ModelRunner.execute`).
 """
 
 from __future__ import annotations
@@ -16,12 +16,14 @@ from typing import Protocol
 
 import torch
 
-from kvpool.engine import fused, native
-from kvpool.engine.attention import (AttentionBackend, DecodeGroup, ForwardBatch,
+from kvpool.engine.model import fused
+
+from kvpool.engine.model import native
+from kvpool.engine.model.attention import (AttentionBackend, DecodeGroup, ForwardBatch,
                                      PrefillGroup, VarlenBatch, select_backend)
 from kvpool.engine.kv_cache import KVCache
-from kvpool.engine.layers import RotaryEmbedding
-from kvpool.engine.model import LlamaForCausalLM
+from kvpool.engine.model.layers import RotaryEmbedding
+from kvpool.engine.model.llama import LlamaForCausalLM
 from kvpool.engine.request import Request
 from kvpool.engine.step_input import StepEntry
 

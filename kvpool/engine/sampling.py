@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvpool.engine import fused
+from kvpool.engine.model import fused
 from kvpool.engine.errors import RequestError
 
 

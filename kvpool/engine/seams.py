@@ -18,11 +18,11 @@ if TYPE_CHECKING:
 
     from kvpool.engine.block_pool import BlockPool
     from kvpool.engine.kv_cache import KVCache, KVCacheSpec
-    from kvpool.engine.model import LlamaForCausalLM
-    from kvpool.engine.model_config import ModelConfig
-    from kvpool.engine.tp_workers import TPWorkers
+    from kvpool.engine.model.llama import LlamaForCausalLM
+    from kvpool.engine.model.config import ModelConfig
+    from kvpool.engine.tp.workers import TPWorkers
 
-DEFAULT_RANK_MODULE = "kvpool.engine.tp_rank"
+DEFAULT_RANK_MODULE = "kvpool.engine.tp.rank"
 
 
 @dataclass(frozen=True)
@@ -30,9 +30,9 @@ class EngineSeams:
     """The extension points of one engine (used by ``kvpool.engine_adapters``).
 
     ``model_factory(path, device, dtype, model_config)`` builds the model with its
-    parameters filled (default: :func:`kvpool.engine.loader.load_model`, private memory);
+    parameters filled (default: :func:`kvpool.engine.model.loader.load_model`, private memory);
     it runs first, before both others, and must raise CheckpointError for a checkpoint
-    that does not match (``kvpool.engine.loader``'s checks). ``block_pool_factory(
+    that does not match (``kvpool.engine.model.loader``'s checks). ``block_pool_factory(
     num_blocks)`` returns the :class:`~kvpool.engine.block_pool.BlockPool` the scheduler
     allocates from and ``kv_cache_factory(spec, num_blocks, device)`` the
     :class:`~kvpool.engine.kv_cache.KVCache` storage; both default to plain
@@ -42,7 +42,7 @@ class EngineSeams:
 
     Tensor parallelism: every rank loads its own share, so ``model_factory`` must be
     None. ``tp_rank_module`` is the module each other rank runs (``python -m``; an
-    adapter's calls :func:`kvpool.engine.tp_rank.main` with its own hooks) and
+    adapter's calls :func:`kvpool.engine.tp.rank.main` with its own hooks) and
     ``tp_started(workers)`` is called once they joined, before the model loads and
     before the factories run (the adapter keeps the handle to post its messages).
 

@@ -4,7 +4,7 @@ The scheduler's view of a request (:class:`~kvpool.engine.request.Request`: its 
 token list, sampling parameters, status) stays on the rank that schedules; the forward
 pass needs only plain data: the chunk's tokens, where the chunk starts, the block table
 that covers it and whether its last row is sampled. A tensor-parallel engine sends
-exactly this to its other ranks each step (:mod:`kvpool.engine.tp_messages`), so every
+exactly this to its other ranks each step (:mod:`kvpool.engine.tp.messages`), so every
 rank builds the same batch from the same entries.
 """
 

@@ -16,7 +16,7 @@ about such a pool do not depend on the engine, and live here once:
   trim gives the emptied chunks back: an idle engine keeps one unit (its null block's);
   otherwise its cache counts as held memory that fair share protects.
 * **sleep and wake of the pool** (the KV half of an engine's
-  :class:`~kvpool.engine_adapters.sleep.SleepTarget`): asleep, the pool holds nothing:
+  :class:`~kvpool.engine_adapters.sleep_controller.SleepTarget`): asleep, the pool holds nothing:
   the engine empties it (``empty_for_sleep``: cache evicted, stash back, refused while a
   block is in use), the null block is freed and the allocator suspended (every chunk
   released, no refill); a wake resumes the allocator taking block 0 first (waiting for

@@ -3,8 +3,8 @@ loading any weight: whether the engine can load it, the bytes of its weights and
 KV block.
 
 :func:`inspect` runs the bundled engine's own checks that need no tensor (``config.json``
-through :meth:`kvpool.engine.model_config.ModelConfig.from_dir`: supported architecture,
-required keys; the weight files through :func:`kvpool.engine.loader.find_shards`: the
+through :meth:`kvpool.engine.model.config.ModelConfig.from_dir`: supported architecture,
+required keys; the weight files through :func:`kvpool.engine.model.loader.find_shards`: the
 safetensors files, every shard an index names). A vLLM checkpoint gets the
 engine-neutral part (a folder with a ``config.json`` object and weight files): vLLM
 loads more architectures than the bundled engine.
@@ -42,8 +42,8 @@ def inspect(folder: Path, engine: str, float32: bool) -> CheckpointInfo:
     config = _config(folder)
     if engine == "bundled":
         from kvpool.engine.errors import CheckpointError
-        from kvpool.engine.loader import find_shards
-        from kvpool.engine.model_config import ModelConfig
+        from kvpool.engine.model.loader import find_shards
+        from kvpool.engine.model.config import ModelConfig
 
         try:
             ModelConfig.from_dir(folder)

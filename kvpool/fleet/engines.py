@@ -7,7 +7,7 @@ fleet entry's ``engine``).
   reason: the cause of each is known);
 * ``vllm``: vLLM's OpenAI server with the kvpool plugin (``KVPOOL_ENABLE=1``) and
   ``VLLM_SERVER_DEV_MODE=1`` for ``/is_sleeping`` and ``/wake_up``
-  (:mod:`kvpool.engine_adapters.vllm.sleep`); no counters: the fleet infers a sleep's
+  (:mod:`kvpool.engine_adapters.vllm.core_sleep`); no counters: the fleet infers a sleep's
   cause from what it sees (:class:`Observed`).
 
 Every member gets the tenant's knobs through the ``KVPOOL_*`` variables its adapter reads

@@ -40,7 +40,7 @@ HEADERS = {"content-type": "application/json"}
 def error(status: int, message: str, code: str,
           headers: dict[str, str] | None = None) -> JSONResponse:
     """OpenAI's error shape, as a single bundled server answers
-    (:func:`kvpool.engine.server._error`)."""
+    (:func:`kvpool.engine.serving.server._error`)."""
     kind = "invalid_request_error" if status < 500 else "server_error"
     return JSONResponse({"error": {"message": message, "type": kind, "code": code}}, status,
                         headers=headers)

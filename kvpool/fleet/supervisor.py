@@ -46,7 +46,7 @@ POLL_S = 0.5
 HUNG_AFTER_S = 30.0
 HUNG_RESTART_S = 120.0
 LOOK_TIMEOUT_S = 5.0  # one health or state look (a busy server on 2 cores answers slowly)
-WAKE_TIMEOUT_S = 330.0  # the server's own wake wait is 300 s (kvpool.engine_adapters.sleep)
+WAKE_TIMEOUT_S = 330.0  # the server's own wake wait is 300 s (kvpool.engine_adapters.sleep_controller)
 
 
 class WakeFailed(RuntimeError):

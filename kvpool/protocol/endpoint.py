@@ -10,7 +10,7 @@ are equal and their hosts are equal or one is ``localhost`` (which may resolve t
 either loopback address); the daemon lets one live tenant at a time register it. The daemon never connects to an endpoint
 (it only stores and returns it); the rule keeps what a tenant can make its successor
 contact to this machine's loopback interface, where the successor can check which
-process listens (``kvpool.engine_adapters.bundled.locate``).
+process listens (``kvpool.elastic_server.locate``).
 
 Pure: no I/O. Both sides use it (the daemon at register, clients before sending and
 after ``Located``).

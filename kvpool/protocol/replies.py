@@ -319,7 +319,7 @@ class WeightGranted(Granted, tag="weights"):
     nbytes: int = 0
 
 
-# ---- sleep and wake (kvpool.daemon.sleep) --------------------------------------------------
+# ---- sleep and wake (kvpool.daemon.sleepers) --------------------------------------------------
 class SleepAsked(Reply, tag="sleep_asked"):
     """The answer to ``SleepTenant``: ``tenants`` of that name were sent a ``SleepAsk``
     (0: none is connected)."""

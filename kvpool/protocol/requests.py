@@ -58,7 +58,7 @@ class Register(Request, tag="register"):
     weight: Optional[Weight] = None
     # where it serves (kvpool.protocol.endpoint: loopback http only), for Locate
     endpoint: Optional[Endpoint] = None
-    # it may be put to sleep under memory pressure (kvpool.daemon.sleep); the config's
+    # it may be put to sleep under memory pressure (kvpool.daemon.sleepers); the config's
     # ``[tenants.NAME] sleepable`` wins
     sleepable: Optional[bool] = None
     # a rank joining a gang (kvpool.daemon.gangs): all three or none
@@ -316,7 +316,7 @@ class WeightDetach(Request, tag="weight_detach"):
     key: WeightKey
 
 
-# ---- sleep and wake (kvpool.daemon.sleep; docs/ARCHITECTURE.md "Sleep and wake") ------
+# ---- sleep and wake (kvpool.daemon.sleepers; docs/ARCHITECTURE.md "Sleep and wake") ------
 SLEEP_STATES = ("busy", "idle", "asleep")  # what a tenant may say it is doing
 SLEEP_REASONS = ("operator", "pressure", "idle", "request", "http")  # why it slept or woke
 

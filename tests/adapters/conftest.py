@@ -15,7 +15,7 @@ from .serve_procs import Servers
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from kvpool.engine.tiny import make_tiny_model
+    from kvpool.engine.model.tiny import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-llama", layers=2,
                            hidden=128, heads=4, kv_heads=2, vocab=512, seed=0)

@@ -13,7 +13,7 @@ from kvpool.client_lib.errors import DaemonUnavailable
 from kvpool.engine import Engine, EngineConfig, SamplingParams
 from kvpool.engine_adapters.bundled import (
     AdapterError,
-    ElasticBlockPool,
+    BundledElasticPool,
     Settings,
     check_engine,
     enable,
@@ -57,7 +57,7 @@ def reference(tiny_model) -> dict[str, list[int]]:
 def test_elastic_equals_static(tiny_model, start_daemon, reference):
     d = start_daemon(budget="8MiB")
     e = elastic(tiny_model, d, "eq", kv_cache_size="8MiB")
-    assert isinstance(e.pool, ElasticBlockPool)
+    assert isinstance(e.pool, BundledElasticPool)
     assert run(e) == reference
     held = d.cli_json("ps")
     assert [t["name"] for t in held["tenants"]] == ["eq"]

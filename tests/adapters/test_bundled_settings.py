@@ -63,14 +63,14 @@ def test_enable_returns_one_adapter_and_leaves_the_config_alone(tiny_model):
     import dataclasses
 
     from kvpool.engine import EngineConfig
-    from kvpool.engine_adapters.bundled import Bridge, enable
+    from kvpool.engine_adapters.bundled import BundledBridge, enable
 
     cfg = EngineConfig(model=str(tiny_model))
     before = dataclasses.asdict(cfg)
     pooled = enable(cfg, Settings(name="a"))
     aligned = enable(cfg, Settings(name="b", request_aligned=True, weights="local"))
     assert dataclasses.asdict(cfg) == before
-    assert isinstance(pooled, Bridge) and pooled.seams.adapter is pooled
+    assert isinstance(pooled, BundledBridge) and pooled.seams.adapter is pooled
     assert pooled.config is cfg and pooled.seams.model_factory == pooled.make_model
     assert aligned.seams.adapter is aligned and aligned.seams.model_factory is None
     assert aligned.config.enable_prefix_caching is False

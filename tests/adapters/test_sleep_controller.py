@@ -1,4 +1,4 @@
-"""SleepController (kvpool.engine_adapters.sleep) against a fake engine target and a
+"""SleepController (kvpool.engine_adapters.sleep_controller) against a fake engine target and a
 fake tenant (B's ``report_state``): transitions, refusal while busy, wake on request,
 the idle timer, failures. No daemon, no engine: each test takes milliseconds — except
 the last, which puts the controller behind a real tenant of a real daemon (what ``ps``
@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from kvpool.engine_adapters.sleep import (AWAKE, ASLEEP, FALLING_ASLEEP, SleepController,
+from kvpool.engine_adapters.sleep_controller import (AWAKE, ASLEEP, FALLING_ASLEEP, SleepController,
                                           SleepRefused, WakeFailed)
 
 DEADLINE_S = 20.0

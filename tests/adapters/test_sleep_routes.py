@@ -16,7 +16,7 @@ from kvpool.control_token import ControlGate
 from kvpool.demo.cluster import free_port
 from kvpool.engine.config import EngineConfig
 from kvpool.engine.engine import Engine
-from kvpool.engine_adapters.sleep import SleepController
+from kvpool.engine_adapters.sleep_controller import SleepController
 
 from .test_sleep_controller import FakeTarget
 
@@ -27,9 +27,9 @@ PROMPT = list(range(20, 52))
 def served(tiny_model) -> Iterator[tuple[str, SleepController, FakeTarget]]:
     import uvicorn
 
-    from kvpool.engine.async_engine import AsyncEngine
-    from kvpool.engine.server import create_app
-    from kvpool.engine_adapters.bundled.sleep import add_routes
+    from kvpool.engine.serving.async_engine import AsyncEngine
+    from kvpool.engine.serving.server import create_app
+    from kvpool.elastic_server.sleep_routes import add_routes
 
     engine = Engine(EngineConfig(model=str(tiny_model), kv_cache_size="2MiB"))
     target = FakeTarget()

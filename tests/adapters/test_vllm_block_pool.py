@@ -12,7 +12,7 @@ from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id  # noqa: E
 
 from kvpool.client_lib import ElasticBlockAllocator  # noqa: E402
 from kvpool.engine_adapters.vllm import bridge as bridge_mod  # noqa: E402
-from kvpool.engine_adapters.vllm.block_pool import ElasticBlockPool  # noqa: E402
+from kvpool.engine_adapters.vllm.block_pool import VllmElasticPool  # noqa: E402
 from kvpool.engine_adapters.vllm.settings import AdapterError, Settings  # noqa: E402
 
 PAGE = 64 << 10
@@ -22,21 +22,21 @@ BLOCK = 32 << 10  # two blocks per page: one chunk = one page of each of 2 regio
 @pytest.fixture
 def pool(start_daemon):
     d = start_daemon(budget="1MiB", page_size=PAGE)
-    b = bridge_mod.Bridge(Settings(run_dir=str(d.run_dir), idle_timeout_s=0))
+    b = bridge_mod.VllmBridge(Settings(run_dir=str(d.run_dir), idle_timeout_s=0))
     b.connect("unit")
     group = b.tenant.region_group(2, 16 * BLOCK)
     b.allocator = ElasticBlockAllocator(group, BLOCK, low=0, high=0, idle_timeout_s=60)
     assert b.allocator.alloc(1) == [0]
-    p = ElasticBlockPool(b.allocator.num_blocks, enable_caching=True, hash_block_size=16,
+    p = VllmElasticPool(b.allocator.num_blocks, enable_caching=True, hash_block_size=16,
                          bridge=b)
     yield p
     b.close()
 
 
 def test_a_scheduler_without_the_kv_cache_is_refused():
-    no_kv = bridge_mod.Bridge(Settings())  # this process allocated no KV cache
+    no_kv = bridge_mod.VllmBridge(Settings())  # this process allocated no KV cache
     with pytest.raises(AdapterError, match="without the KV"):
-        ElasticBlockPool(8, enable_caching=True, hash_block_size=16, bridge=no_kv)
+        VllmElasticPool(8, enable_caching=True, hash_block_size=16, bridge=no_kv)
 
 
 def test_only_mapped_blocks_count_and_growth_is_asked_for(pool):
@@ -89,13 +89,13 @@ def manager(pool, monkeypatch):
     from kvpool.engine_adapters.vllm.block_pool import allocate_slots
 
     pool.bridge.close()  # the manager builds its own pool over the same allocator
-    b = bridge_mod.Bridge(pool.bridge.settings)
+    b = bridge_mod.VllmBridge(pool.bridge.settings)
     b.connect("unit-mgr")
     b.allocator = ElasticBlockAllocator(b.tenant.region_group(2, 16 * BLOCK), BLOCK, low=0,
                                         high=0, idle_timeout_s=60)
     assert b.allocator.alloc(1) == [0]
     monkeypatch.setattr(kv_cache_coordinator, "BlockPool",
-                        functools.partial(ElasticBlockPool, bridge=b))
+                        functools.partial(VllmElasticPool, bridge=b))
     cls = kv_cache_manager.KVCacheManager
     monkeypatch.setattr(cls, "allocate_slots", allocate_slots(cls.allocate_slots))
     spec = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=8, dtype=torch.float32)
@@ -118,7 +118,7 @@ def _request(manager, rid: str, tokens: int):
 
 def test_a_shortfall_asks_kvpool_for_exactly_the_missing_blocks(manager):
     pool, a = manager.block_pool, manager.block_pool.allocator
-    assert isinstance(pool, ElasticBlockPool) and a.mapped_chunks == 1  # the null block's
+    assert isinstance(pool, VllmElasticPool) and a.mapped_chunks == 1  # the null block's
     out = manager.allocate_slots(_request(manager, "r1", 100), 100)  # 7 blocks, 1 mapped
     assert out is not None and len(out.get_block_ids()[0]) == 7
     assert a.mapped_chunks == 4  # 1 + the 3 chunks (2 blocks each) the 6 missing blocks need

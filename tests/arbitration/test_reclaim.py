@@ -1,7 +1,7 @@
 """Issue 5 acceptance: arbitration between real tenant processes (host backend).
 
 The contend and idle workers shrink through the project's own components: their blocks
-are prefix cache in the bundled engine's ``ElasticBlockPool``, whose ``ElasticPolicy``
+are prefix cache in the bundled engine's ``BundledElasticPool``, whose ``ElasticPolicy``
 shrink is the tenant's shrink callback (tests/arbitration/worker.py)."""
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ Modes:
             restarts.
 
 contend and idle are tenants the way an engine is one: their blocks live in the bundled
-engine's own elastic block pool (``ElasticBlockPool`` over the client library's
+engine's own elastic block pool (``BundledElasticPool`` over the client library's
 ``ElasticBlockAllocator``), and the pool's shrink (the adapter's ``ElasticPolicy``: whole
 chunks of cache fewest held first, then all of it) is the tenant's shrink callback, as
 ``kvpool serve --elastic`` wires it. No shrink logic of the test's own.
@@ -65,10 +65,10 @@ class EngineCache:
 
     def __init__(self, t, args, wants_more: bool = False):
         from kvpool.client_lib import ElasticBlockAllocator
-        from kvpool.engine_adapters.bundled.block_pool import ElasticBlockPool
+        from kvpool.engine_adapters.bundled.block_pool import BundledElasticPool
 
         self.group = t.region_group(args.regions, args.capacity)
-        self.pool = ElasticBlockPool(1)
+        self.pool = BundledElasticPool(1)
         self.pool.bind(ElasticBlockAllocator(
             self.group, args.block, low=args.low, high=args.high,
             idle_timeout_s=args.idle_timeout, tick_s=0.005, take_first=1))

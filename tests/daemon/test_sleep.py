@@ -1,4 +1,4 @@
-"""Sleep and wake, daemon side (issue 22, point 4; kvpool.daemon.sleep).
+"""Sleep and wake, daemon side (issue 22, point 4; kvpool.daemon.sleepers).
 
 Arbiter-level (no daemon process, explicit clocks): whom the daemon puts to sleep when
 a waiting grant misses pages (one idle sleepable tenant, longest idle then lowest

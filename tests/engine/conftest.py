@@ -42,7 +42,7 @@ def hf_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Llama with a trained tokenizer, written by our own make_tiny_model."""
-    from kvpool.engine.tiny import make_tiny_model
+    from kvpool.engine.model.tiny import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-llama", layers=2,
                            hidden=128, heads=4, kv_heads=2, vocab=VOCAB, seed=0)

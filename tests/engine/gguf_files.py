@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import load_file
 
-from kvpool.engine.gguf_convert import permute_rotary
+from kvpool.engine.gguf.convert import permute_rotary
 
 _HF_TO_GGUF = {
     "model.embed_tokens.weight": "token_embd.weight",

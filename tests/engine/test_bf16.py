@@ -18,10 +18,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvpool.engine import LLM, SamplingParams, fused, native
-from kvpool.engine.attention import ForwardBatch, VarlenBatch, paged_attention
+from kvpool.engine import LLM, SamplingParams
+
+from kvpool.engine.model import fused
+
+from kvpool.engine.model import native
+from kvpool.engine.model.attention import ForwardBatch, VarlenBatch, paged_attention
 from kvpool.engine.kv_cache import KVCache, KVCacheSpec
-from kvpool.engine.layers import RotaryEmbedding
+from kvpool.engine.model.layers import RotaryEmbedding
 
 from .helpers import agreement, prompts
 from .test_native_attention import _batch, _torch_fb

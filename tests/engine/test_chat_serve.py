@@ -51,7 +51,7 @@ def chat_dir(tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path) -> Path:
     """The session's tiny Llama, copied, with a chat_template.jinja; its generation config
     names both <|endoftext|> and <|im_end|> as eos, as chat checkpoints do (so transformers'
     generate stops where a chat does)."""
-    from kvpool.engine.tiny import EOS, IM_END
+    from kvpool.engine.model.tiny import EOS, IM_END
 
     d = tmp_path_factory.mktemp("chat") / NAME
     shutil.copytree(tiny_dir, d)
@@ -195,13 +195,13 @@ def test_odd_role_and_still_serving(client):
 def test_fallback_to_chatml_is_logged_once(tiny_dir, caplog):
     """A checkpoint without a template: ChatML, and the server says so at start."""
     from kvpool.engine import Engine
-    from kvpool.engine.async_engine import AsyncEngine
+    from kvpool.engine.serving.async_engine import AsyncEngine
     from kvpool.engine.config import EngineConfig
-    from kvpool.engine.server import create_app
+    from kvpool.engine.serving.server import create_app
 
     engine = Engine(EngineConfig(model=str(tiny_dir), num_kv_blocks=16))
     assert engine.tokenizer is not None and engine.tokenizer.chat_template.is_fallback
-    with caplog.at_level("WARNING", logger="kvpool.engine.server"):
+    with caplog.at_level("WARNING", logger="kvpool.engine.serving.server"):
         create_app(AsyncEngine(engine))
     lines = [r.getMessage() for r in caplog.records if "chat template" in r.getMessage()]
     assert len(lines) == 1 and "ChatML" in lines[0]

@@ -14,8 +14,8 @@ import pytest
 from kvpool.engine.chat_template import (
     CHATML, ChatTemplate, ChatTemplateError, normalize_messages)
 from kvpool.engine.errors import CheckpointError
-from kvpool.engine.real_models import smollm2_gguf
-from kvpool.engine.tiny import train_tokenizer
+from kvpool.engine.model.real_models import smollm2_gguf
+from kvpool.engine.model.tiny import train_tokenizer
 from kvpool.engine.tokenizer import Tokenizer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may download

@@ -57,7 +57,7 @@ def test_import_boundaries():
     """The engine never pulls in the daemon side; the CLI module does not import torch."""
     import subprocess
 
-    code = ("import sys, kvpool.engine, kvpool.engine.server; "
+    code = ("import sys, kvpool.engine, kvpool.engine.serving.server; "
             "bad = [m for m in sys.modules if m.startswith(('kvpool.daemon', "
             "'kvpool.client_lib', 'kvpool.vmm'))]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,4 +1,4 @@
-"""The native fused ops (csrc/cpu_ops.cpp via kvpool.engine.fused) against the plain torch
+"""The native fused ops (csrc/cpu_ops.cpp via kvpool.engine.model.fused) against the plain torch
 expressions they replace, on the shapes and strides the model hands them."""
 
 from __future__ import annotations
@@ -7,8 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvpool.engine import fused, native
-from kvpool.engine.layers import RotaryEmbedding
+from kvpool.engine.model import fused
+
+from kvpool.engine.model import native
+from kvpool.engine.model.layers import RotaryEmbedding
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason=f"no native ops: {native.error()}")
 

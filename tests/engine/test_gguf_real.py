@@ -13,7 +13,7 @@ import torch
 from real_model import smollm2_dir  # noqa: F401  (session fixture)
 from safetensors.numpy import load_file
 
-from kvpool.engine.real_models import smollm2_gguf
+from kvpool.engine.model.real_models import smollm2_gguf
 
 # raw-text prompts whose greedy continuations run 32 tokens without reaching EOS
 

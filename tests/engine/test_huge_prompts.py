@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from kvpool import launch
-from kvpool.engine.body_limit import body_limit
+from kvpool.engine.serving.body_limit import body_limit
 from kvpool.engine.tokenizer import MAX_CHARS_PER_TOKEN
 
 from .served import free_port

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kvpool.engine import LLM, CheckpointError, SamplingParams
-from kvpool.engine.model_config import ModelConfig
+from kvpool.engine.model.config import ModelConfig
 
 from .helpers import prompts
 
@@ -121,7 +121,7 @@ def test_rope_config_both_forms():
 def test_llama3_rope_matches_transformers():
     from transformers import LlamaConfig
 
-    from kvpool.engine.layers import RotaryEmbedding
+    from kvpool.engine.model.layers import RotaryEmbedding
 
     scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}

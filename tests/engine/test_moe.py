@@ -12,9 +12,9 @@ import torch
 
 from kvpool.engine import LLM, SamplingParams
 from kvpool.engine.errors import CheckpointError
-from kvpool.engine.loader import load_model
-from kvpool.engine.model_config import ModelConfig
-from kvpool.engine.moe import Experts
+from kvpool.engine.model.loader import load_model
+from kvpool.engine.model.config import ModelConfig
+from kvpool.engine.model.moe import Experts
 
 from .helpers import VOCAB, hf_references, load_hf, prompts
 
@@ -187,7 +187,7 @@ def test_make_tiny_model_moe_matches_transformers(tmp_path, arch):
     """make_tiny_model's MoE checkpoints (what ``kvpool make-model --arch`` writes) load in
     transformers and give the same greedy continuation of a text prompt."""
     pytest.importorskip("transformers")
-    from kvpool.engine.tiny import make_tiny_model
+    from kvpool.engine.model.tiny import make_tiny_model
 
     path = make_tiny_model(tmp_path / arch, arch=arch, layers=2, hidden=64, heads=4,
                            kv_heads=2, vocab=VOCAB, num_experts=4, experts_per_token=2)

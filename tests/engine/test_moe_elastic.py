@@ -12,7 +12,7 @@ import pytest
 
 from daemon.conftest import start_daemon  # noqa: F401  (fixture: a real daemon)
 from kvpool.engine import Engine, EngineConfig, SamplingParams
-from kvpool.engine_adapters.bundled import ElasticBlockPool, Settings, enable
+from kvpool.engine_adapters.bundled import BundledElasticPool, Settings, enable
 
 PROMPTS = [[random.Random(i).randrange(8, 512) for _ in range(random.Random(-i).randrange(5, 60))]
            for i in range(6)]
@@ -21,7 +21,7 @@ GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def moe_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from kvpool.engine.tiny import make_tiny_model
+    from kvpool.engine.model.tiny import make_tiny_model
 
     # hidden 128 / 4 heads / 2 KV heads / 2 layers: 16 KiB KV blocks, as the bundled tests
     return make_tiny_model(tmp_path_factory.mktemp("moe") / "tiny-qwen2-moe", arch="qwen2_moe",
@@ -47,7 +47,7 @@ def test_elastic_moe_equals_static(moe_model, start_daemon):  # noqa: F811
     cfg = EngineConfig(model=str(moe_model), kv_cache_size="128KiB")  # 8 blocks of 16 KiB
     bridge = enable(cfg, Settings(run_dir=str(d.run_dir), name="moe", idle_timeout_s=1.0))
     e = Engine(bridge.config, bridge.seams)
-    assert isinstance(e.pool, ElasticBlockPool)
+    assert isinstance(e.pool, BundledElasticPool)
     assert run(e) == reference
     assert e.scheduler.num_preemptions > 0
     assert [t["name"] for t in d.cli_json("ps")["tenants"]] == ["moe"]

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from kvpool.engine import LLM, SamplingParams
-from kvpool.engine.attention import (ForwardBatch, PrefillGroup, DecodeGroup, VarlenBatch,
+from kvpool.engine.model.attention import (ForwardBatch, PrefillGroup, DecodeGroup, VarlenBatch,
                                      paged_attention, select_backend)
-from kvpool.engine import native
+from kvpool.engine.model import native
 
 from .helpers import prompts
 

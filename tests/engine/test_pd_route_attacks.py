@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from kvpool.engine import Engine, EngineConfig, SamplingParams
-from kvpool.engine_adapters.bundled import warm_relay
+from kvpool.elastic_server import warm_relay
 
 from .served import free_port
 from .test_pd_handoff import prompt
@@ -41,9 +41,9 @@ def engines() -> list[Engine]:
 def server(tiny_dir, engines) -> Iterator[str]:
     import uvicorn
 
-    from kvpool.engine.server import create_app
-    from kvpool.engine_adapters.bundled.warm_engine import RetiringEngine
-    from kvpool.engine_adapters.bundled.warm_server import add_routes
+    from kvpool.engine.serving.server import create_app
+    from kvpool.elastic_server.warm_engine import RetiringEngine
+    from kvpool.elastic_server.app import add_routes
 
     engine = Engine(EngineConfig(model=str(tiny_dir), kv_cache_size="2MiB"))
     engines.append(engine)

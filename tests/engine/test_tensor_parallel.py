@@ -25,14 +25,14 @@ from safetensors.torch import load_file, save_file
 
 from kvpool.cli.main import cli
 from kvpool.engine import LLM, CheckpointError, SamplingParams
-from kvpool.engine.collective import SINGLE
+from kvpool.engine.tp.collective import SINGLE
 from kvpool.engine.kv_cache import KVCache, KVCacheSpec
-from kvpool.engine.loader import load_model
-from kvpool.engine.model_config import ModelConfig
+from kvpool.engine.model.loader import load_model
+from kvpool.engine.model.config import ModelConfig
 from kvpool.engine.model_runner import ModelRunner
 from kvpool.engine.step_input import StepEntry
-from kvpool.engine.tiny import make_tiny_model
-from kvpool.engine.tp_layers import Cut, RowParallelLinear, cut_of
+from kvpool.engine.model.tiny import make_tiny_model
+from kvpool.engine.tp.layers import Cut, RowParallelLinear, cut_of
 
 from .helpers import prompts
 from .tp_threads import ThreadGroup, ThreadRank
@@ -217,8 +217,8 @@ def test_a_killed_rank_fails_the_next_step_in_one_line(engines):
     # served, the broken engine answers 503 (not 500), and so does /health from then on
     from fastapi.testclient import TestClient
 
-    from kvpool.engine.async_engine import AsyncEngine
-    from kvpool.engine.server import create_app
+    from kvpool.engine.serving.async_engine import AsyncEngine
+    from kvpool.engine.serving.server import create_app
 
     aengine = AsyncEngine(two.engine)
     aengine.start()

@@ -112,7 +112,7 @@ def listener(d) -> tuple[subprocess.Popen, str]:
             time.sleep(0.05)
 
 
-# ---- who may ask a server to retire (kvpool.engine_adapters.bundled.retire_auth) ------
+# ---- who may ask a server to retire (kvpool.elastic_server.retire_auth) ------
 HOLDER = """
 import sys
 from kvpool.client_lib import connect
@@ -217,7 +217,7 @@ def answer_retire(reply: dict, port: int) -> ThreadingHTTPServer:
 
 PEEK = """
 import json, sys
-from kvpool.engine_adapters.bundled import retire_auth
+from kvpool.elastic_server import retire_auth
 pid, cport, sport = map(int, sys.argv[1:4])
 try:
     retire_auth.check_connection("new", pid, ("127.0.0.1", cport), ("127.0.0.1", sport))

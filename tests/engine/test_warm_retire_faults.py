@@ -23,7 +23,8 @@ import pytest
 from daemon.conftest import start_daemon  # noqa: F401  (fixture)
 from kvpool.client_lib import handoff as wire
 from kvpool.engine import Engine, EngineConfig, SamplingParams
-from kvpool.engine_adapters.bundled import Settings, enable, handoff_cache, warm_engine
+from kvpool.engine_adapters.bundled import Settings, enable, handoff_cache
+from kvpool.elastic_server import warm_engine
 
 from .test_pd_handoff import KV, prompt
 

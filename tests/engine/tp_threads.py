@@ -1,5 +1,5 @@
 """The ranks of a tensor-parallel model as threads of the test process: a
-:class:`~kvpool.engine.collective.Collective` whose calls meet at a barrier, so one test
+:class:`~kvpool.engine.tp.collective.Collective` whose calls meet at a barrier, so one test
 can run every rank's share of a model side by side without processes or sockets."""
 
 from __future__ import annotations

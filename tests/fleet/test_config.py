@@ -26,7 +26,7 @@ checkpoint = "alpha"
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A folder with a tiny checkpoint ``alpha``, a folder ``empty`` and ``badjson``."""
-    from kvpool.engine.tiny import make_tiny_model
+    from kvpool.engine.model.tiny import make_tiny_model
 
     d = tmp_path_factory.mktemp("fleetcfg")
     make_tiny_model(d / "alpha", layers=1, hidden=64, heads=2, kv_heads=1, vocab=512)

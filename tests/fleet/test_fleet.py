@@ -49,7 +49,7 @@ FLEET = "tfleet"
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from kvpool.engine.tiny import make_tiny_model
+    from kvpool.engine.model.tiny import make_tiny_model
 
     d = tmp_path_factory.mktemp("fleet-models")
     return {n: make_tiny_model(d / n, layers=2, hidden=128, heads=4, kv_heads=2, vocab=512,

@@ -16,7 +16,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvpool.control_token import ControlGate
-from kvpool.engine_adapters.bundled import control_auth
+from kvpool.elastic_server import control_auth
 from kvpool.fleet.config import FleetConfig, ModelEntry
 from kvpool.fleet.member import ASLEEP, AWAKE, STARTING
 from kvpool.fleet.router import MAX_BODY, create_app

@@ -17,7 +17,7 @@ from daemon.helpers import PAGE, REPO, wait_for
 
 
 def test_with_daemon_names_the_ps_command_for_its_run_dir(tmp_path: Path):
-    from kvpool.engine.tiny import make_tiny_model
+    from kvpool.engine.model.tiny import make_tiny_model
 
     model = make_tiny_model(tmp_path / "m", layers=1, hidden=64, heads=2, kv_heads=1,
                             vocab=512, seed=1)

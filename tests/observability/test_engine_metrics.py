@@ -102,7 +102,7 @@ def test_engine_metrics_follow_the_requests(served):
 def test_an_elastic_engine_exports_its_grants_next_to_the_daemon(start_daemon, tmp_path):
     from adapters.serve_procs import Servers, complete, prompt
 
-    from kvpool.engine.tiny import make_tiny_model
+    from kvpool.engine.model.tiny import make_tiny_model
 
     model = make_tiny_model(tmp_path / "tiny", layers=2, hidden=128, heads=4, kv_heads=2,
                             vocab=512, seed=0)

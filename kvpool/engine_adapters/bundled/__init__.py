@@ -2,14 +2,14 @@
 
 ``enable(config)`` (what ``kvpool serve --elastic`` and ``KVPOOL_ENABLE=1`` call) checks
 that the engine is one this adapter knows (:mod:`.checks`), then returns the engine's one
-adapter object, a :class:`Bridge`: build the engine as ``Engine(bridge.config,
+adapter object, a :class:`BundledBridge`: build the engine as ``Engine(bridge.config,
 bridge.seams)`` (the config unchanged, or a ``dataclasses.replace`` variant; the seams
 hold two factories):
 
 * the KV storage becomes a kvpool *region group* (one region per KV buffer: one for the
   block-major layout, ``2 * layers`` for per-layer), reserved virtually for the whole
   configured KV size and backed by daemon pages only where blocks are in use;
-* the block pool becomes an :class:`ElasticBlockPool` (:mod:`.block_pool`): the engine's
+* the block pool becomes an :class:`BundledElasticPool` (:mod:`.block_pool`): the engine's
   own prefix-cache bookkeeping, with free blocks coming from and going back to the
   client library's :class:`~kvpool.client_lib.ElasticBlockAllocator`.
 
@@ -28,13 +28,13 @@ from __future__ import annotations
 import dataclasses
 
 from kvpool.engine.config import EngineConfig
-from kvpool.engine_adapters.bundled.block_pool import ElasticBlockPool
-from kvpool.engine_adapters.bundled.bridge import GANG_RANK_MODULE, Bridge, bridge_of
+from kvpool.engine_adapters.bundled.block_pool import BundledElasticPool
+from kvpool.engine_adapters.bundled.bridge import GANG_RANK_MODULE, BundledBridge, bridge_of
 from kvpool.engine_adapters.bundled.checks import KNOWN_LAYOUTS, KNOWN_POOL_METHODS, check_engine
 from kvpool.engine_adapters.bundled.settings import AdapterError, Settings
 
 
-def enable(config: EngineConfig, settings: Settings | None = None) -> Bridge:
+def enable(config: EngineConfig, settings: Settings | None = None) -> BundledBridge:
     """The adapter of an engine built from ``config`` that allocates its KV cache through
     kvpool: ``Engine(bridge.config, bridge.seams)``; the engine's ``close()`` gives the
     memory and the daemon session back. Raises AdapterError (one line)."""
@@ -49,8 +49,8 @@ def enable(config: EngineConfig, settings: Settings | None = None) -> Bridge:
                            "with tensor_parallel_size > 1")
     if settings.request_aligned:  # a shared block would tie requests' units
         config = dataclasses.replace(config, enable_prefix_caching=False)
-    return Bridge(config, settings)
+    return BundledBridge(config, settings)
 
 
-__all__ = ["AdapterError", "Bridge", "ElasticBlockPool", "GANG_RANK_MODULE", "KNOWN_LAYOUTS",
+__all__ = ["AdapterError", "BundledBridge", "BundledElasticPool", "GANG_RANK_MODULE", "KNOWN_LAYOUTS",
            "KNOWN_POOL_METHODS", "Settings", "bridge_of", "check_engine", "enable"]

@@ -1,6 +1,6 @@
 """The bundled engine's block pool with elastic memory behind it.
 
-:class:`ElasticBlockPool` keeps the engine's own prefix-cache bookkeeping (it subclasses
+:class:`BundledElasticPool` keeps the engine's own prefix-cache bookkeeping (it subclasses
 :class:`FixedBlockPool`); free blocks come from and go back to the client library's
 :class:`~kvpool.client_lib.ElasticBlockAllocator`. It is the bundled engine's side of the
 adapter contract (:mod:`kvpool.engine_adapters.elastic`): it implements
@@ -9,13 +9,13 @@ newest request through ``Engine.preempt_until_free``, the engine's ``step_lock``
 shared :class:`~kvpool.engine_adapters.elastic.ElasticPolicy` does the shrink (whole
 chunks of cache fewest-held first, then all of it, then preempt newest) and the idle
 release. The engine binds itself (``BlockPool.bind_engine``) and closes the pool
-(``Engine.close`` -> :meth:`ElasticBlockPool.close`, which ends the adapter's tenant).
+(``Engine.close`` -> :meth:`BundledElasticPool.close`, which ends the adapter's tenant).
 
 Invariants: block ids equal allocator block ids, block 0 (the engine's null block) is
 allocated at start and never freed, and every block the engine references or caches is
 held in the allocator (``check_integrity`` verifies both sides).
 
-Request-aligned mode (:meth:`ElasticBlockPool.align_requests`, ``KVPOOL_REQUEST_ALIGNED``):
+Request-aligned mode (:meth:`BundledElasticPool.align_requests`, ``KVPOOL_REQUEST_ALIGNED``):
 each request's blocks come from whole chunks only it uses (:class:`~.aligned.RequestChunks`
 keeps those books), so its KV is whole units that can change hands (:mod:`.handoff`);
 the prefix cache is off then. The daemon calls of that mode run without ``lock`` (a
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from kvpool.engine.engine import Engine
 
 
-class ElasticBlockPool(FixedBlockPool):
+class BundledElasticPool(FixedBlockPool):
     """The engine's block pool with elastic memory behind it.
 
     Capacity is the *virtual* block count; free blocks are whatever the allocator can hand
@@ -369,9 +369,9 @@ class ElasticBlockPool(FixedBlockPool):
                     assert self._entry[b].block_hash == h, f"hash index wrong for block {b}"
 
 
-def elastic_pool(engine: Engine) -> ElasticBlockPool:
+def elastic_pool(engine: Engine) -> BundledElasticPool:
     """``engine``'s pool, which must be this adapter's (AdapterError otherwise)."""
     pool = engine.pool
-    if not isinstance(pool, ElasticBlockPool):
+    if not isinstance(pool, BundledElasticPool):
         raise AdapterError("the engine does not allocate through kvpool (not enabled)")
     return pool

@@ -3,21 +3,21 @@ allocator and pool when the engine builds its KV storage, and tears all of it do
 on ``engine.close()``.
 
 One bridge per engine, passed in, never found through a global: the engine's own seams
-(:class:`~kvpool.engine.seams.EngineSeams`, :attr:`Bridge.seams`, handed to ``Engine``
-alongside :attr:`Bridge.config`) do the rest, nothing is patched: ``block_pool_factory``
-/ ``kv_cache_factory`` are :meth:`Bridge.make_pool` / :meth:`Bridge.make_kv_cache`; the
+(:class:`~kvpool.engine.seams.EngineSeams`, :attr:`BundledBridge.seams`, handed to ``Engine``
+alongside :attr:`BundledBridge.config`) do the rest, nothing is patched: ``block_pool_factory``
+/ ``kv_cache_factory`` are :meth:`BundledBridge.make_pool` / :meth:`BundledBridge.make_kv_cache`; the
 built engine binds itself to the pool
 (``BlockPool.bind_engine``: the pool preempts through it and waits for its
-``step_lock``); ``Engine.close`` closes the pool, whose ``on_close`` is :meth:`Bridge.close`.
+``step_lock``); ``Engine.close`` closes the pool, whose ``on_close`` is :meth:`BundledBridge.close`.
 
 With pool weights (``Settings.weights == "pool"``) the bridge is also the seams'
-``model_factory`` (:meth:`Bridge.make_model`) and ``weights_shared`` (no private
+``model_factory`` (:meth:`BundledBridge.make_model`) and ``weights_shared`` (no private
 oneDNN copy of shared weights): the tenant connects there, before the KV
 cache, and the model's parameters become views into a weight set (:mod:`.weights`,
-:attr:`Bridge.weights`); one tenant holds both the set and the KV.
+:attr:`BundledBridge.weights`); one tenant holds both the set and the KV.
 
 Tensor parallelism (``tensor_parallel_size`` > 1): the engine hands the bridge its other
-ranks once they joined (``EngineSeams.tp_started`` is :meth:`Bridge.tp_started`; the ranks run
+ranks once they joined (``EngineSeams.tp_started`` is :meth:`BundledBridge.tp_started`; the ranks run
 :data:`GANG_RANK_MODULE`). The
 tenant becomes rank 0 of a kvpool *gang* (docs/ARCHITECTURE.md, "Gangs"): the bridge
 creates the gang (devices ``settings.device + r`` for rank ``r``), tells every rank to
@@ -27,9 +27,9 @@ and builds its own group over the gang driver's
 :class:`~.gang_messages.PipeCollective`), so every grant and release the allocator makes
 is made by every rank, all or none, mapped on every rank before a step can use it. Weights stay local (each rank loads its share).
 
-Lifetime: connected in :meth:`Bridge.make_model` (pool weights) or
-:meth:`Bridge.make_kv_cache` (during ``Engine(config)``); closed by
-:meth:`Bridge.close` (``engine.close()``, or a failed start). After close the daemon no
+Lifetime: connected in :meth:`BundledBridge.make_model` (pool weights) or
+:meth:`BundledBridge.make_kv_cache` (during ``Engine(config)``); closed by
+:meth:`BundledBridge.close` (``engine.close()``, or a failed start). After close the daemon no
 longer lists the tenant, its pages are back in the pool and the adapter's threads (the
 idle-cache watcher, the allocator's refill thread, the tenant's thread) have ended; the
 engine must not step again.
@@ -45,13 +45,13 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from kvpool.engine import loader
+from kvpool.engine.model import loader
 from kvpool.engine.config import EngineConfig
 from kvpool.engine.kv_cache import KVCache, KVCacheSpec
-from kvpool.engine.model import LlamaForCausalLM
-from kvpool.engine.model_config import ModelConfig
+from kvpool.engine.model.llama import LlamaForCausalLM
+from kvpool.engine.model.config import ModelConfig
 from kvpool.engine.seams import EngineSeams
-from kvpool.engine_adapters.bundled.block_pool import ElasticBlockPool
+from kvpool.engine_adapters.bundled.block_pool import BundledElasticPool
 from kvpool.engine_adapters.bundled import gang_messages
 from kvpool.engine_adapters.bundled.checks import KNOWN_LAYOUTS
 from kvpool.engine_adapters.bundled.settings import MEMORY_WAIT_S, AdapterError, Settings
@@ -60,8 +60,8 @@ from kvpool.engine_adapters.gang import GangDriver, GangSession
 
 if TYPE_CHECKING:
     from kvpool.client_lib import RegionGroup, Tenant
-    from kvpool.engine.tp_workers import TPWorkers
-    from kvpool.engine_adapters.sleep import SleepController
+    from kvpool.engine.tp.workers import TPWorkers
+    from kvpool.engine_adapters.sleep_controller import SleepController
 
 log = logging.getLogger("kvpool.engine_adapters.bundled")
 
@@ -69,7 +69,7 @@ log = logging.getLogger("kvpool.engine_adapters.bundled")
 GANG_RANK_MODULE = "kvpool.engine_adapters.bundled.gang_rank"
 
 
-class Bridge:
+class BundledBridge:
     """Builds the tenant, region group, allocator and pool for one engine.
 
     Caller: build the engine as ``Engine(bridge.config, bridge.seams)``, once."""
@@ -78,7 +78,7 @@ class Bridge:
         self.config = config
         self.settings = settings
         self.seams = self._seams()
-        self.pool: ElasticBlockPool | None = None
+        self.pool: BundledElasticPool | None = None
         self.tenant: Tenant | None = None
         self.group: RegionGroup | None = None
         #: the model's parameters in the pool (None: local weights, or not built yet)
@@ -169,9 +169,9 @@ class Bridge:
         except BaseException:
             self.close()
             raise
-    def make_pool(self, num_blocks: int) -> ElasticBlockPool:
+    def make_pool(self, num_blocks: int) -> BundledElasticPool:
         """The engine's block pool (``block_pool_factory``): closing it closes this."""
-        self.pool = ElasticBlockPool(num_blocks, on_close=self.close)
+        self.pool = BundledElasticPool(num_blocks, on_close=self.close)
         return self.pool
 
     def make_kv_cache(self, spec: KVCacheSpec, capacity: int, device: torch.device) -> KVCache:
@@ -259,8 +259,8 @@ class HasSeams(Protocol):
     def seams(self) -> EngineSeams: ...
 
 
-def bridge_of(engine: HasSeams) -> Bridge | None:
+def bridge_of(engine: HasSeams) -> BundledBridge | None:
     """The bridge an engine was built with (None: not elastic); the servers' routes and
     tests ask it."""
     adapter = engine.seams.adapter
-    return adapter if isinstance(adapter, Bridge) else None
+    return adapter if isinstance(adapter, BundledBridge) else None

@@ -3,7 +3,7 @@
 :func:`check_engine` verifies every engine name the adapter relies on: the abstract
 ``BlockPool`` methods, ``FixedBlockPool._release`` (the pool's one exit for freed blocks),
 ``KVCache.from_buffers``, the engine seams' factories, and ``Engine.preempt_until_free`` (what
-:meth:`ElasticBlockPool.shrink` calls to get memory back from running requests).
+:meth:`BundledElasticPool.shrink` calls to get memory back from running requests).
 """
 
 from __future__ import annotations

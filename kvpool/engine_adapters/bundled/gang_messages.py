@@ -1,6 +1,6 @@
 """What rank 0's adapter tells the other ranks of a tensor-parallel engine whose KV cache
 is a kvpool gang (docs/ARCHITECTURE.md, "Gangs"); carried as the engine's ``Adapter``
-frames (:mod:`kvpool.engine.tp_messages`), on the private pipe from rank 0 to each rank.
+frames (:mod:`kvpool.engine.tp.messages`), on the private pipe from rank 0 to each rank.
 
 * :class:`Join`: join the gang (the token is a capability: it travels only on this pipe)
   and create the layout's region group, before rank 0's first grant;

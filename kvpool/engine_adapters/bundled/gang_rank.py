@@ -3,7 +3,7 @@
 ``tp_rank_module`` when :func:`kvpool.engine_adapters.bundled.enable` sees
 ``tensor_parallel_size`` > 1).
 
-It is the engine's own rank (:mod:`kvpool.engine.tp_rank`) with :class:`GangRank` as its
+It is the engine's own rank (:mod:`kvpool.engine.tp.rank`) with :class:`GangRank` as its
 hooks: rank 0's adapter (:mod:`.bridge`, over :mod:`kvpool.engine_adapters.gang`) tells
 it, in order with the steps, to join the gang (:class:`~.gang_messages.Join`: a tenant
 of its own on its device, registered into the gang with the token, and the gang's one
@@ -29,7 +29,7 @@ import sys
 import torch
 
 from kvpool.client_lib import KvpoolError, NoMemory, RegionGroup, Tenant, connect
-from kvpool.engine import tp_rank
+from kvpool.engine.tp import rank as tp_rank
 from kvpool.engine.kv_cache import KVCache, KVCacheSpec
 from kvpool.engine_adapters.bundled import gang_messages
 
@@ -37,7 +37,7 @@ log = logging.getLogger("kvpool.engine_adapters.bundled")
 
 
 class GangRank:
-    """:class:`kvpool.engine.tp_rank.RankHooks` of a gang rank (see the module)."""
+    """:class:`kvpool.engine.tp.rank.RankHooks` of a gang rank (see the module)."""
 
     def __init__(self, rank: int) -> None:
         self.rank = rank

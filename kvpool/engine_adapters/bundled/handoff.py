@@ -37,7 +37,7 @@ from kvpool.client_lib import handoff as wire
 from kvpool.engine.errors import RequestError
 from kvpool.engine.request import Request
 from kvpool.engine.sampling import SamplingParams
-from kvpool.engine_adapters.bundled.block_pool import ElasticBlockPool, elastic_pool
+from kvpool.engine_adapters.bundled.block_pool import BundledElasticPool, elastic_pool
 from kvpool.engine_adapters.bundled.settings import AdapterError
 
 if TYPE_CHECKING:
@@ -73,7 +73,7 @@ class Handover:
         return cls(**d)
 
 
-def _aligned_pool(engine: Engine) -> ElasticBlockPool:
+def _aligned_pool(engine: Engine) -> BundledElasticPool:
     pool = elastic_pool(engine)
     if pool.aligned is None:
         raise AdapterError("page handoff needs a request-aligned kvpool engine "

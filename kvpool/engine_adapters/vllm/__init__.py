@@ -38,7 +38,7 @@ def register() -> None:
     _registered = True
     import vllm
 
-    from kvpool.engine_adapters.vllm.bridge import Bridge
+    from kvpool.engine_adapters.vllm.bridge import VllmBridge
     from kvpool.engine_adapters.vllm.patches import install
 
     try:
@@ -50,7 +50,7 @@ def register() -> None:
         raise SystemExit(msg)
     if msg is not None:
         say(msg)
-    install(Bridge(s))  # this process's one adapter object, held by the patches
+    install(VllmBridge(s))  # this process's one adapter object, held by the patches
     say(f"kvpool: vLLM {vllm.__version__} plugin active in pid {os.getpid()}")
 
 

@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
     from kvpool.client_lib import ElasticBlockAllocator
-    from kvpool.engine_adapters.vllm.bridge import Bridge
+    from kvpool.engine_adapters.vllm.bridge import VllmBridge
 
 AllocateSlots = Callable[..., "KVCacheBlocks | None"]
 
@@ -59,11 +59,11 @@ log = logging.getLogger("kvpool.vllm")
 
 # without the vllm extra BlockPool is Any (pyproject.toml's mypy overrides): both
 # configurations type-check, hence the unused-ignore codes in this module
-class ElasticBlockPool(BlockPool):  # type: ignore[misc, unused-ignore]
+class VllmElasticPool(BlockPool):  # type: ignore[misc, unused-ignore]
     """vLLM's block pool over kvpool memory (see the module); the adapter contract's
     :class:`~kvpool.engine_adapters.elastic.ElasticHooks` for vLLM."""
 
-    def __init__(self, num_gpu_blocks: int, *args: Any, bridge: Bridge, **kwargs: Any
+    def __init__(self, num_gpu_blocks: int, *args: Any, bridge: VllmBridge, **kwargs: Any
                  ) -> None:
         """vLLM's arguments, and ``bridge``: this process's adapter (the patched
         coordinator passes it)."""
@@ -76,7 +76,7 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc, unused-ignore]
         if allocator.num_blocks != num_gpu_blocks:
             raise AdapterError(f"kvpool: scheduler has {num_gpu_blocks} blocks, the KV cache "
                                f"{allocator.num_blocks}")
-        self.bridge: Bridge = b
+        self.bridge: VllmBridge = b
         self.allocator: ElasticBlockAllocator = allocator
         self.free_block_queue = FreeKVCacheBlockQueue([])  # only evictable blocks live here
         self._stash: list[int] = []
@@ -334,7 +334,7 @@ def allocate_slots(original: AllocateSlots) -> AllocateSlots:
         if out is not None:
             return out
         pool = self.block_pool
-        if not isinstance(pool, ElasticBlockPool):
+        if not isinstance(pool, VllmElasticPool):
             return None
         coord = self.coordinator
         count = coord.get_num_blocks_to_allocate

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
     from kvpool.client_lib import ElasticBlockAllocator, RegionGroup, Tenant
-    from kvpool.engine_adapters.sleep import SleepController
+    from kvpool.engine_adapters.sleep_controller import SleepController
     from kvpool.engine_adapters.vllm.tp import ExecutorStatus, ReclaimPoll
 
 log = logging.getLogger("kvpool.vllm")
@@ -77,7 +77,7 @@ def served_name(name: str | None, vllm_config: VllmConfig) -> str:
     return n or os.path.basename(os.path.normpath(vllm_config.model_config.model))
 
 
-class Bridge:
+class VllmBridge:
     """The process's one kvpool adapter object (see the module). Created once per process
     at plugin load (:func:`kvpool.engine_adapters.vllm.register`) and handed to
     :func:`.patches.install`, whose patched vLLM methods hold it; every other piece
@@ -89,7 +89,7 @@ class Bridge:
         self.tenant: Tenant | None = None
         self.group: RegionGroup | None = None
         self.allocator: ElasticBlockAllocator | None = None
-        self.pool: Stoppable | None = None  # the ElasticBlockPool, once the scheduler built it
+        self.pool: Stoppable | None = None  # the VllmElasticPool, once the scheduler built it
         self.scheduler: Scheduler | None = None  # vLLM's Scheduler, once built
         self.engine_core: EngineCore | None = None
         self.step_lock = threading.RLock()  # held by the engine core's loop per step

@@ -53,14 +53,14 @@ if TYPE_CHECKING:
     from vllm.v1.worker.gpu_worker import Worker
     from vllm.utils.mem_utils import MemorySnapshot
 
-    from kvpool.engine_adapters.vllm.bridge import Bridge
+    from kvpool.engine_adapters.vllm.bridge import VllmBridge
 
 log = logging.getLogger("kvpool.vllm")
 _ours: set[Callable[..., object]] = set()  # our wrappers: a second patch leaves them as is
 
 
 # ---- API server process ------------------------------------------------------------------
-def _patch_arg_utils(b: Bridge, mod: ModuleType) -> None:
+def _patch_arg_utils(b: VllmBridge, mod: ModuleType) -> None:
     from kvpool.engine_adapters.vllm.checks import check_config
 
     cls = mod.EngineArgs
@@ -79,7 +79,7 @@ def _patch_arg_utils(b: Bridge, mod: ModuleType) -> None:
 
 
 # ---- engine-core process: memory sizing -------------------------------------------------
-def _capacity_for(b: Bridge, worker: CPUWorker | Worker) -> int:
+def _capacity_for(b: VllmBridge, worker: CPUWorker | Worker) -> int:
     from kvpool.engine_adapters.vllm.bridge import served_name
 
     name = served_name(b.settings.name, worker.vllm_config)
@@ -105,7 +105,7 @@ def _capacity_for(b: Bridge, worker: CPUWorker | Worker) -> int:
     return int(cap)
 
 
-def _patch_cpu_worker(b: Bridge, mod: ModuleType) -> None:
+def _patch_cpu_worker(b: VllmBridge, mod: ModuleType) -> None:
     cls = mod.CPUWorker
 
     def determine_available_memory(self: CPUWorker) -> int:
@@ -120,7 +120,7 @@ def _patch_cpu_worker(b: Bridge, mod: ModuleType) -> None:
     _patch_cpu_worker_sleep(b, cls)
 
 
-def _patch_gpu_worker(b: Bridge, mod: ModuleType) -> None:
+def _patch_gpu_worker(b: VllmBridge, mod: ModuleType) -> None:
     cls = mod.Worker
     original: Callable[[Worker], int] = cls.determine_available_memory
 
@@ -146,7 +146,7 @@ def _patch_gpu_worker(b: Bridge, mod: ModuleType) -> None:
     setattr(mod, "request_memory", request_memory)
 
 
-def _patch_engine_core(b: Bridge, mod: ModuleType) -> None:
+def _patch_engine_core(b: VllmBridge, mod: ModuleType) -> None:
 
     original: Callable[[VllmConfig, list[dict[str, KVCacheSpec]], list[int]],
                        list[KVCacheConfig]] = mod.get_kv_cache_configs
@@ -204,7 +204,7 @@ def _patch_engine_core(b: Bridge, mod: ModuleType) -> None:
     _patch_sleep(b, mod)
 
 
-def _patch_sleep(b: Bridge, mod: ModuleType) -> None:
+def _patch_sleep(b: VllmBridge, mod: ModuleType) -> None:
     """A request wakes a sleeping engine (before it is added), every step reports whether
     the engine has work, and ``is_sleeping`` sees kvpool's sleep too (:mod:`.sleep`)."""
 
@@ -235,10 +235,10 @@ def _patch_sleep(b: Bridge, mod: ModuleType) -> None:
     def poll_after_step(self: Any, *args: Any, **kwargs: Any) -> Any:
         out = stepped(self, *args, **kwargs)
         if b.poll is not None:  # tensor parallelism: the ranks' asks
-            from kvpool.engine_adapters.vllm.block_pool import ElasticBlockPool
+            from kvpool.engine_adapters.vllm.block_pool import VllmElasticPool
 
             with b.step_lock:
-                b.poll.after_step(b.pool if isinstance(b.pool, ElasticBlockPool) else None)
+                b.poll.after_step(b.pool if isinstance(b.pool, VllmElasticPool) else None)
         return out
 
     setattr(mod.EngineCoreProc, "_process_engine_step", poll_after_step)
@@ -251,7 +251,7 @@ def _patch_sleep(b: Bridge, mod: ModuleType) -> None:
     setattr(mod.EngineCore, "is_sleeping", is_sleeping_too)
 
 
-def _patch_cpu_worker_sleep(b: Bridge, cls: Any) -> None:
+def _patch_cpu_worker_sleep(b: VllmBridge, cls: Any) -> None:
     """vLLM CPU's worker ``sleep``/``wake_up`` (no-ops that log a warning) become the
     KV-level sleep: what ``EngineCore.sleep`` (after pausing the scheduler) and
     ``wake_up`` call. A refusal or a failed wake raises one line (vLLM's route answers
@@ -275,14 +275,14 @@ def _patch_cpu_worker_sleep(b: Bridge, cls: Any) -> None:
         setattr(cls, name, fn)
 
 
-def _controller(b: Bridge) -> Any:
+def _controller(b: VllmBridge) -> Any:
     if b.sleep is None:
         raise AdapterError("kvpool: this process has no elastic KV cache to put to sleep")
     return b.sleep
 
 
 # ---- engine-core process: the KV cache ------------------------------------------------------
-def _patch_allocate(b: Bridge, mod: ModuleType) -> None:
+def _patch_allocate(b: VllmBridge, mod: ModuleType) -> None:
     if not hasattr(mod, "allocate_kv_cache"):
         raise AdapterError(f"kvpool: {mod.__name__} has no allocate_kv_cache: unknown vLLM")
 
@@ -298,22 +298,22 @@ def _patch_allocate(b: Bridge, mod: ModuleType) -> None:
 
 
 # ---- engine-core process: the scheduler ------------------------------------------------------
-def _patch_coordinator(b: Bridge, mod: ModuleType) -> None:
-    from kvpool.engine_adapters.vllm.block_pool import ElasticBlockPool
+def _patch_coordinator(b: VllmBridge, mod: ModuleType) -> None:
+    from kvpool.engine_adapters.vllm.block_pool import VllmElasticPool
 
     # vLLM builds its pool as ``BlockPool(...)``: ours, over this process's adapter
-    setattr(mod, "BlockPool", functools.partial(ElasticBlockPool, bridge=b))
+    setattr(mod, "BlockPool", functools.partial(VllmElasticPool, bridge=b))
 
 
-def _patch_manager(b: Bridge, mod: ModuleType) -> None:
+def _patch_manager(b: VllmBridge, mod: ModuleType) -> None:
     from kvpool.engine_adapters.vllm.block_pool import allocate_slots
 
     cls = mod.KVCacheManager
     cls.allocate_slots = allocate_slots(cls.allocate_slots)
 
 
-def _patch_scheduler(b: Bridge, mod: ModuleType) -> None:
-    from kvpool.engine_adapters.vllm.block_pool import ElasticBlockPool
+def _patch_scheduler(b: VllmBridge, mod: ModuleType) -> None:
+    from kvpool.engine_adapters.vllm.block_pool import VllmElasticPool
 
     cls = mod.Scheduler
     original: Callable[..., None] = cls.__init__
@@ -322,7 +322,7 @@ def _patch_scheduler(b: Bridge, mod: ModuleType) -> None:
     def __init__(self: Scheduler, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
         pool = self.kv_cache_manager.block_pool
-        if isinstance(pool, ElasticBlockPool):
+        if isinstance(pool, VllmElasticPool):
             b.scheduler = self
             if b.status is not None:  # tensor parallelism: no tenant here; asks are polled
                 pool.start_idle_release(b.settings.idle_timeout_s)
@@ -330,14 +330,14 @@ def _patch_scheduler(b: Bridge, mod: ModuleType) -> None:
             assert b.tenant is not None  # the pool was built over its allocator
             b.tenant.set_shrink_callback(pool.shrink)
             pool.start_idle_release(b.settings.idle_timeout_s)
-            from kvpool.engine_adapters.vllm import sleep
+            from kvpool.engine_adapters.vllm import core_sleep as sleep
 
             sleep.attach(b, pool)
 
     cls.__init__ = __init__
 
 
-def _patch_executor(b: Bridge, mod: ModuleType) -> None:
+def _patch_executor(b: VllmBridge, mod: ModuleType) -> None:
     """Tensor parallelism: once every worker allocated its KV cache (and before the
     warm-up), the engine core builds its allocator over the gang (:mod:`.tp`)."""
 
@@ -358,7 +358,7 @@ def _patch_executor(b: Bridge, mod: ModuleType) -> None:
     cls.initialize_from_config = initialize_from_config
 
 
-def install(b: Bridge) -> None:
+def install(b: VllmBridge) -> None:
     """Register every patch (each applies when its module is imported) over ``b``, this
     process's one adapter object: each patched vLLM method holds it (a closure); no
     module global refers to it."""

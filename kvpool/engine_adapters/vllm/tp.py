@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
 
 class Shrinkable(Protocol):
-    """The scheduler's pool as the reclaim poll needs it (``ElasticBlockPool.shrink``)."""
+    """The scheduler's pool as the reclaim poll needs it (``VllmElasticPool.shrink``)."""
 
     def shrink(self, nbytes: int, urgent: bool) -> None: ...
 
