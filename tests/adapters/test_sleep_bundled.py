@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -140,16 +139,15 @@ def test_sleep_and_wake_by_http_and_cli(daemon, fleet):
 
 
 def test_a_sleep_while_requests_run_is_refused(daemon, fleet):
+    """A request that cannot get its KV is running work until it can: plain's limit is
+    lowered to one page (below the KV a 400-token prompt needs), so the request waits in
+    the engine, and stays there until the limit goes back up — however slow or fast the
+    machine. Meanwhile a sleep by HTTP (409) and by CLI (one line, nonzero) is refused;
+    with the limit raised the request is served and plain goes idle."""
     plain, _, _ = fleet
-    stop = threading.Event()
-
-    def load() -> None:  # keeps requests running until told to stop
-        while not stop.is_set():
-            r = complete(plain.base, prompt(11), 120, timeout=DEADLINE_S)
-            assert r.status_code == 200, r.text
-
-    with ThreadPoolExecutor(2) as ex:
-        futs = [ex.submit(load) for _ in range(2)]
+    assert daemon.cli("limit", "plain", "64KiB").returncode == 0
+    with ThreadPoolExecutor(1) as ex:
+        fut = ex.submit(complete, plain.base, prompt(11, n=400), 8, timeout=DEADLINE_S)
         try:
             wait_for(lambda: state(daemon, "plain") == "busy", DEADLINE_S, 0.05,
                      "plain busy")
@@ -159,10 +157,11 @@ def test_a_sleep_while_requests_run_is_refused(daemon, fleet):
             out = daemon.cli("sleep", "plain", "--wait", "1", check=False)
             assert out.returncode != 0 and len(out.stderr.splitlines()) == 1, out
             assert "Traceback" not in out.stderr
+            assert state(daemon, "plain") == "busy"
         finally:
-            stop.set()
-            for f in futs:
-                f.result()
+            daemon.cli("limit", "plain", "100%")
+        r = fut.result()
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8, r.text
     wait_for(lambda: state(daemon, "plain") == "idle", DEADLINE_S, 0.05, "plain idle")
 
 
