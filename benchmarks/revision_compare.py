@@ -9,6 +9,8 @@ benchmark writes its usual JSON; the numbers named below are read back from it.
 
     python benchmarks/revision_compare.py --base 83b2be8 --rounds 4 alloc
     python benchmarks/revision_compare.py --base 83b2be8 --rounds 2 vllm
+    python benchmarks/revision_compare.py --base 84d1da3 --rounds 3 reclaim
+    python benchmarks/revision_compare.py --base 84d1da3 --rounds 3 decode
 
 Prints, per number, the medians over rounds on each tree and head / base (of the medians,
 and the median of the per-round ratios), and writes
@@ -41,6 +43,18 @@ BENCHES: dict[str, tuple[str, list[str], dict[str, tuple[str, ...]]]] = {
         "grant 64 pages us/page": ("slow_path", "64", "daemon_us_per_page"),
         "grant 64 pages / floor": ("slow_path", "64", "ratio"),
     }),
+    "reclaim": ("benchmarks/reclaim_bench.py", ["--reps", "5"], {
+        "lease grant by reclaim us": ("lease_grant", "median_us"),
+        "floor (unmap + release) us": ("floor_unmap_release", "median_us"),
+        "reclaim / floor": ("ratio_to_floor_median",),
+    }),
+    "decode": ("benchmarks/elastic_overhead_bench.py",
+               ["--reps", "10", "--batches", "1,8,32"], {
+        "elastic decode step batch 1 us": ("results", "0", "elastic", "median_us"),
+        "elastic decode step batch 8 us": ("results", "1", "elastic", "median_us"),
+        "elastic decode step batch 32 us": ("results", "2", "elastic", "median_us"),
+        "elastic / static paired step (geomean)": ("overall_paired_ratio_geomean",),
+    }),
     "vllm": ("benchmarks/vllm_overhead_bench.py",
              ["--reps", "6", "--requests", "8", "--tokens", "128"], {
         "vLLM elastic decode step s": ("comparison", "engine_step_s", "elastic_median"),
@@ -55,6 +69,9 @@ BENCHES: dict[str, tuple[str, list[str], dict[str, tuple[str, ...]]]] = {
 def dig(doc: dict, path: tuple[str, ...]) -> float:
     value: object = doc
     for key in path:
+        if isinstance(value, list):  # a list's item by its index
+            value = value[int(key)]
+            continue
         assert isinstance(value, dict), f"{path}: not an object at {key!r}"
         value = value[key]
     assert isinstance(value, (int, float)), f"{path}: not a number"

@@ -45,7 +45,7 @@ def test_dashboard_is_generated_and_queries_exported_metrics(start_daemon, tmp_p
     d, port = scenario.start(start_daemon)
     job, _, _ = scenario.force_reclaim(d)  # the reclaim series exist
     exported = {name for name, _ in scrape(port)}
-    engine_src = (REPO / "kvpool" / "engine" / "metrics.py").read_text()
+    engine_src = (REPO / "kvpool" / "engine" / "serving" / "metrics.py").read_text()
     for name in names:
         base = re.sub(r"_(bucket|total)$", "", name)
         assert name in exported or f'"{base}"' in engine_src, name
