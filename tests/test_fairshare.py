@@ -12,8 +12,8 @@ POLICY = FairShare()
 GIB = 1 << 30
 
 
-def test_weights_split_contended_memory():
-    claims = [Claim("a", 0, 10 * GIB), Claim("b", 0, 10 * GIB), Claim("c", 0, 10 * GIB, weight=2)]
+def test_shares_split_contended_memory():
+    claims = [Claim("a", 0, 10 * GIB), Claim("b", 0, 10 * GIB), Claim("c", 0, 10 * GIB, shares=2)]
     s = fair_shares(8 * GIB, claims)
     assert [s["a"], s["b"], s["c"]] == [2 * GIB, 2 * GIB, 4 * GIB]
 
@@ -52,7 +52,7 @@ claim = st.builds(
     demand=st.integers(0, 64).map(lambda x: x * GIB // 8),
     min=st.integers(0, 16).map(lambda x: x * GIB // 8),
     max=st.integers(1, 64).map(lambda x: x * GIB // 8),
-    weight=st.floats(0.1, 10),
+    shares=st.floats(0.1, 10),
 )
 
 

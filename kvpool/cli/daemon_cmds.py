@@ -14,7 +14,9 @@ from typing import TYPE_CHECKING, Callable, NoReturn, TypeVar
 import click
 
 from kvpool.cli.monitor import device_sessions, monitor_session
-from kvpool.cli.params import SizeParam, device_option, json_option, run_dir_option
+from kvpool.cli.params import (SizeParam, chosen_shares, device_option, json_option,
+                               run_dir_option, shares_options)
+from kvpool.protocol.bounds import MAX_SHARES
 from kvpool.sizes import format_size, parse_size
 from kvpool.vmm.registry import BACKENDS
 
@@ -170,8 +172,8 @@ def ps(run_dir: str | None, as_json: bool) -> None:
     table = Table(box=None)
     several = len(replies) > 1
     cols: tuple[str, ...] = ("ID", "NAME", "PID", "KIND", *(("DEVICE",) if several else ()),
-                             "MAPPED", "IN USE", "RESERVE", "LEASE", "SHARE",
-                             "MIN", "LIMIT", "WEIGHT", "GROUPS", "STATE")
+                             "MAPPED", "IN USE", "RESERVE", "LEASE", "FAIR SHARE",
+                             "MIN", "LIMIT", "SHARES", "GROUPS", "STATE")
     serving = any(t.endpoint for t in reply.tenants)  # (tenant-supplied: Register.endpoint)
     cols += ("ENDPOINT",) if serving else ()
     weights = any(t.weights for t in reply.tenants)  # weight sets (kvpool.daemon.weights)
@@ -197,8 +199,8 @@ def ps(run_dir: str | None, as_json: bool) -> None:
         table.add_row(str(t.id), t.name or "(unregistered)", str(t.pid) if t.pid else "-",
                       t.kind, *((str(t.device),) if several else ()),
                       format_size(t.mapped), format_size(t.in_use), format_size(t.reserve),
-                      format_size(t.lease), format_size(t.share), format_size(t.min),
-                      format_size(t.max), f"{t.weight:g}", str(t.groups), ", ".join(state),
+                      format_size(t.lease), format_size(t.fair_share), format_size(t.min),
+                      format_size(t.max), f"{t.shares:g}", str(t.groups), ", ".join(state),
                       *((t.endpoint or "-",) if serving else ()),
                       *((format_size(t.weights), ",".join(t.weight_sets) or "-")
                         if weights else ()),
@@ -287,15 +289,16 @@ def map_cmd(tenant: str | None, pfns: bool, width: int, run_dir: str | None,
 @click.argument("size", required=False)
 @click.option("--max", "max_", default=None, help="Hard limit (same as SIZE).")
 @click.option("--min", "min_", default=None, help="Guaranteed memory, never reclaimed.")
-@click.option("--weight", type=click.FloatRange(min=0, min_open=True, max=10000), default=None,
-              help="Share of contended memory (default 1).")
+@shares_options("Its part of contended memory, a proportional count (default 1).",
+                type=click.FloatRange(min=0, min_open=True, max=MAX_SHARES))
 @click.option("--wait", "wait_s", type=click.FloatRange(0, 3600), default=0.0,
               help="Wait up to this many seconds for the memory above the limit to be freed.")
 @run_dir_option
 @json_option
 def limit(tenant: str, size: str | None, max_: str | None, min_: str | None,
-          weight: float | None, wait_s: float, run_dir: str | None, as_json: bool) -> None:
-    """Set TENANT's knobs: hard limit SIZE (8GiB, or 25% of the budget), --min, --weight.
+          shares: float | None, old_weight: float | None, wait_s: float, run_dir: str | None,
+          as_json: bool) -> None:
+    """Set TENANT's knobs: hard limit SIZE (8GiB, or 25% of the budget), --min, --shares.
 
     Lowering the limit below what the tenant holds starts reclaim at once (idle or not);
     the command reports the change as applied or pending with the bytes still to free.
@@ -305,6 +308,7 @@ def limit(tenant: str, size: str | None, max_: str | None, min_: str | None,
 
     from kvpool import protocol as p
 
+    shares = chosen_shares(shares, old_weight)
     if size is not None and max_ is not None:
         raise click.UsageError("give the limit as SIZE or --max, not both")
     size = size if size is not None else max_
@@ -321,9 +325,9 @@ def limit(tenant: str, size: str | None, max_: str | None, min_: str | None,
                 _bad_value(key.upper(), str(e))
             if out[key] > p.MAX_BYTES:
                 _bad_value(key.upper(), f"{text!r} is too large")
-        if not out and weight is None:
-            raise click.UsageError("nothing to change: give SIZE, --min or --weight")
-        reply = mon.set_limit(tenant, out.get("max"), min=out.get("min"), weight=weight)
+        if not out and shares is None:
+            raise click.UsageError("nothing to change: give SIZE, --min or --shares")
+        reply = mon.set_limit(tenant, out.get("max"), min=out.get("min"), shares=shares)
         deadline = time.monotonic() + wait_s
         while not reply.applied and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -336,16 +340,16 @@ def limit(tenant: str, size: str | None, max_: str | None, min_: str | None,
     out, reply = _call(run_dir, go)
     if as_json:
         click.echo(json.dumps({"tenant": tenant, **out,
-                               **({"weight": weight} if weight is not None else {}),
+                               **({"shares": shares} if shares is not None else {}),
                                "connected": reply.tenants, "applied": reply.applied,
                                "pending": reply.pending}))
         return
     if not reply.tenants:
         click.echo(f"no tenant named {tenant} is connected: "
-                   f"{'; '.join(_knob_changes(tenant, out, weight))}, to apply when one "
+                   f"{'; '.join(_knob_changes(tenant, out, shares))}, to apply when one "
                    f"registers")
         return
-    click.echo("; ".join(_knob_changes(tenant, out, weight)))
+    click.echo("; ".join(_knob_changes(tenant, out, shares)))
     if not reply.applied:
         click.echo(f"pending: {format_size(reply.pending)} still to free")
 
@@ -356,12 +360,12 @@ def _bad_value(what: str, why: str) -> NoReturn:
     sys.exit(2)
 
 
-def _knob_changes(tenant: str, out: dict[str, int], weight: float | None) -> list[str]:
+def _knob_changes(tenant: str, out: dict[str, int], shares: float | None) -> list[str]:
     parts = [f"limit of {tenant} set to {format_size(out['max'])}"] if "max" in out else []
     if "min" in out:
         parts.append(f"min of {tenant} set to {format_size(out['min'])}")
-    if weight is not None:
-        parts.append(f"weight of {tenant} set to {weight:g}")
+    if shares is not None:
+        parts.append(f"shares of {tenant} set to {shares:g}")
     return parts
 
 

@@ -7,10 +7,11 @@ and at once if this process is killed (the daemon sees its fd channel close).
 
 The job learns what it holds from ``KVPOOL_LEASE_BYTES`` (bytes, the lease rounded up
 to whole pages): it must keep its own allocations within that. ``--min`` and
-``--weight`` are the lease tenant's knobs (a config entry for ``--name`` wins). A lease
-may take from the others down to what they are guaranteed (their ``min`` and leases)
-and the weight sets in use, whatever its weight: a lease that cannot fit even so is
-refused at once, saying which of these leaves too little.
+``--shares`` are the lease tenant's knobs (a config entry for ``--name`` wins; the old
+``--weight`` still works for one release). A lease may take from the others down to
+what they are guaranteed (their ``min`` and leases) and the weight sets in use, whatever
+its shares: a lease that cannot fit even so is refused at once, saying which of these
+leaves too little.
 """
 
 from __future__ import annotations
@@ -24,10 +25,9 @@ from typing import NoReturn
 
 import click
 
-from kvpool.cli.params import run_dir_option
+from kvpool.cli.params import chosen_shares, run_dir_option, shares_options
+from kvpool.protocol.bounds import MAX_SHARES
 from kvpool.sizes import format_size, parse_size
-
-MAX_WEIGHT = 10000.0  # (the daemon's bound: kvpool.protocol.requests.Weight)
 
 
 def _bad(option: str, message: str) -> NoReturn:
@@ -36,16 +36,16 @@ def _bad(option: str, message: str) -> NoReturn:
     sys.exit(2)
 
 
-def _weight(text: str | None) -> float | None:
+def _shares(option: str, text: str | None) -> float | None:
     if text is None:
         return None
     try:
-        weight = float(text)
+        shares = float(text)
     except ValueError:
-        _bad("--weight", f"{text!r} is not a number")
-    if not math.isfinite(weight) or not 0 < weight <= MAX_WEIGHT:
-        _bad("--weight", f"{text!r}: give a number above 0 and at most {MAX_WEIGHT:g}")
-    return weight
+        _bad(option, f"{text!r} is not a number")
+    if not math.isfinite(shares) or not 0 < shares <= MAX_SHARES:
+        _bad(option, f"{text!r}: give a number above 0 and at most {MAX_SHARES:g}")
+    return shares
 
 
 def _size(option: str, text: str | None, budget: int | None = None) -> int | None:
@@ -75,12 +75,13 @@ def _size(option: str, text: str | None, budget: int | None = None) -> int | Non
               help="Seconds to wait for the grant.")
 @click.option("--min", "min_", default=None, metavar="SIZE",
               help="Guaranteed to this lease tenant: never reclaimed from it (a size).")
-@click.option("--weight", default=None, metavar="W",
-              help="Its share of contended memory (default 1; above 0, at most 10000). A "
-                   "lease takes what the others are not guaranteed whatever its weight.")
+@shares_options("Its part of contended memory, a proportional count (default 1; above 0, "
+                "at most 10000). A lease takes what the others are not guaranteed whatever "
+                "its shares.")
 @run_dir_option
 def lease(size: str, command: tuple[str, ...], name: str | None, device: int,
-          timeout_s: float, min_: str | None, weight: str | None, run_dir: str | None) -> None:
+          timeout_s: float, min_: str | None, shares: str | None, old_weight: str | None,
+          run_dir: str | None) -> None:
     """Hold SIZE (4GiB, or 50% of the budget) while COMMAND runs; exit with its status.
 
     COMMAND gets KVPOOL_LEASE_BYTES in its environment: the bytes leased (SIZE rounded
@@ -90,10 +91,12 @@ def lease(size: str, command: tuple[str, ...], name: str | None, device: int,
     from kvpool.client_lib import KvpoolError, connect
 
     name = name or f"lease-{os.getpid()}"
-    min_bytes, weight_value = _size("--min", min_), _weight(weight)
+    min_bytes = _size("--min", min_)
+    shares_value = _shares("--weight" if old_weight is not None else "--shares",
+                           chosen_shares(shares, old_weight))
     try:
         tenant = connect(name=name, device=device, run_dir=run_dir, kind="lease",
-                         timeout_s=timeout_s, min=min_bytes, weight=weight_value)
+                         timeout_s=timeout_s, min=min_bytes, shares=shares_value)
     except KvpoolError as e:
         raise click.ClickException(e.message) from None
     try:

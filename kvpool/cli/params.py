@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
+from kvpool.renames import both_line, deprecated_line, say
 from kvpool.sizes import parse_size
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 if TYPE_CHECKING:  # generic from click 8.2 on; the project allows click 8.1
     _SizeParamBase = click.ParamType[int | str, Any]
@@ -56,3 +61,26 @@ device_option = click.option(
     "--device", type=click.IntRange(min=0, max=1024), default=None, expose_value=False,
     callback=_keep_device, help="The device to show (a daemon with --devices; default: "
                                 "its first).")
+
+
+def shares_options(help: str, type: Any = None) -> Callable[[F], F]:
+    """``--shares N`` (the command's ``shares`` parameter) and ``--weight``, its old name
+    (hidden, the ``old_weight`` parameter; accepted for one release): pass both to
+    :func:`chosen_shares`."""
+    def add(f: F) -> F:
+        f = click.option("--weight", "old_weight", type=type, default=None, hidden=True,
+                         help="Deprecated: the old name of --shares.")(f)
+        return click.option("--shares", type=type, default=None, metavar="N", help=help)(f)
+    return add
+
+
+def chosen_shares(shares: Any, old_weight: Any) -> Any:
+    """The value of ``--shares``, or of ``--weight`` (its deprecation line said on
+    stderr); both given: one line on stderr, exit status 2."""
+    if old_weight is None:
+        return shares
+    if shares is not None:
+        click.echo(f"Error: {both_line('--weight', '--shares')}", err=True)
+        sys.exit(2)
+    say(deprecated_line("--weight", "--shares"))
+    return old_weight

@@ -110,7 +110,7 @@ def bar(t: p.TenantInfo, width: int = BAR) -> str:
     for glyph, nbytes in (("█", t.in_use), ("▒", t.reserve), ("▓", t.lease)):
         cells += [glyph] * round(width * min(nbytes, limit) / limit)
     cells = (cells + ["·"] * width)[:width]
-    mark = min(width - 1, round(width * t.share / limit)) if t.share else None
+    mark = min(width - 1, round(width * t.fair_share / limit)) if t.fair_share else None
     if mark is not None and cells[mark] == "·":
         cells[mark] = "|"
     return "".join(cells)

@@ -69,10 +69,10 @@ class Monitor:
         return p.MapReply(id=reply.id, pool=reply.pool, groups=groups)
 
     def set_limit(self, tenant: str, nbytes: int | None = None, *, min: int | None = None,
-                  weight: float | None = None) -> p.LimitSet:
+                  shares: float | None = None) -> p.LimitSet:
         """Change ``tenant``'s knobs (admin); the reply says whether the change is
         applied or how many bytes are still being reclaimed."""
-        return self.call(p.SetLimit(tenant=tenant, max=nbytes, min=min, weight=weight),
+        return self.call(p.SetLimit(tenant=tenant, max=nbytes, min=min, shares=shares),
                          p.LimitSet)
 
     def sleep(self, tenant: str, wake: bool = False) -> int:

@@ -55,12 +55,13 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import AbstractSet, Mapping, Protocol, Sequence, TypeVar
+from typing import AbstractSet, Final, Literal, Mapping, Protocol, Sequence, TypeVar
 
 from kvpool import protocol as p
 from kvpool.client_lib.errors import KvpoolError
 
-PENDING = "pending"
+PENDING: Final = "pending"
+TicketState = Literal["pending", p.SettledState]  # an offer's: pending, then how it ended
 R = TypeVar("R", bound=p.Reply)
 
 
@@ -116,7 +117,7 @@ class Ticket:
     to: str
     pages: int
     ttl_s: float
-    state: str = PENDING  # then one of p.SETTLED_STATES
+    state: TicketState = PENDING  # then one of p.SETTLED_STATES
     reason: str = ""
     _done: threading.Event = field(default_factory=threading.Event, repr=False)
 
@@ -124,13 +125,13 @@ class Ticket:
     def settled(self) -> bool:
         return self._done.is_set()
 
-    def wait(self, timeout_s: float | None = None) -> str:
+    def wait(self, timeout_s: float | None = None) -> TicketState:
         """Block until the daemon settles the ticket (or ``timeout_s``, default the ttl
         plus 5 s); returns the state (``pending`` on timeout)."""
         self._done.wait(self.ttl_s + 5.0 if timeout_s is None else timeout_s)
         return self.state
 
-    def settle(self, state: str, reason: str) -> None:
+    def settle(self, state: p.SettledState, reason: str) -> None:
         """(:class:`Handoffs`) The ticket is over: record how and wake its waiters."""
         self.state, self.reason = state, reason
         self._done.set()
@@ -193,7 +194,7 @@ class Handoffs:
             p.MapReq(tenant=self.tenant.name, after=t.group - 1, limit=1), p.MapReply)
         held = {u for g in reply.groups if g.id == t.group
                 for r in g.runs for u in range(r.start, r.start + r.length)}
-        state = "expired" if all(u in held for u in t.units) else "claimed"
+        state: p.SettledState = "expired" if all(u in held for u in t.units) else "claimed"
         self.settled(p.Settled(ticket=t.id, state=state, group=t.group, units=list(t.units),
                                reason="its notice was lost: the daemon's map says so"))
 
@@ -246,7 +247,7 @@ class Handoffs:
                 forget(group, list(m.units))
         self._finish(m.ticket, m.state, m.reason)
 
-    def _finish(self, tid: str, state: str, reason: str) -> None:
+    def _finish(self, tid: str, state: p.SettledState, reason: str) -> None:
         with self._lock:
             t = self.tickets.pop(tid, None)
         if t is not None:

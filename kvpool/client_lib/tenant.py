@@ -56,8 +56,8 @@ R = TypeVar("R", bound=p.Reply)
 
 class Tenant:
     def __init__(self, name: str, device: int = 0, run_dir: str | os.PathLike[str] | None = None,
-                 kind: str = "engine", timeout_s: float = 10.0, *, min: int | None = None,
-                 max: int | None = None, weight: float | None = None, keeper: bool = True,
+                 kind: p.Kind = "engine", timeout_s: float = 10.0, *, min: int | None = None,
+                 max: int | None = None, shares: float | None = None, keeper: bool = True,
                  endpoint: str | None = None, sleepable: bool | None = None,
                  group: str | None = None, gang: str | None = None,
                  rank: int | None = None,
@@ -71,7 +71,7 @@ class Tenant:
             hello = self.conn.hello
             assert hello is not None
             self._register = p.Register(
-                name=name, kind=kind, device=device, min=min, max=max, weight=weight,
+                name=name, kind=kind, device=device, min=min, max=max, shares=shares,
                 endpoint=endpoint, sleepable=sleepable, group=group, gang=gang, rank=rank,
                 layout=gang_layout(layout, hello.page_size) if layout is not None else None)
             reply, _ = self.conn.call(self._fresh_register(), p.Registered)
@@ -113,7 +113,7 @@ class Tenant:
     def _fresh_register(self) -> p.Register:
         r = self._register
         return p.Register(name=r.name, kind=r.kind, device=r.device, min=r.min, max=r.max,
-                          weight=r.weight, endpoint=r.endpoint, sleepable=r.sleepable,
+                          shares=r.shares, endpoint=r.endpoint, sleepable=r.sleepable,
                           group=r.group, gang=r.gang, rank=r.rank, layout=r.layout)
 
     # ---- gangs (tensor parallelism: docs/ARCHITECTURE.md, "Gangs") -------------------
@@ -229,8 +229,7 @@ class Tenant:
             if self.closed:
                 return
             try:
-                self.conn.call(p.TenantState(state=state, reason=why),  # type: ignore[arg-type]
-                               p.Done)
+                self.conn.call(p.TenantState(state=state, reason=why), p.Done)
                 self._state_sent = True
             except KvpoolError as e:
                 log.debug("state %s not sent (sent after a reconnect): %s", state, e)
@@ -432,15 +431,16 @@ def gang_layout(layout: Sequence[tuple[int, int]], page_size: int) -> list[p.Gan
 
 
 def connect(name: str, device: int = 0, run_dir: str | os.PathLike[str] | None = None,
-            kind: str = "engine", timeout_s: float = 10.0, *, min: int | None = None,
-            max: int | None = None, weight: float | None = None,
+            kind: p.Kind = "engine", timeout_s: float = 10.0, *, min: int | None = None,
+            max: int | None = None, shares: float | None = None,
             endpoint: str | None = None, sleepable: bool | None = None,
             group: str | None = None, gang: str | None = None, rank: int | None = None,
             layout: Sequence[tuple[int, int]] | None = None) -> Tenant:
     """Register with the daemon serving ``run_dir`` (see :mod:`kvpool.paths`). ``min``,
-    ``max`` (bytes) and ``weight`` are this tenant's own knobs, used unless the daemon's
-    config names it (the config and live admin changes win); ``endpoint`` is where it
-    serves (loopback http, :mod:`kvpool.protocol.endpoint`), for ``locate``;
+    ``max`` (bytes) and ``shares`` (its part of contended memory) are this tenant's own
+    knobs, used unless the daemon's config names it (the config and live admin changes
+    win); ``endpoint`` is where it serves (loopback http, :mod:`kvpool.protocol.endpoint`),
+    for ``locate``;
     ``sleepable``: the daemon may put it to sleep when it is idle and memory is short
     (the config's ``[tenants.NAME] sleepable`` wins; :meth:`Tenant.set_sleep_handler`);
     ``group``: a label shown by ``kvpool ps`` (a fleet's name, ``KVPOOL_GROUP``).
@@ -448,5 +448,5 @@ def connect(name: str, device: int = 0, run_dir: str | os.PathLike[str] | None =
     token ``gang`` from :meth:`Tenant.create_gang`, as rank ``rank`` on ``device``, with
     the gang's ``layout`` (docs/ARCHITECTURE.md, "Gangs")."""
     return Tenant(name, device=device, run_dir=run_dir, kind=kind, timeout_s=timeout_s,
-                  min=min, max=max, weight=weight, endpoint=endpoint, sleepable=sleepable,
+                  min=min, max=max, shares=shares, endpoint=endpoint, sleepable=sleepable,
                   group=group, gang=gang, rank=rank, layout=layout)

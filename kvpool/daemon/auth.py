@@ -68,7 +68,7 @@ def may_claim(name: str, policy: TenantPolicy, uid: int, groups: set[int]) -> st
     """Why a peer (``uid``, ``groups``) may not register as the configured tenant
     ``name`` whose :class:`~kvpool.daemon.config.TenantPolicy` is ``policy``; None when
     it may. A policy naming neither ``uids`` nor ``group`` is bound to the daemon's own
-    uid (and root): a configured name carries a policy (a ``min``, a ``weight``) the
+    uid (and root): a configured name carries a policy (a ``min``, ``shares``) the
     operator gave someone, and the first process of any uid to register it must not get
     it (docs/THREAT-MODEL.md, "Tenant names")."""
     uids = list(getattr(policy, "uids", None) or [])

@@ -26,7 +26,8 @@ TOML layout (see ``systemd/kvpool.toml``)::
     [tenants.llama-8b]        # per-tenant policy by name
     min = "4GiB"
     max = "20GiB"
-    weight = 2.0
+    shares = 2.0              # its part of contended memory (a proportional count; the
+                              # old name ``weight`` still works, with a deprecation line)
     uids = [1001]             # who may claim the name (and/or group = "llm"); neither:
                               # the daemon's own uid only (a warning at start says so)
     handoff_to = ["decode"]   # may hand pages to these tenants though another uid runs them
@@ -35,7 +36,7 @@ TOML layout (see ``systemd/kvpool.toml``)::
 
 Validation (:meth:`Config.load`): each value is converted with ``msgspec`` against the
 field's annotated type (``Meta`` bounds: timers finite and positive, counts at least 1,
-``device`` >= 0, ``weight`` in (0, 10000]) and sizes are parsed; every problem becomes
+``device`` >= 0, ``shares`` in (0, 10000]) and sizes are parsed; every problem becomes
 one line of :class:`ConfigError`. What needs the device's memory (the budget against
 the device, tenants' ``min`` against the budget) is :meth:`Config.check_budget`, called
 where the backend is opened. A loaded :class:`Config` never makes the daemon raise later.
@@ -64,6 +65,8 @@ import msgspec
 from msgspec import Meta
 
 from kvpool.daemon import config_values as values_
+from kvpool.protocol.bounds import Shares
+from kvpool.renames import renamed_key
 from kvpool.sizes import format_size, parse_size
 
 if sys.version_info >= (3, 11):
@@ -88,13 +91,13 @@ class ConfigError(ValueError):
 
 @dataclass
 class TenantPolicy:
-    """Arbitration knobs of a tenant (same meaning as cgroup-v2 memory.min/max/weight),
-    and who may claim its name (``uids``, ``group``; both empty: the daemon's own uid
-    only, :func:`kvpool.daemon.auth.may_claim`)."""
+    """Arbitration knobs of a tenant (cgroup-v2 memory.min/max; ``shares`` as cgroup
+    cpu.shares: a proportional count), and who may claim its name (``uids``, ``group``;
+    both empty: the daemon's own uid only, :func:`kvpool.daemon.auth.may_claim`)."""
 
     min: Size = 0
     max: Size | None = None  # None: the daemon's default_max
-    weight: Annotated[float, Meta(gt=0, le=10000)] = 1.0
+    shares: Shares = 1.0
     uids: list[Annotated[int, Meta(ge=0, le=(1 << 32) - 2)]] = field(default_factory=list)
     group: str | None = None
     # tenants this one may hand pages to although they run as another uid (page handoff)
@@ -137,7 +140,7 @@ class Config:
     handoff_letgo_s: Seconds = 2.0
     reclaim_timeout_s: Seconds = 2.0  # deadline of reclaim asks and of requests waiting on them
     # how contended memory is split: "fair_share" (weighted max-min, the default) or
-    # "priority" (highest weight first, floors kept); kvpool/daemon/policy.py
+    # "priority" (most shares first, floors kept); kvpool/daemon/policy.py
     reclaim_policy: str = "fair_share"
     recover_timeout_s: Annotated[float, Meta(ge=0, le=86400)] = 5.0  # after a restart
     log_level: str = "INFO"  # one of config_values.LOG_LEVELS, any case
@@ -348,6 +351,10 @@ def _tenants(raw: Any, problems: list[str]) -> dict[str, TenantPolicy]:
             policy = dataclasses.asdict(policy)
         if not isinstance(policy, dict):
             problems.append(f"tenants.{name}: expected a table, got {values_.show(policy)}")
+            continue
+        policy, both = renamed_key(policy, "weight", "shares", f"tenants.{name}.")
+        if both:
+            problems.append(f"tenants.{name}: {both}")
             continue
         unknown = sorted(set(policy) - names)
         if unknown:

@@ -38,10 +38,16 @@ from __future__ import annotations
 import secrets
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Final, Iterable, Literal, get_args
 
-PENDING, CLAIMED, EXPIRED, CANCELLED = "pending", "claimed", "expired", "cancelled"
-STATES = (PENDING, CLAIMED, EXPIRED, CANCELLED)
+# a ticket's state: pending, then how it ended (the last three: kvpool.protocol's
+# SettledState, which the book does not import)
+TicketState = Literal["pending", "claimed", "expired", "cancelled"]
+PENDING: Final = "pending"
+CLAIMED: Final = "claimed"
+EXPIRED: Final = "expired"
+CANCELLED: Final = "cancelled"
+STATES: tuple[TicketState, ...] = get_args(TicketState)
 TICKET_BYTES = 16  # 128 bits: an id nobody guesses
 MAX_PENDING_PER_GIVER = 1024
 MAX_PENDING = 1 << 16
@@ -95,7 +101,7 @@ class Ticket:
     layout: Layout
     receiver: str
     expires: float  # monotonic seconds
-    state: str = PENDING
+    state: TicketState = PENDING
     claimed_by: int = 0  # the receiving tenant id, once claimed
     settled_at: float = 0.0
 
@@ -238,7 +244,7 @@ class Escrow:
     def of_giver(self, giver: int) -> list[Ticket]:
         return [self.pending[tid] for tid in self.by_giver.get(giver, ())]
 
-    def _settle(self, t: Ticket, state: str, now: float) -> None:
+    def _settle(self, t: Ticket, state: TicketState, now: float) -> None:
         assert t.state == PENDING and state != PENDING, (t.state, state)
         del self.pending[t.id]
         mine = self.by_giver[t.giver.tenant]

@@ -226,7 +226,7 @@ class Gangs:
         """``t`` registered as rank ``rank`` of ``g``: it gets rank 0's knobs."""
         r0 = g.ranks.get(0)
         if r0 is not None:
-            t.min_pages, t.max_pages, t.weight = r0.min_pages, r0.max_pages, r0.weight
+            t.min_pages, t.max_pages, t.shares = r0.min_pages, r0.max_pages, r0.shares
         g.ranks[rank], g.groups[rank] = t, []
         t.gang, t.rank = g.id, rank
         log.info("tenant %d joined gang %d as rank %d on device %d", t.id, g.id, rank,

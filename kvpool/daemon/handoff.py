@@ -271,7 +271,8 @@ class Handoff:
             log.info("tenant %d (%s) ended with %d tickets pending: cancelled", t.id,
                      t.name, len(gone))
 
-    def _tell(self, ticket: escrow.Ticket, state: str, reason: str, receiver: str = "") -> None:
+    def _tell(self, ticket: escrow.Ticket, state: p.SettledState, reason: str,
+              receiver: str = "") -> None:
         giver = self.tenants.by_id.get(ticket.giver.tenant)
         if giver is not None:
             self.outbox.send(giver, p.Settled(

@@ -65,7 +65,7 @@ TENANT_GAUGES = (("mapped", "Bytes granted to the tenant."),
                  ("in_use", "Bytes the tenant reports in use."),
                  ("reserve", "Bytes mapped but idle (the tenant's reserve)."),
                  ("lease", "Bytes leased."),
-                 ("share", "Weighted fair share now."),
+                 ("fair_share", "Its fair share of the budget now (by shares)."),
                  ("min", "Guaranteed memory (never reclaimed)."),
                  ("max", "Hard limit."),
                  ("asked", "Bytes the daemon is waiting for the tenant to give back."),
@@ -194,10 +194,10 @@ class DaemonCollector:
             for lv, t in rows:
                 g.add_metric(lv, getattr(t, key))
             yield g
-        g = GaugeMetricFamily("kvpool_tenant_weight", "Share of contended memory.",
-                              labels=labels)
+        g = GaugeMetricFamily("kvpool_tenant_shares", "Its fair-share knob: shares of "
+                              "contended memory (a proportional count).", labels=labels)
         for lv, t in rows:
-            g.add_metric(lv, t.weight)
+            g.add_metric(lv, t.shares)
         yield g
         g = GaugeMetricFamily("kvpool_tenant_state", "1 for the tenant's state: ok, asked "
                               "(a reclaim outstanding), waiting, unresponsive.",

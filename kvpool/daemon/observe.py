@@ -153,7 +153,7 @@ class Observer:
             self.moves.record("answer", t, self._answered.pop(t.id, 0) * self.ps, seq=req.seq)
         elif isinstance(req, p.SetLimit):
             self.counts["limit_changes"] += 1
-            change = {k: getattr(req, k) for k in ("min", "max", "weight")
+            change = {k: getattr(req, k) for k in ("min", "max", "shares")
                       if getattr(req, k) is not None}
             self.moves.record("limit", None, 0, tenants=[req.tenant], **change)
         self._close_round()

@@ -3,7 +3,7 @@
 A policy answers three questions over the tenants' :class:`~kvpool.daemon.fairshare.Claim`
 records (all sizes in bytes; ``unit`` is the page size, every answer a multiple of it):
 
-* ``shares(budget, claims, unit)`` — what each tenant is entitled to hold when everyone
+* ``fair_shares(budget, claims, unit)`` — what each tenant is entitled to hold when everyone
   asks for its ``demand``;
 * ``plan(budget, claims, need, unit)`` — who gives back how much so that ``need`` more
   bytes fit (the daemon sends those tenants ``shrink`` asks);
@@ -20,9 +20,10 @@ test_policy.py`` checks each registered policy against them):
    rounded up to ``unit``, largest excess first; it may total less than ``need``;
 4. ``may_grow`` is true exactly when the grown holding stays within ``max(share, min)``.
 
-``ShareBased`` derives 3 and 4 from ``shares``: a new policy usually writes only
-``shares``. Register it in :data:`POLICIES` (a :class:`kvpool.registry.Registry`); ``reclaim_policy = "<name>"`` in
-kvpool.toml selects it (docs/ARCHITECTURE.md, "Adding a reclaim policy").
+``ShareBased`` derives 3 and 4 from ``fair_shares``: a new policy usually writes only
+``fair_shares``. Register it in :data:`POLICIES` (a :class:`kvpool.registry.Registry`);
+``reclaim_policy = "<name>"`` in kvpool.toml selects it (docs/ARCHITECTURE.md, "Adding a
+reclaim policy").
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ class ReclaimPolicy(Protocol):
 
     name: str
 
-    def shares(self, budget: int, claims: list[Claim], unit: int) -> dict[str, int]: ...
+    def fair_shares(self, budget: int, claims: list[Claim], unit: int) -> dict[str, int]: ...
 
     def plan(self, budget: int, claims: list[Claim], need: int,
              unit: int) -> list[tuple[str, int]]: ...
@@ -54,13 +55,13 @@ class ShareBased(abc.ABC):
     name: str
 
     @abc.abstractmethod
-    def shares(self, budget: int, claims: list[Claim], unit: int) -> dict[str, int]:
+    def fair_shares(self, budget: int, claims: list[Claim], unit: int) -> dict[str, int]:
         """Each claim's share (obligation 2), a multiple of ``unit``."""
 
     def plan(self, budget: int, claims: list[Claim], need: int,
              unit: int) -> list[tuple[str, int]]:
-        shares = self.shares(budget, claims, unit)
-        excess = sorted(((c.held - max(c.min, shares[c.name]), c.name) for c in claims),
+        fair = self.fair_shares(budget, claims, unit)
+        excess = sorted(((c.held - max(c.min, fair[c.name]), c.name) for c in claims),
                         reverse=True)
         out: list[tuple[str, int]] = []
         for amount, name in excess:
@@ -74,9 +75,9 @@ class ShareBased(abc.ABC):
 
     def may_grow(self, budget: int, claims: list[Claim], name: str, nbytes: int,
                  unit: int) -> bool:
-        shares = self.shares(budget, claims, unit)
+        fair = self.fair_shares(budget, claims, unit)
         me = next(c for c in claims if c.name == name)
-        return me.held + nbytes <= max(shares[name], me.min)
+        return me.held + nbytes <= max(fair[name], me.min)
 
 
 class FairShare(ShareBased):
@@ -85,23 +86,23 @@ class FairShare(ShareBased):
 
     name = "fair_share"
 
-    def shares(self, budget: int, claims: list[Claim], unit: int) -> dict[str, int]:
+    def fair_shares(self, budget: int, claims: list[Claim], unit: int) -> dict[str, int]:
         return fair_shares(budget, claims, unit)
 
 
 class Priority(ShareBased):
-    """Strict priority by ``weight``: every tenant keeps its floor; what is left of the
-    budget goes to the highest weight first, up to its cap, then the next (ties share
-    weighted-fairly among themselves). For "production before batch": a batch tenant
-    (low weight) gives everything above its ``min`` to a busy production one."""
+    """Strict priority by ``shares``: every tenant keeps its floor; what is left of the
+    budget goes to the most shares first, up to its cap, then the next (ties split it
+    fairly by shares among themselves). For "production before batch": a batch tenant
+    (few shares) gives everything above its ``min`` to a busy production one."""
 
     name = "priority"
 
-    def shares(self, budget: int, claims: list[Claim], unit: int) -> dict[str, int]:
+    def fair_shares(self, budget: int, claims: list[Claim], unit: int) -> dict[str, int]:
         out = {c.name: round_down(c.floor, unit) for c in claims}
         left = budget - sum(out.values())
-        for weight in sorted({c.weight for c in claims}, reverse=True):
-            tier = [c for c in claims if c.weight == weight]
+        for shares in sorted({c.shares for c in claims}, reverse=True):
+            tier = [c for c in claims if c.shares == shares]
             want = sum(c.cap - out[c.name] for c in tier)
             if left <= 0 or want <= 0:
                 continue

@@ -260,12 +260,12 @@ class Reclaimer:
             if t.id in protect:
                 floor = max(floor, held)
             out.append(Claim(name=str(t.id), held=held * ps, demand=demand * ps,
-                             min=floor * ps, max=t.cap_pages * ps, weight=t.weight))
+                             min=floor * ps, max=t.cap_pages * ps, shares=t.shares))
         return out
 
-    def shares(self) -> dict[int, int]:
-        """Each arbitrated tenant's share under the policy now (bytes), by tenant id."""
-        got = self.policy.shares(self.shared_budget, self.claims(), self.page_size)
+    def fair_shares(self) -> dict[int, int]:
+        """Each arbitrated tenant's fair share under the policy now (bytes), by tenant id."""
+        got = self.policy.fair_shares(self.shared_budget, self.claims(), self.page_size)
         return {int(k): v for k, v in got.items()}
 
     def may_grow(self, t: TenantRecord, pages: int, lease: bool = False) -> bool:
@@ -282,7 +282,7 @@ class Reclaimer:
     def lease_room(self, t: TenantRecord) -> str:
         """Why a lease of ``t`` cannot grow past what :meth:`may_grow` allows: the pages
         it may hold, the weight sets in use and the others' floors (min, leases), by
-        name. Its weight plays no part (said so: raising it would change nothing)."""
+        name. Its shares play no part (said so: raising them would change nothing)."""
         ps = self.page_size
         floors = {x.name: max(x.min_pages, x.lease_pages) for x in self.tenants
                   if x.arbitrated and x is not t and max(x.min_pages, x.lease_pages)}
@@ -293,7 +293,7 @@ class Reclaimer:
                 f"{self.budget // ps} pages less {self.cache.pinned_pages} pages of weight "
                 f"sets in use, less {sum(floors.values())} pages the others are guaranteed "
                 f"(their min and leases{': ' + held if held else ''}); a lease takes "
-                f"memory down to those floors whatever its weight")
+                f"memory down to those floors whatever its shares")
 
     def sleep_would_cover(self, t: TenantRecord, pages: int, now: float) -> bool:
         """Whether putting one idle tenant to sleep (not ``t``, not a waiter) would free
@@ -397,14 +397,14 @@ class Reclaimer:
                         "the ask); capped at its min until it answers", t.id, t.name,
                         ask.seq, ask.reason, ask.pages)
 
-    def ask(self, t: TenantRecord, pages: int, mode: str, urgent: bool, reason: str,
-            now: float) -> None:
+    def ask(self, t: TenantRecord, pages: int, mode: p.ReclaimMode, urgent: bool,
+            reason: str, now: float) -> None:
         """Ask ``t`` for ``pages`` now, outside a round (a gang's ask mirrored to its
         other ranks, :meth:`kvpool.daemon.gangs.Gangs.mirror_asks`); ``t`` has no ask."""
         self._send_ask(t, pages, mode, urgent, reason, now)
 
-    def _send_ask(self, t: TenantRecord, pages: int, mode: str, urgent: bool, reason: str,
-                  now: float) -> None:
+    def _send_ask(self, t: TenantRecord, pages: int, mode: p.ReclaimMode, urgent: bool,
+                  reason: str, now: float) -> None:
         self._seq += 1
         log.debug("reclaim %d: %s asked for %d pages (%s%s, %s)", self._seq, t.name, pages,
                   mode, ", urgent" if urgent else "", reason)

@@ -4,7 +4,7 @@ A session opens when a process connects the fd channel (:meth:`Registry.open`: a
 record with a fresh token, within the per-uid and global session caps), registers a
 name and kind with a control message (:meth:`Registry.register`: who may claim the
 name, the knobs it gets), and ends with :meth:`Registry.drop`, which returns every page
-and lease it held at once. Knobs (``min``/``max``/``weight``) come from a live admin
+and lease it held at once. Knobs (``min``/``max``/``shares``) come from a live admin
 change first (``set_limit``), then the config's ``[tenants.NAME]``, then what the tenant
 asked for, then the defaults.
 """
@@ -92,9 +92,9 @@ class Registry:
                 t.id, t.name or "-", t.pid, why, pages)
 
     def knobs(self, name: str, asked: p.Register | None = None) -> tuple[int, int, float]:
-        """``(min, max, weight)`` in pages for tenant ``name``: a live admin change wins,
-        then the daemon config's ``[tenants.NAME]``, then what the tenant asked for at
-        registration, then the defaults."""
+        """``(min, max, shares)`` for tenant ``name`` (``min`` and ``max`` in pages): a live
+        admin change wins, then the daemon config's ``[tenants.NAME]``, then what the
+        tenant asked for at registration, then the defaults."""
         cfg = self.cfg
         live = self.knob_overrides.get(name, {})
         configured = name in cfg.tenants
@@ -111,7 +111,7 @@ class Registry:
 
         mx = pick("max", policy.max, cfg.default_max)
         mn = pick("min", policy.min if configured else None, 0)
-        w = pick("weight", policy.weight if configured else None, 1.0)
+        w = pick("shares", policy.shares if configured else None, 1.0)
         ps, budget = self.page_size, self.budget
         return (parse_size(mn, budget) // ps,
                 min(parse_size(mx, budget), budget) // ps, float(w))
@@ -135,7 +135,7 @@ class Registry:
             self._claim(t, r.name)
         if r.endpoint:
             self._claim_endpoint(t, r.endpoint)
-        mn, mx, weight = self.knobs(r.name, r)
+        mn, mx, shares = self.knobs(r.name, r)
         if r.kind in NO_MEMORY_KINDS:
             mn = mx = 0  # holds nothing: no knobs, no claim on a name's policy
         else:
@@ -148,7 +148,7 @@ class Registry:
             r.name in self.cfg.tenants else ""
         t.endpoint = r.endpoint or ""
         t.group = r.group or ""
-        t.min_pages, t.max_pages, t.weight = mn, mx, weight
+        t.min_pages, t.max_pages, t.shares = mn, mx, shares
         log.log(session_level(t.kind), "tenant %d registered: %s (%s), pid %d uid %d, "
                 "limit %d pages", t.id, t.name, t.kind, t.pid, t.uid, t.max_pages)
         return p.Registered(
@@ -186,7 +186,7 @@ class Registry:
 
     def set_limit(self, t: TenantRecord, sender: Sender, r: p.SetLimit) -> p.Reply:
         ps = self.page_size
-        change = {k: getattr(r, k) for k in ("min", "max", "weight") if getattr(r, k) is not None}
+        change = {k: getattr(r, k) for k in ("min", "max", "shares") if getattr(r, k) is not None}
         named = self.tenants.named(r.tenant)
         if "min" in change:
             floors = sum(x.min_pages for x in self.tenants if x.arbitrated and x.name != r.tenant)
@@ -194,7 +194,7 @@ class Registry:
                 raise Fail(p.OVER_LIMIT, "the guaranteed minimums would exceed the budget")
         self.knob_overrides.setdefault(r.tenant, {}).update(change)
         for x in named:
-            x.min_pages, x.max_pages, x.weight = self.knobs(r.tenant)
+            x.min_pages, x.max_pages, x.shares = self.knobs(r.tenant)
         log.info("knobs of %s set: %s", r.tenant, change)
         # the server's tick() right after this reply asks tenants above the limit to shrink
         pending = sum(max(0, x.granted - max(0, x.max_pages - x.lease_pages)) for x in named)

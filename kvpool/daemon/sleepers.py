@@ -22,7 +22,7 @@ Two ways to ask:
   holder of (:meth:`SleepBook.frees`; a set another tenant still holds stays, so a
   replica sharing its model's set with a busy one is credited with its KV only). First
   the candidates whose sleep covers what the waiters miss (the longest idle, then the
-  lowest weight), else the one that frees the most; when the best one is answering a
+  fewest shares), else the one that frees the most; when the best one is answering a
   reclaim ask it is waited for, not passed over for a worse one. One pressure ask is
   outstanding at a time: a tenant asleep frees its whole holding, usually more than the
   waiter misses, and putting a second to sleep before the first has released would put
@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import AbstractSet, Callable
+from typing import AbstractSet, Callable, Final
 
 from kvpool import protocol as p
 from kvpool.daemon.auth import may_act_on
@@ -51,7 +51,7 @@ from kvpool.daemon.tenants import NO_MEMORY_KINDS, TenantRecord, Tenants
 
 log = logging.getLogger("kvpool.daemon.sleepers")
 
-NEVER_SAID = "awake"  # the state of a tenant that never sent TenantState
+NEVER_SAID: Final = "awake"  # the state of a tenant that never sent TenantState
 
 
 @dataclass(eq=False)
@@ -59,7 +59,7 @@ class SleepState:
     """One tenant's sleep record (by tenant id in :class:`SleepBook`)."""
 
     sleepable: bool = False
-    state: str = NEVER_SAID
+    state: p.ShownState = NEVER_SAID  # what it said (p.SaidState), else NEVER_SAID
     idle_since: float = 0.0  # monotonic: when it last said ``idle`` after something else
     asked_at: float | None = None  # a pressure ask is pending since then
     not_before: float = 0.0  # refused or ignored a pressure ask: not asked before this
@@ -180,7 +180,7 @@ class SleepBook:
     def _choose(self, spare: AbstractSet[int], need: int, now: float) -> TenantRecord | None:
         """Of the tenants that may be asked (none while a pressure ask is pending) and
         whose sleep frees something: those that free ``need`` first (the longest idle,
-        then the lowest weight), else the one that frees the most."""
+        then the fewest shares), else the one that frees the most."""
         if self.pending:
             return None
         freed = {t.id: self.frees(t) for t in self.tenants
@@ -192,7 +192,7 @@ class SleepBook:
         def rank(t: TenantRecord) -> tuple[bool, int, float, float, int]:
             covers = freed[t.id] >= need
             return (not covers, 0 if covers else -freed[t.id],
-                    self.records[t.id].idle_since, t.weight, t.id)
+                    self.records[t.id].idle_since, t.shares, t.id)
 
         return min(candidates, key=rank)
 

@@ -14,10 +14,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
+from kvpool import protocol as p
 from kvpool.daemon.pool import Payer
 from kvpool.daemon.regions import GroupRecord
 
-NO_MEMORY_KINDS = ("monitor", "admin")  # session kinds that hold no memory (daemon-enforced)
+# session kinds that hold no memory (daemon-enforced)
+NO_MEMORY_KINDS: tuple[p.Kind, ...] = ("monitor", "admin")
 
 
 @dataclass(eq=False)
@@ -27,7 +29,7 @@ class Ask:
 
     seq: int
     pages: int  # still to come (decremented as the tenant releases)
-    mode: str  # "reserve" | "shrink"
+    mode: p.ReclaimMode
     urgent: bool
     deadline: float
     reason: str
@@ -46,7 +48,7 @@ class TenantRecord:
     conn: socket.socket  # fd channel
     pidfd: int | None = None
     name: str = ""
-    kind: str = ""
+    kind: p.SessionKind = ""  # (Register.kind; "" until it registers)
     policy_name: str = ""  # its name when the config gives it a policy ([tenants.NAME])
     identity: bytes | None = None  # ZeroMQ routing id, set at register
     registered: bool = False
@@ -56,7 +58,7 @@ class TenantRecord:
     peer_gids: set[int] = field(default_factory=set)  # primary + supplementary, at accept
     min_pages: int = 0  # guaranteed: never reclaimed
     max_pages: int = 0  # hard limit
-    weight: float = 1.0  # share of contended memory
+    shares: float = 1.0  # its fair share of contended memory (a proportional count)
     groups: dict[int, GroupRecord] = field(default_factory=dict)
     granted: int = 0  # pages in this tenant's tables (sum over groups)
     lease_pages: int = 0  # pages leased (no table: the tenant's own allocator uses them)

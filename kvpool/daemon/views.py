@@ -34,7 +34,7 @@ def sees_all(asker: TenantRecord | None, owner_uid: int) -> bool:
 
 
 class Views:
-    """Views of ``pool``, ``tenants`` and their groups (``groups``), with the shares and
+    """Views of ``pool``, ``tenants`` and their groups (``groups``), with the fair shares and
     waiting pages of ``reclaimer``, whether ``recovery`` is active, the request
     ``counters``, ``integrity``'s self-check, the ``weights`` sets and the tenants'
     ``sleep`` states."""
@@ -53,15 +53,15 @@ class Views:
         self.weights = weights
         self.sleep = sleep
 
-    def tenant_info(self, t: TenantRecord, shares: dict[int, int] | None = None) -> p.TenantInfo:
+    def tenant_info(self, t: TenantRecord, fair: dict[int, int] | None = None) -> p.TenantInfo:
         ps = self.page_size
-        share = (shares or {}).get(t.id, 0)
+        fair_share = (fair or {}).get(t.id, 0)
         rest = self.sleep.record(t)
         return p.TenantInfo(
             id=t.id, name=t.name, kind=t.kind, pid=t.pid, uid=t.uid, registered=t.registered,
             groups=len(t.groups), mapped=t.granted * ps, in_use=t.in_use_bytes(ps),
             reserve=t.reserve_pages * ps, min=t.min_pages * ps, max=t.max_pages * ps,
-            weight=t.weight, lease=t.lease_pages * ps, share=share,
+            shares=t.shares, lease=t.lease_pages * ps, fair_share=fair_share,
             asked=max(0, t.ask.pages) * ps if t.ask is not None else 0,
             ignored=t.ignored, unresponsive=t.unresponsive, waiting=t.waiting_pages * ps,
             retained=self.pool.retained_pages(t.id) * ps, endpoint=t.endpoint,
@@ -90,13 +90,13 @@ class Views:
         every session that holds anything whatever its kind (none should). With
         ``asker``, other uids' tenants lose what only their uid and admins may see
         (:func:`sees_all`); without, everything (the daemon's own observers)."""
-        shares = self.reclaimer.shares()
+        fair = self.reclaimer.fair_shares()
         out = []
         for x in self.tenants:
             if x.kind in NO_MEMORY_KINDS and not x.held and not x.groups \
                     and not x.weight_pages:
                 continue
-            info = self.tenant_info(x, shares)
+            info = self.tenant_info(x, fair)
             if asker is not None and not sees_all(asker, x.uid):
                 info.pid, info.endpoint = 0, ""
             out.append(info)

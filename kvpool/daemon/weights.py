@@ -76,7 +76,7 @@ class WeightSet:
     creator: int  # tenant id
     scope: int  # who may attach it: the creator's uid, or ADMIN_SCOPE
     payer: Payer  # who pays for its pages kept after it is dropped: its creator's uid
-    state: str = "loading"  # | "sealed"
+    state: p.WeightSetState = "loading"  # then "sealed"
     holders: set[int] = field(default_factory=set)  # tenant ids
     idle_since: float = 0.0  # monotonic: when its last holder let go
 

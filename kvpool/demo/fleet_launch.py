@@ -86,7 +86,7 @@ def fleet_toml(members: Sequence[Member], toml_dir: Path, budget: int, page_size
         rel = os.path.relpath(m.checkpoint, toml_dir)
         lines += ["", "[[models]]", f'name = "{m.name}"', f'checkpoint = "{rel}"',
                   'engine = "bundled"', "replicas = 1", "eager = false", 'min = "0"',
-                  f'max = "{_size(m.max_bytes)}"', "weight = 1.0", "sleepable = true",
+                  f'max = "{_size(m.max_bytes)}"', "shares = 1.0", "sleepable = true",
                   f"sleep_after = {m.sleep_after_s!r}", 'weights = "pool"',
                   f'kv_cache_size = "{_size(m.kv_cache_size)}"',
                   f"max_num_seqs = {m.max_num_seqs}",

@@ -50,7 +50,7 @@ TENANT_VARS: dict[str, tuple[str, Callable[[str], Any]]] = {
     "KVPOOL_DEVICE": ("device", int),
     "KVPOOL_MIN": ("min_bytes", _size),
     "KVPOOL_MAX": ("max_bytes", _size),
-    "KVPOOL_WEIGHT": ("weight", float),
+    "KVPOOL_SHARES": ("shares", float),  # (KVPOOL_WEIGHT: its old name, kvpool.renames)
     "KVPOOL_IDLE_TIMEOUT": ("idle_timeout_s", float),
     "KVPOOL_SLEEPABLE": ("sleepable", flag),
     "KVPOOL_SLEEP_AFTER": ("sleep_after_s", seconds_or_off),
@@ -61,6 +61,12 @@ TENANT_VARS: dict[str, tuple[str, Callable[[str], Any]]] = {
 def tenant_fields(env: Mapping[str, str], fields: set[str]) -> dict[str, Any]:
     """The settings among ``fields`` that ``env`` sets, parsed; a bad value raises
     :class:`SettingsError` (one line: the variable, its value, what it takes)."""
+    from kvpool.renames import renamed_env
+
+    try:
+        env = renamed_env(env, "KVPOOL_WEIGHT", "KVPOOL_SHARES")
+    except ValueError as e:
+        raise SettingsError(str(e)) from None
     out: dict[str, Any] = {}
     for var, (field, parse) in TENANT_VARS.items():
         if field in fields and var in env:
@@ -84,7 +90,7 @@ class TenantSettings:
     device: int = 0
     min_bytes: int | None = None
     max_bytes: int | None = None  # its max (weights and KV); None: the daemon's default
-    weight: float | None = None
+    shares: float | None = None
     low: int = 1  # reserve watermarks, in chunks
     high: int = 2
     idle_timeout_s: float = 5.0

@@ -5,7 +5,9 @@ The file is untrusted input. Every problem is one line naming the file and the k
 (``fleet.toml: models[2].max: cannot parse size 'lots' ...``) and :func:`load` reports
 them all at once (:class:`FleetConfigError`); the CLI prints them and exits 2. Checked:
 
-* unknown tables and keys (a typo never silently falls back to a default);
+* unknown tables and keys (a typo never silently falls back to a default); a model's
+  ``weight`` (the old name of ``shares``, :mod:`kvpool.renames`) is read as ``shares``
+  with one deprecation line on stderr, and refused beside ``shares``;
 * every value's type and range (a TOML boolean is not a number; sizes as
   :func:`kvpool.sizes.parse_size` reads them, no percentages: a tenant's knobs are bytes);
 * model names: tenant names (``[A-Za-z0-9._@:+-]``, at most 64 characters, replica
@@ -37,6 +39,8 @@ from kvpool.fleet.balance import PICKERS
 from kvpool.fleet.checkpoint import CheckpointInfo, inspect, kv_chunk_bytes
 from kvpool.fleet.engines import KINDS
 from kvpool.fleet.entries import DaemonSection, FleetConfig, ModelEntry
+from kvpool.protocol.bounds import MAX_SHARES
+from kvpool.renames import both_line, deprecated_line, say
 from kvpool.sizes import format_size, parse_size
 from kvpool.vmm.host import DEFAULT_PAGE_SIZE
 from kvpool.vmm.registry import capabilities
@@ -71,10 +75,12 @@ Inspect = Callable[[Path, str, bool], CheckpointInfo]
 
 
 class _Table:
-    """Reads one TOML table's keys, each checked; problems go to ``problems``."""
+    """Reads one TOML table's keys, each checked; problems go to ``problems``
+    (``source``: the file, for lines said at once)."""
 
-    def __init__(self, values: Any, label: str, problems: list[str], known: tuple[str, ...]):
-        self.label, self.problems = label, problems
+    def __init__(self, values: Any, label: str, problems: list[str], known: tuple[str, ...],
+                 source: str = ""):
+        self.label, self.problems, self.source = label, problems, source
         if not isinstance(values, dict):
             problems.append(f"{label}: expected a table, got {_show(values)}")
             values = {}
@@ -206,7 +212,7 @@ def load(path: str | Path, with_daemon: bool = False, inspect_checkpoint: Inspec
         if not isinstance(values, dict):
             problems.append(f"models[{i}]: expected a table, got {_show(values)}")
             continue
-        got = _model(_Table(values, f"models[{i}]", problems, MODEL_KEYS), base,
+        got = _model(_Table(values, f"models[{i}]", problems, MODEL_KEYS, shown), base,
                      daemon.backend, inspect_checkpoint)
         if got is not None:
             entries.append((i, *got))
@@ -222,8 +228,8 @@ def load(path: str | Path, with_daemon: bool = False, inspect_checkpoint: Inspec
                        models=tuple(e for _, e, _ in entries))
 
 
-MODEL_KEYS = ("name", "checkpoint", "engine", "replicas", "eager", "min", "max", "weight",
-              "sleepable", "sleep_after", "weights", "kv_cache_size", "max_num_seqs",
+MODEL_KEYS = ("name", "checkpoint", "engine", "replicas", "eager", "min", "max", "shares",
+              "weight", "sleepable", "sleep_after", "weights", "kv_cache_size", "max_num_seqs",
               "routing", "args")
 
 
@@ -262,7 +268,7 @@ def _model(t: _Table, base: Path, backend: str, inspect_checkpoint: Inspect
     mx = t.size("max", None, positive=True)
     if mn is not None and mx is not None and mn > mx:
         t.bad("min", f"{format_size(mn)} is more than max ({format_size(mx)})")
-    weight = t.number("weight", None, 0, 10000)
+    shares = _shares(t)
     sleepable = t.flag("sleepable", True)
     sleep_after = t.number("sleep_after", None, 0, 86400)
     weights = t.text("weights", "pool" if engine == "bundled" else "local", WEIGHTS)
@@ -287,9 +293,21 @@ def _model(t: _Table, base: Path, backend: str, inspect_checkpoint: Inspect
         return None
     assert isinstance(name, str) and kv is not None
     return ModelEntry(name=name, checkpoint=folder, engine=engine, replicas=replicas,
-                      eager=eager, min=mn, max=mx, weight=weight, sleepable=sleepable,
+                      eager=eager, min=mn, max=mx, shares=shares, sleepable=sleepable,
                       sleep_after=sleep_after, weights=weights, kv_cache_size=kv,
                       max_num_seqs=seqs, routing=routing, args=args), info
+
+
+def _shares(t: _Table) -> float | None:
+    """``shares``, or ``weight``: its old name, read with its deprecation line (for one
+    release); both given: one problem."""
+    if "weight" not in t.values:
+        return t.number("shares", None, 0, MAX_SHARES)
+    if "shares" in t.values:
+        t.bad("weight", both_line("weight", "shares"))
+        return None
+    say(deprecated_line("weight", "shares", f"{t.source}: {t.at('')}"))
+    return t.number("weight", None, 0, MAX_SHARES)
 
 
 def _args(t: _Table, engine: str) -> tuple[str, ...]:

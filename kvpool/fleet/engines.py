@@ -29,7 +29,9 @@ from kvpool.fleet.entries import ModelEntry
 from kvpool.registry import Registry
 
 #: variables a member never inherits from the fleet's environment
-NOT_INHERITED = (*TENANT_VARS, "KVPOOL_ENABLE", "KVPOOL_WEIGHTS", "KVPOOL_GROUP")
+# (KVPOOL_WEIGHT: KVPOOL_SHARES's old name, which would clash with the member's own)
+NOT_INHERITED = (*TENANT_VARS, "KVPOOL_WEIGHT", "KVPOOL_ENABLE", "KVPOOL_WEIGHTS",
+                 "KVPOOL_GROUP")
 #: a sleep's reason as a bundled server counts it -> the fleet's cause
 CAUSE_OF = {"idle": "idle", "pressure": "pressure", "operator": "operator",
             "http": "operator"}
@@ -95,8 +97,8 @@ def member_env(member: MemberSpec, extra: Mapping[str, str]) -> dict[str, str]:
         env["KVPOOL_MIN"] = str(e.min)
     if e.max is not None:
         env["KVPOOL_MAX"] = str(e.max)
-    if e.weight is not None:
-        env["KVPOOL_WEIGHT"] = repr(e.weight)
+    if e.shares is not None:
+        env["KVPOOL_SHARES"] = repr(e.shares)
     return env | dict(extra)
 
 

@@ -29,7 +29,7 @@ class ModelEntry:
     eager: bool = False
     min: int | None = None  # bytes (None: the daemon's config or default)
     max: int | None = None
-    weight: float | None = None
+    shares: float | None = None  # its part of contended memory (None: the daemon's)
     sleepable: bool = True
     sleep_after: float | None = None  # seconds idle before it sleeps itself
     weights: str = "pool"  # bundled only: "pool" or "local"

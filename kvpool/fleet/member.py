@@ -21,15 +21,22 @@ import socket
 import subprocess
 import time
 from pathlib import Path
+from typing import Final, Literal
 
 from kvpool import launch
 from kvpool.fleet.balance import ReplicaLoad
 from kvpool.fleet.engines import MemberSpec, ServerKind
 
-STOPPED, STARTING, AWAKE, ASLEEP, FAILED = "stopped", "starting", "awake", "asleep", "failed"
-HUNG = "hung"
-READY = (AWAKE, ASLEEP)
-WATCHED = (AWAKE, ASLEEP, HUNG)  # a process that served: looked at, restarted if it dies
+MemberState = Literal["stopped", "starting", "awake", "asleep", "hung", "failed"]  # (above)
+STOPPED: Final = "stopped"
+STARTING: Final = "starting"
+AWAKE: Final = "awake"
+ASLEEP: Final = "asleep"
+HUNG: Final = "hung"
+FAILED: Final = "failed"
+READY: tuple[MemberState, ...] = (AWAKE, ASLEEP)
+# a process that served: looked at, restarted if it dies
+WATCHED: tuple[MemberState, ...] = (AWAKE, ASLEEP, HUNG)
 FAILED_BACKOFF_S = 10.0  # a failed member is started again by a request after this long
 STOP_GRACE_S = 10.0
 
@@ -53,7 +60,7 @@ class Member:
         self.tenant = spec.tenant
         self.kind = kind
         self.log = log
-        self.state = STOPPED
+        self.state: MemberState = STOPPED
         self.popen: subprocess.Popen[bytes] | None = None
         self.url: str | None = None
         self.started_at = 0.0  # monotonic, of the current process

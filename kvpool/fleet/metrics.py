@@ -27,11 +27,15 @@ Names (docs/ARCHITECTURE.md, "Fleet"; the Grafana row reads them):
 
 from __future__ import annotations
 
+from typing import get_args
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from kvpool.fleet.member import MemberState
+
 CONTENT_TYPE = CONTENT_TYPE_LATEST
-STATES = ("stopped", "starting", "awake", "asleep", "hung", "failed")
+STATES: tuple[MemberState, ...] = get_args(MemberState)
 CAUSES = ("idle", "pressure", "operator")
 WAKE_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 UNKNOWN = "-"  # the model label of a request that names none of the fleet's
@@ -77,7 +81,7 @@ class FleetMetrics:
             self.inflight.labels(model, str(i)).set(0)
             self.set_state(model, i, "stopped")
 
-    def set_state(self, model: str, replica: int, state: str) -> None:
+    def set_state(self, model: str, replica: int, state: MemberState) -> None:
         for s in STATES:
             self.replica_up.labels(model, str(replica), s).set(1 if s == state else 0)
 

@@ -39,20 +39,21 @@ from fastapi.responses import JSONResponse, Response
 from kvpool.fleet import proxy
 from kvpool.fleet.admission import ModelQueue, QueueFull, Unavailable
 from kvpool.fleet.balance import prompt_of
-from kvpool.fleet.member import ASLEEP, AWAKE, FAILED, HUNG, STARTING, STOPPED, Member
+from kvpool.fleet.member import (ASLEEP, AWAKE, FAILED, HUNG, STARTING, STOPPED, Member,
+                                 MemberState)
 from kvpool.fleet.metrics import CONTENT_TYPE, UNKNOWN, FleetMetrics
 from kvpool.fleet.supervisor import Supervisor
 
 MAX_BODY = 32 << 20  # bytes of one request body
 SHOWN = 64  # characters of a client's model name echoed in a 404
-STATE_ORDER = (AWAKE, ASLEEP, STARTING, HUNG, FAILED, STOPPED)
+STATE_ORDER: tuple[MemberState, ...] = (AWAKE, ASLEEP, STARTING, HUNG, FAILED, STOPPED)
 
 
 class BodyTooLarge(Exception):
     pass
 
 
-def model_state(members: Sequence[Member]) -> str:
+def model_state(members: Sequence[Member]) -> MemberState:
     """The state a model shows: its replicas' best (see the module)."""
     states = {m.state for m in members}
     return next((s for s in STATE_ORDER if s in states), STOPPED)

@@ -39,7 +39,7 @@ from typing import Any
 import httpx
 
 from kvpool.fleet.member import (ASLEEP, AWAKE, FAILED, HUNG, STARTING, STOPPED, WATCHED,
-                                 Member)
+                                 Member, MemberState)
 from kvpool.fleet.metrics import FleetMetrics
 
 POLL_S = 0.5
@@ -135,7 +135,7 @@ class Supervisor:
             m.stop()
 
     # ---- states ----------------------------------------------------------------------
-    def set_state(self, m: Member, state: str) -> None:
+    def set_state(self, m: Member, state: MemberState) -> None:
         """Change ``m``'s state (the watch's, the wake's and tests' one way): metrics,
         the look version, and the waiters of :meth:`wait_change`."""
         key = (m.model, m.index)

@@ -51,8 +51,8 @@ from kvpool.protocol.bounds import (
     VERSION, MAX_FRAME, MAX_NAME, MAX_REGIONS, MAX_PAGES_PER_REGION, MAX_UNITS,
     MAX_GROUPS, MAX_BYTES, MAX_ID, MAX_GROUP_ID, MAP_REPLY_BYTES, MAP_BASES, MAP_GROUPS,
     BAD_REQUEST, UNAUTHORIZED, NOT_FOUND, OVER_LIMIT, NO_MEMORY, BUSY, VERSION_MISMATCH,
-    INTERNAL, CODES, Id, Name, Token, Bytes, Unit, Units, Kind, Weight, Seq,
-    MAX_RANKS, MAX_GANG_GROUPS, MAX_DEVICE, GangToken, Device, Rank,
+    INTERNAL, CODES, Id, Name, Token, Bytes, Unit, Units, Kind, Shares, Seq,
+    MAX_RANKS, MAX_GANG_GROUPS, MAX_DEVICE, MAX_SHARES, GangToken, Device, Rank,
 )
 from kvpool.protocol.requests import (
     Request, Register, CreateGroup, DestroyGroup, Grant, Release, Report, Lease,
@@ -60,13 +60,14 @@ from kvpool.protocol.requests import (
     Check, EVENTS_LIMIT, Events, REQUESTS, AnyRequest, MONITOR_OPS, ADMIN_OPS,
     TicketId, MAX_TTL_MS, Offer, Claim, Cancel, Locate, WeightKey, WeightCreate,
     WeightSeal, WeightAttach, WeightDetach, SLEEP_REASONS, SLEEP_STATES, SleepTenant, TenantState,
-    SESSION_OPS, GangGroup, Layout, CreateGang,
+    SESSION_OPS, GangGroup, Layout, CreateGang, SaidState, SleepReason,
 )
 from kvpool.protocol.replies import (
     Reply, Error, Registered, GroupCreated, Granted, Done, TenantInfo, PoolInfo, Run,
     GroupInfo, PsReply, StatsReply, MapReply, CheckReply, Reclaim, LimitSet, Leased,
     Adopted, EventInfo, EventsReply, REPLIES, AnyReply, SETTLED_STATES, Offered, Claimed,
     Settled, Located, WeightGranted, SleepAsked, SleepAsk, GangCreated, GangEnded,
+    SessionKind, ShownState, ReclaimMode, WeightSetState, SettledState,
 )
 from kvpool.protocol.endpoint import MAX_ENDPOINT, Endpoint
 from kvpool.protocol.fd import (
@@ -82,7 +83,7 @@ __all__ = [
     "MAX_UNITS", "MAX_GROUPS", "MAX_BYTES", "MAX_ID", "MAX_GROUP_ID", "MAP_REPLY_BYTES",
     "MAP_BASES", "MAP_GROUPS", "BAD_REQUEST", "UNAUTHORIZED", "NOT_FOUND", "OVER_LIMIT",
     "NO_MEMORY", "BUSY", "VERSION_MISMATCH", "INTERNAL", "CODES", "Id", "Name", "Token",
-    "Bytes", "Unit", "Units", "Kind", "Weight", "Seq", "Request", "Register",
+    "Bytes", "Unit", "Units", "Kind", "Shares", "Seq", "Request", "Register",
     "CreateGroup", "DestroyGroup", "Grant", "Release", "Report", "Lease", "Reclaimed",
     "AdoptGroup", "Adopt", "Bye", "Ping", "Ps", "Stats", "MapReq", "SetLimit",
     "Shutdown", "Check", "EVENTS_LIMIT", "Events", "REQUESTS", "AnyRequest",
@@ -96,6 +97,8 @@ __all__ = [
     "MAX_ENDPOINT", "Endpoint", "WeightKey", "WeightCreate", "WeightSeal",
     "WeightAttach", "WeightDetach", "WeightGranted", "SLEEP_REASONS", "SLEEP_STATES", "SleepTenant",
     "TenantState", "SESSION_OPS", "SleepAsked", "SleepAsk", "MAX_RANKS",
-    "MAX_GANG_GROUPS", "MAX_DEVICE", "GangToken", "Device", "Rank", "GangGroup", "Layout",
-    "CreateGang", "GangCreated", "GangEnded",
+    "MAX_GANG_GROUPS", "MAX_DEVICE", "MAX_SHARES", "GangToken", "Device", "Rank",
+    "GangGroup", "Layout", "CreateGang", "GangCreated", "GangEnded", "SaidState",
+    "SleepReason", "SessionKind", "ShownState", "ReclaimMode", "WeightSetState",
+    "SettledState",
 ]

@@ -3,11 +3,13 @@ against on decode, the stable error codes, and the constrained field types."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from msgspec import Meta
 
-VERSION = 2  # 2: arbitration (reclaim, leases, knobs), adopt after a daemon restart, admin ops
+VERSION = 3  # 2: arbitration (reclaim, leases, knobs), adopt after a daemon restart, admin ops;
+#             3: the fair-share knob is ``shares`` (was ``weight``), ps's ``fair_share``
+#             (was ``share``)
 
 # ---- bounds (validated on decode) ------------------------------------------------
 MAX_FRAME = 1 << 20  # bytes of one control message
@@ -25,6 +27,7 @@ MAP_GROUPS = 1024  # groups in one map reply, at most
 MAX_RANKS = 64  # ranks of one gang (tensor-parallel degree)
 MAX_GANG_GROUPS = 64  # groups in one gang's layout
 MAX_DEVICE = 1024  # device ordinals a message may name
+MAX_SHARES = 10000.0  # a tenant's fair-share knob, at most (above 0)
 
 # ---- error codes (stable: clients and scripts match on them) ---------------------
 BAD_REQUEST = "BAD_REQUEST"  # undecodable, invalid, or inconsistent with the state
@@ -45,8 +48,11 @@ Token = Annotated[str, Meta(max_length=64)]
 Bytes = Annotated[int, Meta(ge=0, le=MAX_BYTES)]
 Unit = Annotated[int, Meta(ge=0, lt=MAX_PAGES_PER_REGION)]
 Units = Annotated[list[Unit], Meta(max_length=MAX_UNITS)]
-Kind = Annotated[str, Meta(pattern=r"^(engine|lease|monitor|admin|test)$")]
-Weight = Annotated[float, Meta(gt=0, le=10000)]
+# a session's kind (Register.kind): a KV engine, a lease, a monitor or admin session
+# (hold no memory), a test client
+Kind = Literal["engine", "lease", "monitor", "admin", "test"]
+# a tenant's fair share of contended memory: a proportional count (like cgroup cpu.shares)
+Shares = Annotated[float, Meta(gt=0, le=MAX_SHARES)]
 Seq = Annotated[int, Meta(ge=0, le=MAX_ID)]
 # a gang token: 128 random bits, 32 lowercase hex digits (a capability: never shown)
 GangToken = Annotated[str, Meta(pattern=r"^[0-9a-f]{32}$")]

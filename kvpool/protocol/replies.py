@@ -3,11 +3,18 @@ read-only view structs (tenants, pool, page tables, events) some replies carry."
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Literal, Optional, Union, get_args
 
 from msgspec import Struct
 
-from kvpool.protocol.bounds import INTERNAL
+from kvpool.protocol.bounds import INTERNAL, Kind
+from kvpool.protocol.requests import SaidState
+
+SessionKind = Literal[Kind, ""]  # a session's kind (Register.kind); "": not registered yet
+# a tenant's state as ``ps`` shows it: what it said (TenantState), ``awake`` if it never did
+ShownState = Literal["awake", SaidState]
+ReclaimMode = Literal["reserve", "shrink"]  # what a Reclaim asks for (see Reclaim)
+WeightSetState = Literal["loading", "sealed"]  # a weight set's (kvpool.daemon.weights)
 
 
 # ====================================================================== replies
@@ -67,7 +74,7 @@ class Done(Reply, tag="done"):
 class TenantInfo(Struct, kw_only=True):
     id: int
     name: str
-    kind: str
+    kind: SessionKind
     pid: int  # 0: not shown (another uid's tenant, to a non-admin asker)
     uid: int
     registered: bool
@@ -77,9 +84,9 @@ class TenantInfo(Struct, kw_only=True):
     reserve: int  # bytes mapped but idle (client's reserve)
     min: int
     max: int
-    weight: float
+    shares: float  # its fair-share knob (a proportional count)
     lease: int = 0  # bytes leased (held outside kvpool's mappings)
-    share: int = 0  # weighted fair share right now (bytes)
+    fair_share: int = 0  # its fair share of the budget right now (bytes), by ``shares``
     asked: int = 0  # bytes the daemon is waiting for this tenant to give back
     ignored: int = 0  # reclaims this tenant let expire
     unresponsive: bool = False  # capped at its min until it answers a reclaim
@@ -88,7 +95,7 @@ class TenantInfo(Struct, kw_only=True):
     endpoint: str = ""  # where it says it serves (Register.endpoint; tenant-supplied)
     weights: int = 0  # bytes of the weight sets it holds (each counts against its max)
     weight_sets: list[str] = []  # the keys of those sets, first 12 hex digits each
-    state: str = "awake"  # busy | idle | asleep as it said (TenantState); awake: never said
+    state: ShownState = "awake"  # busy | idle | asleep as it said (TenantState); awake: never
     sleepable: bool = False  # the daemon may put it to sleep under pressure
     device: int = 0  # the device it holds memory on
     gang: int = 0  # the gang it is a rank of (its id; 0: none)
@@ -209,7 +216,7 @@ class Reclaim(Reply, tag="reclaim"):
     bytes: int
     reason: str = ""
     seq: int = 0
-    mode: str = "reserve"
+    mode: ReclaimMode = "reserve"
     urgent: bool = False
     deadline_ms: int = 0
 
@@ -265,7 +272,8 @@ class EventsReply(Reply, tag="events"):
 
 
 # ---- page handoff (kvpool.daemon.handoff) -----------------------------------------------
-SETTLED_STATES = ("claimed", "expired", "cancelled")
+SettledState = Literal["claimed", "expired", "cancelled"]  # how a handoff ticket ended
+SETTLED_STATES: tuple[SettledState, ...] = get_args(SettledState)
 
 
 class Offered(Reply, tag="offered"):
@@ -290,7 +298,7 @@ class Settled(Reply, tag="settled"):
     receiver owns them; release nothing); ``expired``/``cancelled`` — they stay yours."""
 
     ticket: str
-    state: str
+    state: SettledState
     group: int
     units: list[int]
     receiver: str = ""
@@ -315,7 +323,7 @@ class WeightGranted(Granted, tag="weights"):
     ``nbytes`` is what was asked; the pages cover it."""
 
     key: str = ""
-    state: str = ""
+    state: WeightSetState = "loading"
     nbytes: int = 0
 
 

@@ -10,14 +10,14 @@ send it.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Optional, Union
+from typing import Annotated, Literal, Optional, Union, get_args
 
 from msgspec import Meta, Struct
 
 from kvpool.protocol.bounds import (
     MAP_GROUPS, MAX_BYTES, MAX_GANG_GROUPS, MAX_GROUPS, MAX_ID, MAX_NAME, MAX_RANKS,
     MAX_REGIONS, MAX_UNITS, VERSION, Bytes, Device, GangToken, Id, Kind, Name, Rank, Seq,
-    Token, Unit, Units, Weight,
+    Shares, Token, Unit, Units,
 )
 from kvpool.protocol.endpoint import Endpoint
 
@@ -55,7 +55,7 @@ class Register(Request, tag="register"):
     # the tenant's own knobs; used only when the daemon's config has no entry for ``name``
     min: Optional[Bytes] = None
     max: Optional[Bytes] = None
-    weight: Optional[Weight] = None
+    shares: Optional[Shares] = None
     # where it serves (kvpool.protocol.endpoint: loopback http only), for Locate
     endpoint: Optional[Endpoint] = None
     # it may be put to sleep under memory pressure (kvpool.daemon.sleepers); the config's
@@ -203,7 +203,7 @@ class SetLimit(Request, tag="set_limit"):
     tenant: Name
     max: Optional[Bytes] = None
     min: Optional[Bytes] = None
-    weight: Optional[Weight] = None
+    shares: Optional[Shares] = None
 
 
 class Shutdown(Request, tag="shutdown"):
@@ -317,8 +317,10 @@ class WeightDetach(Request, tag="weight_detach"):
 
 
 # ---- sleep and wake (kvpool.daemon.sleepers; docs/ARCHITECTURE.md "Sleep and wake") ------
-SLEEP_STATES = ("busy", "idle", "asleep")  # what a tenant may say it is doing
-SLEEP_REASONS = ("operator", "pressure", "idle", "request", "http")  # why it slept or woke
+SaidState = Literal["busy", "idle", "asleep"]  # what a tenant may say it is doing
+SleepReason = Literal["operator", "pressure", "idle", "request", "http"]  # why it slept or woke
+SLEEP_STATES: tuple[SaidState, ...] = get_args(SaidState)
+SLEEP_REASONS: tuple[SleepReason, ...] = get_args(SleepReason)
 
 
 class SleepTenant(Request, tag="sleep_tenant"):
@@ -337,10 +339,10 @@ class TenantState(Request, tag="tenant_state"):
     sleep when it opted in), ``asleep`` (holds nothing until it wakes). The daemon
     records it and when it became idle; a sleep or wake is an event (with ``reason``)."""
 
-    state: Literal["busy", "idle", "asleep"]
+    state: SaidState
     # why it went to sleep or woke (its own word, shown by ``kvpool events``): the
     # daemon's ask (operator, pressure), its idle timer, a request, its HTTP route
-    reason: Optional[Literal["operator", "pressure", "idle", "request", "http"]] = None
+    reason: Optional[SleepReason] = None
 
 
 REQUESTS = (

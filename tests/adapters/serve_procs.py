@@ -76,7 +76,7 @@ class Servers:
             env.update(KVPOOL_RUN_DIR=str(run_dir), KVPOOL_IDLE_TIMEOUT=str(idle_timeout))
             if weights is not None:
                 env.update(KVPOOL_WEIGHTS=weights)
-        env.update(extra_env)  # e.g. KVPOOL_WEIGHT, KVPOOL_MIN
+        env.update(extra_env)  # e.g. KVPOOL_SHARES, KVPOOL_MIN
         cmd = launch.serve_argv(self.model, "--max-model-len", "512", *extra, port=port,
                                 name=name, kv_cache_size="4MiB", elastic=elastic)
         proc = launch.spawn_process(cmd, log, cwd=REPO, new_session=True, base_env=env)

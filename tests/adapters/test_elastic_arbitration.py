@@ -8,7 +8,7 @@ prefix-cached blocks, preempt) does the reclaiming.
 * ``min`` — an idle engine whose prefix cache holds more than its ``min``: a heavy
   engine reclaims what is above the min, never what is below.
 
-Each engine gets its knobs the way users set them (``KVPOOL_WEIGHT``, ``KVPOOL_MIN``).
+Each engine gets its knobs the way users set them (``KVPOOL_SHARES``, ``KVPOOL_MIN``).
 """
 
 from __future__ import annotations
@@ -63,11 +63,11 @@ def sample(mon, seconds: float, every: float = 0.05) -> list[dict[str, int]]:
 
 
 @pytest.mark.timeout(900)
-def test_engine_weights_1_1_2_converge_to_25_25_50(start_daemon, servers):
+def test_engine_shares_1_1_2_converge_to_25_25_50(start_daemon, servers):
     d = start_daemon(budget=str(BUDGET), extra=("--warm-max", "0"))
     ws = {"a": 1, "b": 1, "c": 2}
     procs = [servers.start(n, run_dir=d.run_dir, idle_timeout=600,
-                           env={"KVPOOL_WEIGHT": str(w)}) for n, w in ws.items()]
+                           env={"KVPOOL_SHARES": str(w)}) for n, w in ws.items()]
     servers.wait_healthy()
     load = Load(procs, clients=12)
     try:
@@ -97,7 +97,7 @@ def test_an_idle_engines_min_is_never_reclaimed(start_daemon, servers):
     guarded = servers.start("guarded", run_dir=d.run_dir, idle_timeout=600,
                             env={"KVPOOL_MIN": str(mn)})
     hog = servers.start("hog", run_dir=d.run_dir, idle_timeout=600,
-                        env={"KVPOOL_WEIGHT": "100"})
+                        env={"KVPOOL_SHARES": "100"})
     servers.wait_healthy()
     with d.monitor() as m:
         def held(name: str) -> int:

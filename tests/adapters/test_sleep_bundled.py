@@ -176,8 +176,8 @@ def test_sleep_after_puts_an_idle_server_to_sleep(daemon, fleet):
 
 
 def test_pressure_sleeps_only_the_sleepable_idle_server(daemon, fleet):
-    """A needy tenant of weight 10000 (every idle server is above its fair share: less than a page) asks
-    for the free pages and willing's: no shrink gives an idle server's last chunk back,
+    """A needy tenant of 10000 shares (every idle server is above its fair share: less than a
+    page) asks for the free pages and willing's: no shrink gives an idle server's last chunk back,
     so the grant goes through only by putting willing (sleepable) to sleep. Asking for
     plain's pages too ends NO_MEMORY: plain did not opt in and is never put to sleep."""
     plain, lazy, willing = fleet
@@ -190,7 +190,7 @@ def test_pressure_sleeps_only_the_sleepable_idle_server(daemon, fleet):
                    and rows[n]["mapped"] > 0 for n in ("plain", "willing"))
 
     wait_for(settled, DEADLINE_S, 0.1, "plain and willing idle with no reserve")
-    with daemon.connect("needy", timeout_s=DEADLINE_S, weight=10000.0) as needy:
+    with daemon.connect("needy", timeout_s=DEADLINE_S, shares=10000.0) as needy:
         needy.report_state("busy")
         g = needy.region_group(1, BUDGET)
         # everything but the shared weight set and plain's last page (lazy is asleep):

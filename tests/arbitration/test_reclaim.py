@@ -11,16 +11,16 @@ from daemon.helpers import PAGE, read_event
 from .helpers import READY_S, mapped, spawn, wait_for
 
 
-def test_weights_1_1_2_converge_to_25_25_50(start_daemon, tmp_path):
+def test_shares_1_1_2_converge_to_25_25_50(start_daemon, tmp_path):
     """Three tenants that want everything: the daemon's own fair shares are 1:1:2 of the
     budget, and it gets each tenant to its share — waited for as an event (all three at
     their shares in one snapshot, generous deadline), not after a sleep, and checked
-    against the daemon's ``share``, not a ±10% time average."""
+    against the daemon's ``fair_share``, not a ±10% time average."""
     budget = 96
     d = start_daemon(budget=str(budget * PAGE), extra=("--warm-max", "0"))
     stop = tmp_path / "stop"
     ws = {"a": 1, "b": 1, "c": 2}
-    procs = {n: spawn(d, "contend", "--name", n, "--weight", str(w), "--seed", str(i),
+    procs = {n: spawn(d, "contend", "--name", n, "--shares", str(w), "--seed", str(i),
                       "--seconds", "120", "--until-file", str(stop))
              for i, (n, w) in enumerate(ws.items())}
     for w in procs.values():
@@ -35,7 +35,7 @@ def test_weights_1_1_2_converge_to_25_25_50(start_daemon, tmp_path):
             t = {x.name: x for x in s.tenants}
             if set(t) != set(ws):
                 return None
-            if any(abs(t[n].share - want[n]) > PAGE for n in ws):
+            if any(abs(t[n].fair_share - want[n]) > PAGE for n in ws):
                 return None  # the daemon's shares, before every tenant wants more
             return t if all(abs(t[n].mapped - want[n]) <= slack for n in ws) else None
 
@@ -57,7 +57,7 @@ def test_min_is_never_reclaimed(start_daemon, tmp_path):
     guarded = spawn(d, "idle", "--name", "guarded", "--min", str(mn), "--blocks", "40")
     assert read_event(guarded, "ready", READY_S)["blocks"] == 40
     stop = tmp_path / "stop"
-    hog = spawn(d, "contend", "--name", "hog", "--weight", "100", "--seconds", "120",
+    hog = spawn(d, "contend", "--name", "hog", "--shares", "100", "--seconds", "120",
                 "--until-file", str(stop))
     read_event(hog, "ready", READY_S)
     seen: list[int] = []

@@ -126,8 +126,8 @@ def connect(args):
     from kvpool.client_lib import connect as kv_connect
 
     kw = {}
-    if args.weight is not None:
-        kw["weight"] = args.weight
+    if args.shares is not None:
+        kw["shares"] = args.shares
     if args.min is not None:
         kw["min"] = args.min
     return kv_connect(name=args.name, run_dir=args.run_dir, **kw)
@@ -223,7 +223,7 @@ def main() -> None:
     ap.add_argument("--low", type=int, default=1)
     ap.add_argument("--high", type=int, default=2)
     ap.add_argument("--idle-timeout", type=float, default=30.0)
-    ap.add_argument("--weight", type=float, default=None)
+    ap.add_argument("--shares", type=float, default=None)
     ap.add_argument("--min", type=int, default=None)
     ap.add_argument("--blocks", type=int, default=8)
     ap.add_argument("--seconds", type=float, default=10.0)

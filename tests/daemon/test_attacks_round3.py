@@ -155,7 +155,7 @@ def test_an_endpoint_has_one_spelling_and_one_live_tenant(daemon):
 # ---- defect 7: a configured name without uids --------------------------------------------
 @needs_root
 def test_a_configured_name_without_uids_is_not_another_uids_to_take(start_daemon, tmp_path):
-    d = group_daemon(start_daemon, tmp_path, '[tenants.vip]\nweight = 5.0\n')
+    d = group_daemon(start_daemon, tmp_path, '[tenants.vip]\nshares = 5.0\n')
     got = as_nobody(d, """
         from tests.daemon.rawpeer import RawPeer
         peer = RawPeer(run_dir)
@@ -173,7 +173,7 @@ def test_a_configured_name_without_uids_is_not_another_uids_to_take(start_daemon
     with d.connect("vip") as vip:  # the daemon's own uid keeps the name and its policy
         with d.monitor() as m:
             info = next(t for t in m.ps().tenants if t.id == vip.id)
-        assert info.weight == 5.0
+        assert info.shares == 5.0
     warned = [x for x in d.logs().splitlines() if "WARNING" in x and "'vip'" in x]
     assert warned and "uids" in warned[0], d.logs()  # said at start
     assert d.check() == []

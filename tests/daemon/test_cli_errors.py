@@ -14,7 +14,7 @@ def test_limit_of_a_tenant_not_connected_says_so(daemon):
     out = daemon.cli("limit", "nosuch", "1MiB")
     assert out.stdout.strip() == ("no tenant named nosuch is connected: limit of nosuch set "
                                   "to 1 MiB, to apply when one registers")
-    assert json.loads(daemon.cli("limit", "nosuch", "--weight", "2", "--json").stdout)[
+    assert json.loads(daemon.cli("limit", "nosuch", "--shares", "2", "--json").stdout)[
         "connected"] == 0
     with daemon.connect("nosuch") as t:  # ... and it does apply when one registers
         assert t.limit == 1 << 20
@@ -22,6 +22,26 @@ def test_limit_of_a_tenant_not_connected_says_so(daemon):
         assert out.stdout.strip() == f"limit of nosuch set to {8 * PAGE >> 10} KiB"
         assert json.loads(daemon.cli("limit", "nosuch", "1MiB", "--json").stdout)[
             "connected"] == 1
+
+
+def test_limit_shares_and_the_old_weight_flag(daemon):
+    """``kvpool limit --shares``; ``--weight`` (its old name) still works for one release
+    with one deprecation line on stderr; both together: one line, exit 2, no change."""
+    with daemon.connect("knobs") as t:
+        out = daemon.cli("limit", "knobs", "--shares", "3")
+        assert out.stdout.strip() == "shares of knobs set to 3" and out.stderr == "", out
+        out = daemon.cli("limit", "knobs", "--weight", "4")
+        assert out.stdout.strip() == "shares of knobs set to 4", out
+        assert out.stderr.splitlines() == [
+            "kvpool: --weight is deprecated, use --shares (removed in the next release)"]
+        out = daemon.cli("limit", "knobs", "--shares", "5", "--weight", "6", check=False)
+        assert out.returncode == 2, out
+        assert out.stderr.splitlines() == [
+            "Error: --shares and --weight are both given: --weight is the old name of "
+            "--shares; give --shares only"], out.stderr
+        (shown,) = [x for x in daemon.cli_json("ps")["tenants"] if x["id"] == t.id]
+        assert shown["shares"] == 4.0 and "weight" not in shown
+        assert "--weight" not in daemon.cli("limit", "--help").stdout  # (hidden)
 
 
 @pytest.mark.parametrize("size", ["0.5", "0.5B"])

@@ -86,7 +86,10 @@ def test_bad_flags_are_refused(run_dir, flags, needle):
     ('device = "x"\n', "device = 'x': expected int"),
     ("max_sessions = 0\n", "max_sessions = 0"),
     ('[tenants.x]\nmin = "abc"\n', "tenants.x.min = 'abc': cannot parse size"),
-    ("[tenants.x]\nweight = -3\n", "tenants.x.weight = -3"),
+    ("[tenants.x]\nshares = -3\n", "tenants.x.shares = -3"),
+    ("[tenants.x]\nshares = 1\nweight = 2\n",
+     "tenants.x: shares and weight are both given: weight is the old name of shares; give "
+     "shares only"),
     ('[tenants.x]\nuids = ["root"]\n', "tenants.x.uids"),
     ('[tenants.x]\ncolour = "red"\n', "unknown keys colour"),
     ('[tenants.a]\nmin = "90%"\n[tenants.b]\nmin = "90%"\n', "add up to"),
@@ -103,7 +106,7 @@ def test_bad_config_values_are_refused(run_dir, toml, needle):
 
 
 def test_every_problem_gets_its_own_line(run_dir):
-    toml = 'send_timeout_s = -1\ndevice = "x"\n[tenants.x]\nmin = "abc"\nweight = 0\n'
+    toml = 'send_timeout_s = -1\ndevice = "x"\n[tenants.x]\nmin = "abc"\nshares = 0\n'
     lines = refused(start(run_dir, "--reclaim-timeout", "nan", toml=toml), run_dir)
     assert len(lines) == 5, lines
 
@@ -111,7 +114,7 @@ def test_every_problem_gets_its_own_line(run_dir):
 def test_good_values_start_the_daemon(run_dir):
     """Positive control: octal strings for socket_mode, any-case log levels, page counts."""
     toml = ('socket_mode = "0640"\nlog_level = "debug"\nwarm_max = "4p"\n'
-            '[tenants.a]\nmin = "25%"\nweight = 2\nuids = [0]\n')
+            '[tenants.a]\nmin = "25%"\nshares = 2\nuids = [0]\n')
     proc = start(run_dir, toml=toml)
     d = DaemonProc(run_dir=run_dir, proc=proc, log=run_dir / "none.log", page_size=PAGE)
     try:
@@ -123,6 +126,38 @@ def test_good_values_start_the_daemon(run_dir):
         proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=20)
     assert proc.returncode == 0
+
+
+def test_the_old_weight_key_still_works_with_one_line(run_dir):
+    """``[tenants.NAME] weight``, the old name of ``shares``, is read as ``shares`` for one
+    release; the daemon says so once, on stderr, before it serves."""
+    toml = f'[tenants.a]\nweight = 3\nuids = [{os.getuid()}]\n'
+    proc = start(run_dir, toml=toml)
+    d = DaemonProc(run_dir=run_dir, proc=proc, log=run_dir / "none.log", page_size=PAGE)
+    try:
+        wait_ready(d)
+        with d.connect("a") as t, d.monitor() as m:
+            assert next(x for x in m.ps().tenants if x.id == t.id).shares == 3.0
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=20)
+    assert proc.returncode == 0, err
+    assert [x for x in err.splitlines() if "weight" in x] == [
+        "kvpool: tenants.a.weight is deprecated, use shares (removed in the next release)"], err
+
+
+def test_config_shares_and_the_old_weight(capsys):
+    cfg = Config.from_dict({"tenants": {"a": {"weight": 2}, "b": {"shares": 5}}})
+    assert (cfg.tenants["a"].shares, cfg.tenants["b"].shares) == (2.0, 5.0)
+    assert capsys.readouterr().err == ("kvpool: tenants.a.weight is deprecated, use shares "
+                                       "(removed in the next release)\n")
+    given = {"a": {"weight": 2, "shares": 3}}
+    with pytest.raises(ConfigError) as e:
+        Config.from_dict({"tenants": given})
+    assert e.value.problems == ["tenants.a: shares and weight are both given: weight is the "
+                                "old name of shares; give shares only"]
+    assert given == {"a": {"weight": 2, "shares": 3}}  # (the caller's table is left alone)
+    assert capsys.readouterr().err == ""
 
 
 def ram_bytes() -> int:
@@ -180,5 +215,5 @@ def test_the_shipped_config_file_validates(monkeypatch):
 
     monkeypatch.setattr(config_values, "group_exists", lambda name: True)  # the kvpool groups
     cfg = Config.load(REPO / "systemd" / "kvpool.toml")
-    assert cfg.socket_group == "kvpool" and cfg.tenants["llama-8b"].weight == 2.0
+    assert cfg.socket_group == "kvpool" and cfg.tenants["llama-8b"].shares == 2.0
     cfg.check_budget(total=80 << 30, page_size=2 << 20)

@@ -1,5 +1,5 @@
 """Reclaim policies: every registered policy keeps the obligations the arbiter relies on
-(kvpool/daemon/policy.py), the priority policy splits by weight tiers, the config picks
+(kvpool/daemon/policy.py), the priority policy splits by tiers of shares, the config picks
 one by name (an unknown name is one clear line), and the choice decides which tenant the
 arbiter asks to give back."""
 
@@ -23,7 +23,7 @@ claim = st.builds(
     demand=st.integers(0, 64).map(lambda x: x * UNIT),
     min=st.integers(0, 16).map(lambda x: x * UNIT),
     max=st.integers(1, 64).map(lambda x: x * UNIT),
-    weight=st.sampled_from([0.5, 1.0, 2.0, 3.0]),
+    shares=st.sampled_from([0.5, 1.0, 2.0, 3.0]),
 )
 
 
@@ -33,28 +33,28 @@ claim = st.builds(
        claims=st.lists(claim, min_size=1, max_size=6))
 def test_every_policy_keeps_the_obligations(name: str, budget: int, claims: list[Claim]) -> None:
     policy = POLICIES.lookup(name)
-    shares = policy.shares(budget, claims, UNIT)
+    fair = policy.fair_shares(budget, claims, UNIT)
     floors = sum(c.floor // UNIT * UNIT for c in claims)
-    assert sum(shares.values()) <= max(budget, floors)
+    assert sum(fair.values()) <= max(budget, floors)
     for c in claims:  # 2: floor <= share <= cap, in whole units
-        assert shares[c.name] % UNIT == 0
-        assert c.floor // UNIT * UNIT <= shares[c.name] <= c.cap
+        assert fair[c.name] % UNIT == 0
+        assert c.floor // UNIT * UNIT <= fair[c.name] <= c.cap
     plan = policy.plan(budget, claims, budget, UNIT)
-    excess = {c.name: c.held - max(c.min, shares[c.name]) for c in claims}
+    excess = {c.name: c.held - max(c.min, fair[c.name]) for c in claims}
     for name_, amount in plan:  # 3: only from the excess, largest first
         assert 0 < amount <= excess[name_] + UNIT
     assert [excess[n] for n, _ in plan] == sorted((excess[n] for n, _ in plan), reverse=True)
     for c in claims:  # 4: growth within max(share, min)
         assert policy.may_grow(budget, claims, c.name, UNIT, UNIT) == (
-            c.held + UNIT <= max(shares[c.name], c.min))
+            c.held + UNIT <= max(fair[c.name], c.min))
 
 
-def test_priority_fills_the_highest_weight_first_and_keeps_every_floor() -> None:
-    claims = [Claim("batch", 6 * GIB, 8 * GIB, min=1 * GIB, weight=1),
-              Claim("prod", 2 * GIB, 8 * GIB, weight=2)]
+def test_priority_fills_the_most_shares_first_and_keeps_every_floor() -> None:
+    claims = [Claim("batch", 6 * GIB, 8 * GIB, min=1 * GIB, shares=1),
+              Claim("prod", 2 * GIB, 8 * GIB, shares=2)]
     # priority: batch keeps its floor, prod takes the rest; fair share splits 1:2
-    assert Priority().shares(8 * GIB, claims, UNIT) == {"batch": 1 * GIB, "prod": 7 * GIB}
-    assert POLICIES.lookup("fair_share").shares(8 * GIB, claims, UNIT) == {
+    assert Priority().fair_shares(8 * GIB, claims, UNIT) == {"batch": 1 * GIB, "prod": 7 * GIB}
+    assert POLICIES.lookup("fair_share").fair_shares(8 * GIB, claims, UNIT) == {
         "batch": 21 * UNIT, "prod": 42 * UNIT}  # 2.625 and 5.25 GiB (whole units)
     # so for 5 GiB more, batch gives all 5 under priority but only its excess over
     # 2.625 GiB (3.375) under fair share
@@ -62,16 +62,16 @@ def test_priority_fills_the_highest_weight_first_and_keeps_every_floor() -> None
     assert POLICIES.lookup("fair_share").plan(8 * GIB, claims, 5 * GIB, UNIT) == [
         ("batch", 27 * UNIT)]
     # ties in the top tier share it fairly, lower tiers keep only their floors
-    tier = [Claim("x", 0, 8 * GIB, weight=2), Claim("y", 0, 8 * GIB, weight=2),
-            Claim("z", 4 * GIB, 8 * GIB, min=1 * GIB, weight=1)]
-    assert Priority().shares(8 * GIB, tier, UNIT) == {"x": 28 * UNIT, "y": 28 * UNIT,
+    tier = [Claim("x", 0, 8 * GIB, shares=2), Claim("y", 0, 8 * GIB, shares=2),
+            Claim("z", 4 * GIB, 8 * GIB, min=1 * GIB, shares=1)]
+    assert Priority().fair_shares(8 * GIB, tier, UNIT) == {"x": 28 * UNIT, "y": 28 * UNIT,
                                                       "z": 1 * GIB}
 
 
 def test_priority_tiers_that_fit_get_their_caps() -> None:
-    claims = [Claim("a", 0, 3 * GIB, weight=3), Claim("b", 0, 2 * GIB, weight=2),
-              Claim("c", 0, 8 * GIB, weight=1)]
-    assert Priority().shares(8 * GIB, claims, UNIT) == {"a": 3 * GIB, "b": 2 * GIB,
+    claims = [Claim("a", 0, 3 * GIB, shares=3), Claim("b", 0, 2 * GIB, shares=2),
+              Claim("c", 0, 8 * GIB, shares=1)]
+    assert Priority().fair_shares(8 * GIB, claims, UNIT) == {"a": 3 * GIB, "b": 2 * GIB,
                                                         "c": 3 * GIB}
 
 
@@ -87,15 +87,15 @@ PAGE = 64 << 10
 
 
 def test_the_policy_decides_whom_the_arbiter_asks_and_for_how_much(make_arb) -> None:
-    """16 pages; batch (weight 1, min 2) holds 12, prod (weight 2) holds 4 and asks for 10
+    """16 pages; batch (shares 1, min 2) holds 12, prod (shares 2) holds 4 and asks for 10
     more. Fair share gives prod 10 of 16 (2:1): it is refused at once, batch is asked for
     nothing. Priority gives prod everything above batch's min: it waits, and batch is
     asked for exactly the 10 pages above its min."""
     outcomes = {}
     for policy in ("fair_share", "priority"):
         arb = make_arb(Config.from_dict({"budget": 16 * PAGE, "reclaim_policy": policy,
-                                         "tenants": {"batch": {"weight": 1, "min": 2 * PAGE},
-                                                     "prod": {"weight": 2}}}))
+                                         "tenants": {"batch": {"shares": 1, "min": 2 * PAGE},
+                                                     "prod": {"shares": 2}}}))
         batch, bi = arb.tenant("batch")
         prod, pi = arb.tenant("prod")
         gid = {}

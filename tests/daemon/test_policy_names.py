@@ -76,7 +76,7 @@ def test_a_configured_name_is_claimed_only_by_its_uids_or_group(start_daemon, tm
     sockets = _group("kvpooltest")
     team = _group("kvpoolvip")
     cfg = tmp_path / "kvpool.toml"
-    cfg.write_text(f'[tenants.vip]\nmin = "50%"\nweight = 5\nuids = [{os.getuid()}]\n'
+    cfg.write_text(f'[tenants.vip]\nmin = "50%"\nshares = 5\nuids = [{os.getuid()}]\n'
                    f'[tenants.team]\ngroup = "kvpoolvip"\n')
     d = start_daemon(budget=str(16 * PAGE), extra=("--config", str(cfg),
                                                    "--socket-group", "kvpooltest"))
@@ -90,7 +90,7 @@ def test_a_configured_name_is_claimed_only_by_its_uids_or_group(start_daemon, tm
     vip = session(d, "vip")
     try:
         (t,) = [t for t in stats(d).tenants if t.name == "vip"]
-        assert t.min == 8 * PAGE and t.weight == 5
+        assert t.min == 8 * PAGE and t.shares == 5
     finally:
         vip.close()
 

@@ -1,8 +1,8 @@
 """Sleep and wake, daemon side (issue 22, point 4; kvpool.daemon.sleepers).
 
 Arbiter-level (no daemon process, explicit clocks): whom the daemon puts to sleep when
-a waiting grant misses pages (one idle sleepable tenant, longest idle then lowest
-weight; never the asker, a busy, a non-sleepable or an already-asked one), a refusal
+a waiting grant misses pages (one idle sleepable tenant, longest idle then fewest
+shares; never the asker, a busy, a non-sleepable or an already-asked one), a refusal
 (the grant ends NO_MEMORY at its deadline and nothing stalls), who may ask (own uid or
 admin), states forgotten with the session. Real daemon: the operator's `kvpool sleep` /
 `kvpool wake` reach the tenant's handler and ps shows asleep then not; a daemon-initiated
@@ -183,15 +183,15 @@ def test_who_is_never_asked(make_arb, case):
     assert a.arb.views.tenant_info(x).sleepable == (case != "not_sleepable")
 
 
-def test_longest_idle_then_lowest_weight_and_only_one_at_a_time(make_arb):
-    a = Arb(make_arb(config(heavy={"weight": 3.0}, light={"weight": 1.0},
-                            late={"weight": 0.5}, y={"weight": 100.0})))
+def test_longest_idle_then_fewest_shares_and_only_one_at_a_time(make_arb):
+    a = Arb(make_arb(config(heavy={"shares": 3.0}, light={"shares": 1.0},
+                            late={"shares": 0.5}, y={"shares": 100.0})))
     heavy = a.join("heavy", 4, "idle")
     light = a.join("light", 4, "idle")
     late = a.join("late", 4, "idle")
     rec = a.arb.sleep.records
     rec[heavy.id].idle_since = rec[light.id].idle_since = 5.0  # idle as long as each other
-    rec[late.id].idle_since = 7.0  # idle for less time, lowest weight
+    rec[late.id].idle_since = 7.0  # idle for less time, fewest shares
     y = a.join("y", state="busy")
     out, asks = needy_round(a, y, 8)
     assert list(asks) == [a.idents[light.id]], asks

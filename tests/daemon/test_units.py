@@ -28,7 +28,9 @@ PAGE = 64 << 10
     p.Report(id=6, group=1, reserve=[]),
     p.Bye(id=7), p.Ping(id=8), p.Ps(id=9), p.Stats(id=10),
     p.MapReq(id=11, tenant="x", pfns=True), p.SetLimit(id=12, tenant="x", max=1 << 30),
-    p.Check(id=13),
+    p.Check(id=13), p.SetLimit(id=14, tenant="x", shares=2.5),
+    p.Register(id=15, token="t", name="x", kind="lease", shares=p.MAX_SHARES),
+    p.TenantState(id=16, state="asleep", reason="pressure"),
 ])
 def test_every_request_round_trips(req):
     assert p.decode_request(p.encode(req)) == req
@@ -53,6 +55,15 @@ def test_replies_round_trip_and_errors_have_codes():
     ({"op": "register", "id": 10, "name": "bad name"}, 10),
     ({"op": "register", "id": 11, "name": "x", "kind": "root"}, 11),
     ({"op": "ps", "id": 12, "surprise": 1}, 12),
+    # version 3: the fair-share knob is ``shares``; the old field is unknown on the wire
+    ({"op": "register", "id": 14, "name": "x", "weight": 2.0}, 14),
+    ({"op": "set_limit", "id": 15, "tenant": "x", "weight": 2.0}, 15),
+    ({"op": "set_limit", "id": 16, "tenant": "x", "shares": p.MAX_SHARES * 2}, 16),
+    ({"op": "set_limit", "id": 17, "tenant": "x", "shares": 0}, 17),
+    # Literal states: a state or reason outside the alias is refused like any bad field
+    ({"op": "tenant_state", "id": 18, "state": "dozing"}, 18),
+    ({"op": "tenant_state", "id": 19, "state": "awake"}, 19),  # (shown by ps, never said)
+    ({"op": "tenant_state", "id": 20, "state": "idle", "reason": "boredom"}, 20),
     ({"op": "teleport", "id": 13}, 13),
     ({"op": "ps", "id": -1}, 0),
     ({"op": "ps", "id": True}, 0),
@@ -62,6 +73,40 @@ def test_invalid_requests_raise_decode_error_with_salvaged_id(obj, rid):
     with pytest.raises(p.DecodeError) as e:
         p.decode_request(p.encode(obj))
     assert e.value.id == rid and e.value.code == p.BAD_REQUEST
+
+
+@pytest.mark.parametrize("reply", [
+    {"r": "reclaim", "bytes": 1, "mode": "grow"},
+    {"r": "settled", "ticket": "t", "state": "lost", "group": 1, "units": []},
+    {"r": "weights", "group": 0, "units": [], "nfds": 0, "state": "melting"},
+    {"r": "ps", "tenants": [{"id": 1, "name": "x", "kind": "engine", "pid": 1, "uid": 0,
+                             "registered": True, "groups": 0, "mapped": 0, "in_use": 0,
+                             "reserve": 0, "min": 0, "max": 0, "shares": 1.0,
+                             "state": "dozing"}]},
+    {"r": "ps", "tenants": [{"id": 1, "name": "x", "kind": "root", "pid": 1, "uid": 0,
+                             "registered": True, "groups": 0, "mapped": 0, "in_use": 0,
+                             "reserve": 0, "min": 0, "max": 0, "shares": 1.0}]},
+])
+def test_a_reply_with_an_unknown_state_or_kind_is_refused(reply):
+    """The daemon's states and kinds are Literal types: a client refuses a value outside
+    them (a daemon of another version would say VERSION first)."""
+    with pytest.raises(msgspec.ValidationError):
+        p.decode_reply(p.encode(reply))
+
+
+def test_literal_states_decode_and_show_in_ps():
+    info = {"id": 1, "name": "", "kind": "", "pid": 1, "uid": 0, "registered": False,
+            "groups": 0, "mapped": 0, "in_use": 0, "reserve": 0, "min": 0, "max": 0,
+            "shares": 2.0, "fair_share": 5}
+    got = p.decode_reply(p.encode({"r": "ps", "tenants": [info]}))
+    assert isinstance(got, p.PsReply)
+    (t,) = got.tenants
+    assert (t.kind, t.state, t.shares, t.fair_share) == ("", "awake", 2.0, 5)
+    assert p.SLEEP_STATES == ("busy", "idle", "asleep")
+    assert p.SETTLED_STATES == ("claimed", "expired", "cancelled")
+    for state in p.SETTLED_STATES:
+        s = p.Settled(ticket="t", state=state, group=1, units=[2])
+        assert p.decode_reply(p.encode(s)) == s
 
 
 def test_oversized_frame_is_rejected_before_decoding():
@@ -89,9 +134,9 @@ def test_run_dir_resolution(monkeypatch, tmp_path):
 # ---- config ------------------------------------------------------------------------
 def test_config_load_and_overrides(tmp_path):
     f = tmp_path / "c.toml"
-    f.write_text('budget = "1GiB"\nwarm_max = "16p"\n[tenants.a]\nmax = "50%"\nweight = 2.0\n')
+    f.write_text('budget = "1GiB"\nwarm_max = "16p"\n[tenants.a]\nmax = "50%"\nshares = 2.0\n')
     cfg = Config.load(f, budget="2GiB", page_size=None)
-    assert cfg.budget == "2GiB" and cfg.tenants["a"] == TenantPolicy(max="50%", weight=2.0)
+    assert cfg.budget == "2GiB" and cfg.tenants["a"] == TenantPolicy(max="50%", shares=2.0)
     assert cfg.resolve_pages(cfg.warm_max, PAGE, 1 << 30) == 16
     assert cfg.resolve_pages("1MiB", PAGE, 1 << 30) == 16
     f.write_text("colour = 'blue'\n")

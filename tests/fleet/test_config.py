@@ -62,7 +62,9 @@ BAD = [
     ("min = \"30%\"\n", "models[0].min", "percentage"),
     ("replicas = true\n", "models[0].replicas", "expected an integer"),
     ("replicas = 0\n", "models[0].replicas", "out of range"),
-    ("weight = 0\n", "models[0].weight", "out of range"),
+    ("shares = 0\n", "models[0].shares", "out of range"),
+    ("shares = 1\nweight = 2\n", "models[0].weight", "shares and weight are both given: weight "
+     "is the old name of shares; give shares only"),
     ("sleep_after = -1\n", "models[0].sleep_after", "out of range"),
     ("sleep_after = nan\n", "models[0].sleep_after", "out of range"),
     ("routing = \"random\"\n", "models[0].routing", "least_loaded"),
@@ -126,10 +128,32 @@ def test_fleet_and_daemon_tables(folder: Path, text: str, key: str, why: str) ->
 
 
 def test_every_problem_gets_its_line(folder: Path) -> None:
-    code, lines, out = run(folder, GOOD + "max = \"lots\"\nreplicas = 0\nweight = -1\n")
+    code, lines, out = run(folder, GOOD + "max = \"lots\"\nreplicas = 0\nshares = -1\n")
     assert code == 2 and len(lines) == 3, out
     assert [x.split(": ")[1] for x in lines] == \
-        ["models[0].replicas", "models[0].max", "models[0].weight"]
+        ["models[0].replicas", "models[0].max", "models[0].shares"]
+
+
+def test_shares_and_the_old_weight_key(folder: Path, capsys: pytest.CaptureFixture[str]
+                                         ) -> None:
+    """``shares`` is a model's part of contended memory, passed to its servers as
+    ``KVPOOL_SHARES`` (an inherited ``KVPOOL_WEIGHT``, its old name, is not passed on);
+    ``weight``, the old key, is read as ``shares`` for one release with one line."""
+    from kvpool.fleet.engines import MemberSpec, member_env
+
+    f = folder / "shares.toml"
+    f.write_text(GOOD + "shares = 3\n")
+    (e,) = load(f).models
+    assert e.shares == 3.0 and capsys.readouterr().err == ""
+    env = member_env(MemberSpec(entry=e, tenant="alpha", group="demo", run_dir=folder,
+                                base_env={"KVPOOL_WEIGHT": "9", "PATH": "/bin"}), {})
+    assert env["KVPOOL_SHARES"] == "3.0" and "KVPOOL_WEIGHT" not in env
+    f.write_text(GOOD + "weight = 2\n")
+    (e,) = load(f).models
+    assert e.shares == 2.0
+    assert capsys.readouterr().err.splitlines() == [
+        f"kvpool: {f}: models[0].weight is deprecated, use shares (removed in the next "
+        "release)"]
 
 
 def test_a_missing_file_is_one_line(folder: Path) -> None:

@@ -12,7 +12,8 @@ from daemon.helpers import PAGE, REPO, daemon_command
 from . import scenario
 from .helpers import samples, scrape, value
 
-TENANT_KEYS = ("mapped", "in_use", "reserve", "lease", "share", "min", "max", "asked", "waiting")
+TENANT_KEYS = ("mapped", "in_use", "reserve", "lease", "fair_share", "min", "max", "asked",
+               "waiting")
 POOL_KEYS = ("budget", "granted", "warm", "dirty", "leased", "free", "waiting", "retained")
 COUNTER_SUFFIXES = ("_total", "_count", "_sum", "_bucket")
 
@@ -43,7 +44,7 @@ def assert_matches_ps(m: dict, ps: dict) -> None:
         ids = {"tenant": t["name"], "tenant_id": t["id"]}
         for key in TENANT_KEYS:
             assert value(m, f"kvpool_tenant_{key}_bytes", **ids) == t[key], (t["name"], key)
-        assert value(m, "kvpool_tenant_weight", **ids) == t["weight"]
+        assert value(m, "kvpool_tenant_shares", **ids) == t["shares"]
         state = "unresponsive" if t["unresponsive"] else "waiting" if t["waiting"] else \
             "asked" if t["asked"] else "ok"
         assert value(m, "kvpool_tenant_state", state=state, **ids) == 1

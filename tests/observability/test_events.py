@@ -80,7 +80,7 @@ def test_follow_delivers_the_round_as_it_happens(start_daemon):
 def test_a_limit_change_and_a_death_are_events(start_daemon):
     d, _ = scenario.start(start_daemon, metrics=False)
     held = {t["name"]: t["mapped"] for t in d.cli_json("ps")["tenants"]}
-    d.cli("limit", "beta", "1MiB", "--weight", "2")
+    d.cli("limit", "beta", "1MiB", "--shares", "2")
     victim = d.workers[0]  # alpha
     victim.kill()
     victim.wait()
@@ -96,7 +96,7 @@ def test_a_limit_change_and_a_death_are_events(start_daemon):
     assert death["tenant"] == "alpha" and death["bytes"] == held["alpha"]
     assert death["detail"]["reason"]
     (limit,) = [e for e in evs if e["kind"] == "limit"]
-    assert limit["detail"]["max"] == 1 << 20 and limit["detail"]["weight"] == 2
+    assert limit["detail"]["max"] == 1 << 20 and limit["detail"]["shares"] == 2
     assert limit["detail"]["tenants"] == ["beta"]
     beta = lines(d.cli("events", "--json", "--tenant", "beta").stdout)
     assert limit in beta and death not in beta

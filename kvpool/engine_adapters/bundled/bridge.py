@@ -121,7 +121,7 @@ class BundledBridge:
             s = self.settings
             self.tenant = connect(name=self.name, device=s.device, run_dir=s.run_dir,
                                   kind="engine", min=s.min_bytes, max=s.max_bytes,
-                                  weight=s.weight, endpoint=s.endpoint,
+                                  shares=s.shares, endpoint=s.endpoint,
                                   sleepable=s.sleepable, group=s.group or None)
         return self.tenant
 

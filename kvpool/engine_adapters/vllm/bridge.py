@@ -117,7 +117,7 @@ class VllmBridge:
         s = self.settings
         try:
             self.tenant = connect(name=name, device=s.device, run_dir=s.run_dir, kind="engine",
-                                  min=s.min_bytes, max=s.max_bytes, weight=s.weight,
+                                  min=s.min_bytes, max=s.max_bytes, shares=s.shares,
                                   sleepable=s.sleepable, group=s.group)
         except (KvpoolError, OSError) as e:
             raise AdapterError(f"kvpool: cannot reach the kvpool daemon ({e})") from None

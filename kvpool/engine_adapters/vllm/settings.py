@@ -37,7 +37,7 @@ class Settings:
     device: int = 0
     min_bytes: int | None = None
     max_bytes: int | None = None
-    weight: float | None = None
+    shares: float | None = None
     low: int = 1  # reserve watermarks, in chunks
     high: int = 2
     idle_timeout_s: float = 5.0
@@ -62,13 +62,13 @@ class Settings:
             s.min_bytes = parse_size(env["KVPOOL_MIN"])
         if env.get("KVPOOL_MAX"):
             s.max_bytes = parse_size(env["KVPOOL_MAX"])
-        if env.get("KVPOOL_WEIGHT"):
-            s.weight = float(env["KVPOOL_WEIGHT"])
         if env.get("KVPOOL_IDLE_TIMEOUT"):
             s.idle_timeout_s = float(env["KVPOOL_IDLE_TIMEOUT"])
-        sleep = tenant_fields(env, {"sleepable", "sleep_after_s"})  # SettingsError: one line
-        s.sleepable = sleep.get("sleepable", False)
-        s.sleep_after_s = sleep.get("sleep_after_s")
+        # SettingsError: one line (KVPOOL_SHARES, or KVPOOL_WEIGHT: its old name)
+        read = tenant_fields(env, {"shares", "sleepable", "sleep_after_s"})
+        s.shares = read.get("shares")
+        s.sleepable = read.get("sleepable", False)
+        s.sleep_after_s = read.get("sleep_after_s")
         return s
 
 
