@@ -62,8 +62,9 @@ def make_engines(model: Path, run_dir: Path, args: argparse.Namespace,
 
     elastic = cfg()
     # idle timeout far above the run: the reserve never drains between repetitions
-    enable(elastic, Settings(run_dir=str(run_dir), name="bench", idle_timeout_s=3600.0))
-    return {"elastic": Engine(elastic), "static": Engine(cfg())}
+    bridge = enable(elastic, Settings(run_dir=str(run_dir), name="bench",
+                                      idle_timeout_s=3600.0))
+    return {"elastic": Engine(bridge.config, bridge.seams), "static": Engine(cfg())}
 
 
 def decode_samples(engines: dict[str, Engine], batch: int, args: argparse.Namespace
@@ -151,7 +152,7 @@ def main() -> None:
                 for b in args.batches.split(","):
                     r = decode_samples(engines, int(b), args)
                     results.append({"layout": engines["static"].kv_spec.layout, **r})
-                engines["elastic"].config.extra["kvpool"].close()
+                engines["elastic"].close()  # ends its tenant
                 del engines
                 gc.collect()  # the next layout's engines load the weights again
                 if args.device == "cuda":

@@ -60,6 +60,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -439,12 +440,11 @@ def make_engine(model: Path, run_dir: Path, name: str, weights: str, prepack: bo
     cfg = EngineConfig(model=str(model), dtype="float32", block_size=16,
                        kv_cache_size=args.decode_kv, max_num_seqs=64,
                        max_num_batched_tokens=2048, max_model_len=512)
-    enable(cfg, Settings(run_dir=str(run_dir), name=name, idle_timeout_s=3600.0,
-                         weights=weights))
-    if weights == "local":
-        cfg.prepack = prepack
-    eng = Engine(cfg)
-    assert (cfg.extra["kvpool"].weights is None) == (weights == "local")
+    bridge = enable(cfg, Settings(run_dir=str(run_dir), name=name, idle_timeout_s=3600.0,
+                                  weights=weights))
+    config = replace(bridge.config, prepack=prepack) if weights == "local" else bridge.config
+    eng = Engine(config, bridge.seams)
+    assert (bridge.weights is None) == (weights == "local")
     return eng
 
 
