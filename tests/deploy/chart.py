@@ -32,6 +32,11 @@ TENANT_KINDS = ("Deployment", "Job")
 # every example tenant on at once (the socket-directory property needs them)
 ALL_TENANTS = {"vllm": {"enabled": True}, "server": {"enabled": True},
                "training": {"enabled": True}}
+# resource.k8s.io/v1 (DRA) is GA from 1.35: objects of the DRA modes, and pods that
+# reference claims (PodResourceClaim's fields changed in 1.31), are checked on these
+DRA_KUBE_VERSIONS = ("1.35.0", "1.36.0", "1.37.0")
+# kinds no Kubernetes schema knows (CRDs): checked by what they must select
+CRD_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule", "InferencePool", "HTTPRoute"}
 
 Obj = dict[str, Any]
 
@@ -54,10 +59,38 @@ def one(objs: list[Obj], kind: str, name_suffix: str = "") -> Obj:
     return found[0]
 
 
-def daemon_container(objs: list[Obj]) -> Obj:
-    ds = one(objs, "DaemonSet")
+def daemonsets(objs: list[Obj]) -> list[Obj]:
+    """The daemon's DaemonSets: one, or one per node in dra.mode=shared."""
+    found = [o for o in objs if o["kind"] == "DaemonSet"]
+    assert found, "no DaemonSet"
+    return found
+
+
+def daemon_container(objs: list[Obj], ds: Obj | None = None) -> Obj:
+    """The daemon container of ``ds`` (default: of the one DaemonSet)."""
+    ds = ds or one(objs, "DaemonSet")
     (c,) = [c for c in ds["spec"]["template"]["spec"]["containers"] if c["name"] == "daemon"]
     return c
+
+
+def uses_dra(obj: Obj) -> bool:
+    """A DRA object, or a workload whose pods reference ResourceClaims."""
+    if obj["apiVersion"].startswith("resource.k8s.io/"):
+        return True
+    spec = obj.get("spec", {}).get("template", {}).get("spec", {})
+    return bool(spec.get("resourceClaims"))
+
+
+_BINARY = {"": 1, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40}
+
+
+def quantity_bytes(text: str) -> int:
+    """A Kubernetes quantity of whole bytes, as the chart writes them (8Gi, 4096)."""
+    import re
+
+    m = re.fullmatch(r"([0-9]+)(Ki|Mi|Gi|Ti)?", str(text))
+    assert m, f"not a binary quantity: {text!r}"
+    return int(m.group(1)) * _BINARY[m.group(2) or ""]
 
 
 def config_toml(objs: list[Obj]) -> str:
@@ -94,8 +127,8 @@ def check_socket_dir(objs: list[Obj], run_dir: str) -> None:
     it (KVPOOL_RUN_DIR)."""
     import tomllib
 
-    c = daemon_container(objs)
-    assert arg_after(c["command"], "--run-dir") == run_dir
+    for ds in daemonsets(objs):
+        assert arg_after(daemon_container(objs, ds)["command"], "--run-dir") == run_dir
     assert tomllib.loads(config_toml(objs))["run_dir"] == run_dir
     pods = [*pod_specs(objs, ("DaemonSet",)), *pod_specs(objs, TENANT_KINDS)]
     for obj, spec in pods:
@@ -115,11 +148,15 @@ def check_socket_dir(objs: list[Obj], run_dir: str) -> None:
 def check_socket_group(objs: list[Obj]) -> None:
     """Tenants may open the sockets: the run directory is given to the daemon's uid and
     group, tenant pods carry that group and trust that uid."""
-    ds_spec = one(objs, "DaemonSet")["spec"]["template"]["spec"]
-    sc = ds_spec["securityContext"]
-    gid, uid = sc["runAsGroup"], sc["runAsUser"]
-    for init in ds_spec.get("initContainers", []):
-        assert f"chown {uid}:{gid} " in " ".join(init["command"]), init["command"]
+    ids = set()
+    for ds in daemonsets(objs):
+        ds_spec = ds["spec"]["template"]["spec"]
+        sc = ds_spec["securityContext"]
+        gid, uid = sc["runAsGroup"], sc["runAsUser"]
+        ids.add((gid, uid))
+        for init in ds_spec.get("initContainers", []):
+            assert f"chown {uid}:{gid} " in " ".join(init["command"]), init["command"]
+    assert len(ids) == 1, f"daemons of several identities: {ids}"
     for obj, spec in pod_specs(objs, TENANT_KINDS):
         assert gid in spec["securityContext"].get("supplementalGroups", []), \
             f"{obj['metadata']['name']}: not in the socket group {gid}"
@@ -132,46 +169,61 @@ def check_daemon_not_root(objs: list[Obj], root_allowed: bool) -> None:
     """The daemon container runs as a non-root uid (pod or container securityContext,
     runAsNonRoot set, no privilege escalation, no capabilities) unless ``root_allowed``;
     an init container may be root with CAP_CHOWN alone, and nothing is privileged."""
-    ds_spec = one(objs, "DaemonSet")["spec"]["template"]["spec"]
-    c = daemon_container(objs)
-    sc = {**ds_spec.get("securityContext", {}), **c.get("securityContext", {})}
-    for ctr in [*ds_spec.get("initContainers", []), *ds_spec["containers"]]:
-        assert not ctr.get("securityContext", {}).get("privileged"), ctr["name"]
-    if root_allowed:
-        return
-    assert sc.get("runAsUser", 0) != 0, f"daemon runs as uid {sc.get('runAsUser', 0)}"
-    assert sc.get("runAsNonRoot") is True, "daemon: runAsNonRoot not set"
-    assert sc.get("allowPrivilegeEscalation") is False, "daemon: privilege escalation"
-    assert not sc.get("capabilities", {}).get("add"), "daemon: capabilities added"
-    assert sc.get("capabilities", {}).get("drop") == ["ALL"], "daemon: capabilities kept"
-    for init in ds_spec.get("initContainers", []):
-        isc = init.get("securityContext", {})
-        assert isc.get("allowPrivilegeEscalation") is False, init["name"]
-        assert isc.get("capabilities", {}).get("drop") == ["ALL"], init["name"]
-        assert set(isc.get("capabilities", {}).get("add", [])) <= {"CHOWN"}, init["name"]
+    for ds in daemonsets(objs):
+        ds_spec = ds["spec"]["template"]["spec"]
+        c = daemon_container(objs, ds)
+        sc = {**ds_spec.get("securityContext", {}), **c.get("securityContext", {})}
+        for ctr in [*ds_spec.get("initContainers", []), *ds_spec["containers"]]:
+            assert not ctr.get("securityContext", {}).get("privileged"), ctr["name"]
+        if root_allowed:
+            continue
+        assert sc.get("runAsUser", 0) != 0, f"daemon runs as uid {sc.get('runAsUser', 0)}"
+        assert sc.get("runAsNonRoot") is True, "daemon: runAsNonRoot not set"
+        assert sc.get("allowPrivilegeEscalation") is False, "daemon: privilege escalation"
+        assert not sc.get("capabilities", {}).get("add"), "daemon: capabilities added"
+        assert sc.get("capabilities", {}).get("drop") == ["ALL"], "daemon: capabilities kept"
+        for init in ds_spec.get("initContainers", []):
+            isc = init.get("securityContext", {})
+            assert isc.get("allowPrivilegeEscalation") is False, init["name"]
+            assert isc.get("capabilities", {}).get("drop") == ["ALL"], init["name"]
+            assert set(isc.get("capabilities", {}).get("add", [])) <= {"CHOWN"}, init["name"]
 
 
 def check_one_daemon_per_node(objs: list[Obj]) -> None:
     """The daemon is a DaemonSet (one pod per node) whose updates never overlap two pods
-    on a node (maxSurge 0, or OnDelete), and no other object runs ``kvpool daemon``."""
-    ds = one(objs, "DaemonSet")
-    strategy = ds["spec"].get("updateStrategy", {"type": "RollingUpdate"})
-    if strategy["type"] != "OnDelete":
-        assert strategy["type"] == "RollingUpdate"
-        surge = strategy.get("rollingUpdate", {}).get("maxSurge", 0)
-        assert surge in (0, "0", "0%"), f"maxSurge {surge}: two daemons on a node"
+    on a node (maxSurge 0, or OnDelete); several DaemonSets (dra.mode=shared) are each
+    pinned to their own node (kubernetes.io/hostname) with selectors that do not overlap;
+    no other object runs ``kvpool daemon``."""
+    sets = daemonsets(objs)
+    for ds in sets:
+        strategy = ds["spec"].get("updateStrategy", {"type": "RollingUpdate"})
+        if strategy["type"] != "OnDelete":
+            assert strategy["type"] == "RollingUpdate"
+            surge = strategy.get("rollingUpdate", {}).get("maxSurge", 0)
+            assert surge in (0, "0", "0%"), f"maxSurge {surge}: two daemons on a node"
+    if len(sets) > 1:
+        nodes = [ds["spec"]["template"]["spec"].get("nodeSelector", {})
+                 .get("kubernetes.io/hostname") for ds in sets]
+        assert None not in nodes and len(set(nodes)) == len(nodes), \
+            f"two daemons on a node: DaemonSets pinned to {nodes}"
+        selectors = [ds["spec"]["selector"]["matchLabels"] for ds in sets]
+        for i, a in enumerate(selectors):
+            for b in selectors[i + 1:]:
+                assert any(k in b and b[k] != v for k, v in a.items()), \
+                    f"DaemonSet selectors overlap: {a} {b}"
     runners = [o["metadata"]["name"] for o, spec in pod_specs(objs, (*TENANT_KINDS, "DaemonSet",
                                                                     "StatefulSet"))
                for c in spec["containers"] if c.get("command", [])[:2] == ["kvpool", "daemon"]]
-    assert runners == [ds["metadata"]["name"]], runners
+    assert runners == [ds["metadata"]["name"] for ds in sets], runners
 
 
 def check_probes_call_daemon(objs: list[Obj], run_dir: str) -> None:
     """Startup, liveness and readiness probes run ``kvpool ps|check`` on the run directory."""
-    c = daemon_container(objs)
-    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
-        assert probe in c, f"no {probe}"
-        argv = c[probe].get("exec", {}).get("command")
-        assert argv, f"{probe} does not run a command"
-        assert argv[0] == "kvpool" and argv[1] in ("ps", "check"), f"{probe}: {argv}"
-        assert arg_after(argv, "--run-dir") == run_dir, f"{probe}: {argv}"
+    for ds in daemonsets(objs):
+        c = daemon_container(objs, ds)
+        for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+            assert probe in c, f"no {probe}"
+            argv = c[probe].get("exec", {}).get("command")
+            assert argv, f"{probe} does not run a command"
+            assert argv[0] == "kvpool" and argv[1] in ("ps", "check"), f"{probe}: {argv}"
+            assert arg_after(argv, "--run-dir") == run_dir, f"{probe}: {argv}"

@@ -1,9 +1,12 @@
 """The daemon as the chart starts it: the rendered DaemonSet container's command line
 and the rendered ConfigMap's kvpool.toml (examples/host-backend.yaml: the host backend),
-run here. Adapted, and only these: ``kvpool`` becomes this interpreter's ``python -m
-kvpool.cli.main``; ``--config`` points at a temporary copy of the ConfigMap's file;
-``--run-dir`` (the hostPath) becomes a temporary directory; the metrics port in
-kvpool.toml becomes a free loopback port (0.0.0.0:9400 could be taken on this machine).
+run here; in dra.mode=consumable, with the tenants registering as their rendered pods
+would (KVPOOL_TENANT, KVPOOL_MIN; the training Job's `kvpool lease` command line), each
+gets its claim's memory as its minimum. Adapted, and only these: ``kvpool`` becomes this
+interpreter's ``python -m kvpool.cli.main``; ``--config`` points at a temporary copy of
+the ConfigMap's file; ``--run-dir`` (the hostPath) becomes a temporary directory; the
+metrics port in kvpool.toml becomes a free loopback port (0.0.0.0:9400 could be taken on
+this machine).
 The probes' rendered commands are run with the same adaptations."""
 
 from __future__ import annotations
@@ -15,15 +18,18 @@ import signal
 import socket
 import subprocess
 import tempfile
+import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 
 from kvpool import launch
+from kvpool.client_lib import Monitor, connect
+from kvpool.engine_adapters.env import tenant_fields
 
-from .chart import (CHART, Obj, arg_after, config_toml, daemon_container, one, render,
-                    values_of)
+from .chart import (CHART, TENANT_KINDS, Obj, arg_after, config_toml, daemon_container, one,
+                    pod_specs, quantity_bytes, render, values_of)
 
 VALUES = CHART / "examples" / "host-backend.yaml"
 
@@ -51,7 +57,11 @@ def local_argv(argv: list[str], replace: dict[str, str]) -> list[str]:
 @pytest.fixture
 def rendered(tmp_path: Path):
     """(objs, argv adapted, run_dir, metrics port); the run dir removed afterwards."""
-    objs = render(values_of(VALUES))
+    yield from prepared(render(values_of(VALUES)), tmp_path)
+
+
+def prepared(objs: list[Obj], tmp_path: Path):
+    """The rendered daemon's command adapted to run here (see the module)."""
     c = daemon_container(objs)
     assert arg_after(c["command"], "--config") == config_path(objs)
     run_dir = Path(tempfile.mkdtemp(prefix="kvp-helm-", dir="/tmp"))
@@ -112,3 +122,63 @@ def test_rendered_daemon_refuses_an_unknown_key(rendered, tmp_path: Path) -> Non
     out = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2, out.stderr
     assert out.stderr.strip() == "Error: configuration: unknown configuration keys: bogus_knob"
+
+
+def test_consumable_tenants_get_their_claims_as_their_minimum(tmp_path: Path) -> None:
+    """dra.mode=consumable: the daemon the chart starts, and the tenants as their rendered
+    pods join it (the vLLM and bundled servers' KVPOOL_TENANT and KVPOOL_MIN, read as
+    every engine adapter reads them; the training Job's `kvpool lease` command line, its
+    command one that writes down the lease it was given, KVPOOL_LEASE_BYTES, and waits):
+    `kvpool ps` shows each one's minimum (the lease's lease) equal to the memory its
+    ResourceClaimTemplate claims."""
+    given = tmp_path / "lease-bytes"
+    values = {**values_of(VALUES), "dra": {"mode": "consumable"},
+              "vllm": {"enabled": True, "min": "512Mi"},
+              "server": {"enabled": True, "min": "256Mi"},
+              "training": {"enabled": True, "lease": "128Mi", "command": [
+                  "sh", "-c", f'echo "$KVPOOL_LEASE_BYTES" > {given}.tmp && '
+                              f'mv {given}.tmp {given} && exec sleep 60']}}
+    objs = render(values)
+    claims = {o["metadata"]["name"]: quantity_bytes(o["spec"]["spec"]["devices"]["requests"][0]
+                                                    ["exactly"]["capacity"]["requests"]["memory"])
+              for o in objs if o["kind"] == "ResourceClaimTemplate"}
+    gen = prepared(objs, tmp_path)
+    _, replace, argv, run_dir, _ = next(gen)
+    log = tmp_path / "daemon.log"
+    d = launch.spawn(argv, run_dir, log, cwd=str(Path(__file__).resolve().parents[2]))
+    tenants, lease = [], None
+    try:
+        d.wait_serving(30)
+        want: dict[str, int] = {}
+        for obj, spec in pod_specs(objs, TENANT_KINDS):
+            (ctr,) = spec["containers"]
+            claimed = claims[spec["resourceClaims"][0]["resourceClaimTemplateName"]]
+            env = {e["name"]: e["value"] for e in ctr["env"] if "value" in e}
+            if ctr["command"][:2] == ["kvpool", "lease"]:
+                lease = subprocess.Popen(local_argv(ctr["command"], replace),
+                                         env={**env, "KVPOOL_RUN_DIR": str(run_dir),
+                                              "PATH": "/usr/bin:/bin"})
+                want[arg_after(ctr["command"], "--name")] = claimed
+                continue
+            s = tenant_fields(env, {"name", "min_bytes"})
+            tenants.append(connect(s["name"], run_dir=run_dir, min=s["min_bytes"]))
+            want[s["name"]] = claimed
+        assert set(want) == {"llama-8b", "bundled", "training"}
+        for _ in range(600):  # the lease's command runs once the lease is held
+            if given.exists():
+                break
+            assert lease is not None and lease.poll() is None, log.read_text()
+            time.sleep(0.05)
+        assert int(given.read_text()) == want["training"]
+        with Monitor(run_dir) as m:
+            shown = {t.name: max(t.min, t.lease) for t in m.ps().tenants}
+        assert shown == want, (shown, want)
+    finally:
+        for tenant in tenants:
+            tenant.close()
+        if lease is not None:
+            lease.kill()
+            lease.wait(30)
+        rc = launch.stop(d.popen, 30)
+        next(gen, None)
+    assert rc == 0, log.read_text()

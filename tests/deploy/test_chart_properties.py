@@ -27,7 +27,13 @@ def run_dir_of(values: dict[str, Any]) -> str:
 
 
 def with_tenants(values: dict[str, Any]) -> dict[str, Any]:
-    return {**values, **{k: {**values.get(k, {}), **v} for k, v in ALL_TENANTS.items()}}
+    """``values`` with every example tenant on (in dra.mode=consumable, with a claim)."""
+    out = {**values, **{k: {**values.get(k, {}), **v} for k, v in ALL_TENANTS.items()}}
+    if values.get("dra", {}).get("mode") == "consumable":
+        for key, field in (("vllm", "min"), ("server", "min"), ("training", "lease")):
+            if field not in values.get(key, {}):
+                out[key] = {**out[key], field: "1Gi"}
+    return out
 
 
 @pytest.mark.parametrize("path", CASES, ids=IDS)

@@ -1,7 +1,9 @@
 """The chart lints clean (strict), renders with the default values and every example
-values file, and every rendered object is valid for two Kubernetes versions (and reads
-back through kubectl without a server). Custom resources of the Prometheus operator,
-which no Kubernetes schema knows, are checked against what they must select."""
+values file, and every rendered object is valid for two Kubernetes versions (DRA
+objects and pods with claims: for every version from 1.35, resource.k8s.io/v1's GA) and
+reads back through kubectl without a server. Custom resources of the Prometheus
+operator, which no Kubernetes schema knows, are checked against what they must select
+(the inference gateway's: test_chart_gateway.py)."""
 
 from __future__ import annotations
 
@@ -13,14 +15,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from .chart import (CHART, EXAMPLES, NAMESPACE, REPO, Obj, helm_python, one, render,
-                    values_of)
+from .chart import (CHART, CRD_KINDS, DRA_KUBE_VERSIONS, EXAMPLES, NAMESPACE, REPO, Obj,
+                    helm_python, one, render, uses_dra, values_of)
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate",
                                           reason="kubernetes-validate (the `test` extra)")
 
 KUBE_VERSIONS = ("1.30.0", "1.37.0")  # the oldest and newest minor the chart is checked on
-CRD_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
 CASES = [None, *EXAMPLES]
 IDS = ["defaults", *(p.stem for p in EXAMPLES)]
 
@@ -34,12 +35,16 @@ def test_lint_strict_clean(values: Path | None) -> None:
     assert loud == [], loud
 
 
-def test_examples_exist_for_each_tenant_and_the_monitors() -> None:
+def test_examples_exist_for_each_tenant_mode_and_monitor() -> None:
     names = {p.stem for p in EXAMPLES}
-    assert {"vllm", "bundled-server", "training-job", "prometheus-operator"} <= names
+    assert {"vllm", "bundled-server", "training-job", "prometheus-operator", "dra-shared",
+            "dra-consumable", "inference-gateway"} <= names
     kinds = {p.stem: {o["kind"] for o in render(values_of(p))} for p in EXAMPLES}
     assert "Deployment" in kinds["vllm"] and "Job" in kinds["training-job"]
-    assert CRD_KINDS - {"PodMonitor"} <= kinds["prometheus-operator"]
+    assert {"ServiceMonitor", "PrometheusRule"} <= kinds["prometheus-operator"]
+    assert "ResourceClaim" in kinds["dra-shared"]
+    assert "ResourceClaimTemplate" in kinds["dra-consumable"]
+    assert {"InferencePool", "HTTPRoute"} <= kinds["inference-gateway"]
 
 
 @pytest.mark.parametrize("values", CASES, ids=IDS)
@@ -48,8 +53,8 @@ def test_every_object_valid_for_two_kubernetes_versions(values: Path | None) -> 
     assert {"DaemonSet", "ConfigMap"} <= {o["kind"] for o in objs}
     for obj in objs:
         if obj["kind"] in CRD_KINDS:
-            continue  # no schema: test_monitors_select_the_daemon
-        for version in KUBE_VERSIONS:
+            continue  # no schema: test_monitors_select_the_daemon, test_chart_gateway
+        for version in DRA_KUBE_VERSIONS if uses_dra(obj) else KUBE_VERSIONS:
             try:
                 kubernetes_validate.validate(obj, version, strict=True)
             except kubernetes_validate.ValidationError as e:
