@@ -123,6 +123,10 @@ def register(cli: click.Group) -> None:
     @click.option("--device", default="auto", show_default=True)
     @click.option("--dtype", default="auto", show_default=True)
     @click.option("--no-prefix-caching", is_flag=True)
+    @click.option("--kv-events-config", default=None, metavar="JSON",
+                  help="publish the prefix cache's KV events as vLLM does (its JSON keys: "
+                  "enable_kv_cache_events, publisher, endpoint, replay_endpoint, topic, "
+                  "buffer_steps, hwm, max_queue_size)")
     @click.option("--tensor-parallel-size", "-tp", "tensor_parallel_size", default=1,
                   show_default=True, type=click.IntRange(min=1),
                   help="split the model over this many processes (CPU, gloo): heads, KV "
@@ -167,7 +171,8 @@ def register(cli: click.Group) -> None:
               handoff_from: str | None = None, pd: bool = False, cpus: str | None = None,
               prefill_cpus: str | None = None, decode_cpus: str | None = None,
               weights: str | None = None, sleep_after: str | None = None,
-              sleepable: bool = False, tensor_parallel_size: int = 1) -> None:
+              sleepable: bool = False, tensor_parallel_size: int = 1,
+              kv_events_config: str | None = None) -> None:
         """Serve MODEL_DIR with an OpenAI-compatible HTTP API."""
         _check_tensor_parallel(tensor_parallel_size, pd or role != "both", weights,
                                sleep_after is not None or sleepable, handoff_from)
@@ -194,7 +199,7 @@ def register(cli: click.Group) -> None:
                 max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                 max_model_len=max_model_len, served_model_name=served_model_name,
                 enable_prefix_caching=not no_prefix_caching,
-                tensor_parallel_size=tensor_parallel_size)
+                tensor_parallel_size=tensor_parallel_size, kv_events_config=kv_events_config)
         except ValueError as e:  # EngineConfigError, a size that does not parse
             raise click.BadParameter(str(e)) from None
         if role != "both" or pd:  # kvpool.elastic_server.pd (issue 15)

@@ -20,9 +20,12 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from kvpool.engine.errors import PoolExhausted
+
+if TYPE_CHECKING:
+    from kvpool.engine.kv_events import KVEventSink
 
 NULL_BLOCK = 0
 
@@ -157,6 +160,12 @@ class BlockPool(ABC):
         """Drop every evictable cache entry; returns how many."""
         return len(self.evict_cached_blocks(None))
 
+    def bind_events(self, sink: KVEventSink, block_size: int) -> None:
+        """Report the prefix cache's changes to ``sink`` from now on (KV events,
+        :mod:`kvpool.engine.kv_events`): a hash stored when its first cached block
+        appears, removed when its last one goes. Called once, before the first
+        allocation; a pool without a prefix cache ignores it."""
+
     def bind_engine(self, engine: PoolUser) -> None:
         """Called once by the engine that allocates from this pool, at the end of its
         construction. A pool that gives memory back at run time keeps ``engine`` (to act
@@ -184,6 +193,11 @@ class FixedBlockPool(BlockPool):
         self._entry: dict[int, CachedBlock] = {}  # cached block id -> its key
         self._by_hash: dict[int, dict[int, None]] = {}
         self._epoch = [0] * num_blocks  # bumped when a block's cache entry goes away
+        self._events: KVEventSink | None = None
+        self._block_size = 0
+
+    def bind_events(self, sink: KVEventSink, block_size: int) -> None:
+        self._events, self._block_size = sink, block_size
 
     @property
     def capacity(self) -> int:
@@ -243,12 +257,36 @@ class FixedBlockPool(BlockPool):
 
     def cache_full_blocks(self, block_ids: Sequence[int], hashes: Sequence[int],
                           tokens: Sequence[Sequence[int]], parent: int) -> None:
+        run: list[tuple[int, Sequence[int]]] = []  # new hashes in a row, for one event
+        run_parent: int | None = None
         for b, h, toks in zip(block_ids, hashes, tokens, strict=True):
             assert self._ref[b] > 0, f"caching unused block {b}"
             if b not in self._entry:
                 self._entry[b] = CachedBlock(h, tuple(toks), parent, self._epoch[parent])
-                self._by_hash.setdefault(h, {})[b] = None
+                dups = self._by_hash.setdefault(h, {})
+                dups[b] = None
+                if self._events is not None and len(dups) == 1:
+                    if not run:
+                        run_parent = self._hash_of(parent)
+                    run.append((h, toks))
+                elif run:
+                    self._stored(run, run_parent)
+                    run = []
+            elif run:
+                self._stored(run, run_parent)
+                run = []
             parent = b
+        if run:
+            self._stored(run, run_parent)
+
+    def _hash_of(self, block: int) -> int | None:
+        e = self._entry.get(block) if block != NULL_BLOCK else None
+        return e.block_hash if e is not None else None
+
+    def _stored(self, run: list[tuple[int, Sequence[int]]], parent: int | None) -> None:
+        assert self._events is not None
+        self._events.stored([h for h, _ in run], parent,
+                            [t for _, toks in run for t in toks], self._block_size)
 
     def evict_cached_blocks(self, n: int | None = None) -> list[int]:
         out: list[int] = []
@@ -326,7 +364,10 @@ class FixedBlockPool(BlockPool):
             self._ref[b] = n
         for b, h, tokens, parent in entries:
             self._entry[b] = CachedBlock(h, tuple(tokens), parent, self._epoch[parent])
-            self._by_hash.setdefault(h, {})[b] = None
+            dups = self._by_hash.setdefault(h, {})
+            dups[b] = None
+            if self._events is not None and len(dups) == 1:
+                self._stored([(h, tokens)], self._hash_of(parent))
             if not refs.get(b):
                 self._evictable[b] = None
 
@@ -336,6 +377,8 @@ class FixedBlockPool(BlockPool):
         del dups[b]
         if not dups:
             del self._by_hash[e.block_hash]
+            if self._events is not None:
+                self._events.removed([e.block_hash])
         self._epoch[b] += 1  # children cached after this entry no longer match
 
     def check_integrity(self) -> None:

@@ -59,6 +59,8 @@ class EngineConfig:
     served_model_name: str | None = None
     prepack: bool = True
     tensor_parallel_size: int = 1
+    #: vLLM's ``--kv-events-config`` JSON (:mod:`kvpool.engine.kv_events`); None: no events
+    kv_events_config: str | None = None
 
     def __post_init__(self) -> None:
         _check(self.block_size > 0, "block_size must be positive")
@@ -70,6 +72,13 @@ class EngineConfig:
                f"bad attention_backend {self.attention_backend!r}")
         _check(self.num_kv_blocks is None or self.num_kv_blocks >= 2, "need >= 2 KV blocks")
         _check(self.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1")
+        if self.kv_events_config is not None:
+            from kvpool.engine.kv_events import KVEventsConfig, KVEventsConfigError
+
+            try:
+                KVEventsConfig.parse(self.kv_events_config)
+            except KVEventsConfigError as e:
+                raise EngineConfigError(str(e)) from None
         if self.kv_cache_size is not None:  # frozen: the parsed size replaces the text
             object.__setattr__(self, "kv_cache_size", parse_size(self.kv_cache_size))
 

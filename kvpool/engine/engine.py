@@ -37,6 +37,7 @@ from kvpool.engine.seams import NO_SEAMS, EngineSeams
 from kvpool.engine.errors import CheckpointError, RequestError
 from kvpool.engine.kv_cache import KVCache, KVCacheSpec
 from kvpool.engine.kv_manager import KVCacheManager
+from kvpool.engine.kv_events import KVEventCollector, KVEventsConfig, ZmqKVEventPublisher
 from kvpool.engine.model.loader import load_model
 from kvpool.engine.model.config import ModelConfig
 from kvpool.engine.model_runner import ModelRunner
@@ -156,7 +157,20 @@ class Engine:
         #: requests whose KV is being handed to another engine (they hold their blocks)
         self.detached: dict[str, Request] = {}
         self.counters = collections.Counter[str]()
+        #: the KV events publisher (None without ``kv_events_config``)
+        self.kv_events = self._start_kv_events(block_pool)
         block_pool.bind_engine(self)
+
+    def _start_kv_events(self, pool: BlockPool) -> ZmqKVEventPublisher | None:
+        text = self.config.kv_events_config
+        if text is None or not self.config.enable_prefix_caching:
+            return None
+        events = KVEventsConfig.parse(text)
+        if not events.active:
+            return None
+        collector = KVEventCollector(events.max_queue_size)
+        pool.bind_events(collector, self.config.block_size)
+        return ZmqKVEventPublisher(events, collector)
 
     def _prepack(self) -> bool:
         """Whether the model's fp32 weights get a private oneDNN copy: asked, not set,
@@ -167,8 +181,10 @@ class Engine:
     def close(self) -> None:
         """Give the KV memory back (the pool's :meth:`~BlockPool.close`: an elastic pool
         ends its tenant and threads) and stop the other ranks; the engine must not step
-        again. Idempotent."""
+        again. Idempotent. The KV events end with ``AllBlocksCleared``."""
         self.pool.close()
+        if self.kv_events is not None:
+            self.kv_events.close()
         if self.workers is not None:
             self.workers.close()
 
