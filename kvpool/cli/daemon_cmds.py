@@ -146,7 +146,8 @@ def daemon(backend: str | None, device: int | None, devices: str | None,
 
 @query_command
 def ps(run_dir: str | None, as_json: bool) -> None:
-    """List tenants: name, pid, kind, mapped, in use, reserve, limit, state (asleep,
+    """List tenants: name, pid, kind, mapped, chunk (the allocation unit: what one grant
+    of its KV maps and one release frees), in use, reserve, limit, state (asleep,
     idle, busy; sleepable) (and the endpoint
     a tenant says it serves on, when one does; the weight sets it holds, when any
     does; the fleet it belongs to, when one does); then the retained memory per uid and
@@ -172,7 +173,7 @@ def ps(run_dir: str | None, as_json: bool) -> None:
     table = Table(box=None)
     several = len(replies) > 1
     cols: tuple[str, ...] = ("ID", "NAME", "PID", "KIND", *(("DEVICE",) if several else ()),
-                             "MAPPED", "IN USE", "RESERVE", "LEASE", "FAIR SHARE",
+                             "MAPPED", "CHUNK", "IN USE", "RESERVE", "LEASE", "FAIR SHARE",
                              "MIN", "LIMIT", "SHARES", "GROUPS", "STATE")
     serving = any(t.endpoint for t in reply.tenants)  # (tenant-supplied: Register.endpoint)
     cols += ("ENDPOINT",) if serving else ()
@@ -198,7 +199,8 @@ def ps(run_dir: str | None, as_json: bool) -> None:
             state.append(f"retained {format_size(t.retained)}")
         table.add_row(str(t.id), t.name or "(unregistered)", str(t.pid) if t.pid else "-",
                       t.kind, *((str(t.device),) if several else ()),
-                      format_size(t.mapped), format_size(t.in_use), format_size(t.reserve),
+                      format_size(t.mapped), format_size(t.chunk) if t.chunk else "-",
+                      format_size(t.in_use), format_size(t.reserve),
                       format_size(t.lease), format_size(t.fair_share), format_size(t.min),
                       format_size(t.max), f"{t.shares:g}", str(t.groups), ", ".join(state),
                       *((t.endpoint or "-",) if serving else ()),
@@ -236,8 +238,9 @@ def render_map(reply: p.MapReply, width: int = GRID_WIDTH) -> str:
         lines.append(
             f"group {g.id} {g.label or ''}".rstrip()
             + f" — tenant {g.tenant_name or '?'} (id {g.tenant}): {g.n_regions} region(s) x "
-            f"{g.npages} pages of {format_size(ps_)}; units in use {used}, reserve {res}, "
-            f"unmapped {g.npages - used - res}")
+            f"{g.npages} pages of {format_size(ps_)}, granted {g.chunk_units} unit(s) "
+            f"({format_size(g.chunk_units * g.n_regions * ps_)}) at a time; units in use "
+            f"{used}, reserve {res}, unmapped {g.npages - used - res}")
         if g.bases:
             shown = ", ".join(f"{b:#x}" for b in g.bases[:4])
             more = f", ... ({len(g.bases)} regions)" if len(g.bases) > 4 else ""

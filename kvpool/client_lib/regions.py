@@ -158,7 +158,13 @@ def take_mapped(mapped: set[int], units: Sequence[int], group: int) -> None:
 
 
 class RegionGroup:
-    def __init__(self, tenant: Session, n_regions: int, capacity: int, label: str = ""):
+    """``n_regions`` ranges of ``capacity`` bytes (rounded up to pages) registered with the
+    daemon (see the module). ``chunk_units``: the units its allocator grants and releases
+    together (told to the daemon: ``ps`` shows that many units' bytes as the tenant's
+    ``chunk``)."""
+
+    def __init__(self, tenant: Session, n_regions: int, capacity: int, label: str = "",
+                 chunk_units: int = 1):
         self.tenant = tenant
         self.backend = tenant.backend
         self.page_size = tenant.page_size
@@ -171,7 +177,7 @@ class RegionGroup:
                 self.ranges.append(self.backend.reserve(self.capacity))
             reply, _ = tenant.call(p.CreateGroup(
                 n_regions=n_regions, capacity=self.capacity, label=label,
-                bases=[r.base for r in self.ranges]), p.GroupCreated)
+                bases=[r.base for r in self.ranges], chunk_units=chunk_units), p.GroupCreated)
         except BaseException:
             for r in self.ranges:
                 self.backend.free_range(r)
@@ -182,6 +188,7 @@ class RegionGroup:
         self.keep_handles = self.backend.caps.handles_are_fds
         self.handles: dict[int, list[Page]] = {}  # unit -> Page per region (host backend)
         self.label = label
+        self.chunk_units = chunk_units
         #: an ElasticBlockAllocator registers itself here
         self.allocator: GroupAllocator | None = None
         self._lock = threading.Lock()  # guards mapped/handles (held by frozen())
@@ -334,7 +341,7 @@ class RegionGroup:
         a = self.allocator
         entry = p.AdoptGroup(
             id=self.id, n_regions=self.n_regions, capacity=self.capacity, bases=self.bases,
-            label=self.label, units=units,
+            label=self.label, units=units, chunk_units=self.chunk_units,
             in_use=a.in_use_bytes() if a is not None else None,
             reserve=[u for u in a.reserve_units() if u in self.mapped] if a is not None else None)
         return entry, fds, owned

@@ -146,10 +146,12 @@ class Tenant:
         """One request on this session's connection (see :meth:`Connection.call`)."""
         return self.conn.call(req, expect)
 
-    def region_group(self, n_regions: int, capacity_bytes: int, label: str = "") -> RegionGroup:
+    def region_group(self, n_regions: int, capacity_bytes: int, label: str = "",
+                     chunk_units: int = 1) -> RegionGroup:
         """Reserve ``n_regions`` ranges of ``capacity_bytes`` (rounded up to pages) each
-        and register them with the daemon; nothing is mapped yet."""
-        g = RegionGroup(self, n_regions, capacity_bytes, label)
+        and register them with the daemon; nothing is mapped yet. ``chunk_units``: the
+        units its allocator grants and releases together (what ``ps`` shows)."""
+        g = RegionGroup(self, n_regions, capacity_bytes, label, chunk_units)
         self.groups[g.id] = g
         return g
 

@@ -112,7 +112,7 @@ class Adoption:
                                           f"multiple of the page size")
             if len(set(g.units)) != len(g.units):
                 raise Fail(p.BAD_REQUEST, f"adopt: group {g.id} names a unit twice")
-            if any(u >= npages for u in g.units):
+            if any(u >= npages for u in g.units) or g.chunk_units > npages:
                 raise Fail(p.BAD_REQUEST, f"adopt: group {g.id} does not fit its capacity")
             virtual += npages * g.n_regions
         if virtual > self.max_virtual_pages:
@@ -164,7 +164,7 @@ class Adoption:
         for ag in r.groups:
             g = GroupRecord(id=ag.id, tenant=t.id, n_regions=ag.n_regions,
                             npages=ag.capacity // self.page_size, bases=list(ag.bases),
-                            label=ag.label)
+                            label=ag.label, chunk_units=ag.chunk_units)
             for u in ag.units:
                 self.ledger.adopt(t, g, u, pages[i:i + ag.n_regions])
                 i += ag.n_regions

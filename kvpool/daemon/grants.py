@@ -82,6 +82,9 @@ class Grants:
             raise Fail(p.BAD_REQUEST, f"capacity of {npages} pages exceeds {p.MAX_PAGES_PER_REGION}")
         if r.bases and len(r.bases) != r.n_regions:
             raise Fail(p.BAD_REQUEST, f"{len(r.bases)} bases for {r.n_regions} regions")
+        if r.chunk_units > npages:
+            raise Fail(p.BAD_REQUEST, f"chunks of {r.chunk_units} units do not fit "
+                                      f"{npages} pages per region")
         most = min(p.MAX_GROUPS, self.max_groups)
         if len(t.groups) >= most:
             raise Fail(p.OVER_LIMIT, f"a tenant may hold at most {most} groups "
@@ -93,7 +96,8 @@ class Grants:
                                      f"{virtual} this tenant's groups span exceed "
                                      f"{cap} (max_virtual_pages_per_tenant)")
         g = GroupRecord(id=self.groups.new_id(), tenant=t.id, n_regions=r.n_regions,
-                        npages=npages, bases=list(r.bases), label=r.label)
+                        npages=npages, bases=list(r.bases), label=r.label,
+                        chunk_units=r.chunk_units)
         t.groups[g.id] = g
         self.groups[g.id] = g
         return p.GroupCreated(id=r.id, group=g.id, npages=npages)

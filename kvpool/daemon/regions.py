@@ -35,6 +35,7 @@ class GroupRecord:
     units: dict[int, list[int]] = field(default_factory=dict)  # unit -> pfn per region
     reserve: set[int] = field(default_factory=set)  # units the client reports idle
     in_use: int | None = None  # bytes the client reports in use (None: not reported)
+    chunk_units: int = 1  # units the client grants and releases together (its chunk)
 
     @property
     def pages(self) -> int:

@@ -68,6 +68,7 @@ class Views:
             weights=t.weight_pages * ps, weight_sets=self.weights.keys_of(t),
             state=rest.state, sleepable=rest.sleepable, group=t.group, device=t.device,
             gang=t.gang, rank=t.rank,
+            chunk=max((g.chunk_units * g.n_regions * ps for g in t.groups.values()), default=0),
         )
 
     def pool_info(self) -> p.PoolInfo:
@@ -143,7 +144,7 @@ class Views:
                 id=g.id, tenant=g.tenant, tenant_name=names.get(g.tenant, ""),
                 label=g.label if shown else "", n_regions=g.n_regions, npages=g.npages,
                 bases=g.bases[: p.MAP_BASES] if shown else [], runs=runs,
-                pfns=dict(g.units) if r.pfns and shown else None,
+                pfns=dict(g.units) if r.pfns and shown else None, chunk_units=g.chunk_units,
             ))
         return p.MapReply(id=r.id, pool=self.pool_info(), groups=groups)
 

@@ -12,8 +12,10 @@ Every failure is a :class:`ModelSpecError` whose message is one line.
 
 KV sizes: a real model's KV is large per token (SmolLM2: 30 layers x K/V x 3 heads x 64 x
 4 B = 45 KiB, so a 16-token block is 720 KiB). The daemon's pages are powers of two and
-the elastic allocator grants ``lcm(page size, block bytes)`` at a time, so 2 MiB pages
-would make one allocation unit 90 MiB; :data:`REAL_PAGE_SIZE` keeps it at a few blocks.
+the elastic allocator grants ``lcm(page size, block stride)`` at a time: on 2 MiB pages
+the adapter pads the block to 768 KiB for 6 MiB units (:mod:`kvpool.engine_adapters.kv_unit`;
+unpadded they would be 90 MiB); :data:`REAL_PAGE_SIZE` keeps the demo's unit at 4
+unpadded blocks (2880 KiB), as its recorded runs had it.
 """
 
 from __future__ import annotations

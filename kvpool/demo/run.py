@@ -24,7 +24,6 @@ per model.
 from __future__ import annotations
 
 import json
-import math
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -239,12 +238,15 @@ def run_demo(cfg: DemoConfig, console: Console | None = None) -> dict[str, Any]:
                   f"{cfg.workload.duration_s:.0f} s (models take turns peaking at "
                   f"{cfg.workload.peak_rate:g} req/s, base {cfg.workload.base_rate:g} req/s)")
     if cfg.checkpoint is not None:
+        from kvpool.engine_adapters.kv_unit import plan
+
         block = cfg.block_size * cfg.kv_bytes_per_token()
-        unit = math.lcm(cfg.page_size, block)
+        unit = plan(block, cfg.page_size)  # the bundled engine's (block-major)
         console.print(f"real model: {cfg.checkpoint.label} served as "
                       f"{', '.join(cfg.models)}; KV {format_size(cfg.kv_bytes_per_token())} "
-                      f"per token, allocation unit {format_size(unit)} ({unit // block} "
-                      f"blocks of {cfg.block_size} tokens); chat questions, greedy, "
+                      f"per token, allocation unit {format_size(unit.unit_bytes)} "
+                      f"({unit.blocks_per_chunk} blocks of {cfg.block_size} tokens); chat "
+                      f"questions, greedy, "
                       f"{cfg.workload.output_range[0]}-{cfg.workload.output_range[1]} "
                       f"answer tokens at most")
     replays: dict[str, Replay] = {}

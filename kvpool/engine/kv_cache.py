@@ -10,7 +10,10 @@ head_dim]`` (block-major gives strided views), which is all attention ever sees.
 
 Injection: :meth:`KVCache.from_buffers` reinterprets caller-provided tensors of any dtype
 (e.g. zero-copy uint8 views over memory mapped by kvpool) without copying; the caller keeps
-them alive and mapped for every block id the block pool may hand out.
+them alive and mapped for every block id the block pool may hand out. A caller may space
+blocks further apart than their size (``block_stride``: padding after each block, so a
+block divides its allocator's page run); the views are then strided in the block
+dimension, which attention reads through ``stride(0)``.
 """
 
 from __future__ import annotations
@@ -80,16 +83,21 @@ class KVCache:
 
     @classmethod
     def from_buffers(cls, spec: KVCacheSpec, buffers: list[torch.Tensor],
-                     num_blocks: int | None = None) -> KVCache:
+                     num_blocks: int | None = None, block_stride: int | None = None
+                     ) -> KVCache:
         """Wrap externally owned storage without copying.
 
         Args:
             buffers: 1 tensor (block_major) or ``2 * layers`` (per_layer, ``[k0, v0, k1, ...]``),
                 contiguous, on the engine's device, any dtype; each at least
-                ``num_blocks * spec.buffer_block_bytes`` bytes.
+                ``num_blocks * block_stride`` bytes.
             num_blocks: blocks to expose; default: as many as the smallest buffer holds.
+            block_stride: bytes from one block to the next in each buffer (default
+                ``spec.buffer_block_bytes``; larger: padding after each block), a
+                multiple of the element size.
         Raises:
-            ValueError: wrong buffer count, non-contiguous, mixed devices or too small.
+            ValueError: wrong buffer count, non-contiguous, mixed devices, too small, or a
+                stride smaller than a block or not a multiple of the element size.
         """
         if len(buffers) != spec.num_buffers:
             raise ValueError(f"{spec.layout} layout needs {spec.num_buffers} buffer(s), "
@@ -98,14 +106,19 @@ class KVCache:
             raise ValueError("KV buffers must be contiguous")
         if len({b.device for b in buffers}) != 1:
             raise ValueError("KV buffers must all be on one device")
-        fit = min(b.numel() * b.element_size() for b in buffers) // spec.buffer_block_bytes
+        block = spec.buffer_block_bytes
+        stride = block if block_stride is None else block_stride
+        if stride < block or stride % spec.elem_bytes:
+            raise ValueError(f"a block stride of {stride} bytes does not hold blocks of "
+                             f"{block} bytes of {spec.dtype}")
+        fit = min(b.numel() * b.element_size() for b in buffers) // stride
         num_blocks = fit if num_blocks is None else num_blocks
         if num_blocks > fit or num_blocks < 1:
-            raise ValueError(f"KV buffers hold {fit} block(s) of {spec.buffer_block_bytes} "
+            raise ValueError(f"KV buffers hold {fit} block(s) of {stride} "
                              f"bytes; {num_blocks} requested")
-        nbytes = num_blocks * spec.buffer_block_bytes
         shape = _buffer_shape(spec, num_blocks)
-        typed = [b.reshape(-1).view(torch.uint8)[:nbytes].view(spec.dtype).view(shape)
+        typed = [b.reshape(-1).view(torch.uint8)[:num_blocks * stride]
+                 .view(num_blocks, stride)[:, :block].view(spec.dtype).view(shape)
                  for b in buffers]
         return cls(spec, typed, num_blocks)
 

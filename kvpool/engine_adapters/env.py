@@ -9,6 +9,12 @@ from dataclasses import dataclass, fields
 from typing import Any, TypeVar
 
 
+def _kv_unit(text: str) -> str:
+    from kvpool.engine_adapters.kv_unit import kv_unit_mode
+
+    return kv_unit_mode(text)
+
+
 def _size(text: str) -> int:
     from kvpool.sizes import parse_size
 
@@ -55,6 +61,7 @@ TENANT_VARS: dict[str, tuple[str, Callable[[str], Any]]] = {
     "KVPOOL_SLEEPABLE": ("sleepable", flag),
     "KVPOOL_SLEEP_AFTER": ("sleep_after_s", seconds_or_off),
     "KVPOOL_GROUP": ("group", str),  # a label: the fleet it belongs to (kvpool ps)
+    "KVPOOL_KV_UNIT": ("kv_unit", _kv_unit),  # small | exact (engine_adapters/kv_unit.py)
 }
 
 
@@ -99,6 +106,9 @@ class TenantSettings:
     sleepable: bool = False
     sleep_after_s: float | None = None  # sleep after this long without a request
     group: str | None = None  # shown by kvpool ps (a fleet's name)
+    # "small": KV blocks padded (at most 1/8) so one allocation unit is a few pages;
+    # "exact": the engine's own block, lcm(page, block) per unit (.kv_unit)
+    kv_unit: str = "small"
 
     @classmethod
     def from_env(cls: type[S]) -> S:

@@ -48,6 +48,8 @@ Token = Annotated[str, Meta(max_length=64)]
 Bytes = Annotated[int, Meta(ge=0, le=MAX_BYTES)]
 Unit = Annotated[int, Meta(ge=0, lt=MAX_PAGES_PER_REGION)]
 Units = Annotated[list[Unit], Meta(max_length=MAX_UNITS)]
+# units a client grants and releases together (its allocator's chunk)
+ChunkUnits = Annotated[int, Meta(ge=1, le=MAX_PAGES_PER_REGION)]
 # a session's kind (Register.kind): a KV engine, a lease, a monitor or admin session
 # (hold no memory), a test client
 Kind = Literal["engine", "lease", "monitor", "admin", "test"]

@@ -101,6 +101,9 @@ class TenantInfo(Struct, kw_only=True):
     gang: int = 0  # the gang it is a rank of (its id; 0: none)
     rank: int = 0
     group: str = ""  # the group it said it belongs to (Register.group: a fleet's name)
+    # bytes one grant of its KV maps and one release frees (the allocation unit: its
+    # groups' largest chunk, CreateGroup.chunk_units x regions x page size; 0: no group)
+    chunk: int = 0
 
 
 class PoolInfo(Struct, kw_only=True):
@@ -148,6 +151,7 @@ class GroupInfo(Struct, kw_only=True):
     #                   or pfns for another uid's group, unless the asker is an admin)
     runs: list[Run] = []  # the page table, run-length encoded (size: O(mapped units))
     pfns: Optional[dict[int, list[int]]] = None  # unit -> pfn per region (on request)
+    chunk_units: int = 1  # units its client grants and releases together (CreateGroup)
 
     @property
     def in_use_units(self) -> int:

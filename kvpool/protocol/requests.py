@@ -16,8 +16,8 @@ from msgspec import Meta, Struct
 
 from kvpool.protocol.bounds import (
     MAP_GROUPS, MAX_BYTES, MAX_GANG_GROUPS, MAX_GROUPS, MAX_ID, MAX_NAME, MAX_RANKS,
-    MAX_REGIONS, MAX_UNITS, VERSION, Bytes, Device, GangToken, Id, Kind, Name, Rank, Seq,
-    Shares, Token, Unit, Units,
+    MAX_REGIONS, MAX_UNITS, VERSION, Bytes, ChunkUnits, Device, GangToken, Id, Kind, Name,
+    Rank, Seq, Shares, Token, Unit, Units,
 )
 from kvpool.protocol.endpoint import Endpoint
 
@@ -84,12 +84,16 @@ class CreateGang(Request, tag="create_gang"):
 
 class CreateGroup(Request, tag="create_group"):
     """Register ``n_regions`` equal regions of ``capacity`` bytes each (a multiple of the
-    page size) reserved by the client at ``bases`` (informational: shown by ``map``)."""
+    page size) reserved by the client at ``bases`` (informational: shown by ``map``).
+    ``chunk_units``: how many units the client grants and releases together (its
+    allocator's chunk; informational: ``ps`` shows the bytes as the tenant's ``chunk``);
+    at most the group's pages per region."""
 
     n_regions: Annotated[int, Meta(ge=1, le=MAX_REGIONS)]
     capacity: Annotated[int, Meta(ge=1, le=MAX_BYTES)]
     bases: Annotated[list[Annotated[int, Meta(ge=0, le=MAX_ID)]], Meta(max_length=MAX_REGIONS)] = []
     label: Annotated[str, Meta(max_length=MAX_NAME)] = ""
+    chunk_units: ChunkUnits = 1
 
 
 class DestroyGroup(Request, tag="destroy_group"):
@@ -155,6 +159,7 @@ class AdoptGroup(Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults
     units: Units = []
     in_use: Optional[Bytes] = None
     reserve: Optional[Units] = None
+    chunk_units: ChunkUnits = 1
 
 
 class Adopt(Request, tag="adopt"):

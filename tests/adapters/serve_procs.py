@@ -65,9 +65,11 @@ class Servers:
 
     def start(self, name: str, *, run_dir: Path | None = None, elastic: bool = True,
               idle_timeout: float = 1.0, extra: tuple[str, ...] = (),
-              env: dict[str, str] | None = None, weights: str | None = "local") -> Server:
+              env: dict[str, str] | None = None, weights: str | None = "local",
+              kv_cache_size: str = "4MiB") -> Server:
         """``weights``: KVPOOL_WEIGHTS of an elastic server; "local" by default, as the
-        KV tests' budgets are sized for KV alone; None: the CLI's default (pool)."""
+        KV tests' budgets are sized for KV alone; None: the CLI's default (pool).
+        ``kv_cache_size``: the KV's virtual capacity (elastic) or its size (static)."""
         port = free_port()
         log = self.log_dir / f"serve-{name}-{port}.log"
         extra_env = env or {}
@@ -78,7 +80,8 @@ class Servers:
                 env.update(KVPOOL_WEIGHTS=weights)
         env.update(extra_env)  # e.g. KVPOOL_SHARES, KVPOOL_MIN
         cmd = launch.serve_argv(self.model, "--max-model-len", "512", *extra, port=port,
-                                name=name, kv_cache_size="4MiB", elastic=elastic)
+                                name=name, kv_cache_size=kv_cache_size,
+                                elastic=elastic)
         proc = launch.spawn_process(cmd, log, cwd=REPO, new_session=True, base_env=env)
         s = Server(name, proc, port, log)
         self.all.append(s)

@@ -65,13 +65,15 @@ def test_bad_sleep_settings_are_one_line_naming_the_variable(monkeypatch, tiny_m
 
 def test_enable_returns_one_adapter_and_leaves_the_config_alone(tiny_model):
     """The adapter object is passed in (the engine's seams), not stored in the config;
-    a request-aligned engine runs a variant of the config, the caller's is unchanged."""
+    a request-aligned engine, or one whose KV layout is ``auto`` (block-major under
+    kvpool: a small allocation unit), runs a variant of the config, the caller's is
+    unchanged."""
     import dataclasses
 
     from kvpool.engine import EngineConfig
-    from kvpool.engine_adapters.bundled import BundledBridge, enable
+    from kvpool.engine_adapters.bundled import ELASTIC_LAYOUT, BundledBridge, enable
 
-    cfg = EngineConfig(model=str(tiny_model))
+    cfg = EngineConfig(model=str(tiny_model), kv_layout="per_layer")
     before = dataclasses.asdict(cfg)
     pooled = enable(cfg, Settings(name="a"))
     aligned = enable(cfg, Settings(name="b", request_aligned=True, weights="local"))
@@ -81,6 +83,11 @@ def test_enable_returns_one_adapter_and_leaves_the_config_alone(tiny_model):
     assert aligned.seams.adapter is aligned and aligned.seams.model_factory is None
     assert aligned.config.enable_prefix_caching is False
     assert aligned.config == dataclasses.replace(cfg, enable_prefix_caching=False)
+    auto = EngineConfig(model=str(tiny_model))
+    assert auto.kv_layout == "auto" and ELASTIC_LAYOUT == "block_major"
+    assert enable(auto, Settings(name="c")).config == dataclasses.replace(
+        auto, kv_layout="block_major")
+    assert auto.kv_layout == "auto"
 
 
 @pytest.mark.parametrize("settings", [Settings, VllmSettings])

@@ -21,7 +21,8 @@ PAGE = 64 << 10
 # ---- protocol ----------------------------------------------------------------------
 @pytest.mark.parametrize("req", [
     p.Register(id=1, token="t", name="llama-8b", kind="engine", device=0),
-    p.CreateGroup(id=2, n_regions=64, capacity=1 << 30, bases=[1 << 40] * 64, label="kv"),
+    p.CreateGroup(id=2, n_regions=64, capacity=1 << 30, bases=[1 << 40] * 64, label="kv",
+                  chunk_units=3),
     p.DestroyGroup(id=3, group=7),
     p.Grant(id=4, group=1, units=[0, 1, 2], in_use=0, reserve=[2]),
     p.Release(id=5, group=1, units=[1]),

@@ -113,6 +113,46 @@ def test_injected_kv_buffers(hf_dirs, solo):
         assert any(b.any() for b in made[0]), "KV was not written into the given buffers"
 
 
+@pytest.mark.parametrize("backend", ["native", "torch"])
+@pytest.mark.parametrize("layout", ["block_major", "per_layer"])
+def test_padded_kv_blocks_give_the_same_tokens(hf_dirs, solo, layout, backend):
+    """Blocks spaced further apart than their size (``block_stride``: padding after each,
+    as kvpool's adapters pad a block so it divides its allocation unit) give the same
+    greedy tokens, and the padding is never written (it holds NaN bytes: a read of it
+    would poison the scores; the blocks start zeroed, as fresh pages do)."""
+    made = []
+
+    def factory(spec, num_blocks, device):
+        block, stride = spec.buffer_block_bytes, spec.buffer_block_bytes + 192
+        raw = [torch.zeros((num_blocks * stride,), dtype=torch.uint8)
+               for _ in range(spec.num_buffers)]
+        for b in raw:
+            b.view(num_blocks, stride)[:, block:] = 0xFF  # NaN as float32
+        made.append((raw, block, stride, num_blocks))
+        return KVCache.from_buffers(spec, raw, block_stride=stride)
+
+    llm = LLM(str(hf_dirs["llama"]), num_kv_blocks=64, block_size=8, kv_layout=layout,
+              attention_backend=backend, kv_cache_factory=factory)
+    assert [o.output_token_ids for o in llm.generate(prompts(LENGTHS), SP)] == solo
+    ((raw, block, stride, n),) = made
+    for b in raw:
+        rows = b.view(n, stride)
+        assert bool((rows[:, block:] == 0xFF).all()), "a block's padding was written"
+        assert bool((rows[:, :block] != 0xFF).any()), "KV was not written into the buffers"
+
+
+def test_from_buffers_rejects_a_stride_that_does_not_hold_a_block():
+    from kvpool.engine import KVCacheSpec
+
+    spec = KVCacheSpec(2, 8, 2, 16, torch.float32, "per_layer")  # 1 KiB blocks
+    bufs = [torch.zeros(4096, dtype=torch.uint8) for _ in range(4)]
+    for bad in (1000, 1026):  # smaller than a block; not whole float32 elements
+        with pytest.raises(ValueError, match="stride"):
+            KVCache.from_buffers(spec, bufs, block_stride=bad)
+    kv = KVCache.from_buffers(spec, bufs, block_stride=2048)
+    assert kv.num_blocks == 2 and kv.layers[0][0].stride(0) == 512  # elements
+
+
 def test_from_buffers_rejects_bad_storage():
     from kvpool.engine import KVCacheSpec
 

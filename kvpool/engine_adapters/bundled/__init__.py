@@ -8,7 +8,9 @@ hold two factories):
 
 * the KV storage becomes a kvpool *region group* (one region per KV buffer: one for the
   block-major layout, ``2 * layers`` for per-layer), reserved virtually for the whole
-  configured KV size and backed by daemon pages only where blocks are in use;
+  configured KV size and backed by daemon pages only where blocks are in use, its blocks
+  padded so one allocation unit is a few pages (:mod:`kvpool.engine_adapters.kv_unit`);
+  ``kv_layout="auto"`` is :data:`ELASTIC_LAYOUT` on every device;
 * the block pool becomes an :class:`BundledElasticPool` (:mod:`.block_pool`): the engine's
   own prefix-cache bookkeeping, with free blocks coming from and going back to the
   client library's :class:`~kvpool.client_lib.ElasticBlockAllocator`.
@@ -28,10 +30,17 @@ from __future__ import annotations
 import dataclasses
 
 from kvpool.engine.config import EngineConfig
+from kvpool.engine.kv_cache import KVLayout
 from kvpool.engine_adapters.bundled.block_pool import BundledElasticPool
 from kvpool.engine_adapters.bundled.bridge import GANG_RANK_MODULE, BundledBridge, bridge_of
 from kvpool.engine_adapters.bundled.checks import KNOWN_LAYOUTS, KNOWN_POOL_METHODS, check_engine
 from kvpool.engine_adapters.bundled.settings import AdapterError, Settings
+
+#: what ``kv_layout="auto"`` is for an elastic engine, on every device: one region whose
+#: blocks hold every layer, so a page holds whole blocks and an allocation unit is a few
+#: pages (SmolLM2-135M on 2 MiB pages: 6 MiB). ``per_layer`` (``2 * layers`` regions, a
+#: unit of at least a page in each: 120 MiB and more) stays available when asked for.
+ELASTIC_LAYOUT: KVLayout = "block_major"
 
 
 def enable(config: EngineConfig, settings: Settings | None = None) -> BundledBridge:
@@ -49,8 +58,11 @@ def enable(config: EngineConfig, settings: Settings | None = None) -> BundledBri
                            "with tensor_parallel_size > 1")
     if settings.request_aligned:  # a shared block would tie requests' units
         config = dataclasses.replace(config, enable_prefix_caching=False)
+    if config.kv_layout == "auto":  # a small allocation unit (see ELASTIC_LAYOUT)
+        config = dataclasses.replace(config, kv_layout=ELASTIC_LAYOUT)
     return BundledBridge(config, settings)
 
 
-__all__ = ["AdapterError", "BundledBridge", "BundledElasticPool", "GANG_RANK_MODULE", "KNOWN_LAYOUTS",
+__all__ = ["AdapterError", "BundledBridge", "BundledElasticPool", "ELASTIC_LAYOUT",
+           "GANG_RANK_MODULE", "KNOWN_LAYOUTS",
            "KNOWN_POOL_METHODS", "Settings", "bridge_of", "check_engine", "enable"]

@@ -56,6 +56,7 @@ from kvpool.engine_adapters.bundled import gang_messages
 from kvpool.engine_adapters.bundled.checks import KNOWN_LAYOUTS
 from kvpool.engine_adapters.bundled.settings import MEMORY_WAIT_S, AdapterError, Settings
 from kvpool.engine_adapters.bundled.weights import Layout, PoolWeights, set_key
+from kvpool.engine_adapters import kv_unit
 from kvpool.engine_adapters.gang import GangDriver, GangSession
 
 if TYPE_CHECKING:
@@ -86,6 +87,8 @@ class BundledBridge:
         self.sleep: SleepController | None = None  # set by .sleep.attach; closed here
         #: the engine's other ranks (tensor parallelism; None: one rank)
         self.ranks: TPWorkers | None = None
+        #: the KV cache's block stride and allocation unit (once it is built)
+        self.unit: kv_unit.UnitPlan | None = None
 
     def _seams(self) -> EngineSeams:
         """The engine's hooks: this bridge's pool and KV storage; with tensor
@@ -185,19 +188,23 @@ class BundledBridge:
         name = self.name
         tenant = self._connect()
         try:
-            per_region = spec.buffer_block_bytes
-            chunk = math.lcm(tenant.page_size, per_region)
+            unit = kv_unit.plan(spec.buffer_block_bytes, tenant.page_size, spec.num_buffers,
+                                pad=s.kv_unit == "small")
+            self.unit = unit
+            per_region, chunk = unit.stride, unit.chunk_bytes
             region_bytes = math.ceil(capacity * per_region / chunk) * chunk
             if self.ranks is None:
-                self.group = tenant.region_group(spec.num_buffers, region_bytes, label=name)
+                self.group = tenant.region_group(spec.num_buffers, region_bytes, label=name,
+                                                 chunk_units=unit.pages_per_chunk)
             else:
                 self.group = self._gang_group(tenant, self.ranks, spec.num_buffers,
-                                              region_bytes, name)
+                                              region_bytes, name, unit)
             allocator = ElasticBlockAllocator(
                 self.group, per_region, low=s.low, high=s.high,
                 idle_timeout_s=s.idle_timeout_s, populate=s.populate, take_first=1,
                 first_wait_s=MEMORY_WAIT_S)  # block 0, waited for like the weight set
-            self.pool.bind(allocator)
+            self.pool.bind(allocator)  # (raises when the first chunk did not come)
+            log.warning("kvpool: %s KV cache: %s", spec.layout, unit.describe())
             if s.request_aligned:
                 self.pool.align_requests()
             tenant.set_shrink_callback(self.pool.shrink)
@@ -209,13 +216,13 @@ class BundledBridge:
                 raise AdapterError(f"the engine runs on {device} but kvpool's "
                                    f"{tenant.backend.name} backend maps memory on "
                                    f"{buffers[0].device}")
-            return KVCache.from_buffers(spec, buffers, nblocks)
+            return KVCache.from_buffers(spec, buffers, nblocks, block_stride=per_region)
         except BaseException:
             self.close()
             raise
 
     def _gang_group(self, tenant: Tenant, ranks: TPWorkers, n_regions: int,
-                    region_bytes: int, label: str) -> RegionGroup:
+                    region_bytes: int, label: str, unit: kv_unit.UnitPlan) -> RegionGroup:
         """Create the gang, have every rank join it and create its group (in order, before
         any grant: the pipe is ordered), then this rank's group over a GangSession."""
         from kvpool.client_lib import KvpoolError, RegionGroup
@@ -229,9 +236,10 @@ class BundledBridge:
         ranks.post(gang_messages.encode(gang_messages.Join(
             token=token, name=tenant.name, devices=devices,
             run_dir=self.settings.run_dir,
-            n_regions=n_regions, capacity=region_bytes, label=label)))
+            n_regions=n_regions, capacity=region_bytes, label=label,
+            block_stride=unit.stride, chunk_units=unit.pages_per_chunk)))
         session = GangSession(tenant, GangDriver(gang_messages.PipeCollective(ranks)))
-        group = RegionGroup(session, n_regions, region_bytes, label)
+        group = RegionGroup(session, n_regions, region_bytes, label, unit.pages_per_chunk)
         session.group_id = group.id
         tenant.groups[group.id] = group  # the tenant's reclaim and close reach it
         return group

@@ -25,7 +25,9 @@ from kvpool.engine_adapters.gang import GangOp, GrantOp, RankGone, ReleaseOp
 class Join(msgspec.Struct, tag="join", frozen=True):
     """Register as this rank (``r``) of gang ``token`` named ``name`` on ``devices[r]``
     of the daemon at ``run_dir``, then create the one region group of ``n_regions`` x
-    ``capacity`` bytes (``label``) the gang's layout names."""
+    ``capacity`` bytes (``label``) the gang's layout names; its KV blocks are
+    ``block_stride`` bytes apart in each region (rank 0's padded block), granted
+    ``chunk_units`` units at a time."""
 
     token: str
     name: str
@@ -34,6 +36,8 @@ class Join(msgspec.Struct, tag="join", frozen=True):
     n_regions: int
     capacity: int
     label: str
+    block_stride: int
+    chunk_units: int = 1
 
 
 class Grant(msgspec.Struct, tag="grant", frozen=True):

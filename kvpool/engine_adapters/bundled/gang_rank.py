@@ -43,6 +43,7 @@ class GangRank:
         self.rank = rank
         self.tenant: Tenant | None = None
         self.group: RegionGroup | None = None
+        self.block_stride = 0  # rank 0's (Join)
 
     def handle(self, payload: bytes) -> None:
         msg = gang_messages.decode(payload)
@@ -71,24 +72,27 @@ class GangRank:
         layout = [(msg.n_regions, msg.capacity)]
         self.tenant = connect(msg.name, device=msg.devices[self.rank], run_dir=msg.run_dir,
                               kind="engine", gang=msg.token, rank=self.rank, layout=layout)
-        self.group = self.tenant.region_group(msg.n_regions, msg.capacity, label=msg.label)
+        self.group = self.tenant.region_group(msg.n_regions, msg.capacity, label=msg.label,
+                                              chunk_units=msg.chunk_units)
+        self.block_stride = msg.block_stride
 
     def make_kv_cache(self, spec: KVCacheSpec, num_blocks: int,
                       device: torch.device) -> KVCache:
         group = self.group
         if group is None:
             raise RuntimeError("the KV cache was built before the gang join")
-        per_region = spec.buffer_block_bytes
-        if spec.num_buffers != group.n_regions or \
+        per_region = self.block_stride  # rank 0's stride: the same units hold the same blocks
+        if spec.num_buffers != group.n_regions or per_region < spec.buffer_block_bytes or \
                 math.ceil(num_blocks * per_region / group.page_size) > group.npages:
-            raise RuntimeError(f"{num_blocks} blocks of {spec.num_buffers} x {per_region} "
-                               f"bytes do not fit the gang's group")
+            raise RuntimeError(f"{num_blocks} blocks of {spec.num_buffers} x "
+                               f"{spec.buffer_block_bytes} bytes ({per_region} apart) do not "
+                               f"fit the gang's group")
         buffers = [group.tensor(i, torch.uint8, nbytes=num_blocks * per_region)
                    for i in range(spec.num_buffers)]
         if device.type != buffers[0].device.type:
             raise RuntimeError(f"the engine runs on {device} but the gang's memory is on "
                                f"{buffers[0].device}")
-        return KVCache.from_buffers(spec, buffers, num_blocks)
+        return KVCache.from_buffers(spec, buffers, num_blocks, block_stride=per_region)
 
     def close(self) -> None:
         if self.tenant is not None:

@@ -4,10 +4,14 @@ vLLM's KV cache is one flat allocation in which layer ``l``'s page of block ``b`
 ``offset + l * layer_stride + b * block_stride`` (``KVCacheTensor``). The bridge turns that
 into a kvpool *region group* without changing vLLM's view code:
 
-* layer-outer layouts (``LBHNC`` & co, the CPU and most GPU defaults): one region per
-  layer slot, each ``num_blocks * block_stride`` bytes; a block is ``block_stride`` bytes
-  of every region, so one allocation unit maps a block's K and V pages in every layer;
-* block-outer layouts (``BLHNC`` & co): one region, a block is one ``block_stride`` run.
+* layer-outer placements (``LBHNC`` & co, the CPU and most GPU defaults, when their unit
+  is small): one region per layer slot, each ``num_blocks * block_stride`` bytes; a block
+  is ``block_stride`` bytes of every region, so one allocation unit maps a block's K and
+  V pages in every layer;
+* block-outer placements (``BLHNC`` & co, and the interleaved one the
+  ``get_kv_cache_configs`` seam makes of a layer-outer config whose unit would be large,
+  :mod:`.kv_units`): one region, a block is one ``block_stride`` run holding every
+  layer's page (and padding).
 
 Each layer's view is then built by vLLM's own ``create_kv_cache_views`` over its region.
 Invariants: the allocator's block ids are vLLM's block ids; the allocator holds exactly
@@ -24,6 +28,7 @@ import threading
 from dataclasses import replace
 from typing import TYPE_CHECKING, Protocol
 
+from kvpool.engine_adapters.vllm.kv_units import chunk_units, layer_outer
 from kvpool.engine_adapters.vllm.settings import AdapterError, Settings
 
 if TYPE_CHECKING:
@@ -173,7 +178,10 @@ class VllmBridge:
         if len(strides) != 1:
             raise AdapterError(f"kvpool: KV tensors with different block strides {strides}")
         block_stride = strides.pop()
-        block_outer = layout.is_block_outermost
+        # one region when a block's layers share one run (block-outer, or the one tensor
+        # kv_units.whole_chunks interleaved); else one region per layer
+        block_outer = layout.is_block_outermost or (
+            len(tensors) == 1 and len(tensors[0].layers) > 1 and not layer_outer(tensors[0]))
         specs = _layer_specs(kv_cache_config)
         for name, spec in specs.items():
             if not spec.has_layer_views:
@@ -205,14 +213,17 @@ class VllmBridge:
             from kvpool.engine_adapters.vllm.tp import join_gang
 
             self.tenant, self.group = join_gang(self.tenant, s, self.name, len(bases),
-                                                region_bytes, block_stride, num_blocks)
+                                                region_bytes, block_stride, num_blocks,
+                                                chunk_units(block_stride, self.page_size()))
             self.num_blocks, self.block_bytes = num_blocks, block_stride
             self.n_regions = len(bases)
             return self._views(kv_cache_config, device, layout, kernel_block_sizes,
                                create_views, specs, slots, bases, region_bytes, block_outer)
         assert self.tenant is not None
         label = self.tenant.name
-        self.group = self.tenant.region_group(len(bases), region_bytes, label=label)
+        self.group = self.tenant.region_group(
+            len(bases), region_bytes, label=label,
+            chunk_units=chunk_units(block_stride, self.tenant.page_size))
         # populate: pages are faulted in when mapped (on the refill thread or the grant),
         # not at the first KV write inside a model step. The refill thread is woken by
         # alloc/free when the reserve crosses a watermark and by demand; its tick only
@@ -266,9 +277,11 @@ class VllmBridge:
                 one = replace(t, layers=[name], offset=offset, size=region_bytes)
                 kv_caches[name] = create_views(raw, specs[name], nb, layout, one,
                                                kernel_block_size=kbs)[0]
-        log.info("kvpool: KV cache of %d blocks as %d region(s) of %d B (block %d B per "
-                 "region, %d blocks per chunk)", num_blocks, len(bases), region_bytes,
-                 block_stride, bpc)
+        log.warning("kvpool: KV cache of %d blocks as %d region(s) of %d B (block %d B per "
+                    "region, %d blocks per chunk: an allocation unit of %d B)", num_blocks,
+                    len(bases), region_bytes, block_stride, bpc,
+                    self.group.page_size * chunk_units(block_stride, self.group.page_size)
+                    * len(bases))
         return kv_caches
 
     def close(self) -> None:

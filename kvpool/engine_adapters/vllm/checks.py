@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 import torch
 
+from kvpool.engine_adapters.kv_unit import plan_layers
 from kvpool.engine_adapters.vllm.settings import Settings, say
 
 if TYPE_CHECKING:
@@ -97,12 +98,12 @@ def check_config(config: VllmConfig) -> None:
                  "KVPOOL_ENABLE)")
     cap = pool.budget if not s.max_bytes else min(pool.budget, s.max_bytes)
     page, layers = block_page_bytes(config)
-    chunk = math.lcm(pool.page_size, page)
-    need = math.ceil(2 / (chunk // page)) * chunk * layers  # the null block and one more
+    unit = plan_layers(page, layers, pool.page_size, pad=s.kv_unit == "small")
+    need = math.ceil(2 / unit.blocks_per_chunk) * unit.unit_bytes  # the null block and one more
     if cap < need:
         fail(f"kvpool: the daemon's budget ({cap} B) is smaller than this model's smallest "
-             f"KV allocation ({need} B: {layers} layers x {chunk} B chunks of {page} B "
-             f"blocks on {pool.page_size} B pages)")
+             f"KV allocation ({need} B: {layers} layers of {page} B blocks; "
+             f"{unit.describe()})")
     config.cache_config.kv_cache_memory_bytes = cap
     if config.device_config.device_type == "cpu" and pc.tensor_parallel_size == 1:
         pc.distributed_executor_backend = "uni"

@@ -154,23 +154,17 @@ def _patch_engine_core(b: VllmBridge, mod: ModuleType) -> None:
     @functools.wraps(original)
     def get_kv_cache_configs(vllm_config: VllmConfig, kv_cache_specs: list[dict[str, KVCacheSpec]],
                              available_memory: list[int]) -> list[KVCacheConfig]:
-        configs = original(vllm_config, kv_cache_specs, available_memory)
         tp = vllm_config.parallel_config.tensor_parallel_size > 1
         # (a TP engine core registers no tenant)
-        if (b.tenant is None and not tp) or not configs or (
-                not configs[0].kv_cache_tensors):
-            return configs
-        c = configs[0]
-        t = c.kv_cache_tensors[0]
-        bpc = b.blocks_per_chunk(t.block_stride)
-        if c.num_blocks % bpc == 0:
-            return configs
-        per_block = t.size // c.num_blocks
-        whole = c.num_blocks // bpc * bpc
-        if whole < 2:
-            raise AdapterError(f"kvpool: the KV budget ({b.capacity()} B) is smaller than one "
-                               f"chunk of {bpc} KV blocks ({bpc * per_block} B)")
-        return original(vllm_config, kv_cache_specs, [whole * per_block] * len(available_memory))
+        if b.tenant is None and not tp:
+            return original(vllm_config, kv_cache_specs, available_memory)
+        from kvpool.engine_adapters.vllm.kv_units import whole_chunks
+
+        # whole chunks, and the layers of a block side by side when that makes a
+        # chunk small (kv_units.py)
+        return whole_chunks(lambda avail: original(vllm_config, kv_cache_specs, avail),
+                            available_memory, b.page_size(), b.settings.kv_unit == "small",
+                            b.capacity() if b.tenant is not None else sum(available_memory))
 
     setattr(mod, "get_kv_cache_configs", get_kv_cache_configs)
 

@@ -45,6 +45,9 @@ class Settings:
     sleepable: bool = False  # the daemon may put it to sleep (KVPOOL_SLEEPABLE)
     sleep_after_s: float | None = None  # sleep when idle this long (KVPOOL_SLEEP_AFTER)
     group: str | None = None  # shown by kvpool ps (KVPOOL_GROUP: a fleet's name)
+    # KVPOOL_KV_UNIT: "small" (blocks padded, layers interleaved when that makes the
+    # allocation unit small) or "exact" (vLLM's own layout and block)
+    kv_unit: str = "small"
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -65,8 +68,9 @@ class Settings:
         if env.get("KVPOOL_IDLE_TIMEOUT"):
             s.idle_timeout_s = float(env["KVPOOL_IDLE_TIMEOUT"])
         # SettingsError: one line (KVPOOL_SHARES, or KVPOOL_WEIGHT: its old name)
-        read = tenant_fields(env, {"shares", "sleepable", "sleep_after_s"})
+        read = tenant_fields(env, {"shares", "sleepable", "sleep_after_s", "kv_unit"})
         s.shares = read.get("shares")
+        s.kv_unit = read.get("kv_unit", "small")
         s.sleepable = read.get("sleepable", False)
         s.sleep_after_s = read.get("sleep_after_s")
         return s

@@ -135,10 +135,11 @@ def worker_reclaim(worker: Any) -> int:
 
 
 def join_gang(tenant: Tenant | None, s: Settings, name: str, n_regions: int,
-              region_bytes: int, block_bytes: int, num_blocks: int
+              region_bytes: int, block_bytes: int, num_blocks: int, chunk_units: int = 1
               ) -> tuple[Tenant, RegionGroup]:
     """(every worker, collectively) The gang and this rank's group of it: (this rank's
-    tenant, its group); rank 0 passes the tenant it registered as."""
+    tenant, its group, granted ``chunk_units`` units at a time); rank 0 passes the tenant
+    it registered as."""
     from kvpool.client_lib import KvpoolError, connect
 
     rank, size = tp_rank()
@@ -162,7 +163,7 @@ def join_gang(tenant: Tenant | None, s: Settings, name: str, n_regions: int,
             raise AdapterError(f"kvpool: rank {rank} cannot join the gang ({e})") from None
     assert tenant is not None
     tenant.set_shrink_callback(WORKER.asked)
-    group = tenant.region_group(n_regions, region_bytes, label=name)
+    group = tenant.region_group(n_regions, region_bytes, label=name, chunk_units=chunk_units)
     WORKER.member = Member(group)
     WORKER.block_bytes, WORKER.num_blocks = block_bytes, num_blocks
     return tenant, group
