@@ -2,8 +2,9 @@
 
 The vmm backends (:data:`kvpool.vmm.registry.REGISTRY`), the daemon's reclaim policies
 (:data:`kvpool.daemon.policy.POLICIES`), the fleet's server kinds
-(:data:`kvpool.fleet.engines.KINDS`) and its routing pickers
-(:data:`kvpool.fleet.balance.PICKERS`) are each one :class:`Registry`. Configuration
+(:data:`kvpool.fleet.engines.KINDS`), its routing pickers
+(:data:`kvpool.fleet.balance.PICKERS`) and its policies
+(:data:`kvpool.fleet.policies.FLEET_POLICIES`) are each one :class:`Registry`. Configuration
 checks (the daemon's config, the fleet file, the CLI's choices) ask the registry for its
 :meth:`~Registry.names` instead of copying them, so a new entry is one ``register``.
 

@@ -1,4 +1,4 @@
-"""The one registry type (kvpool/registry.py, issue 35 item 6): the four registries are
+"""The one registry type (kvpool/registry.py, issue 35 item 6): the five registries are
 instances of it, an unknown name is one line naming the known ones, and what a
 configuration offers is the registry's names, not a copy."""
 
@@ -11,12 +11,13 @@ from kvpool.cli.main import cli
 from kvpool.daemon.policy import POLICIES
 from kvpool.fleet.balance import PICKERS
 from kvpool.fleet.engines import KINDS
+from kvpool.fleet.policies import FLEET_POLICIES
 from kvpool.registry import Registry, UnknownName
 from kvpool.vmm.registry import BACKENDS, REGISTRY
 
 
-def test_the_four_registries_are_one_type() -> None:
-    for registry in (REGISTRY, POLICIES, KINDS, PICKERS):
+def test_the_five_registries_are_one_type() -> None:
+    for registry in (REGISTRY, POLICIES, KINDS, PICKERS, FLEET_POLICIES):
         assert isinstance(registry, Registry)
         assert list(registry) == list(registry.names()) and len(registry) > 1
         for name in registry.names():
@@ -25,7 +26,7 @@ def test_the_four_registries_are_one_type() -> None:
 
 @pytest.mark.parametrize("hostile", ["nope", "", "x" * 10_000, ["a"], {"k": 1}, None])
 def test_an_unknown_name_is_one_line_naming_the_known_ones(hostile: object) -> None:
-    for registry in (REGISTRY, POLICIES, KINDS, PICKERS):
+    for registry in (REGISTRY, POLICIES, KINDS, PICKERS, FLEET_POLICIES):
         assert hostile not in registry
         with pytest.raises(UnknownName) as e:
             registry.lookup(hostile)  # type: ignore[arg-type]

@@ -139,8 +139,9 @@ class Config:
     # a claimed handoff waits this long for the giver to let go of the pages (host)
     handoff_letgo_s: Seconds = 2.0
     reclaim_timeout_s: Seconds = 2.0  # deadline of reclaim asks and of requests waiting on them
-    # how contended memory is split: "fair_share" (weighted max-min, the default) or
-    # "priority" (most shares first, floors kept); kvpool/daemon/policy.py
+    # how contended memory is split: "fair_share" (weighted max-min, the default),
+    # "priority" (most shares first, floors kept) or "first_come" (none: what a tenant
+    # holds is its share; a fleet baseline's); kvpool/daemon/policy.py
     reclaim_policy: str = "fair_share"
     recover_timeout_s: Annotated[float, Meta(ge=0, le=86400)] = 5.0  # after a restart
     log_level: str = "INFO"  # one of config_values.LOG_LEVELS, any case

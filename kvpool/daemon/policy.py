@@ -118,7 +118,31 @@ class Priority(ShareBased):
         return out
 
 
+class FirstCome(ShareBased):
+    """No arbitration between tenants: each one's share is what it holds (within its
+    floor and cap), so nobody is asked to shrink for another and a tenant grows from
+    free memory only; a grant that free memory does not cover is refused at once (unless
+    putting an idle sleepable tenant to sleep covers it). What a peer without an
+    arbiter does (kvcached's elastic KV, first come first served from the device's free
+    memory): the fleet's baseline policies ``idle-sleep`` and ``reconcile`` run their
+    daemon with it (docs/ARCHITECTURE.md, "Fleet policies"). A ``max`` lowered by an
+    admin is still enforced (the reclaimer's hard-limit ask, not a share)."""
+
+    name = "first_come"
+
+    def fair_shares(self, budget: int, claims: list[Claim], unit: int) -> dict[str, int]:
+        out = {c.name: round_down(c.floor, unit) for c in claims}
+        left = budget - sum(out.values())
+        for c in claims:  # (in the claims' order: the tenants' own)
+            keep = round_down(min(c.held, c.cap), unit) - out[c.name]
+            if keep > 0 and left > 0:
+                take = min(keep, round_down(left, unit))
+                out[c.name] += take
+                left -= take
+        return out
+
+
 #: every reclaim policy by its configuration name
 POLICIES: Registry[ReclaimPolicy] = Registry("reclaim policy")
-for _policy in (FairShare(), Priority()):
+for _policy in (FairShare(), Priority(), FirstCome()):
     POLICIES.register(_policy.name, _policy)

@@ -128,6 +128,8 @@ class ModelQueue:
     def release(self, m: Member) -> None:
         """The request :meth:`acquire` gave ``m`` ended (however it ended)."""
         m.inflight -= 1
+        m.completed += 1
         if m.inflight == 0:
             m.idle_since = time.monotonic()
+            self.supervisor.released(m)
         self.metrics.inflight.labels(self.model, str(m.index)).set(m.inflight)

@@ -63,6 +63,20 @@ def inspect(folder: Path, engine: str, float32: bool) -> CheckpointInfo:
                           kv_block_bytes=_kv_block_bytes(config, elem))
 
 
+def holds_float32(backend: str, args: tuple[str, ...]) -> bool:
+    """Whether a bundled server on this backend holds float32 weights and KV (the engine's
+    ``--dtype auto`` on the CPU; ``--dtype`` in ``args`` says otherwise). ``auto`` is the
+    backend this machine would open, as for the daemon."""
+    from kvpool.vmm.registry import capabilities
+
+    for j, a in enumerate(args):
+        if a == "--dtype" and j + 1 < len(args):
+            return args[j + 1] == "float32"
+        if a.startswith("--dtype="):
+            return a.split("=", 1)[1] == "float32"
+    return capabilities(backend).tensor_device == "cpu"
+
+
 def kv_chunk_bytes(info: CheckpointInfo, page_size: int) -> int:
     """The smallest KV allocation of a server (one buffer, block-major): whole pages
     holding whole blocks (:class:`kvpool.client_lib.allocator.ElasticBlockAllocator`)."""

@@ -21,6 +21,11 @@ them all at once (:class:`FleetConfigError`); the CLI prints them and exits 2. C
   ``reserved_args``: ``--port`` ...);
 * ``checkpoint``: a folder the engine can load (:func:`kvpool.fleet.checkpoint.inspect`:
   config.json and weight files, read without loading the weights);
+* ``[fleet] policy``: a name of :data:`kvpool.fleet.policies.FLEET_POLICIES`, its knobs
+  in ``[fleet]`` each in its range (:class:`~kvpool.fleet.policies.Knob`), a knob of
+  another policy refused (naming whose it is), a model key the policy sets itself
+  (``FleetPolicy.decides``) refused unless given with the value the policy sets, and a
+  baseline policy only with ``--with-daemon``;
 * with ``--with-daemon``, ``[daemon] budget`` must hold the largest model's weights (when
   they live in the pool) plus one KV chunk: a smaller one could never serve that model.
   (A percentage budget is resolved by the daemon against the device: not checked here.)
@@ -36,14 +41,14 @@ from typing import Any, Callable
 
 from kvpool.daemon.config import Config
 from kvpool.fleet.balance import PICKERS
-from kvpool.fleet.checkpoint import CheckpointInfo, inspect, kv_chunk_bytes
+from kvpool.fleet.checkpoint import CheckpointInfo, holds_float32, inspect, kv_chunk_bytes
 from kvpool.fleet.engines import KINDS
 from kvpool.fleet.entries import DaemonSection, FleetConfig, ModelEntry
+from kvpool.fleet.policies import FLEET_POLICIES, FleetPolicy, Knob, knob_owners
 from kvpool.protocol.bounds import MAX_SHARES
 from kvpool.renames import both_line, deprecated_line, say
 from kvpool.sizes import format_size, parse_size
 from kvpool.vmm.host import DEFAULT_PAGE_SIZE
-from kvpool.vmm.registry import capabilities
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -182,9 +187,7 @@ def load(path: str | Path, with_daemon: bool = False, inspect_checkpoint: Inspec
         raise FleetConfigError([f"{shown}: {e.strerror or e}"]) from None
     problems: list[str] = []
     top = _Table(raw, "", problems, ("fleet", "daemon", "models"))
-    fleet = _Table(raw.get("fleet", {}), "fleet", problems,
-                   ("name", "host", "port", "queue", "start_timeout_s", "hung_after_s",
-                    "hung_restart_s"))
+    fleet = _Table(raw.get("fleet", {}), "fleet", problems, (*FLEET_KEYS, *knob_owners()))
     name = fleet.text("name", path.stem)
     if not NAME.match(str(name)):
         where = "fleet.name" if "name" in fleet.values else "fleet.name (the file's name)"
@@ -199,6 +202,7 @@ def load(path: str | Path, with_daemon: bool = False, inspect_checkpoint: Inspec
     if hung_after is not None and hung_restart is not None and hung_restart < hung_after:
         fleet.bad("hung_restart_s", f"{hung_restart:g} is less than hung_after_s "
                                     f"({hung_after:g})")
+    policy, knobs = _policy(fleet, with_daemon)
     daemon = _daemon(_Table(raw.get("daemon", {}), "daemon", problems, DAEMON_KEYS))
     models_raw = raw.get("models", [])
     if not isinstance(models_raw, list):
@@ -212,20 +216,73 @@ def load(path: str | Path, with_daemon: bool = False, inspect_checkpoint: Inspec
         if not isinstance(values, dict):
             problems.append(f"models[{i}]: expected a table, got {_show(values)}")
             continue
-        got = _model(_Table(values, f"models[{i}]", problems, MODEL_KEYS, shown), base,
-                     daemon.backend, inspect_checkpoint)
-        if got is not None:
+        t = _Table(values, f"models[{i}]", problems, MODEL_KEYS, shown)
+        got = _model(t, base, daemon.backend, inspect_checkpoint)
+        if got is not None and _decided(t, got[0], policy):
             entries.append((i, *got))
     _unique(entries, problems)
-    if with_daemon:
-        _fits(daemon, entries, problems)
+    if with_daemon:  # (the models as the policy starts them: swap's weights are local)
+        _fits(daemon, [(i, policy.member(e), info) for i, e, info in entries], problems)
     if problems:
         raise FleetConfigError([f"{shown}: {p}" for p in problems])
     assert start_timeout is not None and hung_after is not None and hung_restart is not None
     return FleetConfig(path=path, name=str(name), host=str(host), port=port, queue=queue,
                        start_timeout_s=start_timeout, hung_after_s=hung_after,
                        hung_restart_s=hung_restart, daemon=daemon,
-                       models=tuple(e for _, e, _ in entries))
+                       models=tuple(e for _, e, _ in entries), policy=policy.name,
+                       policy_knobs=knobs)
+
+
+FLEET_KEYS = ("name", "host", "port", "queue", "start_timeout_s", "hung_after_s",
+              "hung_restart_s", "policy")  # (and every policy's knobs)
+
+
+def _policy(t: _Table, with_daemon: bool) -> tuple[FleetPolicy, dict[str, float]]:
+    """``[fleet] policy`` and its knobs (each checked; the defaults where none is given).
+    A knob of another policy is refused, naming whose it is; a baseline needs the fleet's
+    own daemon (``--with-daemon``)."""
+    given = t.values.get("policy", "kvpool")
+    name = t.text("policy", "kvpool", FLEET_POLICIES.names())
+    if name != given:  # (refused: its line is said; the knobs are not judged against it)
+        return FLEET_POLICIES.lookup("kvpool"), {}
+    policy = FLEET_POLICIES.lookup(name)
+    mine = {k.name for k in policy.knobs}
+    for key, owners in knob_owners().items():
+        if key in t.values and key not in mine:
+            t.bad(key, f"a knob of policy {' and '.join(repr(o) for o in owners)}, not of "
+                       f"{name!r} (fleet.policy)")
+    knobs = {k.name: _knob(t, k) for k in policy.knobs}
+    if policy.baseline and not with_daemon:
+        t.bad("policy", f"{name!r} is a baseline: it runs only on a daemon of its own "
+                        f"(kvpool fleet --with-daemon), whose whole budget it shares")
+    return policy, knobs
+
+
+def _knob(t: _Table, knob: Knob) -> float:
+    v = t.get(knob.name, knob.default, (int, float), "a number")
+    if knob.name not in t.values or not isinstance(v, (int, float)):
+        return knob.default
+    why = knob.problem(float(v))
+    if why is not None:
+        t.bad(knob.name, why)
+        return knob.default
+    return float(v)
+
+
+def _decided(t: _Table, entry: ModelEntry, policy: FleetPolicy) -> bool:
+    """A model key the policy sets itself may be given only with the value it sets
+    (one problem each otherwise); False when one was refused."""
+    ok = True
+    member = policy.member(entry)
+    for key in policy.decides:
+        given = next((k for k in ((key, "weight") if key == "shares" else (key,))
+                      if k in t.values), None)
+        if given is not None and getattr(entry, key) != getattr(member, key):
+            ours = getattr(member, key)
+            t.bad(given, f"policy {policy.name!r} sets {key} itself "
+                         f"({'unset' if ours is None else _show(ours)}; see fleet.policy)")
+            ok = False
+    return ok
 
 
 MODEL_KEYS = ("name", "checkpoint", "engine", "replicas", "eager", "min", "max", "shares",
@@ -286,7 +343,7 @@ def _model(t: _Table, base: Path, backend: str, inspect_checkpoint: Inspect
     elif isinstance(ckpt, str):
         folder = (base / ckpt).resolve()
         try:
-            info = inspect_checkpoint(folder, engine, _float32(backend, args))
+            info = inspect_checkpoint(folder, engine, holds_float32(backend, args))
         except ValueError as e:
             t.bad("checkpoint", _one_line(e))
     if len(t.problems) > problems_before:
@@ -326,18 +383,6 @@ def _args(t: _Table, engine: str) -> tuple[str, ...]:
         else:
             out.append(a)
     return tuple(out)
-
-
-def _float32(backend: str, args: tuple[str, ...]) -> bool:
-    """Whether a bundled server on this backend holds float32 weights and KV (the engine's
-    ``--dtype auto`` on the CPU; ``--dtype`` in ``args`` says otherwise). ``auto`` is the
-    backend this machine would open, as for the daemon."""
-    for j, a in enumerate(args):
-        if a == "--dtype" and j + 1 < len(args):
-            return args[j + 1] == "float32"
-        if a.startswith("--dtype="):
-            return a.split("=", 1)[1] == "float32"
-    return capabilities(backend).tensor_device == "cpu"
 
 
 def _unique(entries: list[tuple[int, ModelEntry, CheckpointInfo | None]],

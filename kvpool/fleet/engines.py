@@ -4,11 +4,13 @@ fleet entry's ``engine``).
 
 * ``bundled``: ``kvpool serve CKPT --elastic --sleepable ...`` (:func:`kvpool.launch.
   serve_argv`); its sleep state and counters at ``GET /kvpool/sleep`` (sleeps by
-  reason: the cause of each is known);
+  reason: the cause of each is known); a member that is not elastic (``MemberSpec.
+  elastic``: the ``swap`` policy's) is the plain ``kvpool serve CKPT --kv-cache-size``;
 * ``vllm``: vLLM's OpenAI server with the kvpool plugin (``KVPOOL_ENABLE=1``) and
   ``VLLM_SERVER_DEV_MODE=1`` for ``/is_sleeping`` and ``/wake_up``
   (:mod:`kvpool.engine_adapters.vllm.core_sleep`); no counters: the fleet infers a sleep's
-  cause from what it sees (:class:`Observed`).
+  cause from what it sees (:class:`Observed`); one that is not elastic is vLLM alone
+  with ``--kv-cache-memory-bytes`` (the entry's ``kv_cache_size``).
 
 Every member gets the tenant's knobs through the ``KVPOOL_*`` variables its adapter reads
 (:mod:`kvpool.engine_adapters.env`), its tenant name (``KVPOOL_TENANT``) and the fleet's
@@ -58,13 +60,16 @@ class Observed:
 
 @dataclass(frozen=True)
 class MemberSpec:
-    """Who a member is: the entry, its tenant, its fleet (group) and daemon (run dir)."""
+    """Who a member is: the entry, its tenant, its fleet (group) and daemon (run dir);
+    ``elastic``: its KV in the daemon's pool (else a static KV of the entry's
+    ``kv_cache_size`` in the server's own memory, weights local: the ``swap`` policy's)."""
 
     entry: ModelEntry
     tenant: str
     group: str
     run_dir: Path
     base_env: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
+    elastic: bool = True
 
 
 class ServerKind(Protocol):
@@ -112,6 +117,11 @@ class Bundled:
 
     def launch(self, member: MemberSpec, port: int) -> Launch:
         e = member.entry
+        if not member.elastic:  # a static KV, weights in the process: the plain server
+            argv = launch.serve_argv(e.checkpoint, "--max-num-seqs", str(e.max_num_seqs),
+                                     *e.args, port=port, name=e.name,
+                                     kv_cache_size=e.kv_cache_size)
+            return Launch(argv, member_env(member, {}))
         extra = ["--weights", e.weights, "--max-num-seqs", str(e.max_num_seqs)]
         if e.sleepable:
             extra.append("--sleepable")
@@ -147,6 +157,10 @@ class Vllm:
                 "--model", str(e.checkpoint), "--served-model-name", e.name,
                 "--host", "127.0.0.1", "--port", str(port),
                 "--max-num-seqs", str(e.max_num_seqs), "--disable-log-stats", *e.args]
+        if not member.elastic:  # vLLM alone, its KV fixed at kv_cache_size (after args: ours)
+            argv += ["--kv-cache-memory-bytes", str(e.kv_cache_size)]
+            return Launch(argv, member_env(member, {"VLLM_SERVER_DEV_MODE": "1",
+                                                    "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}))
         extra = {"KVPOOL_ENABLE": "1", "VLLM_SERVER_DEV_MODE": "1",
                  "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
         if e.sleepable:

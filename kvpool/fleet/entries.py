@@ -5,7 +5,8 @@ only read them."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 
@@ -55,6 +56,10 @@ class FleetConfig:
     hung_restart_s: float = 120.0  # ... silent this long: killed and started again
     daemon: DaemonSection = DaemonSection()
     models: tuple[ModelEntry, ...] = ()
+    # how the models share the device: a name of kvpool.fleet.policies.FLEET_POLICIES,
+    # and that policy's knobs (every one, checked; the defaults where the file gives none)
+    policy: str = "kvpool"
+    policy_knobs: Mapping[str, float] = field(default_factory=dict)
 
     def entry(self, name: str) -> ModelEntry | None:
         return next((m for m in self.models if m.name == name), None)

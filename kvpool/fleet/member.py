@@ -69,6 +69,7 @@ class Member:
         self.last_error = ""
         self.starts = 0
         self.inflight = 0  # requests the router sent it that have not finished
+        self.completed = 0  # requests the router sent it that have finished (however)
         self.idle_since = time.monotonic()  # when its last request finished
         # what the server counted when last observed (a restart starts from zero)
         self.sleeps_seen: dict[str, int] = {}

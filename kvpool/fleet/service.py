@@ -23,6 +23,7 @@ directory of this uid whose fleet is gone and whose daemon no longer answers
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import signal
@@ -43,6 +44,7 @@ from kvpool.fleet.entries import FleetConfig
 from kvpool.fleet.engines import KINDS, MemberSpec
 from kvpool.fleet.member import Member
 from kvpool.fleet.metrics import FleetMetrics
+from kvpool.fleet.policies import FLEET_POLICIES, PolicyError, Setup
 from kvpool.fleet.router import create_app
 from kvpool.fleet.supervisor import Supervisor
 
@@ -65,18 +67,28 @@ def say(line: str) -> None:
 def build(config: FleetConfig, run_dir: Path, log_dir: Path,
           log: Callable[[str], None] = say) -> tuple[Supervisor, dict[str, ModelQueue],
                                                     FleetMetrics, httpx.AsyncClient]:
-    """The fleet's parts over the daemon of ``run_dir``; member logs in ``log_dir``."""
+    """The fleet's parts over the daemon of ``run_dir``; member logs in ``log_dir``. The
+    fleet's policy (``config.policy``) sets how its members start (their entries as the
+    policy has them) and runs in the supervisor; one that cannot run is a
+    :class:`FleetError`."""
+    policy = FLEET_POLICIES.lookup(config.policy)
+    entries = tuple(policy.member(e) for e in config.models)
+    try:
+        run = policy.start(config.policy_knobs, Setup(run_dir, config.daemon.backend,
+                                                      config.name, entries, log))
+    except PolicyError as why:
+        raise FleetError(str(why)) from None
     metrics = FleetMetrics()
     # members are on loopback: no proxy from the environment, ever
     client = httpx.AsyncClient(trust_env=False, timeout=httpx.Timeout(10.0),
                                limits=httpx.Limits(max_connections=None,
                                                    max_keepalive_connections=64))
     members: dict[str, list[Member]] = {}
-    for e in config.models:
+    for e in entries:
         kind = KINDS.lookup(e.engine)
         members[e.name] = [
-            Member(MemberSpec(e, e.tenant(i), config.name, run_dir), i, kind,
-                   log_dir / f"{e.tenant(i)}.log")
+            Member(MemberSpec(e, e.tenant(i), config.name, run_dir, elastic=policy.elastic),
+                   i, kind, log_dir / f"{e.tenant(i)}.log")
             for i in range(e.replicas)]
         metrics.add_model(e.name, e.replicas)
     try:  # the members inherit KVPOOL_CONTROL_TOKEN(_FILE): their /wake_up wants it
@@ -86,10 +98,10 @@ def build(config: FleetConfig, run_dir: Path, log_dir: Path,
     supervisor = Supervisor(members, metrics, client, config.start_timeout_s, log,
                             control_headers=control,
                             hung_after_s=config.hung_after_s,
-                            hung_restart_s=config.hung_restart_s)
+                            hung_restart_s=config.hung_restart_s, policy=run)
     queues = {e.name: ModelQueue(e.name, members[e.name], supervisor, make_picker(e.routing),
                                  metrics, config.queue, config.start_timeout_s + QUEUE_SLACK_S)
-              for e in config.models}
+              for e in entries}
     return supervisor, queues, metrics, client
 
 
@@ -176,6 +188,19 @@ def _answers(sock_path: Path) -> bool:
     return True
 
 
+def daemon_config(config: FleetConfig, folder: Path) -> Path | None:
+    """The daemon config file the fleet's policy needs for the daemon it starts
+    (``FleetPolicy.daemon_settings``: the baselines' ``reclaim_policy = "first_come"``),
+    written to ``folder`` as ``daemon.toml``; None when it needs none."""
+    settings = FLEET_POLICIES.lookup(config.policy).daemon_settings
+    if not settings:
+        return None
+    path = folder / "daemon.toml"
+    path.write_text(f"# the daemon of fleet {config.name!r} (policy {config.policy!r})\n"
+                    + "".join(f"{k} = {json.dumps(v)}\n" for k, v in settings.items()))
+    return path
+
+
 def serve(config: FleetConfig, *, with_daemon: bool = False, host: str | None = None,
           port: int | None = None, log_dir: str | os.PathLike[str] | None = None) -> None:
     """Run the fleet until SIGTERM/SIGINT (see the module); raises :class:`FleetError`
@@ -209,7 +234,8 @@ def serve(config: FleetConfig, *, with_daemon: bool = False, host: str | None = 
                 daemon = launch.start_daemon(
                     run_dir, budget=d.budget, backend=d.backend, log=logs / "daemon.log",
                     page_size=None if d.page_size is None else int(d.page_size),
-                    new_session=True, die_with_parent=True)
+                    config=daemon_config(config, logs), new_session=True,
+                    die_with_parent=True)
             except launch.DaemonStartError as e:
                 raise FleetError(f"the fleet's daemon did not start: "
                                  f"{str(e).splitlines()[0]} (log {logs / 'daemon.log'})"
@@ -217,13 +243,14 @@ def serve(config: FleetConfig, *, with_daemon: bool = False, host: str | None = 
             say(f"fleet: started a daemon on run dir {run_dir} (log {logs / 'daemon.log'}); "
                 f"see it with `kvpool ps --run-dir {run_dir}`")
         supervisor, queues, metrics, client = build(config, run_dir, logs)
-        app = create_app(queues, supervisor, metrics, client,
-                         eager=[e.name for e in config.models if e.eager])
+        eager = list(dict.fromkeys(m.model for m in supervisor.all() if m.entry.eager))
+        app = create_app(queues, supervisor, metrics, client, eager=eager)
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on",
                                                timeout_graceful_shutdown=GRACE_S))
         bound = sock.getsockname()
         say(f"fleet: member logs in {logs}")
-        say(f"fleet: serving {len(config.models)} models on http://{host}:{bound[1]}")
+        say(f"fleet: serving {len(config.models)} models on http://{host}:{bound[1]} "
+            f"(policy {config.policy})")
         asyncio.run(server.serve(sockets=[sock]))
     except _Stop:
         pass

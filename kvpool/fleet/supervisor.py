@@ -27,6 +27,12 @@ a restart) is dropped (``version``). Every change of state sets the current
 member however many requests wait for it; the wake is measured
 (``kvpool_fleet_wake_seconds``). :meth:`close` stops every member (process groups,
 SIGTERM then SIGKILL) and the watch task; nothing the fleet started outlives it.
+
+The fleet's policy (:mod:`kvpool.fleet.policies`) is asked before every start of a
+member (:meth:`ensure_started`, the eager starts: ``may_start``), hears of every member
+whose last request ended (:meth:`released`), and runs as one task from :meth:`start` to
+:meth:`close`, acting through :meth:`unload` (the process group stopped: ``stopped``),
+:meth:`put_to_sleep` (``POST /sleep``: ``asleep``) and :meth:`poke`.
 """
 
 from __future__ import annotations
@@ -41,11 +47,14 @@ import httpx
 from kvpool.fleet.member import (ASLEEP, AWAKE, FAILED, HUNG, STARTING, STOPPED, WATCHED,
                                  Member, MemberState)
 from kvpool.fleet.metrics import FleetMetrics
+from kvpool.fleet.policies.base import PolicyRun
+from kvpool.fleet.policies.kvpool import NOTHING
 
 POLL_S = 0.5
 HUNG_AFTER_S = 30.0
 HUNG_RESTART_S = 120.0
 LOOK_TIMEOUT_S = 5.0  # one health or state look (a busy server on 2 cores answers slowly)
+SLEEP_TIMEOUT_S = 60.0  # a policy's POST /sleep (the server releases everything)
 WAKE_TIMEOUT_S = 330.0  # the server's own wake wait is 300 s (kvpool.engine_adapters.sleep_controller)
 
 
@@ -62,8 +71,10 @@ class Supervisor:
                  say: Callable[[str], None], poll_s: float = POLL_S,
                  control_headers: Mapping[str, str] | None = None,
                  hung_after_s: float = HUNG_AFTER_S,
-                 hung_restart_s: float = HUNG_RESTART_S) -> None:
+                 hung_restart_s: float = HUNG_RESTART_S,
+                 policy: PolicyRun = NOTHING) -> None:
         self.members = members
+        self.policy = policy  # the fleet policy's run (kvpool.fleet.policies)
         # sent with every wake: the bearer token of KVPOOL_CONTROL_TOKEN (members inherit it)
         self.control_headers = dict(control_headers or {})
         self.hung_after_s = hung_after_s
@@ -76,6 +87,7 @@ class Supervisor:
         self._changed = asyncio.Event()
         self._watch: asyncio.Task[None] | None = None
         self._eager: asyncio.Task[None] | None = None
+        self._policy: asyncio.Task[None] | None = None
         self._wakes: dict[tuple[str, int], asyncio.Task[None]] = {}
         self._versions: dict[tuple[str, int], int] = {}
         self.closed = False
@@ -88,6 +100,7 @@ class Supervisor:
         """Start the watch task and, one after another, the members of the ``eager``
         models (in the loop)."""
         self._watch = asyncio.create_task(self._watch_loop(), name="fleet-watch")
+        self._policy = asyncio.create_task(self._run_policy(), name="fleet-policy")
         if eager:
             self._eager = asyncio.create_task(self._start_in_turn(eager), name="fleet-eager")
 
@@ -100,7 +113,7 @@ class Supervisor:
             for m in self.members[model]:
                 if self.closed:
                     return
-                if m.startable(time.monotonic()):
+                if m.startable(time.monotonic()) and self.policy.may_start(m, self):
                     self._spawn(m)
                 while m.state == STARTING and not self.closed:
                     await self.wait_change(1.0)
@@ -108,20 +121,14 @@ class Supervisor:
     async def close(self) -> None:
         """Stop watching, then stop every member (at once, each on a thread)."""
         self.closed = True
-        if self._eager is not None:
-            self._eager.cancel()
-            try:
-                await self._eager
-            except asyncio.CancelledError:
-                pass
-            self._eager = None
-        if self._watch is not None:
-            self._watch.cancel()
-            try:
-                await self._watch
-            except asyncio.CancelledError:
-                pass
-            self._watch = None
+        for task in (self._eager, self._policy, self._watch):
+            if task is not None:
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
+        self._eager = self._policy = self._watch = None
         for task in self._wakes.values():
             task.cancel()
         await asyncio.gather(*(asyncio.to_thread(m.stop) for m in self.all()))
@@ -161,7 +168,7 @@ class Supervisor:
         """Start every replica of ``model`` that is stopped (or failed long enough ago)."""
         now = time.monotonic()
         for m in self.members[model]:
-            if m.startable(now) and not self.closed:
+            if m.startable(now) and not self.closed and self.policy.may_start(m, self):
                 self._spawn(m)
 
     def _spawn(self, m: Member) -> None:
@@ -178,6 +185,49 @@ class Supervisor:
         self.metrics.upstream_errors.labels(m.model, "start").inc()
         self.say(f"fleet: {m.tenant} failed to start: {why}")
         self.set_state(m, FAILED)
+
+    # ---- what a fleet policy does (kvpool.fleet.policies.base.Control) ------------------
+    async def _run_policy(self) -> None:
+        try:
+            await self.policy.run(self)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a policy's bug is one log line, never the fleet's end
+            self.say(f"fleet: the policy stopped: {type(e).__name__}: {e}")
+
+    def poke(self) -> None:
+        """Wake the waiters of :meth:`wait_change` without a change of state."""
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def released(self, m: Member) -> None:
+        """``m``'s last request in flight ended (the router's queue says so): the
+        policy hears of it (swap: a model that waits for an idle one looks again)."""
+        self.policy.released(m, self)
+
+    async def unload(self, m: Member, why: str) -> None:
+        """Stop ``m``'s server for the policy: ``stopped`` at once (nothing is routed
+        to it, the watch leaves it alone), back when its process group is gone."""
+        self.say(f"fleet: unloading {m.tenant}: {why}")
+        self.set_state(m, STOPPED)
+        await asyncio.to_thread(m.stop)
+
+    async def put_to_sleep(self, m: Member, why: str) -> bool:
+        """``POST /sleep`` to ``m`` for the policy; ``asleep`` once it answers 200."""
+        url = m.url
+        try:
+            reply = await self.client.post(f"{url}/sleep", timeout=SLEEP_TIMEOUT_S,
+                                           headers=self.control_headers)
+        except httpx.HTTPError as e:
+            self.say(f"fleet: {m.tenant} did not answer its sleep: {type(e).__name__}")
+            return False
+        if reply.status_code != 200:
+            self.say(f"fleet: {m.tenant} did not sleep ({why}): {_message(reply)}")
+            return False
+        if m.url == url and m.state == AWAKE:
+            self.set_state(m, ASLEEP)
+        self.say(f"fleet: put {m.tenant} to sleep: {why}")
+        return True
 
     # ---- watching ----------------------------------------------------------------------
     async def _watch_loop(self) -> None:

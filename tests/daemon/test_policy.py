@@ -1,7 +1,7 @@
 """Reclaim policies: every registered policy keeps the obligations the arbiter relies on
 (kvpool/daemon/policy.py), the priority policy splits by tiers of shares, the config picks
 one by name (an unknown name is one clear line), and the choice decides which tenant the
-arbiter asks to give back."""
+arbiter asks to give back (first_come: nobody; a grant takes free memory only)."""
 
 from __future__ import annotations
 
@@ -113,3 +113,29 @@ def test_the_policy_decides_whom_the_arbiter_asks_and_for_how_much(make_arb) -> 
                             batch.ask.pages if batch.ask else 0, prod.ask)
     assert outcomes == {"fair_share": (False, p.NO_MEMORY, 0, None),
                         "priority": (True, None, 10, None)}
+
+
+def test_first_come_takes_free_memory_only_and_asks_nobody(make_arb) -> None:
+    """16 pages: early holds 12, late 2, and late asks for 4 more (2 are free). Fair share
+    (8 each) lets late wait while early is asked to give back; first come (the fleet
+    baselines' daemon: no arbiter) refuses late at once and asks early for nothing."""
+    outcomes = {}
+    for policy in ("fair_share", "first_come"):
+        arb = make_arb(Config.from_dict({"budget": 16 * PAGE, "reclaim_policy": policy}))
+        early, ei = arb.tenant("early")
+        late, li = arb.tenant("late")
+        gid = {}
+        for t, i in ((early, ei), (late, li)):
+            gid[t.id] = arb.handle(i, p.CreateGroup(id=2, token=t.token, n_regions=1,
+                                                    capacity=16 * PAGE)).reply.group
+        assert arb.handle(ei, p.Grant(id=3, token=early.token, group=gid[early.id],
+                                      units=list(range(12)))).reply.ok
+        assert arb.handle(li, p.Grant(id=3, token=late.token, group=gid[late.id],
+                                      units=list(range(2)))).reply.ok
+        out = arb.handle(li, p.Grant(id=4, token=late.token, group=gid[late.id],
+                                     units=list(range(2, 6))))
+        arb.tick()
+        outcomes[policy] = (out.deferred, None if out.deferred else out.reply.code,
+                            early.ask is not None)
+    assert outcomes == {"fair_share": (True, None, True),
+                        "first_come": (False, p.NO_MEMORY, False)}
