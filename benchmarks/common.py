@@ -6,6 +6,7 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import statistics
 import sys
 import time
@@ -60,3 +61,32 @@ def write_result(name: str, payload: dict, out: str | None = None) -> Path:
     }
     path.write_text(json.dumps(doc, indent=2) + "\n")
     return path
+
+
+SMOLLM2_NAME = "SmolLM2-135M-Instruct"
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def smollm2(cache: Path) -> Path:
+    """The converted SmolLM2 folder under ``cache`` (converted now unless one made from the
+    same GGUF file is there); SystemExit when the package is missing."""
+    from kvpool.engine.gguf.convert import convert_gguf
+    from kvpool.engine.model.real_models import smollm2_gguf
+
+    located = smollm2_gguf()
+    if located.path is None:
+        raise SystemExit(f"SmolLM2 unavailable: {located.reason} (or give --model DIR)")
+    st = located.path.stat()
+    stamp = {"file": str(located.path), "size": st.st_size, "mtime": st.st_mtime}
+    out, stamp_file = cache / SMOLLM2_NAME, cache / f"{SMOLLM2_NAME}.source.json"
+    if out.is_dir() and stamp_file.is_file() and json.loads(stamp_file.read_text()) == stamp:
+        return out
+    shutil.rmtree(out, ignore_errors=True)
+    cache.mkdir(parents=True, exist_ok=True)
+    log(f"converting {located.path} into {out} ...")
+    convert_gguf(located.path, out)
+    stamp_file.write_text(json.dumps(stamp))
+    return out

@@ -32,9 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -46,7 +44,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from common import write_result  # noqa: E402
+from common import log, smollm2, write_result  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
@@ -55,37 +53,11 @@ from kvpool.demo.cluster import free_port  # noqa: E402
 
 PAGE = 2 << 20
 MIB = 1 << 20
-SMOLLM2_NAME = "SmolLM2-135M-Instruct"
 PROMPT = "The capital of France is"
 MAX_TOKENS = 8
 NAME = "smol"
 console = Console(width=160)
 
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-def smollm2(cache: Path) -> Path:
-    """The converted SmolLM2 folder under ``cache`` (converted now unless one made from the
-    same GGUF file is there); SystemExit when the package is missing."""
-    from kvpool.engine.gguf.convert import convert_gguf
-    from kvpool.engine.model.real_models import smollm2_gguf
-
-    located = smollm2_gguf()
-    if located.path is None:
-        raise SystemExit(f"SmolLM2 unavailable: {located.reason} (or give --model DIR)")
-    st = located.path.stat()
-    stamp = {"file": str(located.path), "size": st.st_size, "mtime": st.st_mtime}
-    out, stamp_file = cache / SMOLLM2_NAME, cache / f"{SMOLLM2_NAME}.source.json"
-    if out.is_dir() and stamp_file.is_file() and json.loads(stamp_file.read_text()) == stamp:
-        return out
-    shutil.rmtree(out, ignore_errors=True)
-    cache.mkdir(parents=True, exist_ok=True)
-    log(f"converting {located.path} into {out} ...")
-    convert_gguf(located.path, out)
-    stamp_file.write_text(json.dumps(stamp))
-    return out
 
 
 @contextlib.contextmanager

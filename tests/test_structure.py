@@ -24,13 +24,20 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGE = REPO / "kvpool"
-def _import_cycles():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("import_cycles",
-                                                  REPO / "scripts" / "import_cycles.py")
+
+
+def _script(name: str):  # type: ignore[no-untyped-def]
+    """scripts/NAME.py as a module (registered: dataclasses look their module up)."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def _import_cycles():  # type: ignore[no-untyped-def]
+    return _script("import_cycles")
 
 
 def test_no_import_circle() -> None:
@@ -53,13 +60,7 @@ def test_the_cycle_finder_finds_a_planted_circle() -> None:
 
 
 def _rules():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("structure_rules",
-                                                  REPO / "scripts" / "structure_rules.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["structure_rules"] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return _script("structure_rules")
 
 
 def test_structure_rules_hold() -> None:
@@ -298,12 +299,7 @@ def test_the_rules_script_fails_on_planted_violations(tmp_path: Path) -> None:
 
 
 def _layout():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("layout_tree",
-                                                  REPO / "scripts" / "layout_tree.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return _script("layout_tree")
 
 
 def test_the_architecture_layout_is_the_tree() -> None:
