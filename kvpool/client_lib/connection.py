@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import os
 import select
 import socket
@@ -39,7 +40,11 @@ from kvpool import fdchannel, paths
 from kvpool import protocol as p
 from kvpool.client_lib.errors import DaemonUnavailable, KvpoolError, ProtocolError, from_reply
 
+log = logging.getLogger("kvpool.client")
+
 SLICE_S = 0.1  # while waiting for a reply, look for the daemon's death this often
+MAX_HOLD_MS = 86_400_000  # a daemon's announced hold beyond a day is not believed
+MAX_ABANDONED = 1024  # grants given up on that are remembered (their late replies)
 R = TypeVar("R", bound=p.Reply)
 
 
@@ -81,6 +86,9 @@ class Connection:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._unsolicited: list[p.Reply] = []
+        # grants this client stopped waiting for (an explicit timeout, a hung daemon):
+        # should the daemon serve one after all, its units are given back (:meth:`_late`)
+        self._abandoned: dict[int, p.Grant] = {}
         # What wait_message() sleeps on without the lock: the socket's ZMQ_FD (read only,
         # never a socket operation) and a pipe that says "look": written when a call()
         # queues an unsolicited message or leaves input behind, and by wake().
@@ -172,6 +180,13 @@ class Connection:
         return sock
 
     # ---- requests -----------------------------------------------------------------
+    @property
+    def hold_ms(self) -> int:
+        """How long the daemon may hold a request waiting for reclaim (its hello)."""
+        if self.hello is None:
+            return 0
+        return min(max(self.hello.hold_ms, 0), MAX_HOLD_MS)
+
     @overload
     def call(self, req: p.Request, *, timeout_ms: int | None = None,
              fds_ahead: list[int] | None = None) -> tuple[p.Reply, list[int]]: ...
@@ -189,14 +204,25 @@ class Connection:
         Raises :class:`KvpoolError` for error replies and :class:`ProtocolError` for a
         reply of another type (after closing any fds). ``fds_ahead`` (an Adopt's pages)
         go on the fd channel first, headed by the request id; the caller keeps (and
-        closes) its descriptors."""
+        closes) its descriptors.
+
+        Without ``timeout_ms`` the wait is the connection's timeout plus the daemon's
+        :attr:`hold_ms` (a grant it holds for reclaim is answered by then: never given
+        up on while the daemon may still serve it). A grant given up on anyway is
+        remembered: if it is served after all, its pages go back (:meth:`_late`)."""
         req.token = self.token
         with self._lock:
             req.id = next(self._ids)
             if fds_ahead:
                 self._send_fds_ahead(req.id, fds_ahead)
             self.sock.send(p.encode(req), copy=True)
-            reply = self._wait(req.id, self.timeout_ms if timeout_ms is None else timeout_ms)
+            wait_ms = self.timeout_ms + self.hold_ms if timeout_ms is None else timeout_ms
+            try:
+                reply = self._wait(req.id, wait_ms)
+            except DaemonUnavailable:
+                if isinstance(req, p.Grant) and not self.daemon_gone:
+                    self._abandon(req)
+                raise
             fds: list[int] = []
             if isinstance(reply, p.Granted) and reply.nfds:
                 fds = self._recv_fds(reply.id, reply.nfds)
@@ -237,7 +263,34 @@ class Connection:
             if msg.id == 0:
                 self._unsolicited.append(msg)
                 self.wake()
-            # else: the late reply of a request that timed out; dropped
+            else:
+                self._late(msg)
+
+    def _abandon(self, req: p.Grant) -> None:
+        """(lock held) Remember a grant whose reply this client stopped waiting for."""
+        if len(self._abandoned) >= MAX_ABANDONED:
+            self._abandoned.pop(next(iter(self._abandoned)))
+        self._abandoned[req.id] = req
+
+    def _late(self, msg: p.Reply) -> None:
+        """(lock held) The reply of a request this client stopped waiting for. A grant
+        served after all is given back at once: its descriptors are closed and its
+        units released (the daemon would otherwise charge this tenant for pages it never
+        mapped, and refuse those units as already granted). Anything else is dropped."""
+        req = self._abandoned.pop(msg.id, None)
+        if req is None or not isinstance(msg, p.Granted):
+            return
+        try:
+            if msg.nfds and self.fdsock is not None:
+                fdchannel.close_all(self._recv_fds(msg.id, msg.nfds))
+        except (OSError, KvpoolError) as e:
+            log.warning("the descriptors of a late grant did not arrive: %s", e)
+        back = p.Release(group=msg.group, units=sorted(msg.units))
+        back.token = self.token
+        back.id = next(self._ids)  # its answer is a reply nobody waits for: dropped here
+        self.sock.send(p.encode(back), copy=True)
+        log.info("gave back %d unit(s) of group %d granted after the request timed out",
+                 len(msg.units), msg.group)
 
     def _check_eof(self) -> None:
         """Notice a dead daemon: its end of the fd channel reads EOF."""
@@ -336,6 +389,8 @@ class Connection:
                 msg = p.decode_reply(self.sock.recv())
                 if msg.id == 0:
                     self._unsolicited.append(msg)
+                else:
+                    self._late(msg)
             out, self._unsolicited = self._unsolicited, []
         return out
 

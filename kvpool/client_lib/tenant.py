@@ -143,8 +143,15 @@ class Tenant:
     def call(self, req: p.Request, expect: type[R]) -> tuple[R, list[int]]: ...
 
     def call(self, req: p.Request, expect: type[p.Reply] = p.Reply) -> tuple[p.Reply, list[int]]:
-        """One request on this session's connection (see :meth:`Connection.call`)."""
-        return self.conn.call(req, expect)
+        """One request on this session's connection (see :meth:`Connection.call`).
+
+        A grant waits at most this session's timeout, not the daemon's longer hold: the
+        connection carries one request at a time, and this session's thread must stay
+        able to answer the daemon's reclaims meanwhile (a held grant would block the
+        very shrink that could free its memory). A grant given up on that the daemon
+        serves later is given back by the connection."""
+        bounded = self.conn.timeout_ms if isinstance(req, p.Grant) else None
+        return self.conn.call(req, expect, timeout_ms=bounded)
 
     def region_group(self, n_regions: int, capacity_bytes: int, label: str = "",
                      chunk_units: int = 1) -> RegionGroup:

@@ -120,7 +120,8 @@ class FdSessions:
     def _hello(self, token: str, error: str = "") -> bytes:
         b = self.pool.backend
         return p.encode(p.FdHello(p.VERSION, token, b.name, b.device,
-                                  self.pool.page_size, error=error, devices=self.book.served))
+                                  self.pool.page_size, error=error, devices=self.book.served,
+                                  hold_ms=int(self.cfg.reclaim_timeout_s * 1000)))
 
     def open(self, conn: socket.socket) -> None:
         """A new fd-channel session: non-blocking from the start, hello sent at once (a
