@@ -45,7 +45,9 @@ from kvpool.fleet.engines import KINDS, MemberSpec
 from kvpool.fleet.member import Member
 from kvpool.fleet.metrics import FleetMetrics
 from kvpool.fleet.policies import FLEET_POLICIES, PolicyError, Setup
+from kvpool.fleet.endpoints_file import EndpointsFile, EndpointsFileError, advertised_address
 from kvpool.fleet.router import create_app
+from kvpool.fleet.router_protocol import FleetProtocol
 from kvpool.fleet.supervisor import Supervisor
 
 GRACE_S = 5  # open streams at shutdown
@@ -102,6 +104,7 @@ def build(config: FleetConfig, run_dir: Path, log_dir: Path,
     queues = {e.name: ModelQueue(e.name, members[e.name], supervisor, make_picker(e.routing),
                                  metrics, config.queue, config.start_timeout_s + QUEUE_SLACK_S)
               for e in entries}
+    metrics.registry.register(FleetProtocol(queues))  # the router's names, its own queue
     return supervisor, queues, metrics, client
 
 
@@ -202,9 +205,14 @@ def daemon_config(config: FleetConfig, folder: Path) -> Path | None:
 
 
 def serve(config: FleetConfig, *, with_daemon: bool = False, host: str | None = None,
-          port: int | None = None, log_dir: str | os.PathLike[str] | None = None) -> None:
+          port: int | None = None, log_dir: str | os.PathLike[str] | None = None,
+          endpoints_file: str | os.PathLike[str] | None = None,
+          endpoints_address: str | None = None,
+          endpoints_namespace: str = "default") -> None:
     """Run the fleet until SIGTERM/SIGINT (see the module); raises :class:`FleetError`
-    (one line) when it cannot start."""
+    (one line) when it cannot start. ``endpoints_file``: keep a router's file-discovery
+    list of this fleet's endpoints there (:mod:`kvpool.fleet.endpoints_file`; its
+    address ``endpoints_address``, by default the one the fleet listens on)."""
     import uvicorn
 
     host = host or config.host
@@ -244,10 +252,20 @@ def serve(config: FleetConfig, *, with_daemon: bool = False, host: str | None = 
                 f"see it with `kvpool ps --run-dir {run_dir}`")
         supervisor, queues, metrics, client = build(config, run_dir, logs)
         eager = list(dict.fromkeys(m.model for m in supervisor.all() if m.entry.eager))
-        app = create_app(queues, supervisor, metrics, client, eager=eager)
+        bound = sock.getsockname()
+        endpoints = None
+        if endpoints_file is not None:
+            endpoints = EndpointsFile(Path(endpoints_file), config.name,
+                                      advertised_address(host, endpoints_address),
+                                      int(bound[1]), endpoints_namespace)
+            try:  # a path it cannot write is one line before anything starts
+                endpoints.update({name: "stopped" for name in queues})
+            except EndpointsFileError as e:
+                raise FleetError(str(e)) from None
+        app = create_app(queues, supervisor, metrics, client, eager=eager,
+                         endpoints=endpoints)
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on",
                                                timeout_graceful_shutdown=GRACE_S))
-        bound = sock.getsockname()
         say(f"fleet: member logs in {logs}")
         say(f"fleet: serving {len(config.models)} models on http://{host}:{bound[1]} "
             f"(policy {config.policy})")
