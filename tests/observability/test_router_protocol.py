@@ -15,8 +15,9 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from daemon.helpers import wait_for
+from engine.conftest import tiny_dir  # noqa: F401  (the tiny model fixture)
 from kvpool.client_lib import connect
-from kvpool.engine.serving.metrics import MemoryView, finite, kv_usage
+from kvpool.engine.serving.metrics import EngineMetrics, MemoryView, finite, kv_usage
 
 
 NAME = "m1"
@@ -89,6 +90,27 @@ def test_values_stay_finite_at_the_edges() -> None:
     for bad in (math.nan, math.inf, -math.inf, -1.0):
         assert finite(bad) == 0.0
     assert MemoryView(held=0, grantable=0).scalars == {}
+
+
+def test_a_failing_memory_source_leaves_the_static_meaning(tiny_dir) -> None:  # noqa: F811
+    from kvpool.engine import LLM
+    from kvpool.engine.serving.async_engine import AsyncEngine
+
+    class Gone:
+        def memory_view(self) -> MemoryView | None:
+            raise RuntimeError("the adapter's tenant is closed")
+
+    llm = LLM(str(tiny_dir), num_kv_blocks=16, served_model_name=NAME)
+    try:
+        text = EngineMetrics(AsyncEngine(llm.engine), Gone()).render().decode()
+        m = {(s.name, tuple(sorted(s.labels.items()))): s.value
+             for fam in text_string_to_metric_families(text) for s in fam.samples}
+        total = llm.engine.stats()["kv_blocks"]["total"]
+        assert config_blocks(m) == one(m, "kvpool:kv_blocks_held", model_name=NAME) == total
+        assert one(m, "kvpool:kv_blocks_grantable", model_name=NAME) == 0
+        assert not [k for k in m if k[0] == "kvpool:headroom_bytes"]  # elastic only
+    finally:
+        llm.engine.close()
 
 
 def test_a_server_speaks_the_routers_protocol_with_elastic_meanings(start_daemon, tmp_path

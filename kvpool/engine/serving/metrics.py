@@ -53,6 +53,7 @@ Everything is read at scrape time under the engine's lock (the step thread's loc
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 from collections.abc import Iterator, Mapping
@@ -65,6 +66,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 if TYPE_CHECKING:
     from kvpool.engine.serving.async_engine import AsyncEngine
 
+log = logging.getLogger(__name__)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -136,7 +138,12 @@ class EngineMetrics:
     def render(self) -> bytes:
         with self._render_lock:
             self._catch_up()
-            self.view = self.memory.memory_view() if self.memory is not None else None
+            self.view = None
+            if self.memory is not None:
+                try:  # an adapter's failure leaves the static meaning, never a 500
+                    self.view = self.memory.memory_view()
+                except Exception as e:
+                    log.debug("memory view: %s: %s", type(e).__name__, e)
             return generate_latest(self.registry)
 
     def _catch_up(self) -> None:
