@@ -232,7 +232,17 @@ def serve(config: FleetConfig, *, with_daemon: bool = False, host: str | None = 
     daemon: launch.DaemonProcess | None = None
     supervisor: Supervisor | None = None
     own_run_dir = False
+    bound = sock.getsockname()
+    endpoints: EndpointsFile | None = None
     try:
+        if endpoints_file is not None:
+            endpoints = EndpointsFile(Path(endpoints_file), config.name,
+                                      advertised_address(host, endpoints_address),
+                                      int(bound[1]), endpoints_namespace)
+            try:  # a path it cannot write is one line before anything starts
+                endpoints.update({e.name: "stopped" for e in config.models})
+            except EndpointsFileError as e:
+                raise FleetError(str(e)) from None
         if with_daemon:
             sweep()
             run_dir = new_run_dir()
@@ -252,16 +262,6 @@ def serve(config: FleetConfig, *, with_daemon: bool = False, host: str | None = 
                 f"see it with `kvpool ps --run-dir {run_dir}`")
         supervisor, queues, metrics, client = build(config, run_dir, logs)
         eager = list(dict.fromkeys(m.model for m in supervisor.all() if m.entry.eager))
-        bound = sock.getsockname()
-        endpoints = None
-        if endpoints_file is not None:
-            endpoints = EndpointsFile(Path(endpoints_file), config.name,
-                                      advertised_address(host, endpoints_address),
-                                      int(bound[1]), endpoints_namespace)
-            try:  # a path it cannot write is one line before anything starts
-                endpoints.update({name: "stopped" for name in queues})
-            except EndpointsFileError as e:
-                raise FleetError(str(e)) from None
         app = create_app(queues, supervisor, metrics, client, eager=eager,
                          endpoints=endpoints)
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on",
@@ -280,5 +280,10 @@ def serve(config: FleetConfig, *, with_daemon: bool = False, host: str | None = 
             daemon.stop()
         if own_run_dir:  # (also when its daemon did not start)
             shutil.rmtree(run_dir, ignore_errors=True)
+        if endpoints is not None:  # (the lifespan emptied it, unless it never ran)
+            try:
+                endpoints.close()
+            except EndpointsFileError:
+                pass
         for s, handler in previous.items():
             signal.signal(s, handler)

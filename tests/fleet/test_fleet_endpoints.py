@@ -159,3 +159,20 @@ def test_a_stopped_fleet_leaves_no_endpoint(fleet) -> None:
     fl, path, _ = fleet
     assert fl.stop() == 0
     assert yaml.safe_load(path.read_text())["endpoints"] == []
+
+
+def test_an_endpoints_file_it_cannot_write_is_one_line_before_anything_starts(tmp_path) -> None:
+    from kvpool.engine.model.tiny import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "tiny", layers=2, hidden=128, heads=4, kv_heads=2,
+                            vocab=512, seed=1)
+    toml = fleet_file(tmp_path / "ep.toml", free_port(), [entry("m", model, True)])
+    target = tmp_path / "no-such-folder" / "endpoints.yaml"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}
+    out = subprocess.run([*TOP, "fleet", str(toml), "--with-daemon", "--log-dir",
+                          str(tmp_path / "logs"), "--endpoints-file", str(target)],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "cannot write the endpoints file" in lines[0], out.stderr
+    assert "Traceback" not in out.stderr  # (and no "started a daemon" line before it)
