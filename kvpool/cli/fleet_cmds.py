@@ -27,8 +27,17 @@ def register(cli: click.Group) -> None:
     @click.option("--log-dir", default=None, type=click.Path(file_okay=False),
                   help="where the members' (and daemon's) logs go [default: a new folder "
                   "under the temp dir]")
+    @click.option("--endpoints-file", default=None, type=click.Path(dir_okay=False),
+                  help="keep a cluster router's file-discovery list of this fleet's "
+                  "endpoints (endpoints.yaml: one per model, with its state) at this path")
+    @click.option("--endpoints-address", default=None, help="the address routers reach the "
+                  "fleet at, for --endpoints-file [default: --host, or this machine's "
+                  "address when it listens on all]")
+    @click.option("--endpoints-namespace", default="default", show_default=True,
+                  help="the namespace of the entries of --endpoints-file")
     def fleet(fleet_file: str, with_daemon: bool, host: str | None, port: int | None,
-              log_dir: str | None) -> None:
+              log_dir: str | None, endpoints_file: str | None,
+              endpoints_address: str | None, endpoints_namespace: str) -> None:
         """Serve every model of FLEET.toml on one OpenAI-compatible endpoint: each a
         sleepable tenant of the daemon, started on its first request (or at start),
         put to sleep when idle or when memory is short, woken by a request."""
@@ -44,6 +53,8 @@ def register(cli: click.Group) -> None:
         from kvpool.fleet.service import FleetError, serve
 
         try:
-            serve(config, with_daemon=with_daemon, host=host, port=port, log_dir=log_dir)
+            serve(config, with_daemon=with_daemon, host=host, port=port, log_dir=log_dir,
+                  endpoints_file=endpoints_file, endpoints_address=endpoints_address,
+                  endpoints_namespace=endpoints_namespace)
         except FleetError as e:
             raise click.ClickException(str(e)) from None

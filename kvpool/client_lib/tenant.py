@@ -396,6 +396,11 @@ class Tenant:
     def ping(self) -> None:
         self.conn.call(p.Ping(), p.Done)
 
+    def room(self) -> p.RoomReply:
+        """What the daemon would grant this session at once and its knobs (``Room``);
+        waits behind a call of another thread on this connection (one lock)."""
+        return self.conn.call(p.Room(), p.RoomReply)[0]
+
     def locate(self, name: str, as_giver: bool = False) -> p.Located:
         """The live tenant ``name`` (pid, uid, endpoint), if it may hand pages to this
         one — with ``as_giver``: if this one may hand pages to it — (kvpool.daemon.locate);

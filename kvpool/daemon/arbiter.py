@@ -147,6 +147,7 @@ class Arbiter:
             p.WeightDetach: self.weights.detach,
             p.SleepTenant: self.sleep.sleep_tenant,
             p.TenantState: lambda t, s, r: self.sleep.tenant_state(t, s, r, time.monotonic()),
+            p.Room: lambda t, s, r: g.room(t, self.sleep.record(t).state, r),
         }
 
     def _register(self, t: TenantRecord, sender: Sender, r: p.Register) -> p.Reply:

@@ -204,6 +204,31 @@ class Grants:
         self.reclaimer.answered(t, r.seq, time.monotonic())
         return p.Done(id=r.id)
 
+    # ---- room -------------------------------------------------------------------------
+    def headroom(self, t: TenantRecord) -> int:
+        """Pages a grant of ``t`` would get at once (:meth:`fits`'s first case, with
+        :meth:`admit`'s cap): none during recovery, for a memory-less session, or past
+        either bound. Read-only (unlike ``admit``, settles nothing)."""
+        if self.recovery.active or t.kind in NO_MEMORY_KINDS:
+            return 0
+        kept = self.pool.charged(t.id, t.payer)
+        under_cap = t.cap_pages - (t.held + t.weight_pages + t.waiting_pages + kept)
+        free = self.pool.available - self.reclaimer.waiting_pages
+        return max(0, min(under_cap, free))
+
+    def room(self, t: TenantRecord, state: p.ShownState, r: p.Room) -> p.RoomReply:
+        """``Room``: :meth:`headroom` and what a server's metrics show beside it, in
+        bytes (clamped to the wire's bounds: never negative)."""
+        ps, pool = self.page_size, self.pool
+
+        def b(pages: int) -> int:
+            return min(max(0, pages) * ps, p.MAX_BYTES)
+
+        return p.RoomReply(id=r.id, headroom=b(self.headroom(t)), granted=b(t.held),
+                           weights=b(t.weight_pages), min=b(t.min_pages),
+                           max=b(t.max_pages), pool_free=b(pool.available),
+                           pool_budget=b(pool.budget_pages), state=state)
+
     # ---- leases ---------------------------------------------------------------------
     def lease(self, t: TenantRecord, sender: Sender, r: p.Lease) -> p.Reply | Outcome:
         require_holder(t, "lease")

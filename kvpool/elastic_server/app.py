@@ -36,6 +36,7 @@ from kvpool.elastic_server import relay_auth
 from kvpool.elastic_server import retire_auth
 from kvpool.elastic_server import warm_relay
 from kvpool.engine_adapters.bundled.bridge import BundledBridge
+from kvpool.engine_adapters.bundled.memory_view import ElasticMemory
 from kvpool.elastic_server.warm_engine import RetiringEngine
 
 log = logging.getLogger("kvpool.warm")
@@ -125,7 +126,8 @@ def serve_elastic(bridge: BundledBridge, host: str = "127.0.0.1", port: int = 80
             raise
     controller = engine_sleep.attach(engine)
     aengine = RetiringEngine(engine, adopted=list(engine.requests), gate=controller)
-    app = create_app(aengine)
+    # /metrics: KV use over what it holds plus what the daemon would grant at once
+    app = create_app(aengine, memory=ElasticMemory(engine, bridge))
     add_routes(app, aengine, relay_auth.RelayAuth(engine, giver))
     if controller is not None:
         sleep_routes.add_routes(app, controller, gate)

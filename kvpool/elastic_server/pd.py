@@ -245,6 +245,7 @@ def serve_role(config: EngineConfig, role: str, host: str = "127.0.0.1", port: i
 
     from kvpool.engine.engine import Engine
     from kvpool.engine.serving.server import create_app
+    from kvpool.engine_adapters.bundled.memory_view import ElasticMemory
 
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, not {role!r}")
@@ -257,7 +258,7 @@ def serve_role(config: EngineConfig, role: str, host: str = "127.0.0.1", port: i
                                              f"{tenant_base(config)}-decode")
     else:
         aengine = DecodeEngine(engine, prefill_url or "")
-    app = create_app(aengine)
+    app = create_app(aengine, memory=ElasticMemory(engine, bridge))  # (elastic /metrics)
     if isinstance(aengine, PrefillEngine):
         pe = aengine
 

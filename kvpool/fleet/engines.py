@@ -82,6 +82,9 @@ class ServerKind(Protocol):
     ``POST /wake_up`` wakes the server (200 once awake)."""
 
     state_path: str
+    #: where its KV figures are read (``GET``, JSON for
+    #: :func:`~kvpool.fleet.router_protocol.member_kv`) after each state look; None: none
+    stats_path: str | None
     #: flags of the server's command line the fleet sets from the entry's keys (a fleet
     #: file's ``args`` may not give them)
     reserved_args: tuple[str, ...]
@@ -111,6 +114,7 @@ class Bundled:
     """``kvpool serve --elastic`` (:mod:`kvpool.engine_adapters.bundled`)."""
 
     state_path = "/kvpool/sleep"
+    stats_path: str | None = "/v1/stats"
     reserved_args: tuple[str, ...] = ("--host", "--port", "--served-model-name", "--elastic", "--sleepable",
                      "--sleep-after", "--weights", "--kv-cache-size", "--max-num-seqs",
                      "--pd", "--role")
@@ -149,6 +153,7 @@ class Vllm:
     """vLLM's OpenAI server with the kvpool plugin (:mod:`kvpool.engine_adapters.vllm`)."""
 
     state_path = "/is_sleeping"
+    stats_path: str | None = None  # (its KV use is vLLM's own /metrics')
     reserved_args: tuple[str, ...] = ("--host", "--port", "--model", "--served-model-name", "--max-num-seqs")
 
     def launch(self, member: MemberSpec, port: int) -> Launch:

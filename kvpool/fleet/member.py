@@ -26,6 +26,7 @@ from typing import Final, Literal
 from kvpool import launch
 from kvpool.fleet.balance import ReplicaLoad
 from kvpool.fleet.engines import MemberSpec, ServerKind
+from kvpool.fleet.router_protocol import MemberKV
 
 MemberState = Literal["stopped", "starting", "awake", "asleep", "hung", "failed"]  # (above)
 STOPPED: Final = "stopped"
@@ -75,6 +76,7 @@ class Member:
         self.sleeps_seen: dict[str, int] = {}
         self.wakes_seen = 0
         self.counts_wakes = False  # the server counts its wakes (its last look said)
+        self.kv: MemberKV | None = None  # its KV as its server last said (stats_path)
 
     @property
     def ready(self) -> bool:
@@ -104,6 +106,7 @@ class Member:
         self.started_at = self.answered_at = time.monotonic()
         self.starts += 1
         self.sleeps_seen, self.wakes_seen = {}, 0
+        self.kv = None
 
     def exit_code(self) -> int | None:
         """The process's exit status once it has exited (None: running, or none)."""

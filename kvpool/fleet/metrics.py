@@ -23,6 +23,9 @@ Names (docs/ARCHITECTURE.md, "Fleet"; the Grafana row reads them):
 * ``kvpool_fleet_replica_up{model,replica,state}``: 1 for the replica's current state;
 * ``kvpool_fleet_routed_total{model,replica,reason}``: which replica a request went to
   and why (``only``: one could take it; ``load``: the picker chose by load).
+
+A cluster router's names (``vllm:num_requests_waiting`` ..., one series per model) are
+collected into the same registry by :class:`~kvpool.fleet.router_protocol.FleetProtocol`.
 """
 
 from __future__ import annotations

@@ -18,14 +18,17 @@ Routes:
   its ``replicas`` (``index``, ``state``, ``url``: the loopback address of its server,
   null when it has none).
 * ``GET /health``: 200 ``{"status": "ok", "models": {name: state}}`` while the fleet serves.
-* ``GET /metrics``: Prometheus text (:mod:`kvpool.fleet.metrics`).
+* ``GET /metrics``: Prometheus text (:mod:`kvpool.fleet.metrics`), with the router's
+  model-server protocol for the fleet's own queue (:mod:`kvpool.fleet.router_protocol`).
 
-The app's lifespan starts the supervisor (eager members, the watch) and, at shutdown,
-stops every member and closes the upstream client.
+The app's lifespan starts the supervisor (eager members, the watch) and the task that
+keeps the endpoints file current (when asked for) and, at shutdown, stops every member,
+closes the upstream client and empties the endpoints file.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -39,6 +42,7 @@ from fastapi.responses import JSONResponse, Response
 from kvpool.fleet import proxy
 from kvpool.fleet.admission import ModelQueue, QueueFull, Unavailable
 from kvpool.fleet.balance import prompt_of
+from kvpool.fleet.endpoints_file import EndpointsFile, EndpointsFileError
 from kvpool.fleet.member import (ASLEEP, AWAKE, FAILED, HUNG, STARTING, STOPPED, Member,
                                  MemberState)
 from kvpool.fleet.metrics import CONTENT_TYPE, UNKNOWN, FleetMetrics
@@ -61,18 +65,44 @@ def model_state(members: Sequence[Member]) -> MemberState:
 
 def create_app(queues: Mapping[str, ModelQueue], supervisor: Supervisor,
                metrics: FleetMetrics, client: httpx.AsyncClient,
-               eager: Sequence[str] = ()) -> FastAPI:
-    """The fleet's app over ``queues`` (one per model, in the fleet file's order)."""
+               eager: Sequence[str] = (), endpoints: EndpointsFile | None = None) -> FastAPI:
+    """The fleet's app over ``queues`` (one per model, in the fleet file's order);
+    ``endpoints``: the endpoints file it keeps current (:mod:`kvpool.fleet.endpoints_file`)."""
     created = int(time.time())
+
+    def states() -> dict[str, str]:
+        return {name: model_state(q.members) for name, q in queues.items()}
+
+    async def keep_endpoints(file: EndpointsFile) -> None:
+        """Rewrite the file at every change of a member's state (and each poll)."""
+        said = ""
+        while True:
+            try:
+                file.update(states())
+                said = ""
+            except EndpointsFileError as e:
+                if str(e) != said:  # once per new problem, not every poll
+                    said = str(e)
+                    supervisor.say(f"fleet: {e}")
+            await supervisor.wait_change(supervisor.poll_s)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         supervisor.start(eager)
+        keeper = None if endpoints is None else asyncio.create_task(
+            keep_endpoints(endpoints), name="fleet-endpoints")
         try:
             yield
         finally:
+            if keeper is not None:
+                keeper.cancel()
             await supervisor.close()
             await client.aclose()
+            if endpoints is not None:
+                try:
+                    endpoints.close()  # no endpoint left
+                except EndpointsFileError as e:
+                    supervisor.say(f"fleet: {e}")
 
     app = FastAPI(title="kvpool fleet", lifespan=lifespan)
 

@@ -45,7 +45,9 @@ from kvpool.fleet.engines import KINDS, MemberSpec
 from kvpool.fleet.member import Member
 from kvpool.fleet.metrics import FleetMetrics
 from kvpool.fleet.policies import FLEET_POLICIES, PolicyError, Setup
+from kvpool.fleet.endpoints_file import EndpointsFile, EndpointsFileError, advertised_address
 from kvpool.fleet.router import create_app
+from kvpool.fleet.router_protocol import FleetProtocol
 from kvpool.fleet.supervisor import Supervisor
 
 GRACE_S = 5  # open streams at shutdown
@@ -102,6 +104,7 @@ def build(config: FleetConfig, run_dir: Path, log_dir: Path,
     queues = {e.name: ModelQueue(e.name, members[e.name], supervisor, make_picker(e.routing),
                                  metrics, config.queue, config.start_timeout_s + QUEUE_SLACK_S)
               for e in entries}
+    metrics.registry.register(FleetProtocol(queues))  # the router's names, its own queue
     return supervisor, queues, metrics, client
 
 
@@ -202,9 +205,14 @@ def daemon_config(config: FleetConfig, folder: Path) -> Path | None:
 
 
 def serve(config: FleetConfig, *, with_daemon: bool = False, host: str | None = None,
-          port: int | None = None, log_dir: str | os.PathLike[str] | None = None) -> None:
+          port: int | None = None, log_dir: str | os.PathLike[str] | None = None,
+          endpoints_file: str | os.PathLike[str] | None = None,
+          endpoints_address: str | None = None,
+          endpoints_namespace: str = "default") -> None:
     """Run the fleet until SIGTERM/SIGINT (see the module); raises :class:`FleetError`
-    (one line) when it cannot start."""
+    (one line) when it cannot start. ``endpoints_file``: keep a router's file-discovery
+    list of this fleet's endpoints there (:mod:`kvpool.fleet.endpoints_file`; its
+    address ``endpoints_address``, by default the one the fleet listens on)."""
     import uvicorn
 
     host = host or config.host
@@ -224,7 +232,17 @@ def serve(config: FleetConfig, *, with_daemon: bool = False, host: str | None = 
     daemon: launch.DaemonProcess | None = None
     supervisor: Supervisor | None = None
     own_run_dir = False
+    bound = sock.getsockname()
+    endpoints: EndpointsFile | None = None
     try:
+        if endpoints_file is not None:
+            endpoints = EndpointsFile(Path(endpoints_file), config.name,
+                                      advertised_address(host, endpoints_address),
+                                      int(bound[1]), endpoints_namespace)
+            try:  # a path it cannot write is one line before anything starts
+                endpoints.update({e.name: "stopped" for e in config.models})
+            except EndpointsFileError as e:
+                raise FleetError(str(e)) from None
         if with_daemon:
             sweep()
             run_dir = new_run_dir()
@@ -244,10 +262,10 @@ def serve(config: FleetConfig, *, with_daemon: bool = False, host: str | None = 
                 f"see it with `kvpool ps --run-dir {run_dir}`")
         supervisor, queues, metrics, client = build(config, run_dir, logs)
         eager = list(dict.fromkeys(m.model for m in supervisor.all() if m.entry.eager))
-        app = create_app(queues, supervisor, metrics, client, eager=eager)
+        app = create_app(queues, supervisor, metrics, client, eager=eager,
+                         endpoints=endpoints)
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on",
                                                timeout_graceful_shutdown=GRACE_S))
-        bound = sock.getsockname()
         say(f"fleet: member logs in {logs}")
         say(f"fleet: serving {len(config.models)} models on http://{host}:{bound[1]} "
             f"(policy {config.policy})")
@@ -262,5 +280,10 @@ def serve(config: FleetConfig, *, with_daemon: bool = False, host: str | None = 
             daemon.stop()
         if own_run_dir:  # (also when its daemon did not start)
             shutil.rmtree(run_dir, ignore_errors=True)
+        if endpoints is not None:  # (the lifespan emptied it, unless it never ran)
+            try:
+                endpoints.close()
+            except EndpointsFileError:
+                pass
         for s, handler in previous.items():
             signal.signal(s, handler)

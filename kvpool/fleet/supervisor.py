@@ -7,7 +7,8 @@ One watch task looks at every member each ``poll_s`` (all looks at once):
   with the end of its log; ``kvpool_fleet_upstream_errors_total{kind="start"}``);
 * ``awake``/``asleep``/``hung``: a process that exited is started again at once (one
   log line, ``kvpool_fleet_restarts_total``); else its sleep state is read (``GET`` the
-  kind's ``state_path``, ``LOOK_TIMEOUT_S``). Sleeps are counted by cause from the
+  kind's ``state_path``, ``LOOK_TIMEOUT_S``), then its KV figures when the kind has a
+  ``stats_path`` (``Member.kv``, for :mod:`kvpool.fleet.router_protocol`). Sleeps are counted by cause from the
   server's own counters when it keeps them (bundled); otherwise an ``awake -> asleep``
   change counts as ``idle`` when the model has ``sleep_after`` and the router sent it
   nothing for that long, else as ``pressure`` (an operator's sleep of such a server is
@@ -47,6 +48,7 @@ import httpx
 from kvpool.fleet.member import (ASLEEP, AWAKE, FAILED, HUNG, STARTING, STOPPED, WATCHED,
                                  Member, MemberState)
 from kvpool.fleet.metrics import FleetMetrics
+from kvpool.fleet.router_protocol import member_kv
 from kvpool.fleet.policies.base import PolicyRun
 from kvpool.fleet.policies.kvpool import NOTHING
 
@@ -294,6 +296,22 @@ class Supervisor:
             return
         self._count(m, observed.asleep, observed.sleeps, observed.wakes)
         self.set_state(m, ASLEEP if observed.asleep else AWAKE)
+        await self._look_kv(m, self._version(m))  # (set_state moved the version on)
+
+    async def _look_kv(self, m: Member, version: int) -> None:
+        """Its KV figures (the kind's ``stats_path``) for the fleet's router protocol
+        (:mod:`kvpool.fleet.router_protocol`); unknown (None) when it does not answer
+        them or answers something else."""
+        path = m.kind.stats_path
+        if path is None:
+            return
+        try:
+            reply = await self.client.get(f"{m.url}{path}", timeout=LOOK_TIMEOUT_S)
+            kv = member_kv(reply.json()) if reply.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            kv = None
+        if self._version(m) == version:
+            m.kv = kv
 
     async def _silent(self, m: Member) -> None:
         """A look ``m`` did not answer: hung after ``hung_after_s`` of silence, killed and

@@ -60,14 +60,14 @@ from kvpool.protocol.requests import (
     Check, EVENTS_LIMIT, Events, REQUESTS, AnyRequest, MONITOR_OPS, ADMIN_OPS,
     TicketId, MAX_TTL_MS, Offer, Claim, Cancel, Locate, WeightKey, WeightCreate,
     WeightSeal, WeightAttach, WeightDetach, SLEEP_REASONS, SLEEP_STATES, SleepTenant, TenantState,
-    SESSION_OPS, GangGroup, Layout, CreateGang, SaidState, SleepReason,
+    SESSION_OPS, GangGroup, Layout, CreateGang, SaidState, SleepReason, Room,
 )
 from kvpool.protocol.replies import (
     Reply, Error, Registered, GroupCreated, Granted, Done, TenantInfo, PoolInfo, Run,
     GroupInfo, PsReply, StatsReply, MapReply, CheckReply, Reclaim, LimitSet, Leased,
     Adopted, EventInfo, EventsReply, REPLIES, AnyReply, SETTLED_STATES, Offered, Claimed,
     Settled, Located, WeightGranted, SleepAsked, SleepAsk, GangCreated, GangEnded,
-    SessionKind, ShownState, ReclaimMode, WeightSetState, SettledState,
+    SessionKind, ShownState, ReclaimMode, WeightSetState, SettledState, RoomReply,
 )
 from kvpool.protocol.endpoint import MAX_ENDPOINT, Endpoint
 from kvpool.protocol.fd import (
@@ -100,5 +100,5 @@ __all__ = [
     "MAX_GANG_GROUPS", "MAX_DEVICE", "MAX_SHARES", "GangToken", "Device", "Rank",
     "GangGroup", "Layout", "CreateGang", "GangCreated", "GangEnded", "SaidState",
     "SleepReason", "SessionKind", "ShownState", "ReclaimMode", "WeightSetState",
-    "SettledState",
+    "SettledState", "Room", "RoomReply",
 ]

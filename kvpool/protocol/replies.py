@@ -7,7 +7,7 @@ from typing import Any, Literal, Optional, Union, get_args
 
 from msgspec import Struct
 
-from kvpool.protocol.bounds import INTERNAL, Kind
+from kvpool.protocol.bounds import INTERNAL, Bytes, Kind
 from kvpool.protocol.requests import SaidState
 
 SessionKind = Literal[Kind, ""]  # a session's kind (Register.kind); "": not registered yet
@@ -350,9 +350,29 @@ class SleepAsk(Reply, tag="sleep_ask"):
     seq: int = 0
 
 
+class RoomReply(Reply, tag="room"):
+    """The answer to ``Room``, about the asking session, in bytes. ``headroom``: what a
+    grant of it would get at once (no reclaim, no wait): the least of the room under its
+    cap (its max, or its min while unresponsive, less what it holds, waits for and is
+    charged) and the pool's free memory not owed to waiting requests; 0 during
+    recovery. ``granted``: what it holds (tables and lease); ``weights``: of the weight
+    sets it holds; ``pool_free``: what any grant could get now (before waiters);
+    ``state``: what it said (``ps``'s state). Every field is validated on decode like
+    any reply (non-negative, bounded)."""
+
+    headroom: Bytes = 0
+    granted: Bytes = 0
+    weights: Bytes = 0
+    min: Bytes = 0
+    max: Bytes = 0
+    pool_free: Bytes = 0
+    pool_budget: Bytes = 0
+    state: ShownState = "awake"
+
+
 REPLIES = (
     Error, Registered, GroupCreated, Granted, Done, PsReply, StatsReply, MapReply,
     CheckReply, Reclaim, LimitSet, Leased, Adopted, EventsReply, Offered, Claimed, Settled,
-    Located, WeightGranted, SleepAsked, SleepAsk, GangCreated, GangEnded,
+    Located, WeightGranted, SleepAsked, SleepAsk, GangCreated, GangEnded, RoomReply,
 )
 AnyReply = Union[REPLIES]  # type: ignore[valid-type]  # built from the tuple for msgspec

@@ -350,11 +350,17 @@ class TenantState(Request, tag="tenant_state"):
     reason: Optional[SleepReason] = None
 
 
+class Room(Request, tag="room"):
+    """What this session could be granted at once, and its knobs and the pool's free
+    memory, answered ``RoomReply`` (kvpool.daemon.grants ``Grants.room``). Read-only and
+    cheap (no page moves, no waiting): a server asks it when scraped for its metrics."""
+
+
 REQUESTS = (
     Register, CreateGroup, DestroyGroup, Grant, Release, Report, Bye, Ping,
     Ps, Stats, MapReq, SetLimit, Check, Lease, Reclaimed, Adopt, Shutdown, Events,
     Offer, Claim, Cancel, Locate, WeightCreate, WeightSeal, WeightAttach, WeightDetach,
-    SleepTenant, TenantState, CreateGang,
+    SleepTenant, TenantState, CreateGang, Room,
 )
 AnyRequest = Union[REQUESTS]  # type: ignore[valid-type]  # built from the tuple for msgspec
 MONITOR_OPS = frozenset({"ps", "stats", "map", "ping", "check", "events"})

@@ -28,7 +28,7 @@ SINK_PAGES = 400  # more fd messages than a socket buffer holds
 TENANT_OPS = ["grant", "release", "report", "create_group", "destroy_group", "bye",
               "lease", "reclaimed", "adopt", "offer", "claim", "cancel", "locate",
               "weight_create", "weight_seal", "weight_attach", "weight_detach",
-              "tenant_state", "create_gang"]
+              "tenant_state", "create_gang", "room"]
 ALL_OPS = ["register", *TENANT_OPS, "ping", "ps", "stats", "map", "set_limit", "check", "events",
            "shutdown", "sleep_tenant"]
 assert sorted(ALL_OPS) == sorted(t.__struct_config__.tag for t in p.REQUESTS)  # all covered
@@ -227,7 +227,7 @@ def hostile(env: Env):
                   "weight_create": {"key": "ab" * 32, "nbytes": PAGE},
                   "weight_seal": {"key": "ab" * 32}, "weight_attach": {"key": "ab" * 32},
                   "weight_detach": {"key": "ab" * 32},
-                  "tenant_state": {"state": "idle"},
+                  "tenant_state": {"state": "idle"}, "room": {},
                   "create_gang": {"devices": [0, 1], "layout": [{"n_regions": 1,
                                                                  "capacity": PAGE}]}}[op]
         return ("anon", [p.encode({"op": op, **with_header(fields, rid, token)})], rid)

@@ -3,7 +3,8 @@
 Routes: POST /v1/completions, POST /v1/chat/completions (both stream with SSE when
 ``stream`` is true), GET /v1/models, GET /health, GET /metrics (Prometheus text with
 vLLM's metric names, see :mod:`kvpool.engine.serving.metrics`) and GET /v1/stats (JSON engine
-statistics). Every response's ``usage`` carries ``ttft_s`` and ``tpot_s`` (seconds)
+statistics; an elastic server adds ``kv_room``, what its ``/metrics``' elastic gauges
+are made of). Every response's ``usage`` carries ``ttft_s`` and ``tpot_s`` (seconds)
 and ``num_preemptions`` besides the token counts. Errors use OpenAI's
 ``{"error": {"message", "type", "code"}}`` shape with a 4xx status.
 
@@ -43,7 +44,7 @@ from kvpool.engine.chat_template import ChatTemplateError
 from kvpool.engine.config import EngineConfig
 from kvpool.engine.errors import EngineUnavailable, RequestError
 from kvpool.engine.serving.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from kvpool.engine.serving.metrics import EngineMetrics
+from kvpool.engine.serving.metrics import EngineMetrics, MemorySource
 from kvpool.engine.request import RequestOutput
 from kvpool.engine.sampling import SamplingParams
 from kvpool.engine.tokenizer import MAX_CHARS_PER_TOKEN
@@ -62,7 +63,9 @@ def _error(status: int, message: str, code: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "code": code}}, status)
 
 
-def create_app(aengine: AsyncEngine) -> FastAPI:
+def create_app(aengine: AsyncEngine, memory: MemorySource | None = None) -> FastAPI:
+    """The server's app over ``aengine``; ``memory``: an elastic server's view of its KV
+    memory for ``/metrics`` (:mod:`kvpool.engine.serving.metrics`)."""
     engine = aengine.engine
     name = engine.served_model_name
     if engine.tokenizer is not None and engine.tokenizer.chat_template.is_fallback:
@@ -120,15 +123,25 @@ def create_app(aengine: AsyncEngine) -> FastAPI:
             "id": name, "object": "model", "created": int(time.time()), "owned_by": "kvpool",
             "max_model_len": engine.max_model_len}]}
 
-    prometheus = EngineMetrics(aengine)
+    prometheus = EngineMetrics(aengine, memory)
 
     @app.get("/metrics")
     def metrics() -> Response:  # Prometheus text, vLLM's names (a thread: it takes the lock)
         return Response(prometheus.render(), media_type=METRICS_CONTENT_TYPE)
 
     @app.get("/v1/stats")
-    async def stats() -> dict[str, Any]:
-        return aengine.stats()
+    def stats() -> dict[str, Any]:  # (a thread: it takes the lock)
+        out = aengine.stats()
+        view = None
+        if memory is not None:
+            try:
+                view = memory.memory_view()
+            except Exception:  # an adapter's failure: the engine's own figures only
+                view = None
+        if view is not None:  # what /metrics' elastic gauges are made of (a fleet reads it)
+            out["kv_room"] = {"held": view.held, "grantable": view.grantable,
+                              "asleep": view.asleep, **view.scalars}
+        return out
 
     vocab = engine.model_config.vocab_size
 
