@@ -1,0 +1,148 @@
+"""Rollout and training in turns on one small budget, without sleep or wake (issue 37
+item 2; docs/ARCHITECTURE.md "Trainer tenant"): a real daemon, a real ``kvpool serve``
+elastic server of the tiny model with its weights in the pool, and a real trainer process
+(``trainer_proc.py``) whose parameters, gradients and optimizer state are pool pages.
+
+Rollout: the engine generates and its KV grows. Train: the trainer's step memory is
+granted by taking the idle engine's KV (reserve, prefix cache) while the engine's weights
+stay. Rollout again: the step memory went back, the engine grows on demand and answers
+the same tokens. Several cycles leave every tenant holding what it held after the first;
+a trainer killed mid-step gives everything back."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from daemon.helpers import REPO, read_line, wait_for
+
+from .serve_procs import complete, prompt
+
+TRAINER = Path(__file__).with_name("trainer_proc.py")
+PROMPTS = [prompt(100 + i, 240) for i in range(10)]
+CYCLES = 3
+
+
+def tenants(d) -> dict[str, dict]:
+    return {t["name"]: t for t in d.cli_json("ps")["tenants"]}
+
+
+def rollout(base: str) -> list[str]:
+    out = []
+    for ids in PROMPTS:
+        r = complete(base, ids, 16)
+        assert r.status_code == 200, r.text
+        out.append(r.json()["choices"][0]["text"])
+    return out
+
+
+def settled(d) -> None:
+    """No ask outstanding and nobody waiting: the daemon is done with the last switch."""
+    wait_for(lambda: d.cli_json("ps")["pool"]["waiting"] == 0
+             and all(t["asked"] == 0 for t in tenants(d).values()), 30,
+             what="the daemon settling")
+
+
+def start_trainer(d, *extra: str) -> subprocess.Popen:
+    cmd = [sys.executable, str(TRAINER), "--run-dir", str(d.run_dir), "--wait-s", "20", *extra]
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=REPO)
+    d.workers.append(proc)
+    answer(proc, "ready")
+    return proc
+
+
+def answer(proc: subprocess.Popen, want: str, timeout: float = 60.0) -> dict:
+    """The trainer's next answer, which must be ``want``."""
+    line = read_line(proc, timeout)
+    assert line is not None, proc.stderr.read() if proc.stderr else "no answer"
+    msg = json.loads(line)
+    assert msg["event"] == want, msg
+    return msg
+
+
+def send(proc: subprocess.Popen, line: str) -> None:
+    assert proc.stdin is not None
+    proc.stdin.write(line + "\n")
+    proc.stdin.flush()
+
+
+def test_rollout_train_rollout_takes_kv_not_weights(start_daemon, servers):
+    d = start_daemon(budget="5MiB")
+    eng = servers.start("engine", run_dir=d.run_dir, weights=None, idle_timeout=3600.0,
+                        kv_cache_size="8MiB")
+    servers.wait_healthy(120)
+    # the trainer's shares make the rollout's KV more than the engine's share once the
+    # trainer asks: the daemon then takes it back from the idle engine (prefix cache)
+    tr = start_trainer(d, "--shares", "8")
+    assert tenants(d)["trainer"]["kind"] == "trainer"
+    assert "trainer" in d.cli("ps").stdout
+    reference = rollout(eng.base)
+    first = tenants(d)
+    pool = d.cli_json("ps")["pool"]  # granted counts the weight set's pages
+    free = pool["budget"] - pool["granted"] - pool["leased"] - pool["retained"]
+    step = free + first["engine"]["mapped"] // 4  # more than is free: KV must go
+    weights, state = first["engine"]["weights"], first["trainer"]["mapped"]
+    assert first["engine"]["mapped"] > 0 and weights > 0
+    # what the engine may keep while the step runs: the budget less the weights and the
+    # trainer's state and step
+    room = pool["budget"] - weights - state - step
+    during_held: list[dict[str, tuple[int, int]]] = []
+    for cycle in range(CYCLES):
+        if cycle:
+            assert rollout(eng.base) == reference  # grows on demand, same tokens
+        kv = tenants(d)["engine"]["mapped"]
+        assert kv > room  # the rollout grew past what the step leaves it
+        send(tr, f"train {step} 3")
+        msg = answer(tr, "trained")
+        assert msg["in_pool"] and msg["loss"][-1] < msg["loss"][0]
+        during = tenants(d)
+        assert during["engine"]["weights"] == weights  # the weights stayed mapped
+        assert during["engine"]["mapped"] < kv  # the KV was taken
+        assert during["engine"]["mapped"] <= room
+        assert during["trainer"]["mapped"] == state + step
+        during_held.append({n: (t["mapped"], t["weights"]) for n, t in during.items()})
+        send(tr, "end")
+        answer(tr, "ended")
+        settled(d)
+        after = tenants(d)
+        assert after["trainer"]["mapped"] == state  # the step's memory given back
+        assert after["engine"]["weights"] == weights
+        assert d.check() == []
+    assert rollout(eng.base) == reference
+    # no residual growth: in every train phase the trainer holds exactly its state and
+    # step, the engine exactly its weights and no more KV than the step leaves it
+    assert all(h["trainer"] == during_held[0]["trainer"] for h in during_held), during_held
+    assert all(h["engine"][1] == weights for h in during_held), during_held
+    send(tr, "quit")
+    answer(tr, "closed")
+    assert tr.wait(30) == 0
+    wait_for(lambda: "trainer" not in tenants(d), 30, what="the trainer's session ending")
+    assert d.check() == []
+
+
+def test_trainer_killed_mid_step_gives_everything_back(start_daemon):
+    d = start_daemon(budget="8MiB")
+    tr = start_trainer(d)
+    send(tr, f"hold {2 << 20}")
+    answer(tr, "in_step")
+    t = tenants(d)["trainer"]
+    assert t["mapped"] >= 2 << 20  # the step's pages and the state
+    tr.send_signal(signal.SIGKILL)
+    tr.wait(30)
+    wait_for(lambda: "trainer" not in tenants(d), 30, what="the killed trainer's session")
+    pool = d.cli_json("ps")["pool"]
+    assert pool["granted"] == 0 and pool["retained"] == 0
+    assert d.check() == []
+    with d.connect("next", kind="test") as nxt:  # the next tenant reads zeros
+        g = nxt.region_group(1, 2 << 20)
+        g.grant(list(range(g.npages)))
+        import ctypes
+
+        data = ctypes.string_at(g.ranges[0].base, 2 << 20)
+        assert data == bytes(2 << 20)
+        g.close()
+    assert d.check() == []
