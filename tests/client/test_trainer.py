@@ -82,7 +82,12 @@ def test_the_optimizer_state_goes_back_on_the_daemons_ask_and_returns_for_a_step
     with connect_trainer("tr", run_dir=run_dir) as tr:
         m, opt = model_and_opt(tr, hidden=1024)  # its AdamW state: a few pages
         prm = next(m.parameters())
+        with tr.step(0):  # one step: the state is not zeros
+            m(torch.randn(8, 16)).sum().backward()
+            opt.step()
+            tr.zero_grad()
         before = opt.state[prm]["exp_avg"].clone()
+        assert before.abs().sum() > 0
         optim = tr.optim.footprint
         budget = ps(run_dir)["pool"]["budget"]
         with connect("other", run_dir=run_dir, kind="test", shares=100) as other:
