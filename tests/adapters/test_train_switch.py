@@ -23,7 +23,7 @@ from .serve_procs import complete, prompt
 
 TRAINER = Path(__file__).with_name("trainer_proc.py")
 PROMPTS = [prompt(100 + i, 240) for i in range(10)]
-CYCLES = 3
+CYCLES = 4
 
 
 def tenants(d) -> dict[str, dict]:
@@ -46,13 +46,13 @@ def settled(d) -> None:
              what="the daemon settling")
 
 
-def start_trainer(d, *extra: str) -> subprocess.Popen:
+def start_trainer(d, *extra: str) -> tuple[subprocess.Popen, dict]:
+    """The trainer process, and its ``ready`` answer (its arenas' pool bytes)."""
     cmd = [sys.executable, str(TRAINER), "--run-dir", str(d.run_dir), "--wait-s", "20", *extra]
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=REPO)
     d.workers.append(proc)
-    answer(proc, "ready")
-    return proc
+    return proc, answer(proc, "ready")
 
 
 def answer(proc: subprocess.Popen, want: str, timeout: float = 60.0) -> dict:
@@ -77,7 +77,7 @@ def test_rollout_train_rollout_takes_kv_not_weights(start_daemon, servers):
     servers.wait_healthy(120)
     # the trainer's shares make the rollout's KV more than the engine's share once the
     # trainer asks: the daemon then takes it back from the idle engine (prefix cache)
-    tr = start_trainer(d, "--shares", "8")
+    tr, ready = start_trainer(d, "--shares", "8")
     assert tenants(d)["trainer"]["kind"] == "trainer"
     assert "trainer" in d.cli("ps").stdout
     reference = rollout(eng.base)
@@ -85,38 +85,58 @@ def test_rollout_train_rollout_takes_kv_not_weights(start_daemon, servers):
     pool = d.cli_json("ps")["pool"]  # granted counts the weight set's pages
     free = pool["budget"] - pool["granted"] - pool["leased"] - pool["retained"]
     step = free + first["engine"]["mapped"] // 4  # more than is free: KV must go
-    weights, state = first["engine"]["weights"], first["trainer"]["mapped"]
+    step -= step % d.page_size  # whole pages, as the trainer takes them
+    weights = first["engine"]["weights"]
+    # the trainer's state: parameters and gradients, and its optimizer state, which the
+    # daemon may have taken back (offloaded) while the engine grew
+    params, state = ready["state"], ready["state"] + ready["optim"]
     assert first["engine"]["mapped"] > 0 and weights > 0
     # what the engine may keep while the step runs: the budget less the weights and the
     # trainer's state and step
     room = pool["budget"] - weights - state - step
-    during_held: list[dict[str, tuple[int, int]]] = []
+    during_held: list[dict[str, int]] = []
+    rolled: list[dict[str, int]] = []  # after each cycle's second rollout
+    losses: list[float] = []
     for cycle in range(CYCLES):
         if cycle:
             assert rollout(eng.base) == reference  # grows on demand, same tokens
+            settled(d)
+            now = tenants(d)
+            rolled.append({"engine": now["engine"]["mapped"],
+                           "weights": now["engine"]["weights"]})
         kv = tenants(d)["engine"]["mapped"]
         assert kv > room  # the rollout grew past what the step leaves it
         send(tr, f"train {step} 3")
         msg = answer(tr, "trained")
-        assert msg["in_pool"] and msg["loss"][-1] < msg["loss"][0]
+        assert msg["in_pool"]  # parameters, gradients, optimizer state: pool tensors
+        losses += msg["loss"]
         during = tenants(d)
         assert during["engine"]["weights"] == weights  # the weights stayed mapped
         assert during["engine"]["mapped"] < kv  # the KV was taken
         assert during["engine"]["mapped"] <= room
         assert during["trainer"]["mapped"] == state + step
-        during_held.append({n: (t["mapped"], t["weights"]) for n, t in during.items()})
+        during_held.append({n: t["mapped"] for n, t in during.items()})
         send(tr, "end")
         answer(tr, "ended")
         settled(d)
         after = tenants(d)
-        assert after["trainer"]["mapped"] == state  # the step's memory given back
+        assert after["trainer"]["mapped"] in (state, params)  # the step's memory went back
         assert after["engine"]["weights"] == weights
         assert d.check() == []
     assert rollout(eng.base) == reference
-    # no residual growth: in every train phase the trainer holds exactly its state and
-    # step, the engine exactly its weights and no more KV than the step leaves it
-    assert all(h["trainer"] == during_held[0]["trainer"] for h in during_held), during_held
-    assert all(h["engine"][1] == weights for h in during_held), during_held
+    settled(d)
+    now = tenants(d)
+    rolled.append({"engine": now["engine"]["mapped"], "weights": now["engine"]["weights"]})
+    # no residual growth: every train phase holds exactly what the first did (the
+    # trainer its state and step, the engine its weights and the KV the step leaves it:
+    # a block the engine could not give back would show here). What a rollout ends with
+    # is not compared: which prefix blocks the engine keeps depends on when its grants
+    # land (measured 2.0-2.7 MiB here, in both directions, cycle to cycle); it stays
+    # within what the budget leaves the engine beside the trainer's parameters.
+    assert all(h == during_held[0] for h in during_held), during_held
+    ceiling = pool["budget"] - weights - params
+    assert all(r["weights"] == weights and 0 < r["engine"] <= ceiling for r in rolled), rolled
+    assert losses[-1] < losses[0] / 2  # it learned
     send(tr, "quit")
     answer(tr, "closed")
     assert tr.wait(30) == 0
@@ -126,7 +146,7 @@ def test_rollout_train_rollout_takes_kv_not_weights(start_daemon, servers):
 
 def test_trainer_killed_mid_step_gives_everything_back(start_daemon):
     d = start_daemon(budget="8MiB")
-    tr = start_trainer(d)
+    tr, _ = start_trainer(d)
     send(tr, f"hold {2 << 20}")
     answer(tr, "in_step")
     t = tenants(d)["trainer"]
