@@ -34,6 +34,8 @@ raises :class:`StepTooLarge` before anything is taken; one that does not fit now
 retrying while the daemon reclaims, up to ``wait_s`` and then raises
 :class:`StepDeadline` holding nothing of the step. Nothing exits the process.
 
+Touch the optimizer state only inside a step (a checkpoint: inside ``trainer.step(0)``):
+outside one the keeper thread may offload it, swapping its storage under a reader.
 The gradients are the pool tensors only as long as they are accumulated into: clear them
 with :meth:`Trainer.zero_grad` (or ``optimizer.zero_grad(set_to_none=False)``), never to
 None. :meth:`Trainer.close` copies every tensor to process memory before giving the pages
