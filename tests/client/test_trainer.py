@@ -60,6 +60,8 @@ def test_a_training_step_runs_on_pool_tensors(run_dir):
                 scratch = step.empty((1000,), torch.float32)
                 assert inside(scratch, tr.scratch)
                 del scratch
+                with pytest.raises(ValueError, match="do not fit in the step"):
+                    step.empty((MiB // 4,), torch.float32)  # 1 MiB more than the rest
                 loss = ((m(x) - y) ** 2).mean()
                 loss.backward()
                 opt.step()
