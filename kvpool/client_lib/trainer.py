@@ -52,7 +52,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Iterator, TypeVar
 
-from kvpool.client_lib.arena import Arena
+from kvpool.client_lib.arena import ALIGN, Arena
 from kvpool.client_lib.cuda_pool_alloc import PoolAllocator
 from kvpool.client_lib.errors import NoMemory, StepDeadline, StepTooLarge
 from kvpool.client_lib.tenant import Tenant
@@ -102,7 +102,7 @@ class Step:
         import torch
 
         n = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
-        if self.arena.top + n > self.nbytes:
+        if -(-self.arena.top // ALIGN) * ALIGN + n > self.nbytes:
             raise ValueError(f"{n} bytes more do not fit in the step's {self.nbytes} "
                              f"({self.arena.top} used)")
         return self.arena.empty(shape, dtype)
