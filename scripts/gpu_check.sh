@@ -23,7 +23,11 @@
 #                 ::test_weight_set_through_a_daemon: a set created through a CUDA daemon,
 #                 attached by a second process, its store faulting; and
 #                 ::test_devices_all_serves_every_gpu: `kvpool daemon --devices all`, one
-#                 pool per GPU; untested on a GPU until this runs)
+#                 pool per GPU; untested on a GPU until this runs; and
+#                 tests/client/test_cuda_pool_alloc.py::test_a_cuda_step_allocates_from_its_pool_pages:
+#                 a trainer tenant's CUDA training step whose allocations go through
+#                 torch.cuda.MemPool to its step's pool pages, untested on a GPU until
+#                 this runs)
 #   pytest-stub   the libcuda stub tests (calling conventions; skip without gcc)
 #   vmm-bench     benchmarks/vmm_bench.py --backend cuda: per-op cost per 2 MiB page
 #   alloc-bench   benchmarks/alloc_bench.py --backend cuda --quick: fast path, slow/floor

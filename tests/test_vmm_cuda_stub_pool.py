@@ -186,3 +186,38 @@ def test_a_daemon_on_the_cuda_backend_shares_a_weight_set(stub_dir, tmp_path):  
         """,
     )
     assert out.strip() == "ok"
+
+
+def test_a_trainer_steps_allocator_on_the_cuda_backend(stub_dir, tmp_path):  # noqa: F811
+    # a trainer tenant of a daemon started with --backend cuda on the stub: its step's
+    # pages are granted and mapped through cuMemMap, and the pluggable allocator's two C
+    # callbacks, called through their addresses as torch calls them, carve them (what
+    # torch's MemPool would get: tests/client/test_cuda_pool_alloc.py, marked gpu)
+    out = run_stub(
+        stub_dir,
+        f"""
+        from pathlib import Path
+        from kvpool.client_lib.cuda_pool_alloc import ALLOC_FN, FREE_FN, PoolAllocator
+        from kvpool.client_lib.trainer import connect_trainer
+        from kvpool.demo.cluster import Cluster
+        ps = 2 * MiB
+        with Cluster(Path({str(tmp_path)!r})) as cl:
+            cl.daemon(8 * ps, ps, extra=("--log-level", "WARNING"), backend="cuda")
+            with connect_trainer("tr", run_dir=cl.run_dir) as tr:
+                with tr.step(3 * ps) as step:
+                    pa = PoolAllocator(step.arena, 0, step.nbytes)
+                    a, f = pa.fn_addresses
+                    alloc, free = ALLOC_FN(a), FREE_FN(f)
+                    x = alloc(ps + 1, 0, None)
+                    assert x == step.arena.group.bases[0]
+                    ctypes.memset(x, 0x42, 2 * ps)
+                    assert peek(x, 2 * ps) == b"\\x42" * (2 * ps)
+                    assert alloc(2 * ps, 0, None) is None
+                    free(x, ps + 1, 0, None)
+                    pa.check_released()
+                    assert len(step.arena.group.mapped) == 3
+                assert not tr.scratch.group.mapped
+        print("ok")
+        """,
+    )
+    assert out.strip() == "ok"

@@ -10,6 +10,8 @@ block allocator (fast path / slow path) and zero-copy tensor views.
         blocks = alloc.alloc(4)      # None when memory is short: queue the request
         alloc.free(blocks)
         tenant.set_shrink_callback(lambda nbytes, urgent: evict(nbytes, urgent))
+
+A training process: ``connect_trainer`` (:mod:`kvpool.client_lib.trainer`).
 """
 
 from kvpool.client_lib.admin import Monitor
@@ -20,10 +22,13 @@ from kvpool.client_lib.errors import (
     NoMemory,
     OverLimit,
     ProtocolError,
+    StepDeadline,
+    StepTooLarge,
 )
 from kvpool.client_lib.regions import RegionGroup
 from kvpool.client_lib.lease import Lease
 from kvpool.client_lib.tenant import Tenant, connect
+from kvpool.client_lib.trainer import Trainer, connect_trainer
 
 __all__ = [
     "DaemonUnavailable",
@@ -36,6 +41,10 @@ __all__ = [
     "OverLimit",
     "ProtocolError",
     "RegionGroup",
+    "StepDeadline",
+    "StepTooLarge",
     "Tenant",
+    "Trainer",
     "connect",
+    "connect_trainer",
 ]

@@ -33,3 +33,13 @@ _BY_CODE = {p.NO_MEMORY: NoMemory, p.OVER_LIMIT: OverLimit}
 
 def from_reply(err: p.Error) -> KvpoolError:
     return _BY_CODE.get(err.code, KvpoolError)(err.code, err.message)
+
+
+class StepTooLarge(OverLimit):
+    """A training step asked for more memory than the trainer may ever hold (its
+    ``max`` or the budget, with its state): refused before anything was taken."""
+
+
+class StepDeadline(NoMemory):
+    """A training step's memory was not granted before the step's deadline (the other
+    tenants could not give enough back in time); nothing of the step is held."""

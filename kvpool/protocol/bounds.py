@@ -50,9 +50,10 @@ Unit = Annotated[int, Meta(ge=0, lt=MAX_PAGES_PER_REGION)]
 Units = Annotated[list[Unit], Meta(max_length=MAX_UNITS)]
 # units a client grants and releases together (its allocator's chunk)
 ChunkUnits = Annotated[int, Meta(ge=1, le=MAX_PAGES_PER_REGION)]
-# a session's kind (Register.kind): a KV engine, a lease, a monitor or admin session
+# a session's kind (Register.kind): a KV engine, a lease, a trainer (client_lib/trainer.py),
+# a monitor or admin session
 # (hold no memory), a test client
-Kind = Literal["engine", "lease", "monitor", "admin", "test"]
+Kind = Literal["engine", "lease", "trainer", "monitor", "admin", "test"]
 # a tenant's fair share of contended memory: a proportional count (like cgroup cpu.shares)
 Shares = Annotated[float, Meta(gt=0, le=MAX_SHARES)]
 Seq = Annotated[int, Meta(ge=0, le=MAX_ID)]
