@@ -249,7 +249,7 @@ class Supervisor:
         code = m.exit_code()
         if code is not None:
             m.kill_group()
-            self._failed(m, f"exited with code {code} while starting: {m.log_tail()}")
+            self._failed(m, f"{m.why_exited(code)} (while starting)")
             return
         version = self._version(m)
         if await self._healthy(m):
@@ -268,8 +268,7 @@ class Supervisor:
         if code is not None:
             m.kill_group()
             self.metrics.restarts.labels(m.model).inc()
-            self.say(f"fleet: {m.tenant} exited with code {code}; restarting it "
-                     f"({m.log_tail()})")
+            self.say(f"fleet: {m.tenant} {m.why_exited(code)}; restarting it")
             self._spawn(m)
             return
         version = self._version(m)
