@@ -100,6 +100,8 @@ ALLOWED: dict[tuple[str, str, str], str] = {
         _VLLM_SEAM.format("EngineCore.wake_up (it wakes a sleep of kvpool's too)"),
     ("patch", _VLLM, "_patch_sleep: setattr(mod.EngineCore, 'kvpool_sleep_state', ...)"):
         _VLLM_SEAM.format("EngineCore's utility calls (the sleep counts: a method added)"),
+    ("patch", _VLLM, "_patch_sleep: setattr(mod.EngineCore, 'kvpool_wake', ...)"):
+        _VLLM_SEAM.format("EngineCore's utility calls (a wake answering its failure: added)"),
     ("patch", _VLLM, "_patch_sleep_routes: setattr(mod, 'attach_router', ...)"):
         _VLLM_SEAM.format("the dev sleep router's attach_router (kvpool's routes first)"),
     ("patch", _VLLM, "_patch_cpu_worker_sleep: setattr(cls, name, ...)"):

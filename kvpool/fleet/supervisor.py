@@ -4,14 +4,16 @@ One watch task looks at every member each ``poll_s`` (all looks at once):
 
 * ``starting``: ``GET /health`` 200 makes it ``awake``; a process that exits, or is not
   healthy within the fleet's ``start_timeout_s``, makes it ``failed`` (one log line
-  with the end of its log; ``kvpool_fleet_upstream_errors_total{kind="start"}``);
+  saying why; ``kvpool_fleet_upstream_errors_total{kind="start"}``);
 * ``awake``/``asleep``/``hung``: a process that exited is started again at once (one
   log line, ``kvpool_fleet_restarts_total``); else its sleep state is read (``GET`` the
   kind's ``state_path``, ``LOOK_TIMEOUT_S``). Sleeps are counted by cause from the
-  server's own counters when it keeps them (bundled); otherwise an ``awake -> asleep``
-  change counts as ``idle`` when the model has ``sleep_after`` and the router sent it
-  nothing for that long, else as ``pressure`` (an operator's sleep of such a server is
-  counted as pressure).
+  server's own counters (``GET /kvpool/sleep``: the bundled server's, and vLLM's with
+  the kvpool plugin); only a server that kept none would have an ``awake -> asleep``
+  change guessed, ``idle`` when the model has ``sleep_after`` and the router sent it
+  nothing for that long, else ``pressure`` (no kind of the fleet's is such a server).
+  A process that exited is named by its signal, or by its exit code and its last error
+  line (:meth:`~kvpool.fleet.member.Member.why_exited`).
 * a member whose server has answered no look for ``hung_after_s`` (a stopped or
   deadlocked process: the kernel still accepts its connections, nothing answers) is
   ``hung``: the router sends it nothing (another replica serves; none: 503). One that

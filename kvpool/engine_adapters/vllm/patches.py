@@ -31,6 +31,8 @@ Engine-core process:
                                         ends at "Executor is not sleeping");
   ``EngineCore.kvpool_sleep_state``     (added) the sleep's state and counts, a utility
                                         call of the API server's ``GET /kvpool/sleep``;
+  ``EngineCore.kvpool_wake``            (added) ``wake_up`` answering its failure, a
+                                        utility call of kvpool's ``POST /wake_up``;
   ``CPUWorker.sleep/wake_up``           (a no-op on CPU in vLLM) KV-level sleep and wake.
 Tensor parallelism (:mod:`.tp`):
   ``Executor.initialize_from_config``   (engine core) the allocator over the gang;
@@ -278,6 +280,19 @@ def _patch_sleep(b: VllmBridge, mod: ModuleType) -> None:
         return True
 
     setattr(mod.EngineCore, "wake_up", wake_up_too)
+
+    def kvpool_wake(self: Any, tags: list[str] | None = None) -> tuple[bool, str]:
+        """``wake_up`` for kvpool's route (sleep_routes.py): (fully awake, '') or (False,
+        why in one line); a failure is an answer, not an exception vLLM logs with its
+        traceback."""
+        try:
+            return wake_up_too(self, tags), ""
+        except Exception as e:
+            from kvpool.engine_adapters.vllm.sleep_routes import wake_failure
+
+            return False, wake_failure(e)
+
+    setattr(mod.EngineCore, "kvpool_wake", kvpool_wake)
 
     def kvpool_sleep_state(self: Any) -> dict[str, Any]:
         """The state and counts of kvpool's sleep (``GET /kvpool/sleep``, sleep_routes.py)."""

@@ -5,10 +5,12 @@ vLLM serves ``/sleep``, ``/wake_up`` and ``/is_sleeping`` with ``VLLM_SERVER_DEV
 routes first, so they answer their paths:
 
 * ``POST /wake_up`` calls the engine's ``wake_up`` as vLLM's route does (patched in the
-  engine core to wake a sleep of kvpool's too: the answer comes once awake), and answers
-  ``{"status": "awake" | "sleeping", "tags": ...}``; a wake that cannot get its memory is
-  a 503 of one line (``{"error": {"message": "the model cannot wake: ...", "code":
-  "wake_failed"}}``, the bundled server's answer) where vLLM's would be a bare 500;
+  engine core to wake a sleep of kvpool's too: the answer comes once awake), through the
+  engine core's utility ``kvpool_wake``, which returns a failure rather than raising it,
+  and answers ``{"status": "awake" | "sleeping", "tags": ...}``; a wake that cannot get
+  its memory is a 503 of one line (``{"error": {"message": "the model cannot wake: ...",
+  "code": "wake_failed"}}``, the bundled server's answer) where vLLM's would be a bare
+  500 (and a traceback in the log);
 * ``GET /kvpool/sleep``: ``{"is_sleeping", "state", "sleeps": {reason: n}, "wakes"}``, the
   shape of the bundled server's route (:mod:`kvpool.elastic_server.sleep_routes`), read by
   a fleet for each sleep's cause (reasons ``idle``, ``pressure``, ``operator``, ``http``).
@@ -30,7 +32,8 @@ from fastapi.responses import JSONResponse
 if TYPE_CHECKING:
     from kvpool.engine_adapters.sleep_controller import SleepController
 
-STATE_UTILITY = "kvpool_sleep_state"  # the engine core's method (patches.py)
+STATE_UTILITY = "kvpool_sleep_state"  # the engine core's methods (patches.py)
+WAKE_UTILITY = "kvpool_wake"
 #: what vLLM's client puts before the message of a utility call that raised
 _FAILED = "Call to wake_up method failed: "
 _KVPOOL = "kvpool: cannot wake: "
@@ -72,11 +75,17 @@ def _router() -> APIRouter:
     @router.post("/wake_up")
     async def wake_up(raw_request: Request) -> JSONResponse:
         tags = raw_request.query_params.getlist("tags") or None
+        engine = raw_request.app.state.engine_client
         try:
-            awake = await raw_request.app.state.engine_client.wake_up(tags)
-        except Exception as e:  # the engine core's one line (no memory, most often)
-            return JSONResponse({"error": {"message": wake_failure(e), "type": "server_error",
+            awake, why = await engine.engine_core.call_utility_async(WAKE_UTILITY, tags)
+        except Exception as e:  # the engine core did not answer (it died, say)
+            awake, why = False, wake_failure(e)
+        if why:
+            return JSONResponse({"error": {"message": why, "type": "server_error",
                                            "code": "wake_failed"}}, 503)
+        stats = getattr(engine, "logger_manager", None)
+        if awake and stats is not None:  # (what vLLM's AsyncLLM.wake_up records)
+            stats.record_sleep_state(0, 0)
         return JSONResponse({"status": "awake" if awake else "sleeping", "tags": tags})
 
     @router.get("/kvpool/sleep")
