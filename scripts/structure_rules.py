@@ -96,6 +96,14 @@ ALLOWED: dict[tuple[str, str, str], str] = {
         _VLLM_SEAM.format("EngineCoreProc._process_engine_step (idle and TP polls)"),
     ("patch", _VLLM, "_patch_sleep: setattr(mod.EngineCore, 'is_sleeping', ...)"):
         _VLLM_SEAM.format("EngineCore.is_sleeping (kvpool's sleep counts)"),
+    ("patch", _VLLM, "_patch_sleep: setattr(mod.EngineCore, 'wake_up', ...)"):
+        _VLLM_SEAM.format("EngineCore.wake_up (it wakes a sleep of kvpool's too)"),
+    ("patch", _VLLM, "_patch_sleep: setattr(mod.EngineCore, 'kvpool_sleep_state', ...)"):
+        _VLLM_SEAM.format("EngineCore's utility calls (the sleep counts: a method added)"),
+    ("patch", _VLLM, "_patch_sleep: setattr(mod.EngineCore, 'kvpool_wake', ...)"):
+        _VLLM_SEAM.format("EngineCore's utility calls (a wake answering its failure: added)"),
+    ("patch", _VLLM, "_patch_sleep_routes: setattr(mod, 'attach_router', ...)"):
+        _VLLM_SEAM.format("the dev sleep router's attach_router (kvpool's routes first)"),
     ("patch", _VLLM, "_patch_cpu_worker_sleep: setattr(cls, name, ...)"):
         _VLLM_SEAM.format("CPUWorker.sleep/wake_up (no-ops on CPU: the KV-level sleep)"),
     ("patch", _VLLM, "_patch_allocate: setattr(mod, 'allocate_kv_cache', ...)"):

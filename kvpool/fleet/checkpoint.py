@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 BLOCK_TOKENS = 16  # the engines' default block size (kvpool serve --block-size)
+#: vLLM's default block size where its KV lives (its CPU platform sets 128)
+VLLM_BLOCK_TOKENS = {"cpu": 128, "cuda": 16}
 _ELEM_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
 
 
@@ -31,6 +33,7 @@ _ELEM_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
 class CheckpointInfo:
     weight_bytes: int  # as the server holds them
     kv_block_bytes: int  # one block: BLOCK_TOKENS tokens, every layer's K and V
+    layers: int = 0  # (0: the config does not say)
 
 
 def inspect(folder: Path, engine: str, float32: bool) -> CheckpointInfo:
@@ -60,21 +63,53 @@ def inspect(folder: Path, engine: str, float32: bool) -> CheckpointInfo:
     elem = 4 if float32 else stored
     files = sum(s.stat().st_size for s in shards)
     return CheckpointInfo(weight_bytes=files * elem // stored,
-                          kv_block_bytes=_kv_block_bytes(config, elem))
+                          kv_block_bytes=_kv_block_bytes(config, elem),
+                          layers=_int(config, "num_hidden_layers", 0))
 
 
-def holds_float32(backend: str, args: tuple[str, ...]) -> bool:
-    """Whether a bundled server on this backend holds float32 weights and KV (the engine's
-    ``--dtype auto`` on the CPU; ``--dtype`` in ``args`` says otherwise). ``auto`` is the
-    backend this machine would open, as for the daemon."""
+def holds_float32(backend: str, args: tuple[str, ...], engine: str = "bundled") -> bool:
+    """Whether a server on this backend holds float32 weights and KV: ``--dtype`` in
+    ``args`` says; else a bundled one on the CPU does (its ``--dtype auto``), a vLLM one
+    never (its ``auto`` is the checkpoint's dtype). ``auto`` is the backend this machine
+    would open, as for the daemon."""
     from kvpool.vmm.registry import capabilities
 
+    dtype = _arg(args, "--dtype")
+    if dtype is not None:
+        return dtype in ("float32", "float")
+    return engine == "bundled" and capabilities(backend).tensor_device == "cpu"
+
+
+def _arg(args: tuple[str, ...], flag: str) -> str | None:
+    """The value of ``flag`` in ``args`` (``--flag V`` or ``--flag=V``; the last one)."""
+    value = None
     for j, a in enumerate(args):
-        if a == "--dtype" and j + 1 < len(args):
-            return args[j + 1] == "float32"
-        if a.startswith("--dtype="):
-            return a.split("=", 1)[1] == "float32"
-    return capabilities(backend).tensor_device == "cpu"
+        if a == flag and j + 1 < len(args):
+            value = args[j + 1]
+        elif a.startswith(flag + "="):
+            value = a.split("=", 1)[1]
+    return value
+
+
+def vllm_kv_chunk_bytes(info: CheckpointInfo, page_size: int, backend: str,
+                        args: tuple[str, ...]) -> int:
+    """The least KV a vLLM member starts with: the whole units of the plugin's layout
+    (:mod:`kvpool.engine_adapters.vllm.kv_units`: the layers apart, or interleaved and
+    padded, whichever unit is smaller) that hold two blocks of ``--block-size`` tokens
+    (vLLM's default where its KV lives: :data:`VLLM_BLOCK_TOKENS`). A page when the
+    config or a ``--kv-cache-dtype`` leaves the block's size unknown here."""
+    from kvpool.engine_adapters import kv_unit
+    from kvpool.vmm.registry import capabilities
+
+    kv_dtype = _arg(args, "--kv-cache-dtype")
+    if info.kv_block_bytes <= 0 or info.layers <= 0 or kv_dtype not in (None, "auto"):
+        return page_size
+    given = _arg(args, "--block-size")
+    tokens = int(given) if given is not None and given.isdigit() and int(given) > 0 else \
+        VLLM_BLOCK_TOKENS.get(capabilities(backend).tensor_device, BLOCK_TOKENS)
+    layer_page = info.kv_block_bytes // info.layers * tokens // BLOCK_TOKENS
+    unit = kv_unit.plan_layers(layer_page, info.layers, page_size, pad=True)
+    return -(-2 // unit.blocks_per_chunk) * unit.unit_bytes
 
 
 def kv_chunk_bytes(info: CheckpointInfo, page_size: int) -> int:

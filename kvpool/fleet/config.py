@@ -27,7 +27,9 @@ them all at once (:class:`FleetConfigError`); the CLI prints them and exits 2. C
   (``FleetPolicy.decides``) refused unless given with the value the policy sets, and a
   baseline policy only with ``--with-daemon``;
 * with ``--with-daemon``, ``[daemon] budget`` must hold the largest model's weights (when
-  they live in the pool) plus one KV chunk: a smaller one could never serve that model.
+  they live in the pool) plus one KV chunk: a smaller one could never serve that model
+  (a vLLM member's chunk is its plugin's: whole allocation units holding two of vLLM's
+  blocks, :func:`kvpool.fleet.checkpoint.vllm_kv_chunk_bytes`).
   (A percentage budget is resolved by the daemon against the device: not checked here.)
 """
 
@@ -41,7 +43,8 @@ from typing import Any, Callable
 
 from kvpool.daemon.config import Config
 from kvpool.fleet.balance import PICKERS
-from kvpool.fleet.checkpoint import CheckpointInfo, holds_float32, inspect, kv_chunk_bytes
+from kvpool.fleet.checkpoint import (CheckpointInfo, holds_float32, inspect, kv_chunk_bytes,
+                                     vllm_kv_chunk_bytes)
 from kvpool.fleet.engines import KINDS
 from kvpool.fleet.entries import DaemonSection, FleetConfig, ModelEntry
 from kvpool.fleet.policies import FLEET_POLICIES, FleetPolicy, Knob, knob_owners
@@ -343,7 +346,7 @@ def _model(t: _Table, base: Path, backend: str, inspect_checkpoint: Inspect
     elif isinstance(ckpt, str):
         folder = (base / ckpt).resolve()
         try:
-            info = inspect_checkpoint(folder, engine, holds_float32(backend, args))
+            info = inspect_checkpoint(folder, engine, holds_float32(backend, args, engine))
         except ValueError as e:
             t.bad("checkpoint", _one_line(e))
     if len(t.problems) > problems_before:
@@ -419,7 +422,8 @@ def _fits(daemon: DaemonSection, entries: list[tuple[int, ModelEntry, Checkpoint
         if info is None:
             continue
         weights = -(-info.weight_bytes // page) * page if e.weights == "pool" else 0
-        chunk = kv_chunk_bytes(info, page)
+        chunk = kv_chunk_bytes(info, page) if e.engine == "bundled" else \
+            vllm_kv_chunk_bytes(info, page, daemon.backend, e.args)
         if worst is None or weights + chunk > worst[0] + worst[1]:
             worst = (weights, chunk, e)
     if worst is not None and worst[0] + worst[1] > budget:

@@ -7,10 +7,14 @@ fleet entry's ``engine``).
   reason: the cause of each is known); a member that is not elastic (``MemberSpec.
   elastic``: the ``swap`` policy's) is the plain ``kvpool serve CKPT --kv-cache-size``;
 * ``vllm``: vLLM's OpenAI server with the kvpool plugin (``KVPOOL_ENABLE=1``) and
-  ``VLLM_SERVER_DEV_MODE=1`` for ``/is_sleeping`` and ``/wake_up``
-  (:mod:`kvpool.engine_adapters.vllm.core_sleep`); no counters: the fleet infers a sleep's
-  cause from what it sees (:class:`Observed`); one that is not elastic is vLLM alone
-  with ``--kv-cache-memory-bytes`` (the entry's ``kv_cache_size``).
+  ``VLLM_SERVER_DEV_MODE=1`` for vLLM's sleep routes; the plugin puts its own ``POST
+  /wake_up`` (which wakes a sleep of kvpool's: the answer is the wake) and ``GET
+  /kvpool/sleep`` (the bundled server's shape: sleeps by reason) before vLLM's
+  (:mod:`kvpool.engine_adapters.vllm.sleep_routes`); the fleet's looks (``QUIET_PATHS``)
+  are kept out of its access log (``--disable-access-log-for-endpoints``). Its weights
+  stay in its own memory (``weights = "local"``: a sleep frees its KV alone). One that is
+  not elastic is vLLM alone with ``--kv-cache-memory-bytes`` (the entry's
+  ``kv_cache_size``; no ``/kvpool/sleep``: the fleet sees it awake).
 
 Every member gets the tenant's knobs through the ``KVPOOL_*`` variables its adapter reads
 (:mod:`kvpool.engine_adapters.env`), its tenant name (``KVPOOL_TENANT``) and the fleet's
@@ -34,7 +38,9 @@ from kvpool.registry import Registry
 # (KVPOOL_WEIGHT: KVPOOL_SHARES's old name, which would clash with the member's own)
 NOT_INHERITED = (*TENANT_VARS, "KVPOOL_WEIGHT", "KVPOOL_ENABLE", "KVPOOL_WEIGHTS",
                  "KVPOOL_GROUP")
-#: a sleep's reason as a bundled server counts it -> the fleet's cause
+#: the paths a fleet looks at (a vLLM member's access log leaves them out)
+QUIET_PATHS = ("/health", "/kvpool/sleep", "/is_sleeping")
+#: a sleep's reason as a server counts it -> the fleet's cause
 CAUSE_OF = {"idle": "idle", "pressure": "pressure", "operator": "operator",
             "http": "operator"}
 
@@ -136,32 +142,40 @@ class Bundled:
         return Launch(argv, member_env(member, {}))
 
     def observe(self, body: Any) -> Observed:
-        if not isinstance(body, dict) or not isinstance(body.get("is_sleeping"), bool):
-            raise ValueError(f"unexpected sleep state {str(body)[:80]!r}")
-        sleeps: dict[str, int] = {}
-        counted = body.get("sleeps")
-        for reason, n in (counted.items() if isinstance(counted, dict) else ()):
-            cause = CAUSE_OF.get(str(reason))
-            if cause is not None and isinstance(n, int):
-                sleeps[cause] = sleeps.get(cause, 0) + n
-        wakes = body.get("wakes")
-        return Observed(body["is_sleeping"], sleeps,
-                        wakes if isinstance(wakes, int) else None)
+        return observe_counts(body)
+
+
+def observe_counts(body: Any) -> Observed:
+    """A ``GET /kvpool/sleep`` body (the bundled server's, and the vLLM plugin's: one
+    shape): the state, the sleeps by cause (:data:`CAUSE_OF`), the wakes."""
+    if not isinstance(body, dict) or not isinstance(body.get("is_sleeping"), bool):
+        raise ValueError(f"unexpected sleep state {str(body)[:80]!r}")
+    sleeps: dict[str, int] = {}
+    counted = body.get("sleeps")
+    for reason, n in (counted.items() if isinstance(counted, dict) else ()):
+        cause = CAUSE_OF.get(str(reason))
+        if cause is not None and isinstance(n, int):
+            sleeps[cause] = sleeps.get(cause, 0) + n
+    wakes = body.get("wakes")
+    return Observed(body["is_sleeping"], sleeps, wakes if isinstance(wakes, int) else None)
 
 
 class Vllm:
     """vLLM's OpenAI server with the kvpool plugin (:mod:`kvpool.engine_adapters.vllm`)."""
 
-    state_path = "/is_sleeping"
+    state_path = "/kvpool/sleep"
     stats_path: str | None = None  # (its KV use is vLLM's own /metrics')
-    reserved_args: tuple[str, ...] = ("--host", "--port", "--model", "--served-model-name", "--max-num-seqs")
+    reserved_args: tuple[str, ...] = ("--host", "--port", "--model", "--served-model-name",
+                                      "--max-num-seqs", "--disable-access-log-for-endpoints")
 
     def launch(self, member: MemberSpec, port: int) -> Launch:
         e = member.entry
         argv = [*launch.module_argv("vllm.entrypoints.openai.api_server"),
                 "--model", str(e.checkpoint), "--served-model-name", e.name,
                 "--host", "127.0.0.1", "--port", str(port),
-                "--max-num-seqs", str(e.max_num_seqs), "--disable-log-stats", *e.args]
+                "--max-num-seqs", str(e.max_num_seqs), "--disable-log-stats",
+                # the fleet's looks, twice a second, kept out of the member's log
+                "--disable-access-log-for-endpoints", ",".join(QUIET_PATHS), *e.args]
         if not member.elastic:  # vLLM alone, its KV fixed at kv_cache_size (after args: ours)
             argv += ["--kv-cache-memory-bytes", str(e.kv_cache_size)]
             return Launch(argv, member_env(member, {"VLLM_SERVER_DEV_MODE": "1",
@@ -175,9 +189,7 @@ class Vllm:
         return Launch(argv, member_env(member, extra))
 
     def observe(self, body: Any) -> Observed:
-        if not isinstance(body, dict) or not isinstance(body.get("is_sleeping"), bool):
-            raise ValueError(f"unexpected sleep state {str(body)[:80]!r}")
-        return Observed(body["is_sleeping"])
+        return observe_counts(body)
 
 
 #: every server kind by a fleet entry's ``engine``

@@ -16,6 +16,7 @@ changes a member; :meth:`stop` blocks for up to its grace time (call it on a thr
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -40,6 +41,13 @@ READY: tuple[MemberState, ...] = (AWAKE, ASLEEP)
 WATCHED: tuple[MemberState, ...] = (AWAKE, ASLEEP, HUNG)
 FAILED_BACKOFF_S = 10.0  # a failed member is started again by a request after this long
 STOP_GRACE_S = 10.0
+#: a log line that says what went wrong: an exception's line (``ValueError: ...``,
+#: ``RuntimeError: ...``), a ``kvpool:`` refusal, a logger's ERROR/CRITICAL line
+ERROR_LINE = re.compile(r"(\b[A-Za-z_.]*(Error|Exception|Exit)\b:?|^kvpool: |\b(ERROR|CRITICAL|"
+                        r"FATAL)\b)")
+#: a warning (Python's, a logger's): never the reason a server died
+WARNING_LINE = re.compile(r"(Warning\b|\bWARNING\b|\bwarnings\.warn)")
+READ_BACK = 64 << 10  # bytes of the end of a log read for the last error line
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -68,6 +76,7 @@ class Member:
         self.answered_at = 0.0  # monotonic: the last look its server answered
         self.failed_at = 0.0
         self.last_error = ""
+        self.log_from = 0  # the log's size when the current process started
         self.starts = 0
         self.inflight = 0  # requests the router sent it that have not finished
         self.completed = 0  # requests the router sent it that have finished (however)
@@ -99,6 +108,7 @@ class Member:
         port = free_port()
         how = self.kind.launch(self.spec, port)
         self.log.parent.mkdir(parents=True, exist_ok=True)
+        self.log_from = self.log.stat().st_size if self.log.exists() else 0
         self.popen = launch.spawn_process(how.argv, self.log, new_session=True, append=True,
                                           base_env=how.env, die_with_parent=True)
         self.url = f"http://127.0.0.1:{port}"
@@ -128,6 +138,36 @@ class Member:
         """The last non-empty lines of the server's log (why it died)."""
         tail = [x for x in launch.log_tail(self.log, 40).splitlines() if x.strip()]
         return " | ".join(tail[-lines:])[:300]
+
+    def why_exited(self, code: int) -> str:
+        """Why the process exited with status ``code``, in one line: the signal that
+        killed it, else the exit code and the last error line the process wrote
+        (:data:`ERROR_LINE`, never a warning; none found: the code alone)."""
+        if code < 0:
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = f"signal {-code}"
+            return f"killed by {name}"
+        line = self.last_error_line()
+        return f"exited with code {code}" + (f": {line}" if line else "")
+
+    def last_error_line(self) -> str:
+        """The last line of the current process's log that says what went wrong ('')."""
+        try:
+            with open(self.log, "rb") as f:
+                size = f.seek(0, os.SEEK_END)
+                start = max(self.log_from, size - READ_BACK)
+                f.seek(start)
+                text = f.read().decode(errors="replace")
+        except OSError:
+            return ""
+        for line in reversed(text.splitlines()):
+            line = line.strip()
+            if line and ERROR_LINE.search(line) and not WARNING_LINE.search(line) \
+                    and not line.startswith(("File ", "Traceback ")):
+                return line[:300]
+        return ""
 
     def kill(self) -> None:
         """SIGKILL the process group (a hung server: a stopped one ignores SIGTERM) and

@@ -52,6 +52,9 @@ from kvpool.fleet.supervisor import Supervisor
 
 GRACE_S = 5  # open streams at shutdown
 QUEUE_SLACK_S = 30.0  # a waiting request's deadline beyond start_timeout_s
+#: what a vLLM member cannot do that a bundled one does (one line at start)
+VLLM_LIMITS = ("its weights stay in its own memory, not in the pool (a sleep frees its "
+               "KV cache alone, and no other member shares them)")
 
 
 class FleetError(RuntimeError):
@@ -93,6 +96,8 @@ def build(config: FleetConfig, run_dir: Path, log_dir: Path,
                    i, kind, log_dir / f"{e.tenant(i)}.log")
             for i in range(e.replicas)]
         metrics.add_model(e.name, e.replicas)
+        if e.engine == "vllm":  # what it cannot do, said once (docs/FLEET.md)
+            log(f"fleet: {e.name} runs on vLLM: {VLLM_LIMITS}")
     try:  # the members inherit KVPOOL_CONTROL_TOKEN(_FILE): their /wake_up wants it
         control = control_token.headers(os.environ)
     except control_token.ControlTokenError as e:

@@ -4,15 +4,17 @@ One watch task looks at every member each ``poll_s`` (all looks at once):
 
 * ``starting``: ``GET /health`` 200 makes it ``awake``; a process that exits, or is not
   healthy within the fleet's ``start_timeout_s``, makes it ``failed`` (one log line
-  with the end of its log; ``kvpool_fleet_upstream_errors_total{kind="start"}``);
+  saying why; ``kvpool_fleet_upstream_errors_total{kind="start"}``);
 * ``awake``/``asleep``/``hung``: a process that exited is started again at once (one
   log line, ``kvpool_fleet_restarts_total``); else its sleep state is read (``GET`` the
   kind's ``state_path``, ``LOOK_TIMEOUT_S``), then its KV figures when the kind has a
-  ``stats_path`` (``Member.kv``, for :mod:`kvpool.fleet.router_protocol`). Sleeps are counted by cause from the
-  server's own counters when it keeps them (bundled); otherwise an ``awake -> asleep``
-  change counts as ``idle`` when the model has ``sleep_after`` and the router sent it
-  nothing for that long, else as ``pressure`` (an operator's sleep of such a server is
-  counted as pressure).
+  ``stats_path`` (``Member.kv``, for :mod:`kvpool.fleet.router_protocol`). Sleeps are
+  counted by cause from the server's own counters (``GET /kvpool/sleep``: the bundled
+  server's, and vLLM's with the kvpool plugin); only a server that kept none would have
+  an ``awake -> asleep`` change guessed, ``idle`` when the model has ``sleep_after`` and
+  the router sent it nothing for that long, else ``pressure`` (no kind of the fleet's is
+  such a server). A process that exited is named by its signal, or by its exit code and
+  its last error line (:meth:`~kvpool.fleet.member.Member.why_exited`).
 * a member whose server has answered no look for ``hung_after_s`` (a stopped or
   deadlocked process: the kernel still accepts its connections, nothing answers) is
   ``hung``: the router sends it nothing (another replica serves; none: 503). One that
@@ -251,7 +253,7 @@ class Supervisor:
         code = m.exit_code()
         if code is not None:
             m.kill_group()
-            self._failed(m, f"exited with code {code} while starting: {m.log_tail()}")
+            self._failed(m, f"{m.why_exited(code)} (while starting)")
             return
         version = self._version(m)
         if await self._healthy(m):
@@ -270,8 +272,7 @@ class Supervisor:
         if code is not None:
             m.kill_group()
             self.metrics.restarts.labels(m.model).inc()
-            self.say(f"fleet: {m.tenant} exited with code {code}; restarting it "
-                     f"({m.log_tail()})")
+            self.say(f"fleet: {m.tenant} {m.why_exited(code)}; restarting it")
             self._spawn(m)
             return
         version = self._version(m)

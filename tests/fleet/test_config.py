@@ -216,3 +216,22 @@ def test_without_a_daemon_it_says_so(folder: Path, monkeypatch: pytest.MonkeyPat
     r = CliRunner().invoke(cli, ["fleet", str(f), "--port", "0"])
     assert r.exit_code == 1 and len(r.stderr.splitlines()) == 1, r.output
     assert "no kvpool daemon serves at" in r.stderr and "--with-daemon" in r.stderr
+
+
+def test_with_daemon_a_vllm_member_needs_its_own_kv_unit(folder: Path) -> None:
+    """vLLM's KV unit (the plugin's, vllm/kv_units.py: two blocks of 128 tokens on the
+    CPU) is what its member needs at start, not the bundled engine's 16-token chunk: a
+    budget between the two is refused with one line instead of a member dying at start."""
+    daemon = "[daemon]\nbudget = \"48KiB\"\npage_size = \"16KiB\"\n"
+    local = GOOD + "weights = \"local\"\n"
+    f = folder / "fleet.toml"
+    f.write_text(daemon + local)
+    assert load(f, with_daemon=True).models  # bundled: one 16 KiB chunk fits
+    vllm = daemon + GOOD + "engine = \"vllm\"\n"
+    code, lines, out = run(folder, vllm, "--with-daemon")
+    assert code == 2 and len(lines) == 1, out
+    # alpha: 1 layer x K,V x 128 tokens x 1 head x 32 x float32 = 32 KiB a block, two
+    assert lines[0] == (f"{f}: daemon.budget: 48 KiB cannot hold the largest model (alpha: "
+                        f"0 B of weights in the pool plus one KV chunk of 64 KiB)"), lines
+    f.write_text(vllm + "args = [\"--block-size\", \"32\"]\n")  # 8 KiB blocks: it fits
+    assert load(f, with_daemon=True).models

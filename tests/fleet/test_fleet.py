@@ -246,7 +246,7 @@ def test_a_member_killed_mid_stream_is_an_error_event_and_is_restarted(fleet) ->
     errors = [json.loads(x[6:]) for x in lines if x.startswith("data: {") and '"error"' in x]
     assert len(errors) == 1 and errors[0]["error"]["code"] == "upstream_error", text
     assert lines[-1] == "data: [DONE]", text
-    wait_for(lambda: "alpha exited with code -9; restarting" in fleet.logs(), DEADLINE_S,
+    wait_for(lambda: "alpha killed by SIGKILL; restarting" in fleet.logs(), DEADLINE_S,
              0.2, "the restart's log line")
     assert complete(fleet, "alpha") == refs["alpha"]  # served by the new server
     assert fleet.ps()["alpha"]["pid"] != pid

@@ -5,6 +5,9 @@ API server process (where the config is built):
                                         kvpool's virtual capacity; one rank on CPU runs the
                                         uniprocess executor so the scheduler and the KV
                                         cache share a process (as on a one-GPU server).
+  ``dev.sleep.api_router.attach_router``  kvpool's ``POST /wake_up`` (503 of one line
+                                        when the memory does not come) and ``GET
+                                        /kvpool/sleep`` before vLLM's (sleep_routes.py).
 Engine-core process:
   ``CPUWorker/Worker.determine_available_memory``  registers the tenant, reports the
                                         virtual capacity (no static slice, no free-memory
@@ -24,6 +27,12 @@ Engine-core process:
   ``EngineCore.add_request``            wakes a sleeping engine first (:mod:`.sleep`);
   ``EngineCoreProc._process_engine_step``  reports busy/idle to the daemon after a step;
   ``EngineCore.is_sleeping``            also true when kvpool put the engine to sleep;
+  ``EngineCore.wake_up``                also wakes a sleep of kvpool's (vLLM's own wake
+                                        ends at "Executor is not sleeping");
+  ``EngineCore.kvpool_sleep_state``     (added) the sleep's state and counts, a utility
+                                        call of the API server's ``GET /kvpool/sleep``;
+  ``EngineCore.kvpool_wake``            (added) ``wake_up`` answering its failure, a
+                                        utility call of kvpool's ``POST /wake_up``;
   ``CPUWorker.sleep/wake_up``           (a no-op on CPU in vLLM) KV-level sleep and wake.
 Tensor parallelism (:mod:`.tp`):
   ``Executor.initialize_from_config``   (engine core) the allocator over the gang;
@@ -76,6 +85,17 @@ def _patch_arg_utils(b: VllmBridge, mod: ModuleType) -> None:
 
     _ours.add(create_engine_config)
     cls.create_engine_config = create_engine_config
+
+
+def _patch_sleep_routes(b: VllmBridge, mod: ModuleType) -> None:
+    from kvpool.engine_adapters.vllm.sleep_routes import attach_first
+
+    original: Callable[..., None] = mod.attach_router
+    if original in _ours:
+        return
+    attach = attach_first(original)
+    _ours.add(attach)
+    setattr(mod, "attach_router", attach)
 
 
 # ---- engine-core process: memory sizing -------------------------------------------------
@@ -243,6 +263,44 @@ def _patch_sleep(b: VllmBridge, mod: ModuleType) -> None:
         return is_sleeping(self) or (b.sleep is not None and b.sleep.is_sleeping)
 
     setattr(mod.EngineCore, "is_sleeping", is_sleeping_too)
+    wake_up: Callable[..., bool] = mod.EngineCore.wake_up
+
+    @functools.wraps(wake_up)
+    def wake_up_too(self: Any, tags: list[str] | None = None) -> bool:
+        # vLLM's wake reaches the worker only when vLLM's own sleep paused the executor
+        # ("Executor is not sleeping" otherwise): a sleep of kvpool's is woken here, so
+        # the route's answer is the wake (core_sleep.py)
+        if self.model_executor.is_sleeping or b.sleep is None or \
+                (tags is not None and "kv_cache" not in tags):
+            return wake_up(self, tags)
+        if b.sleep.is_sleeping and not b.sleep.wake("http"):
+            raise AdapterError(f"kvpool: cannot wake: {b.sleep.last_error}")
+        if self.is_scheduler_paused():
+            self.resume_scheduler()
+        return True
+
+    setattr(mod.EngineCore, "wake_up", wake_up_too)
+
+    def kvpool_wake(self: Any, tags: list[str] | None = None) -> tuple[bool, str]:
+        """``wake_up`` for kvpool's route (sleep_routes.py): (fully awake, '') or (False,
+        why in one line); a failure is an answer, not an exception vLLM logs with its
+        traceback."""
+        try:
+            return wake_up_too(self, tags), ""
+        except Exception as e:
+            from kvpool.engine_adapters.vllm.sleep_routes import wake_failure
+
+            return False, wake_failure(e)
+
+    setattr(mod.EngineCore, "kvpool_wake", kvpool_wake)
+
+    def kvpool_sleep_state(self: Any) -> dict[str, Any]:
+        """The state and counts of kvpool's sleep (``GET /kvpool/sleep``, sleep_routes.py)."""
+        from kvpool.engine_adapters.vllm.sleep_routes import sleep_state
+
+        return sleep_state(b.sleep, is_sleeping_too(self))
+
+    setattr(mod.EngineCore, "kvpool_sleep_state", kvpool_sleep_state)
 
 
 def _patch_cpu_worker_sleep(b: VllmBridge, cls: Any) -> None:
@@ -357,6 +415,7 @@ def install(b: VllmBridge) -> None:
     process's one adapter object: each patched vLLM method holds it (a closure); no
     module global refers to it."""
     for name, patch in (("vllm.engine.arg_utils", _patch_arg_utils),
+                        ("vllm.entrypoints.serve.dev.sleep.api_router", _patch_sleep_routes),
                         ("vllm.v1.worker.cpu_worker", _patch_cpu_worker),
                         ("vllm.v1.worker.gpu_worker", _patch_gpu_worker),
                         ("vllm.v1.engine.core", _patch_engine_core),

@@ -212,7 +212,8 @@ def footprint(entry: ModelEntry, backend: str) -> int:
     """A swap member's bytes: its weights as its server holds them (the checkpoint's
     weight files, doubled for 16-bit weights held in float32) plus its static KV."""
     try:
-        info = inspect(entry.checkpoint, entry.engine, holds_float32(backend, entry.args))
+        info = inspect(entry.checkpoint, entry.engine, holds_float32(backend, entry.args,
+                                                                   entry.engine))
     except ValueError as e:
         raise PolicyError(f"policy swap: model {entry.name}: {e}") from None
     return info.weight_bytes + entry.kv_cache_size
