@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -131,16 +133,25 @@ def test_the_fleet_speaks_the_routers_protocol_for_its_own_queue(fleet) -> None:
     assert one(idle, "kvpool:granted_bytes", "m") > 0
     assert blocks(idle, "broken") == 0 and one(idle, "vllm:kv_cache_usage_perc", "broken") == 0
 
-    body = {"model": "m", "prompt": PROMPT, "max_tokens": 200, "temperature": 0,
-            "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", f"{fl.url}/v1/completions", json=body, timeout=DEADLINE_S) as r:
-        lines = r.iter_lines()
-        assert next(line for line in lines if line.startswith("data:"))
-        types, busy = read(fl)
-        check_protocol(types, busy)
-        assert one(busy, "vllm:num_requests_running", "m") == 1
-        for _ in lines:
-            pass
+    # m's engine is stopped (SIGSTOP) so the request stays in flight however fast the tiny
+    # model is (a stream's first line can arrive after the request ended: the CI run that
+    # read "running 0" here); the gauges are read while it is
+    pid = fl.ps()["m"]["pid"]
+    body = {"model": "m", "prompt": PROMPT, "max_tokens": 16, "temperature": 0,
+            "ignore_eos": True}
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        with ThreadPoolExecutor(1) as ex:
+            fut = ex.submit(httpx.post, f"{fl.url}/v1/completions", json=body,
+                            timeout=DEADLINE_S)
+            types, busy = wait_for(lambda: (lambda t, m: (t, m) if one(
+                m, "vllm:num_requests_running", "m") == 1 else None)(*read(fl)),
+                DEADLINE_S, 0.1, "m's request in the fleet's gauges")
+            check_protocol(types, busy)
+            os.kill(pid, signal.SIGCONT)
+            assert fut.result().status_code == 200
+    finally:
+        os.kill(pid, signal.SIGCONT)
 
     run_dir = fl.run_dir()
     out = subprocess.run([*TOP, "sleep", "m", "--run-dir", str(run_dir)], cwd=REPO,

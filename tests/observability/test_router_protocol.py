@@ -113,6 +113,23 @@ def test_a_failing_memory_source_leaves_the_static_meaning(tiny_dir) -> None:  #
         llm.engine.close()
 
 
+def read_while_running(port: int, base: str, body: dict, attempts: int = 5):
+    """The metrics read while one streamed request runs in the server (engine and server
+    share one process, so it cannot be paused from outside): a read that finds the
+    request already finished (its first line can arrive late on a busy machine) is not
+    a sample of a running request, and the request is sent again."""
+    for _ in range(attempts):
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=120) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data:"))
+            types, m = read(port)
+            for _ in lines:
+                pass
+        if one(m, "vllm:num_requests_running", model_name=NAME) == 1:
+            return types, m
+    raise AssertionError(f"no read found the request running in {attempts} attempts")
+
+
 def test_a_server_speaks_the_routers_protocol_with_elastic_meanings(start_daemon, tmp_path
                                                                      ) -> None:
     from adapters.serve_procs import Servers, complete, prompt
@@ -137,15 +154,9 @@ def test_a_server_speaks_the_routers_protocol_with_elastic_meanings(start_daemon
         # a request running: its blocks are in use, counted over what the server holds
         body = {"prompt": prompt(1, 64), "max_tokens": 200, "temperature": 0,
                 "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", f"{s.base}/v1/completions", json=body, timeout=120) as r:
-            lines = r.iter_lines()
-            assert next(line for line in lines if line.startswith("data:"))
-            types, busy = read(s.port)
-            check_protocol(types, busy)
-            assert one(busy, "vllm:num_requests_running", model_name=NAME) == 1
-            assert one(busy, "vllm:kv_cache_usage_perc", model_name=NAME) > 0
-            for _ in lines:
-                pass
+        types, busy = read_while_running(s.port, s.base, body)
+        check_protocol(types, busy)
+        assert one(busy, "vllm:kv_cache_usage_perc", model_name=NAME) > 0
 
         # another tenant takes every free page: nothing is grantable at once, so the
         # server's blocks are what it holds, far below its virtual maximum
@@ -167,17 +178,12 @@ def test_a_server_speaks_the_routers_protocol_with_elastic_meanings(start_daemon
         assert config_blocks(idle) > config_blocks(tight)  # the room it had is gone
         body = {"prompt": prompt(3, 16), "max_tokens": 40, "temperature": 0,
                 "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", f"{s.base}/v1/completions", json=body, timeout=120) as r:
-            lines = r.iter_lines()
-            assert next(line for line in lines if line.startswith("data:"))
-            types, busy = read(s.port)  # in use over what it holds, not over the maximum
-            check_protocol(types, busy)
-            used = one(busy, "kvpool_engine_kv_blocks", model_name=NAME, state="used")
-            held = one(busy, "kvpool:kv_blocks_held", model_name=NAME)
-            usage = one(busy, "vllm:kv_cache_usage_perc", model_name=NAME)
-            assert used > 0 and usage == used / held > used / virtual
-            for _ in lines:
-                pass
+        types, busy = read_while_running(s.port, s.base, body)
+        check_protocol(types, busy)  # in use over what it holds, not over the maximum
+        used = one(busy, "kvpool_engine_kv_blocks", model_name=NAME, state="used")
+        held = one(busy, "kvpool:kv_blocks_held", model_name=NAME)
+        usage = one(busy, "vllm:kv_cache_usage_perc", model_name=NAME)
+        assert used > 0 and usage == used / held > used / virtual
         hog.set_lease(0)
         wait_for(lambda: one(read(s.port)[1], "kvpool:kv_blocks_grantable",
                              model_name=NAME) > 0, 60, 0.05, "room again after the lease")
