@@ -76,6 +76,8 @@ __all__ = ["AlreadyRunning", "Server", "StartupError", "raise_fd_limit", "run"]
 
 log = logging.getLogger("kvpool.daemon")
 
+SLOW_STEP_S = 1.0  # a handler or request that holds the loop this long is logged
+
 NO_WATCHDOG_S = 3600.0  # how often the watchdog timer wakes when systemd set none
 
 
@@ -248,6 +250,7 @@ class Server:
 
     def _guard(self, fd: int | None, fn: Callable[..., None], *args: Any) -> None:
         """Run ``fn``; an unexpected exception drops the tenant behind ``fd`` (if any)."""
+        began = time.monotonic()
         try:
             fn(*args)
         except Exception as e:  # a bug must not stop the daemon
@@ -259,6 +262,11 @@ class Server:
                 self.drop(t, f"internal error: {type(e).__name__}: {e}")
             elif fd is not None and fd not in (self.sessions.listener.fileno(), self._wake_r):
                 self.fdwatch.unwatch(fd)
+        finally:
+            took = time.monotonic() - began
+            if took >= SLOW_STEP_S:  # every request behind it waited as long
+                log.warning("the event loop was held %.1f s by %s", took,
+                            getattr(fn, "__qualname__", repr(fn)))
 
     def _tenant_of_fd(self, fd: int) -> TenantRecord | None:
         t = self.devices.tenants.by_fileno.get(fd)
@@ -341,10 +349,14 @@ class Server:
             self.arbiter.counters.errors += 1
             self.control.reply(envelope, p.error(req.id, p.NOT_FOUND, why))
             return
+        began = time.monotonic()
         try:
             if isinstance(req, p.Adopt) and t is not None:
                 self.sessions.take_stash(t, req.id)
             out = self.devices.arbiter_of(sender).handle(identity, req, envelope)
+            took = time.monotonic() - began
+            if took >= SLOW_STEP_S:
+                log.warning("a %s request took %.1f s to handle", type(req).__name__, took)
         except Exception as e:  # a bug must not stop the daemon
             log.exception("request %s failed", type(req).__name__)
             self.arbiter.counters.errors += 1

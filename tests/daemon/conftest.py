@@ -13,11 +13,26 @@ from .helpers import (PAGE, DaemonProc, daemon_command, spawn_daemon, stop_daemo
                       wait_ready)
 
 
+LOG_TAIL = 12_000  # characters of each daemon's log a failed test report shows
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test's report carries the tail of each daemon it started (CI keeps no
+    files: the log is the only witness of what the daemon was doing)."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        for d in getattr(item, "kvpool_daemons", ()):
+            report.sections.append((f"daemon log {d.log.name}", d.logs()[-LOG_TAIL:]))
+
+
 @pytest.fixture
-def start_daemon():
+def start_daemon(request):
     """``start_daemon(budget=..., page_size=..., extra=[...])`` -> :class:`DaemonProc`;
     ``launcher`` replaces ``python -m kvpool.cli.main`` (e.g. a fault-injecting wrapper)."""
     started: list[DaemonProc] = []
+    request.node.kvpool_daemons = started  # shown when the test fails
 
     def start(budget: str = "8MiB", page_size: int = PAGE, extra: tuple[str, ...] = (),
               env: dict | None = None, launcher: list[str] | None = None) -> DaemonProc:

@@ -51,10 +51,13 @@ class DaemonProc:
     def cli_json(self, *args: str):
         return json.loads(self.cli(*args, "--json").stdout)
 
-    def monitor(self):
+    def monitor(self, timeout_s: float = 60.0):
+        """A monitor session. Its requests wait up to ``timeout_s``: a test asserts what
+        the daemon answers, not how fast a loaded machine lets it (latency is measured
+        in benchmarks/)."""
         from kvpool.client_lib import Monitor
 
-        return Monitor(self.run_dir)
+        return Monitor(self.run_dir, timeout_s=timeout_s)
 
     def connect(self, name: str, **kw):
         from kvpool.client_lib import connect
