@@ -18,8 +18,9 @@ timeout 1 s, and from ``ps`` (the reply ``kvpool ps --json`` prints):
   null block's unit);
 * ``asleep``: mapped after ``kvpool sleep NAME`` (0);
 * ``woken``: the most mapped over 0.8 s after one short request (6 prompt tokens, 8
-  generated) woke it and was served: the units that request needs plus the allocator's
-  reserve (``high``, 2 units);
+  generated) woke it and was served: the units that request needs (the null block's
+  unit holds its blocks); the allocator's reserve (``high``, 2 units) is not refilled
+  after a wake until requests outgrow what is mapped (it was before: 3 units);
 * the request's greedy tokens, before the sleep and after the wake (equal).
 
     python benchmarks/unit_bench.py                       # both engines (3-6 min, 2 cores)

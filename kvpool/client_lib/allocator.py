@@ -213,7 +213,7 @@ class ElasticBlockAllocator:
                     return out
                 k = -(-(n - self.book.free_count) // self.blocks_per_chunk)
                 if not wait and self._refill.has_demand():  # already asked in the background
-                    self._refill.add_demand(k + self.high)
+                    self._refill.add_demand(k, self.high)
                     return None
                 chunks = self.book.pick_unmapped(k)
                 if chunks is None:
@@ -222,10 +222,13 @@ class ElasticBlockAllocator:
             if got is False:
                 if not wait:  # ask for a burst's worth at once: one reclaim round, not many
                     with self.lock:
-                        self._refill.add_demand(k + self.high)
+                        self._refill.add_demand(k, self.high)
                     self._refill.wake()
                 return None
             if isinstance(got, list):  # else None: others took the free blocks; again
+                if not resuming:  # requests outran the mapped chunks: refills run again
+                    with self.lock:
+                        self._refill.arm()
                 self._refill.wake()
                 return got
 
@@ -310,7 +313,7 @@ class ElasticBlockAllocator:
                     self._refill.wake()
                 return out
             if not wait and self._refill.has_demand():
-                self._refill.add_demand(k + self.high)
+                self._refill.add_demand(k, self.high)
                 return None
             chunks = self.book.pick_unmapped(k)
             if chunks is None:
@@ -325,12 +328,13 @@ class ElasticBlockAllocator:
             with self.lock:
                 self.book.return_unmapped(chunks)
                 if not wait:
-                    self._refill.add_demand(k + self.high)
+                    self._refill.add_demand(k, self.high)
             self._refill.wake()
             return None
         with self.lock:
             self.grants += 1
             self.book.adopt_chunks(chunks)
+            self._refill.arm()
         return chunks
 
     def pick_unmapped_chunks(self, k: int) -> list[int] | None:
@@ -372,6 +376,7 @@ class ElasticBlockAllocator:
                     raise ValueError(f"suspend: {self.book.in_use} block(s) are still held")
                 self.suspended = True
                 self._refill.clear_demand()
+                self._refill.disarm()  # the wake maps what its first requests take
                 self.book.demote_if_empty()
                 n = self.book.reserve_size
             return self.release_reserve_chunks(n) if n else 0
@@ -380,8 +385,10 @@ class ElasticBlockAllocator:
         """Grant again after :meth:`suspend`. With ``take_first``, that many blocks are
         allocated to the caller first (waiting for the grant like ``alloc``), before the
         refill can map any chunk, so they are blocks ``0, 1, ...`` as at construction.
-        Returns them ([] without ``take_first``), or None when the memory did not come
-        (still suspended; call again)."""
+        The reserve is not refilled until the engine's requests need a grant of their
+        own (:meth:`Refiller.arm`): a wake maps what its first requests take. Returns
+        them ([] without ``take_first``), or None when the memory did not come (still
+        suspended; call again)."""
         with self._refill.quiet():
             with self.lock:
                 if not self.suspended:

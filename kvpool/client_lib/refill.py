@@ -3,10 +3,17 @@
 One :class:`Refiller` per :class:`~kvpool.client_lib.allocator.ElasticBlockAllocator`.
 Each step (:meth:`Refiller.rebalance`, every ``tick_s`` or when woken):
 
-* *demand*: chunks a non-waiting ``alloc`` could not get are asked for in one grant the
-  daemon may hold while it reclaims from others; they land in the reserve;
+* *demand*: chunks a non-waiting ``alloc`` could not get (and a reserve of ``high``
+  besides) are asked for in one grant the daemon may hold while it reclaims from others;
+  they land in the reserve. When the daemon refuses that (the reserve would take the
+  tenant past its fair share: "at its fair share"), the missing chunks alone are asked
+  for at once, so a tenant below its fair share always gets what its requests need;
 * *refill*: below ``low`` reserve chunks, one speculative grant up to ``high`` (served
-  from free memory only, never making the daemon reclaim from others);
+  from free memory only, never making the daemon reclaim from others) — once *armed*:
+  from the start, and after a :meth:`Refiller.disarm` (the engine slept) only once a
+  grant for demand (a slow-path ``alloc``, whole chunks, background demand) showed that
+  the mapped chunks no longer cover the engine's requests; so a wake maps what its first
+  requests need, not a reserve besides (issue 36 item 5);
 * *trim*: above ``high``, one release of the surplus; after ``idle_timeout_s`` without
   alloc/free the watermarks are 0 and the reserve drains completely;
 * *report*: the reserve and bytes in use go to the daemon (for ``ps``/``map``) at most
@@ -82,8 +89,10 @@ class Refiller:
         self._last_report = 0.0
         self._reported: tuple[tuple[int, ...], int] | None = None
         self._backoff_until = 0.0
-        self._demand = 0  # chunks non-waiting allocs could not get
+        self._demand = 0  # chunks non-waiting allocs could not get, and a reserve
+        self._demand_need = 0  # of which the chunks they could not get
         self._demand_after = 0.0
+        self._armed = True  # refills may run (see the module: disarm, arm)
         self._thread: threading.Thread | None = None
         self._step = threading.Lock()  # held across one rebalance (quiet() waits for it)
         if start:
@@ -104,13 +113,27 @@ class Refiller:
     def has_demand(self) -> bool:
         return self._demand > 0
 
-    def add_demand(self, chunks: int) -> None:
-        """Ask for at least ``chunks`` chunks on the next step (one reclaim round)."""
-        self._demand = max(self._demand, chunks)
+    def add_demand(self, chunks: int, reserve: int = 0) -> None:
+        """Ask for at least ``chunks`` chunks and ``reserve`` more on the next step (one
+        reclaim round; ``chunks`` alone when the daemon refuses both); the engine's
+        requests outran its mapped chunks, so refills run again (:meth:`arm`)."""
+        self._demand = max(self._demand, chunks + reserve)
+        self._demand_need = max(self._demand_need, chunks)
+        self._armed = True
+
+    def arm(self) -> None:
+        """(allocator lock held) A grant for demand happened: keep the reserve between the
+        watermarks again."""
+        self._armed = True
+
+    def disarm(self) -> None:
+        """(allocator lock held) No refill until the next grant for demand (:meth:`arm`):
+        the engine sleeps, and its wake maps only what its first requests take."""
+        self._armed = False
 
     def clear_demand(self) -> None:
         """(allocator lock held) Forget the demand (the engine goes to sleep)."""
-        self._demand = 0
+        self._demand = self._demand_need = 0
 
     @contextlib.contextmanager
     def quiet(self) -> Iterator[None]:
@@ -172,7 +195,7 @@ class Refiller:
             if idle:
                 book.demote_if_empty()  # an empty current chunk drains too
             r = book.reserve_size
-            grow = high - r if r < low and now >= self._backoff_until else 0
+            grow = high - r if r < low and self._armed and now >= self._backoff_until else 0
             chunks = book.pick_unmapped(min(grow, book.unmapped_size)) if grow else None
         if chunks:
             if not a.grow_reserve(chunks, speculative=True):
@@ -185,10 +208,17 @@ class Refiller:
         the grant for reclaim; they land in the reserve for the next ``alloc``."""
         a = self._alloc
         with a.lock:
-            k, self._demand = self._demand, 0
+            k, need = self._demand, self._demand_need
+            self._demand = self._demand_need = 0
             chunks = a.book.pick_unmapped(min(k, a.book.unmapped_size))
-        if chunks and not a.grow_reserve(chunks, speculative=False):
-            self._demand_after = time.monotonic() + DEMAND_RETRY_S
+        if not chunks or a.grow_reserve(chunks, speculative=False):
+            return
+        if 0 < need < len(chunks):  # refused with the reserve: what is missing alone
+            with a.lock:
+                chunks = a.book.pick_unmapped(min(need, a.book.unmapped_size))
+            if not chunks or a.grow_reserve(chunks, speculative=False):
+                return
+        self._demand_after = time.monotonic() + DEMAND_RETRY_S
 
     # ---- reports ------------------------------------------------------------------------
     def _state(self) -> tuple[tuple[int, ...], int]:

@@ -6,11 +6,15 @@ SmolLM2's KV block (30 layers x K/V x 16 tokens x 3 heads x 64 x float32) is 720
 with the engine's own block an allocation unit was ``lcm(2 MiB, 720 KiB)`` = 90 MiB and a
 wake mapped 3 of them (270 MiB: the null block's unit and a reserve of 2) for a request
 that needs 2 blocks. The adapter pads the block to 768 KiB (1/16 unused): 6 MiB units of
-8 blocks. Asserted from ``ps`` (``kvpool ps --json``): the tenant's ``chunk`` is a few
-pages, and after the wake it maps the unit holding the null block and the request's
-blocks plus at most the allocator's reserve (``high``: 2 units), 18 MiB at most.
-(Fails with ``KVPOOL_KV_UNIT=exact`` or with the padding taken out of
-``kv_unit.plan``: a 90 MiB chunk, 270 MiB mapped.)
+8 blocks. And the wake itself maps only that unit: the allocator's reserve (``high``: 2
+units) is not refilled after a wake until the engine's requests outgrow what is mapped
+(``Refiller.disarm``/``arm``), so a short request's wake left 18 MiB mapped before and
+6 MiB now. Asserted from ``ps`` (``kvpool ps --json``): the tenant's ``chunk`` is a few
+pages, and after the wake, read once the request is answered and again after a second
+one, it maps exactly one unit: the null block's, which holds the request's blocks.
+(Fails with ``KVPOOL_KV_UNIT=exact`` or with the padding taken out of ``kv_unit.plan``:
+a 90 MiB chunk, 270 MiB mapped; and with the ``disarm`` in ``allocator.suspend`` taken
+out: 3 units, 18 MiB.)
 """
 
 from __future__ import annotations
@@ -24,7 +28,6 @@ from .serve_procs import Servers
 
 MIB = 1 << 20
 PAGE = 2 * MIB
-HIGH = 2  # the allocator's reserve watermark, in units (TenantSettings.high)
 DEADLINE_S = 300.0
 PROMPT = "The capital of France is"  # 6 tokens; with 8 generated: one 16-token block
 MAX_TOKENS = 8
@@ -70,11 +73,13 @@ def test_a_wake_maps_no_more_than_its_first_request_needs(smollm2_dir, start_dae
         assert usage["prompt_tokens"] + usage["completion_tokens"] <= 16  # one block
         woken = wait_for(lambda: (x := row(d, "smol"))["state"] != "asleep" and x,
                          60, what="the woken server's state")
-        # the null block and the request's block share one unit; the refill may add the
-        # reserve (up to HIGH units, never more): read now or later, never above
-        assert 0 < woken["mapped"] <= (1 + HIGH) * chunk, woken
-        assert woken["mapped"] <= 18 * MIB, woken
+        # the null block and the request's block share one unit, and nothing else is
+        # mapped for it: no reserve refilled by the wake
+        assert woken["mapped"] == chunk <= 6 * MIB, woken
         assert woken["in_use"] <= chunk, woken
+        ask(srv.base)  # a second short request: still within that unit, nothing grown
+        later = row(d, "smol")
+        assert later["mapped"] == chunk, later
     finally:
         s.close()
 

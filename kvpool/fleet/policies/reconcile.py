@@ -23,6 +23,12 @@ the budget less the weight sets in use (the KV part of the device). Only the fle
 members are ever limited (its group's tenants). ``floor_percent`` is ``P`` (default 10:
 the source names P without a default); ``sleep_after`` (default 300 s, the same as
 idle-sleep's threshold: the source gives none) is checked at each round.
+
+The start-up window this leaves (tests/fleet/test_startup_race.py,
+benchmarks/startup_race_bench.py): an engine that grew first keeps what it holds above
+its share while another waits for memory, until a round; and a round's bases are
+``max(floor, KV in use)``, so not even a round takes the excess back (the daemon is
+``first_come``, so the budget itself is never exceeded: the late engine is refused).
 """
 
 from __future__ import annotations
