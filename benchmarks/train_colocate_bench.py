@@ -28,7 +28,8 @@ of the step spent switching; bytes copied per step (the checkpoint written, the 
 loaded, a wake's reload); each tenant's pool bytes after every cycle (residual growth:
 last vs first); the engine's and daemon's resident memory and the host peak.
 
-    .venv/bin/python benchmarks/train_colocate_bench.py [--cycles 100] [--modes kvpool,sleep1,sleep2,static]
+    .venv/bin/python benchmarks/train_colocate_bench.py [--cycles 100] \
+        [--modes kvpool,sleep1,sleep2,static]
 
 Writes benchmarks/results/train_colocate.json and train_colocate.png.
 """
