@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import resource
+import shutil
 import statistics
 from dataclasses import asdict
 import sys
@@ -299,6 +300,7 @@ def main() -> int:
                           max_tokens=8, greedy_check=False)
     t0 = time.monotonic()
     with ExitStack() as stack:
+        stack.callback(shutil.rmtree, work, True)  # checkpoints and logs: gone at the end
         runs = [Mode(m, stack, work, cfg, loop_cfg, static_kv) for m in modes]
         for k in range(args.cycles):  # interleaved: cycle k of every mode, then k + 1
             for m in runs:
