@@ -213,7 +213,9 @@ def summary(m: Mode, floor_rate: float) -> dict[str, Any]:
         "daemon_rss_first": m.rss[0]["daemon"], "daemon_rss_last": m.rss[-1]["daemon"],
         "host_rss_peak": max(r["engine"] + r["daemon"] for r in m.rss),
         "held_after": [r.held_after for r in recs],
-        "steps": [{k: v for k, v in r.as_dict().items() if k != "greedy"} for r in recs],
+        "steps": [{k: round(v, 5) if isinstance(v, float) else v
+                   for k, v in r.as_dict().items() if not k.startswith(("held", "greedy"))}
+                  for r in recs],  # (memory per cycle: held_after)
     }
 
 
