@@ -22,3 +22,15 @@ def test_elastic_overhead_bench_runs(tmp_path: Path) -> None:
     doc = json.loads(out.read_text())
     assert {r["batch"] for r in doc["results"]} and all(
         r["elastic"]["n"] > 0 and r["static"]["n"] > 0 for r in doc["results"])
+
+
+def test_train_colocate_bench_runs(tmp_path: Path) -> None:
+    out = tmp_path / "tc.json"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "train_colocate_bench.py"),
+                           "--cycles", "2", "--modes", "kvpool,sleep2", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert set(doc["modes"]) == {"kvpool", "sleep2"} and doc["check"] == {"kvpool": [],
+                                                                          "sleep2": []}
+    assert out.with_suffix(".png").exists()

@@ -2,7 +2,8 @@
 :mod:`kvpool.demo.fleet_run`): six models on a budget that holds two, static vs elastic
 KV vs a ``kvpool fleet``. ``--scenario kv`` (:mod:`kvpool.demo.run`): three models that
 fit, static partitions vs elastic KV, with tiny generated models or (``--model``) a real
-checkpoint."""
+checkpoint. ``--scenario train`` (:mod:`kvpool.demo.train_run`): a reinforcement-learning
+loop that learns, the rollout engine and the trainer on one budget."""
 
 from __future__ import annotations
 
@@ -17,10 +18,11 @@ if TYPE_CHECKING:
 
 
 @click.command()
-@click.option("--scenario", type=click.Choice(["fleet", "kv"]), default=None,
+@click.option("--scenario", type=click.Choice(["fleet", "kv", "train"]), default=None,
               help="fleet: six models on a budget that holds two, static vs elastic KV vs "
-              "kvpool fleet; kv: three models that fit, static vs elastic KV [default: "
-              "fleet; kv with --model, --engine vllm or --backend cuda]")
+              "kvpool fleet; kv: three models that fit, static vs elastic KV; train: an RL "
+              "loop, rollout engine and trainer on one budget [default: fleet; kv with "
+              "--model, --engine vllm or --backend cuda]")
 @click.option("--out", "out_dir", default="demo-out", show_default=True,
               type=click.Path(file_okay=False), help="models, logs, charts and results "
               "(fleet: fleet_results.json, fleet_memory.png, FLEET.toml; kv: results.json, "
@@ -46,9 +48,12 @@ if TYPE_CHECKING:
               show_default=True, help="memory backend; cuda runs every server on the GPU")
 @click.option("--engine", type=click.Choice(["bundled", "vllm"]), default="bundled",
               show_default=True, help="serve with kvpool's bundled engine or with vLLM")
+@click.option("--steps", default=None, type=click.IntRange(min=1),
+              help="(train) training steps [default: 12]")
 def demo(scenario: str | None, out_dir: str, model: str | None, budget: str | None,
          page_size: str | None, duration: float | None, peak_rate: float | None, base_rate: float | None, seed: int,
-         modes: tuple[str, ...], no_live: bool, backend: str, engine: str) -> None:
+         modes: tuple[str, ...], no_live: bool, backend: str, engine: str,
+         steps: int | None) -> None:
     """Serve several models on one (host) device under a bursty workload, once per mode,
     and compare: by default six models on a budget that holds two (static partitions,
     elastic KV, a kvpool fleet with sleep and wake); --scenario kv: three that fit."""
@@ -58,6 +63,12 @@ def demo(scenario: str | None, out_dir: str, model: str | None, budget: str | No
     if scenario is None:  # the kv scenario's own options imply it
         kv_only = model is not None or engine != "bundled" or backend != "host"
         scenario = "kv" if kv_only else "fleet"
+    if scenario == "train":
+        _train(out_dir, model, budget, page_size, duration, peak_rate, base_rate, seed,
+               modes, no_live, backend, engine, steps)
+        return
+    if steps is not None:
+        raise click.UsageError("--steps applies to --scenario train")
     if scenario == "fleet":
         _fleet(out_dir, model, budget, page_size, duration, peak_rate, base_rate, seed, modes,
                no_live, backend, engine)
@@ -127,6 +138,45 @@ def _fleet(out_dir: str, model: str | None, budget: str | None, page_size: str |
     try:
         run_fleet_demo(cfg)
     except ClusterError as e:
+        raise click.ClickException(f"demo failed: {e}") from None
+
+
+def _train(out_dir: str, model: str | None, budget: str | None, page_size: str | None,
+           duration: float | None, peak_rate: float | None, base_rate: float | None,
+           seed: int, modes: tuple[str, ...], no_live: bool, backend: str, engine: str,
+           steps: int | None) -> None:
+    """``--scenario train``: :func:`kvpool.demo.train_run.run_train_demo`. Options of the
+    other scenarios: one line, exit 2."""
+    from kvpool.demo.cluster import ClusterError
+    from kvpool.demo.train_run import TrainDemoConfig, run_train_demo
+    from kvpool.sizes import parse_size
+
+    other = {"--model": model is not None, "--duration": duration is not None,
+             "--peak-rate": peak_rate is not None, "--base-rate": base_rate is not None,
+             "--mode": bool(modes), "--backend": backend != "host",
+             "--engine": engine != "bundled"}
+    given = [name for name, on in other.items() if on]
+    if given:
+        raise click.UsageError(f"{', '.join(given)} do(es) not apply to --scenario train "
+                               "(the tiny model, bundled engine, host backend)")
+    cfg = TrainDemoConfig(out_dir=Path(out_dir),
+                          log=lambda line: click.echo(line, err=True))
+    try:
+        if budget is not None:
+            cfg.budget = parse_size(budget)
+        if page_size is not None:
+            cfg.page_size = parse_size(page_size)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+    from kvpool.client_lib import KvpoolError
+    from kvpool.demo.rl_loop import LoopConfig
+
+    cfg.loop = LoopConfig(seed=seed)
+    if steps is not None:
+        cfg.loop.steps = steps
+    try:
+        run_train_demo(cfg)
+    except (ClusterError, RuntimeError, KvpoolError) as e:  # e.g. a budget too small
         raise click.ClickException(f"demo failed: {e}") from None
 
 

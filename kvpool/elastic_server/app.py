@@ -1,6 +1,7 @@
 """The elastic bundled server (``kvpool serve MODEL --elastic``): the plain server's
 routes, sleep and wake (:mod:`.sleep`: ``/sleep``, ``/wake_up``, ``/is_sleeping``, every
-request admitted through the sleep controller, which wakes a sleeping model first), and
+request admitted through the sleep controller, which wakes a sleeping model first), a new
+checkpoint published between steps (:mod:`.weight_routes`: ``/kvpool/weights``), and
 warm restart (``kvpool serve MODEL --elastic
 --handoff-from TENANT`` — located through the daemon, :mod:`.locate` — or ``URL``): the
 new server asks the running one (``POST URL/pd/retire``) for
@@ -102,7 +103,7 @@ def serve_elastic(bridge: BundledBridge, host: str = "127.0.0.1", port: int = 80
     from kvpool.client_lib.connection import probe
     from kvpool.engine.engine import Engine
     from kvpool.engine.serving.server import create_app
-    from kvpool.elastic_server import locate, sleep_routes
+    from kvpool.elastic_server import locate, sleep_routes, weight_routes
     from kvpool.engine_adapters.bundled import engine_sleep
 
     try:  # who may use /sleep and /wake_up (kvpool.control_token): checked before loading
@@ -131,6 +132,7 @@ def serve_elastic(bridge: BundledBridge, host: str = "127.0.0.1", port: int = 80
     add_routes(app, aengine, relay_auth.RelayAuth(engine, giver))
     if controller is not None:
         sleep_routes.add_routes(app, controller, gate)
+    weight_routes.add_routes(app, engine, gate)
     uvicorn.run(app, host=host, port=port, log_level=log_level)
 
 

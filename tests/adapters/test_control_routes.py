@@ -1,5 +1,6 @@
 """Who may put a ``kvpool serve --elastic`` server to sleep or wake it (``POST /sleep``,
-``POST /wake_up``; :mod:`kvpool.control_token`), against real servers on a real daemon:
+``POST /wake_up``) or publish new weights to it (``POST /kvpool/weights``;
+:mod:`kvpool.control_token`), against real servers on a real daemon:
 
 * on a non-loopback address with ``KVPOOL_CONTROL_TOKEN``: no header is a 401, another
   token a 403 (also when the query is bad: the check comes first), the right token
@@ -50,7 +51,7 @@ def test_a_token_is_required_and_checked(start_daemon, servers) -> None:
     s = servers.start("t", run_dir=d.run_dir, extra=("--host", "0.0.0.0", "--sleepable"),
                       env={"KVPOOL_CONTROL_TOKEN": TOKEN})
     servers.wait_healthy()
-    for route in ("sleep", "wake_up"):
+    for route in ("sleep", "wake_up", "kvpool/weights"):
         r = control(s.base, route)
         assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer", r.text
         assert "KVPOOL_CONTROL_TOKEN" in one_line_error(r)
@@ -70,7 +71,7 @@ def test_without_a_token_a_server_off_loopback_refuses_them(start_daemon, server
     d = start_daemon(budget="32MiB")
     s = servers.start("t", run_dir=d.run_dir, extra=("--host", "0.0.0.0", "--sleepable"))
     servers.wait_healthy()
-    for route in ("sleep", "wake_up"):
+    for route in ("sleep", "wake_up", "kvpool/weights"):
         r = control(s.base, route, token="anything-at-all-0123456789")
         assert r.status_code == 403, r.text
         msg = one_line_error(r)

@@ -149,6 +149,36 @@ class PoolWeights:
             self.held = True
             return self.loads == loads
 
+    def rekey(self, key: str, load: Callable[[Mapping[str, torch.Tensor]], None]) -> bool:
+        """Serve another set of the same layout from now on (a new checkpoint): held, the
+        current set is detached (the range kept) and ``key``'s attached, or created,
+        loaded with ``load`` and sealed, at the SAME addresses, so the parameters never
+        change; released (asleep), only remembered (:meth:`restore` opens it). Returns
+        True when this call loaded the set (bytes copied), False when it attached one or
+        only remembered it. When the new set cannot be opened the old one is opened
+        again (warm while the daemon caches it) and the error raised. The caller makes
+        sure nothing reads the parameters meanwhile (the engine's ``step_lock``)."""
+        with self._lock:
+            old_key, old_load = self.key, self._load_tensors
+            self.key, self._load_tensors = key, load
+            if self._set is None:
+                return False
+            ws, self._set = self._set, None
+            self.held = False
+            rng = ws.detach(keep_range=True)
+            loads = self.loads
+            try:
+                self._set = self._open(rng)
+            except BaseException:
+                self.key, self._load_tensors = old_key, old_load
+                self._range = rng
+                self._set = self._open(rng)  # the last complete version again
+                self._range = None
+                self.held = True
+                raise
+            self.held = True
+            return self.loads != loads
+
     def close(self) -> None:
         """Let go of the set and free the range (the parameters must not be used
         again). A gone daemon is no error here. Idempotent."""

@@ -1,0 +1,91 @@
+"""A new checkpoint published to a running elastic bundled engine whose weights are in the
+pool (``POST /kvpool/weights``, :mod:`kvpool.elastic_server.weight_routes`): the engine
+switches weight sets at a step boundary while its KV stays (docs/ARCHITECTURE.md,
+"Trainer tenant").
+
+:func:`publish` checks the checkpoint against the engine's model (headers only: names and
+shapes), then, under the engine's ``step_lock`` with no request in the engine, re-keys the
+engine's :class:`~kvpool.engine_adapters.bundled.weights.PoolWeights`: the current set is
+detached and the new checkpoint's set attached (another tenant made it) or created,
+loaded from the checkpoint (one copy of the weights' bytes) and sealed, into the same
+addresses, so the model's parameter tensors never change. The prefix cache is dropped
+(its KV was computed with the old weights); the KV's pages stay mapped. A sleeping engine
+only remembers the new set: its wake loads it. A new set that cannot be made leaves the
+old one serving (the error raised).
+
+This is the copy path (a new set per publish); the in-place set with a version fence is
+not built here.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kvpool.client_lib.weights import content_key
+from kvpool.engine.model import loader
+from kvpool.engine_adapters.bundled.block_pool import elastic_pool
+from kvpool.engine_adapters.bundled.bridge import bridge_of
+from kvpool.engine_adapters.bundled.weights import set_key
+
+if TYPE_CHECKING:
+    from kvpool.engine.engine import Engine
+
+
+class PublishError(ValueError):
+    """A publish refused before anything changed (one line): not pool weights, a
+    checkpoint that does not match the model, a busy engine (``busy``)."""
+
+    def __init__(self, message: str, busy: bool = False) -> None:
+        super().__init__(message)
+        self.busy = busy
+
+
+@dataclass(frozen=True)
+class Published:
+    """What one publish did: the new set's key, whether this engine loaded it (bytes
+    copied from the checkpoint) or attached it, whether it was only remembered (asleep),
+    the prefix-cache blocks dropped, and the seconds the engine was held."""
+
+    key: str
+    nbytes: int
+    loaded: bool
+    deferred: bool
+    evicted: int
+    seconds: float
+
+    @property
+    def bytes_copied(self) -> int:
+        return self.nbytes if self.loaded else 0
+
+
+def publish(engine: Engine, checkpoint: str | Path) -> Published:
+    """Serve ``checkpoint``'s weights from the next step on (see the module). Raises
+    :class:`PublishError` (nothing changed), ``KvpoolError`` when the daemon cannot give
+    the new set its memory (the old set serves on)."""
+    bridge = bridge_of(engine)
+    weights = bridge.weights if bridge is not None else None
+    if weights is None:
+        raise PublishError("this engine's weights are not in the pool (kvpool serve "
+                           "--elastic --weights pool publishes; --weights local does not)")
+    path = Path(checkpoint)
+    if not path.is_dir():
+        raise PublishError(f"no checkpoint folder at {path}")
+    try:
+        plan = loader.check_checkpoint(path, loader.meta_model(engine.model_config),
+                                       engine.model_config)
+    except ValueError as e:  # CheckpointError: missing, unexpected or unreadable tensors
+        raise PublishError(str(e)) from None
+    key = set_key(content_key(path).key, weights.layout)
+    with engine.step_lock:  # between steps: no forward pass reads the parameters
+        if engine.has_unfinished() or engine.detached:
+            raise PublishError("the engine is serving requests; it switches weights only "
+                               "between rollouts", busy=True)
+        t0 = time.perf_counter()
+        held = weights.held
+        loaded = weights.rekey(key, lambda tensors: loader.fill(plan, tensors))
+        evicted = elastic_pool(engine).reset_prefix_cache() if held else 0
+        seconds = time.perf_counter() - t0
+    return Published(key, weights.layout.nbytes, loaded, not held, evicted, seconds)
