@@ -87,7 +87,7 @@ SETTINGS: dict[str, list[tuple[str, dict[str, float]]]] = {
 #: the fleet file's start_timeout_s for every policy here: a member not up by then
 #: fails (a member starts in ~10 s on the loaded 2 cores; 30 s bounds what a policy that
 #: never frees memory, idle-sleep at its defaults, makes a waiting member cost a run)
-MEMBER_START_TIMEOUT_S = 30.0
+MEMBER_START_TIMEOUT_S = 30.0  # (the demo's default too)
 GOAL = {"rotating": 2.0}  # fleet SLO / best-tuned peer's, per seed (else 1.0)
 
 
@@ -297,11 +297,37 @@ def document(runs: list[dict[str, Any]], shape_names: list[str], seeds: list[int
     return doc
 
 
+def merge(args: argparse.Namespace) -> None:
+    """``--merge``: the runs of several result files in one document (see ``--merge``)."""
+    import json
+
+    runs: list[dict[str, Any]] = []
+    notes = []
+    for f in args.merge:
+        d = json.loads(Path(f).read_text())
+        runs += d["runs"]
+        notes.append(f"{f}: {d['command']} ({d['when']}, {len(d['runs'])} runs)")
+    names = list(dict.fromkeys(r["shape"] for r in runs))
+    seeds = sorted({int(r["seed"]) for r in runs})
+    best = {shape: {p: best_setting(runs, shape, p, seeds[0]) for p in POLICIES}
+            for shape in names}
+    doc = document(runs, names, seeds, best, args, time.perf_counter())
+    doc["merged_from"] = notes
+    out = Path(args.out) if args.out else RESULTS / "fleet_vs_peers.json"
+    write_result(out.stem, doc, str(out))
+    chart(doc, out.with_suffix(".png"))
+    print(table(doc))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="10 s shapes, one seed, the "
                     "default and one sweep value per peer")
     ap.add_argument("--seeds", type=int, default=None, help="seeds 0..N-1 [3; --quick: 1]")
+    ap.add_argument("--seeds-from", type=int, default=0, help="the first seed [0]")
+    ap.add_argument("--no-sweep", action="store_true", help="each policy at its defaults "
+                    "only (a later invocation's seeds of a shape whose best settings were "
+                    "its defaults; join them with --merge)")
     ap.add_argument("--shapes", default="rotating,steady,long-tail",
                     help="comma-separated: rotating, steady, long-tail")
     ap.add_argument("--policies", default=",".join(POLICIES))
@@ -309,7 +335,14 @@ def main() -> None:
                     "(written there once: fleet-models/) and the runs' logs go")
     ap.add_argument("--out", default=None, help="JSON path [benchmarks/results/"
                     "fleet_vs_peers.json; --quick: ..._quick.json]")
+    ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                    help="run nothing: join the runs of these result files (runs of one "
+                    "shape cut into several invocations, or run side by side) into --out, "
+                    "the best settings and the verdicts computed again")
     args = ap.parse_args()
+    if args.merge:
+        merge(args)
+        return
     all_shapes = shapes(args.quick)
     shape_names = [s for s in args.shapes.split(",") if s]
     policies = [p for p in args.policies.split(",") if p]
@@ -319,10 +352,12 @@ def main() -> None:
     for p in policies:
         if p not in POLICIES:
             ap.error(f"unknown policy {p!r}; choose from {', '.join(POLICIES)}")
-    seeds = list(range(args.seeds if args.seeds is not None else (1 if args.quick else 3)))
+    n = args.seeds if args.seeds is not None else (1 if args.quick else 3)
+    seeds = list(range(args.seeds_from, args.seeds_from + n))
     if not seeds:
         ap.error("--seeds must be at least 1")
-    settings = {p: (SETTINGS[p][:2] if args.quick else SETTINGS[p]) for p in policies}
+    settings = {p: (SETTINGS[p][:1] if args.no_sweep else SETTINGS[p][:2] if args.quick
+                    else SETTINGS[p]) for p in policies}
     out_json = Path(args.out) if args.out else RESULTS / (
         "fleet_vs_peers_quick.json" if args.quick else "fleet_vs_peers.json")
     out = Path(args.models_dir)

@@ -1,6 +1,6 @@
 """``kvpool demo``: the main job. ``--scenario fleet`` (default, demo v2,
 :mod:`kvpool.demo.fleet_run`): six models on a budget that holds two, a ``kvpool fleet``
-vs the same fleet under the best peer's policy (and the static servers that fit);
+vs the same fleet under the best peer's policy (``--mode static``: the servers that fit);
 ``--policy NAME`` runs the fleet under one policy. ``--scenario kv`` (:mod:`kvpool.demo.run`): three models that
 fit, static partitions vs elastic KV, with tiny generated models or (``--model``) a real
 checkpoint."""
@@ -43,12 +43,13 @@ if TYPE_CHECKING:
 @click.option("--mode", "modes", multiple=True,
               type=click.Choice(["fleet", "swap", "idle-sleep", "reconcile", "static",
                                  "elastic"]),
-              help="run only this mode (repeatable; default fleet: fleet, the best peer "
-              "policy (swap), static; kv: static, elastic). swap / idle-sleep / reconcile: "
-              "the fleet under that peer's policy")
+              help="run only this mode (repeatable; default fleet: fleet and the best peer "
+              "policy, reconcile; kv: static, elastic). swap / idle-sleep / reconcile: the "
+              "fleet under that peer's policy; static: the models that fit")
 @click.option("--policy", "policy", default=None, metavar="NAME",
               help="(fleet) run only the fleet under this policy: kvpool (the fleet), "
-              "swap, idle-sleep or reconcile (a peer's, at its best knobs on this workload)")
+              "swap, idle-sleep or reconcile (a peer's, at its best knobs on this workload: "
+              "its defaults)")
 @click.option("--no-live", is_flag=True, help="no live view (for logs and CI)")
 @click.option("--backend", type=click.Choice(["host", "cuda"]), default="host",
               show_default=True, help="memory backend; cuda runs every server on the GPU")
@@ -60,8 +61,8 @@ def demo(scenario: str | None, out_dir: str, model: str | None, budget: str | No
          engine: str) -> None:
     """Serve several models on one (host) device under a bursty workload, once per mode,
     and compare: by default six models on a budget that holds two (a kvpool fleet with
-    sleep and wake vs the same fleet under the best peer's policy, and the static
-    servers that fit); --scenario kv: three that fit."""
+    sleep and wake vs the same fleet under the best peer's policy); --scenario kv: three
+    that fit."""
     from kvpool.cli.extras import require
 
     require("demo", "demo")
