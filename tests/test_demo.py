@@ -35,6 +35,22 @@ def test_workload_is_seeded_and_takes_turns(monkeypatch):
     assert len(generate(shape)) == len(first)  # synthetic lengths, same arrivals
 
 
+def test_workload_with_rates_is_steady_per_model():
+    """``rates``: each model its own constant rate, no turns (the benchmark's steady and
+    long-tail shapes); a rate per model or a ValueError."""
+    import pytest
+
+    shape = WorkloadShape(models=["a", "b", "c"], duration_s=200, phase_s=5,
+                          rates=(2.0, 0.5, 0.0), seed=1)
+    got = generate(shape)
+    count = {m: sum(1 for a in got if a.model == m) for m in "abc"}
+    assert count["c"] == 0 and 300 < count["a"] < 500 and 60 < count["b"] < 140, count
+    first_half = sum(1 for a in got if a.model == "a" and a.at < 100)
+    assert 0.4 < first_half / count["a"] < 0.6  # steady: no turns
+    with pytest.raises(ValueError, match="2 rates for 3 models"):
+        generate(WorkloadShape(models=["a", "b", "c"], rates=(1.0, 1.0)))
+
+
 def test_demo_rejects_bad_sizes():
     r = CliRunner().invoke(cli, ["demo", "--budget", "lots"])
     assert r.exit_code != 0 and "cannot parse size" in r.output
@@ -205,10 +221,13 @@ def test_chat_requests_and_their_stream():
 
 def test_fleet_demo_runs_every_mode(tmp_path, monkeypatch):
     """Demo v2, small: three small models on a budget that holds one (weights + working
-    KV); static and elastic serve that one (the others' requests fail, counted), the
-    fleet serves all three (sleep and wake); every mode's outcome fields, the chart, the
-    fleet file, and nothing left running."""
-    from kvpool.demo.fleet_run import FleetDemoConfig, run_fleet_demo
+    KV), the demo's default modes and static: the fleet serves all three (sleep and
+    wake), the best peer's policy what it can (its own daemon, same budget), static the
+    one that fits (the others' requests fail, counted); every mode's outcome fields, the
+    headline against the peer (not static), the chart, the fleet files, and nothing
+    left running."""
+    from kvpool.demo.fleet_run import (BEST_PEER, DEFAULT_MODES, FLEET, PEERS,
+                                       FleetDemoConfig, run_fleet_demo)
     from kvpool.demo.workload import WorkloadShape
 
     mark = uuid.uuid4().hex
@@ -220,29 +239,70 @@ def test_fleet_demo_runs_every_mode(tmp_path, monkeypatch):
         workload=WorkloadShape(models=list(models), duration_s=4.5, phase_s=1.5,
                                base_rate=0.3, peak_rate=3.0, prompt_range=(16, 64),
                                output_range=(8, 16)))
-    assert len(cfg.models) == 3
+    assert len(cfg.models) == 3 and BEST_PEER in PEERS
+    assert cfg.modes == DEFAULT_MODES == (FLEET, BEST_PEER)
+    cfg.modes = (*DEFAULT_MODES, "static")  # and the reference of what fits
     result = run_fleet_demo(cfg)
     assert result["config"]["resident"] == ["alpha"]
     summary = result["summary"]
-    for mode in ("static", "elastic", "fleet"):
+    assert set(summary) == set(cfg.modes)
+    for mode in cfg.modes:
         a = summary[mode]["all"]
         for key in ("requests", "served", "failed", "slo_met", "slo_attainment", "ttft_p50",
-                    "ttft_p99", "models_served", "wakes", "mem_peak"):
+                    "ttft_p99", "models_served", "wakes", "mem_peak", "goodput_req_s",
+                    "over_commit_byte_s"):
             assert key in a, (mode, key)
         assert a["requests"] > 0 and a["served"] + a["failed"] == a["requests"]
         assert 0.0 <= a["slo_attainment"] <= 1.0 and a["wakes"]["count"] >= 0
-    for mode in ("static", "elastic"):  # only alpha fits: the others' requests fail
-        a = summary[mode]["all"]
-        assert a["models_served"] == 1 and a["failed"] == a["requests"] - \
-            summary[mode]["alpha"]["requests"]
-    fleet = summary["fleet"]["all"]
+    a = summary["static"]["all"]  # only alpha fits: the others' requests fail
+    assert a["models_served"] == 1 and a["failed"] == a["requests"] - \
+        summary["static"]["alpha"]["requests"]
+    fleet = summary[FLEET]["all"]
     assert fleet["models_served"] == 3 and fleet["failed"] == 0, fleet
-    assert fleet["mem_peak"] > 0
-    samples = result["runs"]["fleet"]["memory"]
+    assert fleet["mem_peak"] > 0 and fleet["policy"] == "kvpool"
+    peer = summary[BEST_PEER]["all"]
+    assert peer["policy"] == BEST_PEER and peer["knobs"] == cfg.peer_knobs[BEST_PEER]
+    assert peer["wakes"]["cold_starts"] >= 0 and peer["mem_peak"] <= cfg.budget, peer
+    head = result["headline"]  # the fleet against the best peer that ran, not static
+    assert head["best_peer"] == BEST_PEER and head["fleet_slo"] == fleet["slo_attainment"]
+    assert head["best_peer_slo"] == peer["slo_attainment"]
+    assert head["ratio"] == (fleet["slo_attainment"] / peer["slo_attainment"]
+                             if peer["slo_attainment"] else None)
+    assert result["slo_ratio_fleet_over_best_peer"] == head["ratio"]
+    samples = result["runs"][FLEET]["memory"]
     assert any(sum(row["weights"].values()) for row in samples)  # weights in the pool
     assert (cfg.out_dir / "fleet_memory.png").stat().st_size > 1000
     assert "[[models]]" in (cfg.out_dir / "FLEET.toml").read_text()
+    assert f'policy = "{BEST_PEER}"' in (cfg.out_dir / f"FLEET-{BEST_PEER}.toml").read_text()
     left = marked(mark)
     for _, p in left:
         p.kill()
     assert not left, f"the demo left processes behind: {[c for c, _ in left]}"
+
+
+def test_fleet_demo_headline_is_against_the_best_peer():
+    """The headline divides the fleet's attainment by the best peer's that ran (never by
+    static's), names that peer, and has no ratio when the peer met no request."""
+    from kvpool.demo.fleet_run import headline
+
+    def s(x: float) -> dict:
+        return {"all": {"slo_attainment": x}}
+
+    runs = {"fleet": s(0.9), "swap": s(0.3), "idle-sleep": s(0.45), "static": s(0.6)}
+    assert headline(runs) == {"fleet_slo": 0.9, "best_peer": "idle-sleep",
+                              "best_peer_slo": 0.45, "ratio": 2.0}
+    assert headline({"fleet": s(0.9), "static": s(0.6)}) is None  # no peer ran
+    assert headline({"fleet": s(0.5), "reconcile": s(0.0)})["ratio"] is None
+
+
+def test_demo_policy_option(tmp_path):
+    """``--policy NAME``: an unknown name is one line, exit 2, nothing started; with the
+    kv scenario it is one line too."""
+    out = str(tmp_path / "o")
+    r = CliRunner().invoke(cli, ["demo", "--out", out, "--policy", "nonsense"])
+    assert r.exit_code == 2
+    line = _one_line_error(r)
+    assert "unknown policy 'nonsense'" in line and "swap" in line and "kvpool" in line
+    r = CliRunner().invoke(cli, ["demo", "--out", out, "--scenario", "kv", "--policy", "swap"])
+    assert "--policy needs --scenario fleet" in _one_line_error(r)
+    assert not (tmp_path / "o").exists()

@@ -1,6 +1,7 @@
 """``kvpool demo``: the main job. ``--scenario fleet`` (default, demo v2,
-:mod:`kvpool.demo.fleet_run`): six models on a budget that holds two, static vs elastic
-KV vs a ``kvpool fleet``. ``--scenario kv`` (:mod:`kvpool.demo.run`): three models that
+:mod:`kvpool.demo.fleet_run`): six models on a budget that holds two, a ``kvpool fleet``
+vs the same fleet under the best peer's policy (``--mode static``: the servers that fit);
+``--policy NAME`` runs the fleet under one policy. ``--scenario kv`` (:mod:`kvpool.demo.run`): three models that
 fit, static partitions vs elastic KV, with tiny generated models or (``--model``) a real
 checkpoint. ``--scenario train`` (:mod:`kvpool.demo.train_run`): a reinforcement-learning
 loop that learns, the rollout engine and the trainer on one budget."""
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+import sys
 
 import click
 
@@ -40,9 +43,15 @@ if TYPE_CHECKING:
 @click.option("--base-rate", default=None, type=float, help="req/s of the other models")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--mode", "modes", multiple=True,
-              type=click.Choice(["static", "elastic", "fleet"]),
-              help="run only this mode (repeatable; default all of the scenario's: "
-              "static, elastic [, fleet])")
+              type=click.Choice(["fleet", "swap", "idle-sleep", "reconcile", "static",
+                                 "elastic"]),
+              help="run only this mode (repeatable; default fleet: fleet and the best peer "
+              "policy, reconcile; kv: static, elastic). swap / idle-sleep / reconcile: the "
+              "fleet under that peer's policy; static: the models that fit")
+@click.option("--policy", "policy", default=None, metavar="NAME",
+              help="(fleet) run only the fleet under this policy: kvpool (the fleet), "
+              "swap, idle-sleep or reconcile (a peer's, at its best knobs on this workload: "
+              "its defaults)")
 @click.option("--no-live", is_flag=True, help="no live view (for logs and CI)")
 @click.option("--backend", type=click.Choice(["host", "cuda"]), default="host",
               show_default=True, help="memory backend; cuda runs every server on the GPU")
@@ -52,14 +61,19 @@ if TYPE_CHECKING:
               help="(train) training steps [default: 12]")
 def demo(scenario: str | None, out_dir: str, model: str | None, budget: str | None,
          page_size: str | None, duration: float | None, peak_rate: float | None, base_rate: float | None, seed: int,
-         modes: tuple[str, ...], no_live: bool, backend: str, engine: str,
-         steps: int | None) -> None:
+         modes: tuple[str, ...], policy: str | None, no_live: bool, backend: str,
+         engine: str, steps: int | None) -> None:
     """Serve several models on one (host) device under a bursty workload, once per mode,
-    and compare: by default six models on a budget that holds two (static partitions,
-    elastic KV, a kvpool fleet with sleep and wake); --scenario kv: three that fit."""
+    and compare: by default six models on a budget that holds two (a kvpool fleet with
+    sleep and wake vs the same fleet under the best peer's policy); --scenario kv: three
+    that fit."""
     from kvpool.cli.extras import require
 
     require("demo", "demo")
+    if policy is not None:
+        modes = modes + (_policy_mode(policy),)
+        if scenario in ("kv", "train"):
+            raise click.ClickException("--policy needs --scenario fleet")
     if scenario is None:  # the kv scenario's own options imply it
         kv_only = model is not None or engine != "bundled" or backend != "host"
         scenario = "kv" if kv_only else "fleet"
@@ -73,8 +87,9 @@ def demo(scenario: str | None, out_dir: str, model: str | None, budget: str | No
         _fleet(out_dir, model, budget, page_size, duration, peak_rate, base_rate, seed, modes,
                no_live, backend, engine)
         return
-    if "fleet" in modes:
-        raise click.ClickException("--mode fleet needs --scenario fleet")
+    fleet_modes = [m for m in modes if m not in ("static", "elastic")]
+    if fleet_modes:
+        raise click.ClickException(f"--mode {fleet_modes[0]} needs --scenario fleet")
     from kvpool.demo.cluster import ClusterError
     from kvpool.demo.run import DemoConfig, run_demo
     from kvpool.sizes import parse_size
@@ -110,6 +125,20 @@ def demo(scenario: str | None, out_dir: str, model: str | None, budget: str | No
         raise click.ClickException(f"demo failed: {e}") from None
 
 
+def _policy_mode(name: str) -> str:
+    """The fleet demo's mode of ``--policy NAME`` (kvpool: ``fleet``); an unknown name is
+    one line, exit 2."""
+    from kvpool.demo.fleet_run import FLEET, PEERS
+
+    if name == "kvpool":
+        return FLEET
+    if name in PEERS:
+        return name
+    click.echo(f"Error: --policy: unknown policy {name!r}; choose from kvpool, "
+               f"{', '.join(PEERS)}", err=True)
+    sys.exit(2)
+
+
 def _fleet(out_dir: str, model: str | None, budget: str | None, page_size: str | None,
            duration: float | None, peak_rate: float | None, base_rate: float | None,
            seed: int, modes: tuple[str, ...], no_live: bool, backend: str,
@@ -134,7 +163,7 @@ def _fleet(out_dir: str, model: str | None, budget: str | None, page_size: str |
     cfg.live = not no_live
     _shape(cfg.workload, seed, duration, peak_rate, base_rate, phases=len(cfg.models))
     if modes:
-        cfg.modes = modes
+        cfg.modes = tuple(dict.fromkeys(modes))
     try:
         run_fleet_demo(cfg)
     except ClusterError as e:

@@ -1,4 +1,5 @@
-"""How the fleet demo starts its fleet mode: :func:`launch`, the one place that knows.
+"""How the fleet demo starts a fleet mode, under any policy: :func:`launch`, the one
+place that knows.
 
 Through ``kvpool fleet`` (issue 23; docs/ARCHITECTURE.md, "Fleet"): the demo writes
 ``FLEET.toml`` (:func:`fleet_toml`: every model a sleepable elastic member with its
@@ -15,6 +16,17 @@ awake. (Started all at once, six servers whose weights fill the pool before any 
 them is idle leave a seventh grant, the last server's null block, nothing to reclaim:
 that server exits.)
 
+A fleet under a peer's policy (``policy``: ``swap``, ``idle-sleep``, ``reconcile``; issue
+36, docs/ARCHITECTURE.md "Fleet policies") is a baseline: its file names the policy and
+its knobs and leaves out the member keys the policy sets itself, and it runs on a daemon
+of its own (``kvpool fleet --with-daemon``, the same budget and page size from the
+file's ``[daemon]``; its run directory is read from the fleet's log). Its warm-up is
+the same requests, sent to every member at once, and nothing is put to sleep (the
+policy decides what loads, waits or fails: swap unloads, idle-sleep and reconcile sleep
+idle members by their own timers); a member the policy cannot start in time is named in
+``Launched.not_ready`` rather than failing the run: its requests meet what that policy
+gives them.
+
 Where this kvpool has no ``kvpool fleet`` (no ``kvpool.fleet.router``) the same members
 start as plain servers (``kvpool serve --elastic --weights pool --sleepable
 --sleep-after S``), one endpoint each, and the report says so (``Launched.via``).
@@ -22,19 +34,21 @@ start as plain servers (``kvpool serve --elastic --weights pool --sleepable
 
 from __future__ import annotations
 
+import concurrent.futures
 import importlib.util
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import httpx
 
 from kvpool import launch as proc_launch
 from kvpool.client_lib import Monitor
 from kvpool.demo.cluster import Cluster, ClusterError, Proc, free_port
-from kvpool.demo.driver import warm_up_all
+from kvpool.demo.driver import warm_up, warm_up_all
 
 VIA_FLEET = "kvpool fleet"
 VIA_DIRECT = "direct servers (no kvpool fleet here)"
@@ -62,6 +76,9 @@ class Launched:
     log_dir: Path
     metrics_url: str | None = None  # the fleet's (``/metrics``); None for direct servers
     extra: dict[str, str] = field(default_factory=dict)
+    run_dir: Path | None = None  # a baseline fleet's own daemon (``--with-daemon``)
+    fleet_log: Path | None = None  # the ``kvpool fleet`` process's own log
+    not_ready: tuple[str, ...] = ()  # members a baseline's warm-up could not start
 
 
 def fleet_available() -> bool:
@@ -73,38 +90,61 @@ def _size(n: int) -> str:
 
 
 def fleet_toml(members: Sequence[Member], toml_dir: Path, budget: int, page_size: int,
-               name: str = "demo", port: int = 8080) -> str:
-    """The FLEET.toml of ``members`` (checkpoints relative to ``toml_dir``)."""
-    lines = ["# Written by `kvpool demo` (scenario fleet): every model a sleepable elastic",
-             "# member, weights in the pool. Runs alone too: kvpool fleet FLEET.toml "
-             "--with-daemon", "",
+               name: str = "demo", port: int = 8080, policy: str = "kvpool",
+               knobs: Mapping[str, float] | None = None, start_timeout_s: float = 180.0,
+               static_kv: int | None = None) -> str:
+    """The FLEET.toml of ``members`` (checkpoints relative to ``toml_dir``) under
+    ``policy`` with ``knobs``; a baseline's file leaves out the model keys the policy sets
+    itself. ``static_kv``: the KV a policy with static KV gives each member (swap: the
+    context x slots allocated at load) instead of the elastic reservation."""
+    from kvpool.fleet.policies import FLEET_POLICIES
+
+    pol = FLEET_POLICIES.lookup(policy)
+    decided = set(pol.decides)
+    lines = [f"# Written by `kvpool demo` (scenario fleet): policy {policy!r}. Runs alone "
+             "too: kvpool fleet FLEET.toml --with-daemon", "",
              "[fleet]", f'name = "{name}"', 'host = "127.0.0.1"', f"port = {port}",
-             "queue = 64", "start_timeout_s = 180", "",
-             "[daemon]", f'budget = "{_size(budget)}"', f'page_size = "{_size(page_size)}"',
-             'backend = "host"']
+             "queue = 64", f"start_timeout_s = {start_timeout_s:g}"]
+    if policy != "kvpool":
+        lines.append(f'policy = "{policy}"')
+        lines += [f"{k} = {v:g}" for k, v in sorted((knobs or {}).items())]
+    lines += ["", "[daemon]", f'budget = "{_size(budget)}"',
+              f'page_size = "{_size(page_size)}"', 'backend = "host"']
     for m in members:
         rel = os.path.relpath(m.checkpoint, toml_dir)
+        kv = m.kv_cache_size if pol.elastic or static_kv is None else static_kv
+        keys = [("eager", "false"), ("min", '"0"'), ("max", f'"{_size(m.max_bytes)}"'),
+                ("shares", "1.0"), ("sleepable", "true"),
+                ("sleep_after", repr(m.sleep_after_s)), ("weights", '"pool"')]
         lines += ["", "[[models]]", f'name = "{m.name}"', f'checkpoint = "{rel}"',
-                  'engine = "bundled"', "replicas = 1", "eager = false", 'min = "0"',
-                  f'max = "{_size(m.max_bytes)}"', "shares = 1.0", "sleepable = true",
-                  f"sleep_after = {m.sleep_after_s!r}", 'weights = "pool"',
-                  f'kv_cache_size = "{_size(m.kv_cache_size)}"',
-                  f"max_num_seqs = {m.max_num_seqs}",
+                  'engine = "bundled"', "replicas = 1"]
+        lines += [f"{k} = {v}" for k, v in keys if k not in decided]
+        lines += [f'kv_cache_size = "{_size(kv)}"', f"max_num_seqs = {m.max_num_seqs}",
                   f'args = ["--block-size", "{m.block_size}", "--device", "cpu"]']
     return "\n".join(lines) + "\n"
 
 
 def launch(cluster: Cluster, members: Sequence[Member], toml_path: Path, budget: int,
-           page_size: int, env: dict[str, str], wave: int, timeout_s: float = 180.0
+           page_size: int, env: dict[str, str], wave: int, timeout_s: float = 180.0,
+           policy: str = "kvpool", knobs: Mapping[str, float] | None = None,
+           member_start_timeout_s: float = 180.0, static_kv: int | None = None
            ) -> Launched:
-    """Start the fleet of ``members`` on ``cluster``'s daemon (started before), ``wave``
-    members at a time, and return once every member has served a warm-up request.
-    Raises :class:`ClusterError` (with the log's tail)."""
-    if cluster.run_dir is None:
+    """Start the fleet of ``members`` under ``policy`` on ``cluster``'s daemon (started
+    before; a baseline starts its own), ``wave`` members at a time, and return once every
+    member has served a warm-up request (a baseline: or could not be started by its
+    policy, ``Launched.not_ready``). Raises :class:`ClusterError` (with the log's tail)."""
+    baseline = policy != "kvpool"
+    if cluster.run_dir is None and not baseline:
         raise ClusterError("start the daemon before the fleet")
     toml_path.parent.mkdir(parents=True, exist_ok=True)
-    toml_path.write_text(fleet_toml(members, toml_path.parent, budget, page_size))
+    toml_path.write_text(fleet_toml(members, toml_path.parent, budget, page_size,
+                                    policy=policy, knobs=knobs,
+                                    start_timeout_s=member_start_timeout_s,
+                                    static_kv=static_kv))
     waves = [list(members[i:i + max(1, wave)]) for i in range(0, len(members), max(1, wave))]
+    if baseline:
+        return _baseline(cluster, members, toml_path, env, timeout_s)
+    assert cluster.run_dir is not None
     monitor = Monitor(cluster.run_dir)
     try:
         if not fleet_available():
@@ -125,9 +165,45 @@ def launch(cluster: Cluster, members: Sequence[Member], toml_path: Path, budget:
                                    f"/v1/models: {_states(url)}\n{proc.tail()}") from None
             if i < len(waves) - 1:
                 _sleep(monitor, group, timeout_s)
-        return Launched({m.name: url for m in members}, VIA_FLEET, log_dir, metrics_url=url)
+        return Launched({m.name: url for m in members}, VIA_FLEET, log_dir, metrics_url=url,
+                        fleet_log=proc.log)
     finally:
         monitor.close()
+
+
+RUN_DIR_LINE = re.compile(r"started a daemon on run dir (\S+)")
+
+
+def _baseline(cluster: Cluster, members: Sequence[Member], toml_path: Path,
+              env: dict[str, str], timeout_s: float) -> Launched:
+    """A baseline policy's fleet: ``kvpool fleet --with-daemon``, every member warmed up
+    at once (one wave: the policy decides which load, wait or fail; nothing is put to
+    sleep by the demo); a warm-up the policy does not serve is a member ``not_ready``,
+    not an error."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_dir = cluster.workdir / "members"
+    argv = [*proc_launch.cli_argv(), "fleet", str(toml_path), "--with-daemon", "--port",
+            str(port), "--log-dir", str(log_dir)]
+    # (whatever KVPOOL_RUN_DIR the harness has, --with-daemon makes a run dir of its own)
+    proc = cluster.start("fleet", argv, env=env, url=url)
+    cluster.wait_healthy(timeout_s)
+    found = RUN_DIR_LINE.search(proc.log.read_text(errors="replace"))
+    if found is None:
+        raise ClusterError(f"kvpool fleet --with-daemon did not say its run dir:\n"
+                           f"{proc.tail()}")
+    not_ready: list[str] = []
+    with concurrent.futures.ThreadPoolExecutor(len(members)) as pool:
+        futures = {m.name: pool.submit(warm_up, url, m.name, timeout_s) for m in members}
+        for name, f in futures.items():
+            try:
+                f.result()
+            except httpx.HTTPError:
+                not_ready.append(name)
+    cluster.check_alive()
+    return Launched({m.name: url for m in members}, VIA_FLEET, log_dir, metrics_url=url,
+                    run_dir=Path(found.group(1)), fleet_log=proc.log,
+                    not_ready=tuple(not_ready))
 
 
 def _sleep(monitor: Monitor, group: Sequence[Member], timeout_s: float) -> None:

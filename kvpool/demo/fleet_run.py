@@ -3,22 +3,30 @@
 Six tiny generated Llamas (tens of MiB of fp32 weights each) share one memory budget
 that holds the weights and working KV of only two of them at once. A seeded bursty
 workload rotates across all six (each model takes its turn peaking; the others get a
-trickle), prompt and answer lengths from the Azure 2023 traces (:mod:`workload`). Three
-modes serve the same workload, one after the other:
+trickle), prompt and answer lengths from the Azure 2023 traces (:mod:`workload`). Each
+mode serves the same workload, one after the other:
 
-* ``static`` — the models that fit (weights + ``working_kv`` each) stay resident, each
-  server with a static KV partition of what the budget leaves after their weights;
-  requests for the other models fail (no server): what one does today on one device;
-* ``elastic`` — the same resident models, weights in the process, their KV elastic
-  through a kvpool daemon whose budget is what their weights leave;
 * ``fleet`` — all six through one ``kvpool fleet`` endpoint (:mod:`fleet_launch`), the
   daemon owning the whole budget, weights in the pool, idle models asleep and woken by
-  their next request.
+  their next request (the fleet's default policy, ``kvpool``);
+* ``swap``, ``idle-sleep``, ``reconcile`` (:data:`PEERS`) — the same six through the same
+  ``kvpool fleet`` under a peer's policy (issue 36: Ollama / llama-swap, kvcached,
+  AIBrix; docs/ARCHITECTURE.md, "Fleet policies"), on a daemon of its own with the same
+  budget, with the knobs of :data:`PEER_KNOBS` (each peer's best setting on this workload
+  in ``benchmarks/fleet_vs_peers.py``); by default the demo runs :data:`BEST_PEER`, the
+  peer that did best there, and its headline is the fleet against the best peer it ran;
+* ``static`` — the models that fit (weights + ``working_kv`` each) stay resident, each
+  server with a static KV partition of what the budget leaves after their weights;
+  requests for the other models fail (no server): what fits on one device, a reference;
+* ``elastic`` — the same resident models, weights in the process, their KV elastic
+  through a kvpool daemon whose budget is what their weights leave.
 
 Each request is judged against one SLO (:mod:`kvpool.demo.slo`); each mode reports requests served
-and failed, SLO attainment, TTFT p50/p99 (wakes included: the client's clock), wakes and
-wake latency (:mod:`kvpool.demo.wakes`), and memory per model over time, weights and KV stacked
-(:mod:`memory_chart`, from the daemon's ``ps`` or the static servers' ``/v1/stats``).
+and failed, SLO attainment, goodput, TTFT p50/p99 (wakes and cold starts included: the
+client's clock), wakes and wake latency, member starts and unloads (:mod:`kvpool.demo.wakes`),
+and memory per model over time, weights and KV stacked (:mod:`memory_chart`, from the
+daemon's ``ps``, the static servers' ``/v1/stats``, or for swap's static members their
+footprints while the fleet's ``/v1/models`` shows them loaded).
 """
 
 from __future__ import annotations
@@ -40,15 +48,37 @@ from kvpool.demo.cluster import Cluster, ClusterError
 from kvpool.demo.driver import Replay, replay, warm_up_all
 from kvpool.demo.progress import Progress
 from kvpool.demo.slo import Slo
-from kvpool.demo.wakes import WakeStats, fleet_metrics, scan_logs
+from kvpool.demo.wakes import WakeStats, fleet_log_counts, fleet_metrics, scan_logs
 from kvpool.demo.workload import WorkloadShape, generate
 from kvpool.sizes import format_size
 
-MODES = ("static", "elastic", "fleet")
+FLEET = "fleet"  # the fleet under kvpool's own policy
+#: the peers' policies, each a mode of its own (the fleet under that policy)
+PEERS = ("swap", "idle-sleep", "reconcile")
+MODES = (FLEET, *PEERS, "static", "elastic")
 NAMES = ("alpha", "beta", "gamma", "delta", "epsilon", "zeta")
+#: each peer's knobs in the demo: its best setting on the demo workload (the rotating
+#: shape) in benchmarks/fleet_vs_peers.py (benchmarks/results/fleet_vs_peers.json); the
+#: knobs not named keep the policy's defaults. On the run of 2026-12-05 every peer did
+#: best at its defaults (swap: keep_alive 300 s; idle-sleep: idle_threshold 300 s; reconcile:
+#: reconcile_interval 10 s, sleep_after 300 s): the shorter timers of the sweep put
+#: members to sleep whose wakes then found no memory (first come, no pressure sleep)
+PEER_KNOBS: dict[str, dict[str, float]] = {"swap": {}, "idle-sleep": {}, "reconcile": {}}
+#: the peer with the best SLO attainment on the demo workload there (at its PEER_KNOBS):
+#: reconcile, 56% on seed 0 (idle-sleep 42%, swap 6%; the fleet 97%)
+BEST_PEER = "reconcile"
+#: the demo's modes: the fleet and the best peer (static, what fits, with --mode static;
+#: dropped from the default to keep the run near 3 minutes)
+DEFAULT_MODES = (FLEET, BEST_PEER)
 
 
-def _shape() -> WorkloadShape:
+def policy_of(mode: str) -> str:
+    """The fleet policy a fleet mode runs (``fleet``: kvpool's own)."""
+    return "kvpool" if mode == FLEET else mode
+
+
+def demo_shape() -> WorkloadShape:
+    """The demo's workload: six models taking turns peaking (30 s)."""
     # Azure conversation trace: context / 8 and generated / 4 (as the kv demo), clipped
     # to 16-256 prompt and 16-96 answer tokens: what six tiny models on 2 cores serve
     # inside the SLO one at a time.
@@ -77,12 +107,19 @@ class FleetDemoConfig:
     max_num_seqs: int = 16
     idle_timeout_s: float = 1.0  # elastic engines give an idle reserve back after this
     sleep_after_s: float = 2.0  # fleet members sleep after this long idle
+    # the fleet file's start_timeout_s (every policy): a member not up by then fails (a
+    # start takes ~10-25 s on the loaded 2 cores; this bounds what a policy that never
+    # frees memory makes a member that cannot load cost the run)
+    member_start_timeout_s: float = 30.0
     # TTFT within 1 s (a wake, a prefill and a short queue; one request alone starts in
     # tens of ms) and 100 ms per token (10 tokens/s, faster than reading; one request
     # alone decodes at a few ms per token): see README, "What the demo shows"
     slo: Slo = field(default_factory=lambda: Slo(ttft_s=1.0, tpot_s=0.1))
-    workload: WorkloadShape = field(default_factory=_shape)
-    modes: tuple[str, ...] = MODES
+    workload: WorkloadShape = field(default_factory=demo_shape)
+    modes: tuple[str, ...] = DEFAULT_MODES
+    # each peer mode's knobs (the rest at the policy's defaults)
+    peer_knobs: dict[str, dict[str, float]] = field(
+        default_factory=lambda: {k: dict(v) for k, v in PEER_KNOBS.items()})
     live: bool = True
     start_timeout_s: float = 180.0
 
@@ -121,12 +158,15 @@ def _engine_args(cfg: FleetDemoConfig) -> tuple[str, ...]:
 @dataclass
 class ModeRun:
     """What one mode got: the replay (outcomes, memory samples), its wakes, which models
-    had a server and how the fleet was started (fleet mode)."""
+    had a server, how the fleet was started (fleet modes), the policy's knobs, and the
+    members a baseline's warm-up could not start."""
 
     replay: Replay
     wakes: WakeStats
     resident: tuple[str, ...]
     via: str = ""
+    knobs: dict[str, float] = field(default_factory=dict)
+    not_ready: tuple[str, ...] = ()
 
 
 def _static_sampler(urls: dict[str, str], weights: dict[str, int]
@@ -139,6 +179,27 @@ def _static_sampler(urls: dict[str, str], weights: dict[str, int]
             except (httpx.HTTPError, KeyError, ValueError, TypeError):
                 kv[m] = 0
         return {"kv": kv, "weights": dict(weights)}
+    return sample
+
+
+#: a swap member with a process holds its footprint (``/v1/models`` states)
+LOADED_STATES = ("starting", "awake", "asleep", "hung")
+
+
+def _swap_sampler(url: str, weights: dict[str, int], kv: int
+                  ) -> Callable[[], dict[str, Any]]:
+    """Swap's members hold their weights and static KV in their own processes, outside
+    the daemon: each loaded member (its state in the fleet's ``/v1/models``) counts its
+    weights and its static KV, as the policy accounts them."""
+    def sample() -> dict[str, Any]:
+        try:
+            data = httpx.get(f"{url}/v1/models", timeout=5).json().get("data", [])
+        except (httpx.HTTPError, ValueError, AttributeError):
+            data = []
+        states = {str(e.get("id")): str(e.get("state")) for e in data if isinstance(e, dict)}
+        loaded = [m for m, st in states.items() if st in LOADED_STATES and m in weights]
+        return {"kv": {m: kv for m in loaded}, "weights": {m: weights[m] for m in loaded},
+                "state": states}
     return sample
 
 
@@ -175,12 +236,15 @@ def run_mode(cfg: FleetDemoConfig, mode: str, console: Console) -> ModeRun:
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose from {MODES}")
     arrivals = generate(cfg.workload)
-    resident = cfg.models if mode == "fleet" else cfg.resident()
+    fleet_mode = mode == FLEET or mode in PEERS
+    resident = cfg.models if fleet_mode else cfg.resident()
     weights = {m: cfg.weight_bytes(m) for m in resident}
     env = {"KVPOOL_IDLE_TIMEOUT": str(cfg.idle_timeout_s)}
     kv_budget = cfg.budget - sum(-(-w // cfg.page_size) * cfg.page_size
                                  for w in weights.values())
     via = ""
+    knobs: dict[str, float] = {}
+    launched: fleet_launch.Launched | None = None
     with Cluster(cfg.out_dir / "logs" / f"fleet-{mode}") as cluster:
         monitor: Monitor | None = None
         metrics_url: str | None = None
@@ -204,24 +268,39 @@ def run_mode(cfg: FleetDemoConfig, mode: str, console: Console) -> ModeRun:
             monitor = Monitor(cluster.run_dir)
             sample = _daemon_sampler(monitor, resident, weights)
         else:
-            cluster.daemon(cfg.budget, cfg.page_size)
+            policy = policy_of(mode)
+            knobs = dict(cfg.peer_knobs.get(mode, {})) if mode in PEERS else {}
+            if mode == FLEET:
+                cluster.daemon(cfg.budget, cfg.page_size)
             members = [fleet_launch.Member(m, cfg.model_dir(m).resolve(), cfg.budget,
                                            cfg.budget, cfg.sleep_after_s, cfg.max_num_seqs,
                                            cfg.block_size) for m in cfg.models]
-            launched = fleet_launch.launch(cluster, members, cfg.out_dir / "FLEET.toml",
-                                           cfg.budget, cfg.page_size, env,
-                                           wave=len(cfg.resident()),
-                                           timeout_s=cfg.start_timeout_s)
+            toml = cfg.out_dir / ("FLEET.toml" if mode == FLEET else f"FLEET-{mode}.toml")
+            launched = fleet_launch.launch(cluster, members, toml, cfg.budget, cfg.page_size,
+                                           env, wave=len(cfg.resident()),
+                                           timeout_s=cfg.start_timeout_s, policy=policy,
+                                           knobs=knobs,
+                                           member_start_timeout_s=cfg.member_start_timeout_s,
+                                           static_kv=cfg.working_kv)
             urls, via, log_dir = launched.urls, launched.via, launched.log_dir
             metrics_url = launched.metrics_url
-            assert cluster.run_dir is not None
-            monitor = Monitor(cluster.run_dir)
-            sample = _daemon_sampler(monitor, cfg.models, None)
+            run_dir = launched.run_dir or cluster.run_dir
+            assert run_dir is not None
+            monitor = Monitor(run_dir)
+            if mode == "swap":
+                assert metrics_url is not None
+                sample = _swap_sampler(metrics_url, weights, cfg.working_kv)
+            else:
+                sample = _daemon_sampler(monitor, cfg.models, None)
         console.print(f"{mode}: serving {', '.join(urls)}"
-                      + (f" ({via})" if via else "")
+                      + (f" ({via}, policy {policy_of(mode)}"
+                         + (f": {_knobs_text(knobs)}" if knobs else "") + ")" if via else "")
                       + ("" if len(urls) == len(cfg.models) else
                          f"; requests for {', '.join(m for m in cfg.models if m not in urls)}"
-                         f" fail (they do not fit)"))
+                         f" fail (they do not fit)")
+                      + (f"; not started by the policy before the workload: "
+                         f"{', '.join(launched.not_ready)}"
+                         if launched is not None and launched.not_ready else ""))
 
         progress = Progress(mode, arrivals, cfg.models, memory_label="memory")
 
@@ -232,21 +311,42 @@ def run_mode(cfg: FleetDemoConfig, mode: str, console: Console) -> ModeRun:
             progress.show()
             return row
 
+        fleet_log = launched.fleet_log if launched is not None else None
         logs_before = scan_logs(log_dir)
         fleet_before = fleet_metrics(metrics_url) if metrics_url else {}
+        counts_before = fleet_log_counts(fleet_log)
         with progress.watch(console, cfg.live):
             rep = replay(arrivals, urls, cfg.vocab, sample_memory=sample_and_show,
                          on_done=progress.done)
         fleet_after = fleet_metrics(metrics_url) if metrics_url else {}
         woke = WakeStats.between(logs_before, scan_logs(log_dir), fleet_before,
-                                       fleet_after)
+                                 fleet_after, counts_before, fleet_log_counts(fleet_log))
         if monitor is not None:
             problems = monitor.check()
             monitor.close()
             if problems:
                 raise ClusterError(f"the daemon's invariant check failed: {problems}")
         cluster.check_alive()  # a process that died mid-run fails the run
-    return ModeRun(rep, woke, tuple(urls), via)
+    return ModeRun(rep, woke, tuple(urls), via, knobs,
+                   launched.not_ready if launched is not None else ())
+
+
+def _knobs_text(knobs: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:g}" for k, v in sorted(knobs.items()))
+
+
+def headline(summaries: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    """The fleet against the best peer policy that ran (None without both): each's SLO
+    attainment, which peer, and the ratio (fleet / peer; None when the peer met none)."""
+    if FLEET not in summaries:
+        return None
+    peers = {m: summaries[m]["all"]["slo_attainment"] for m in PEERS if m in summaries}
+    if not peers:
+        return None
+    best = max(peers, key=lambda m: (peers[m], m))
+    fleet = summaries[FLEET]["all"]["slo_attainment"]
+    return {"fleet_slo": fleet, "best_peer": best, "best_peer_slo": peers[best],
+            "ratio": fleet / peers[best] if peers[best] else None}
 
 
 def run_fleet_demo(cfg: FleetDemoConfig, console: Console | None = None) -> dict[str, Any]:
@@ -271,7 +371,7 @@ def run_fleet_demo(cfg: FleetDemoConfig, console: Console | None = None) -> dict
         f"KV fit for {len(resident)} ({', '.join(resident)}); {len(arrivals)} requests over "
         f"{w.duration_s:g} s, each model in turn peaking at {w.peak_rate:g} req/s (others "
         f"{w.base_rate:g}); SLO: TTFT <= {cfg.slo.ttft_s * 1e3:.0f} ms and TPOT <= "
-        f"{cfg.slo.tpot_s * 1e3:.0f} ms")
+        f"{cfg.slo.tpot_s * 1e3:.0f} ms; modes {', '.join(cfg.modes)}")
     runs: dict[str, ModeRun] = {}
     summaries: dict[str, dict[str, Any]] = {}
     timings: dict[str, float] = {}
@@ -281,10 +381,15 @@ def run_fleet_demo(cfg: FleetDemoConfig, console: Console | None = None) -> dict
         timings[mode] = time.perf_counter() - t0
         runs[mode] = run
         summaries[mode] = slo_report.summarize(run.replay, cfg.slo, cfg.models, run.wakes,
-                                        run.resident)
-        if run.via:
-            summaries[mode]["all"]["via"] = run.via
+                                               run.resident, budget=cfg.budget,
+                                               duration_s=w.duration_s)
         a = summaries[mode]["all"]
+        if run.via:
+            a["via"] = run.via
+        if mode == FLEET or mode in PEERS:
+            a["policy"] = policy_of(mode)
+            a["knobs"] = run.knobs
+            a["not_ready"] = list(run.not_ready)
         console.print(f"{mode}: {a['served']}/{a['requests']} served, SLO met "
                       f"{a['slo_attainment']:.0%}, in {timings[mode]:.0f} s")
     console.print(slo_report.table(f"{len(cfg.models)} models, budget {format_size(cfg.budget)}: "
@@ -292,16 +397,23 @@ def run_fleet_demo(cfg: FleetDemoConfig, console: Console | None = None) -> dict
                             f"{cfg.slo.tpot_s * 1e3:.0f} ms (times in ms)", summaries))
     result: dict[str, Any] = {"config": _config_json(cfg), "summary": summaries,
                               "timings_s": timings}
-    if "fleet" in summaries:
-        best = max((summaries[m]["all"]["slo_attainment"] for m in summaries if m != "fleet"),
-                   default=None)
-        fleet = summaries["fleet"]["all"]
-        if best is not None:
-            ratio = fleet["slo_attainment"] / best if best else float("inf")
-            result["slo_ratio_fleet_over_best_baseline"] = ratio
-            console.print(f"SLO attainment: fleet {fleet['slo_attainment']:.0%} vs best "
-                          f"baseline {best:.0%} ({ratio:.1f}x); fleet served "
-                          f"{fleet['models_served']}/{fleet['models']} models")
+    head = headline(summaries)
+    if head is not None:
+        result["headline"] = head
+        result["slo_ratio_fleet_over_best_peer"] = head["ratio"]
+        fleet = summaries[FLEET]["all"]
+        peer = head["best_peer"]
+        console.print(f"SLO attainment: fleet {head['fleet_slo']:.0%} vs the best peer, "
+                      f"{peer} ({_knobs_text(runs[peer].knobs) or 'its defaults'}), "
+                      f"{head['best_peer_slo']:.0%} ("
+                      f"{'-' if head['ratio'] is None else format(head['ratio'], '.1f')}x); "
+                      f"fleet served "
+                      f"{fleet['models_served']}/{fleet['models']} models, {peer} "
+                      f"{summaries[peer]['all']['models_served']}/{fleet['models']}")
+    if FLEET in summaries and "static" in summaries:
+        st = summaries["static"]["all"]["slo_attainment"]
+        result["slo_ratio_fleet_over_static"] = (
+            summaries[FLEET]["all"]["slo_attainment"] / st if st else None)
     chart = memory_chart.chart(cfg.out_dir / "fleet_memory.png",
                                {m: r.replay.memory for m, r in runs.items()}, cfg.models,
                                cfg.budget, "memory per model over time: weights (solid) "
@@ -317,6 +429,7 @@ def run_fleet_demo(cfg: FleetDemoConfig, console: Console | None = None) -> dict
 
 def _config_json(cfg: FleetDemoConfig) -> dict[str, Any]:
     d = asdict(cfg)
+    d["peer_knobs"] = {m: k for m, k in cfg.peer_knobs.items() if m in cfg.modes}
     d["out_dir"] = str(cfg.out_dir)
     d["resident"] = list(cfg.resident())
     d["weight_bytes"] = {m: cfg.weight_bytes(m) for m in cfg.models}

@@ -49,10 +49,14 @@ def _block(outcomes: Sequence[Outcome], slo: Slo) -> dict[str, Any]:
 
 
 def summarize(rep: Replay, slo: Slo, models: Sequence[str], wakes: WakeStats,
-              resident: Sequence[str]) -> dict[str, Any]:
+              resident: Sequence[str], budget: int | None = None,
+              duration_s: float | None = None) -> dict[str, Any]:
     """One mode: ``all`` (every request), each model's block, which models had a server
     (``resident``), how many models got at least one request served, the wakes, and the
-    memory peak (weights + KV of every model, bytes; from the samples)."""
+    memory peak (weights + KV of every model, bytes; from the samples). With the
+    workload's ``duration_s``: goodput (requests and output tokens per second of the
+    requests that met the SLO); with the ``budget``: over-commit, the memory held above
+    it integrated over the samples (byte-seconds)."""
     out: dict[str, Any] = {"all": _block(rep.outcomes, slo)}
     for m in models:
         out[m] = _block([o for o in rep.outcomes if o.model == m], slo)
@@ -63,6 +67,15 @@ def summarize(rep: Replay, slo: Slo, models: Sequence[str], wakes: WakeStats,
     totals = [sum(row.get("kv", {}).values()) + sum(row.get("weights", {}).values())
               for row in rep.memory]
     out["all"]["mem_peak"] = max(totals, default=0)
+    if duration_s:
+        met = [o for o in rep.outcomes if slo.met(o)]
+        out["all"]["goodput_req_s"] = len(met) / duration_s
+        out["all"]["goodput_tok_s"] = sum(o.output_tokens for o in met) / duration_s
+    if budget is not None:
+        ts = [row.get("t", 0.0) for row in rep.memory]
+        out["all"]["over_commit_byte_s"] = sum(
+            max(0, total - budget) * (ts[i + 1] - ts[i])
+            for i, total in enumerate(totals[:-1]))
     return out
 
 
@@ -71,18 +84,22 @@ def _ms(x: float | None) -> str:
 
 
 def table(title: str, runs: dict[str, dict[str, Any]]) -> Table:
-    """One row per mode (``runs`` = {mode: summarize(...)})."""
+    """One row per mode (``runs`` = {mode: summarize(...)}); goodput is requests per
+    second that met the SLO, cold starts the member starts of a fleet during the run."""
     from kvpool.sizes import format_size
 
     t = Table(title=title)
-    for col in ("mode", "models served", "served", "failed", "SLO met", "TTFT p50",
-                "TTFT p99", "TPOT", "wakes", "wake p50", "wake max", "mem peak"):
+    for col in ("mode", "models served", "served", "failed", "SLO met", "goodput",
+                "TTFT p50", "TTFT p99", "TPOT", "wakes", "wake p50", "wake max",
+                "cold starts", "mem peak"):
         t.add_column(col, justify="left" if col == "mode" else "right")
     for mode, s in runs.items():
         a, w = s["all"], s["all"]["wakes"]
         t.add_row(mode, f"{a['models_served']}/{a['models']}",
                   f"{a['served']}/{a['requests']}", str(a["failed"]),
-                  f"{a['slo_attainment']:.0%}", _ms(a["ttft_p50"]), _ms(a["ttft_p99"]),
+                  f"{a['slo_attainment']:.0%}",
+                  "-" if a.get("goodput_req_s") is None else f"{a['goodput_req_s']:.2f}/s",
+                  _ms(a["ttft_p50"]), _ms(a["ttft_p99"]),
                   _ms(a["tpot_mean"]), str(w["count"]), _ms(w["p50_s"]), _ms(w["max_s"]),
-                  format_size(a["mem_peak"]))
+                  str(w.get("cold_starts", "-")), format_size(a["mem_peak"]))
     return t

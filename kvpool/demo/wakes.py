@@ -1,11 +1,15 @@
-"""Wakes of sleeping servers during a demo run, and how long they took.
+"""Wakes of sleeping servers during a demo run and how long they took, and a fleet's
+member starts and unloads meanwhile (a swap fleet's cold starts).
 
-Two sources, each read before the workload and again after it (the difference is the
+Three sources, each read before the workload and again after it (the difference is the
 run's): every elastic bundled server logs each wake as ``kvpool: awake (REASON) in X s``
 (``X``: its restore, the weights re-attached or reloaded and the null block's KV mapped;
-:mod:`kvpool.engine_adapters.sleep_controller`), and a fleet's ``/metrics`` has
-``kvpool_fleet_wakes_total`` and the ``kvpool_fleet_wake_seconds`` histogram (what the
-router saw: a request's wait from its arrival until the member was ready).
+:mod:`kvpool.engine_adapters.sleep_controller`); a fleet's ``/metrics`` has
+``kvpool_fleet_wakes_total``, the ``kvpool_fleet_wake_seconds`` histogram (what the
+router saw: a request's wait from its arrival until the member was ready) and
+``kvpool_fleet_sleeps_total``; and the fleet's own log has one ``fleet: starting T``
+line per member start and one ``fleet: unloading T:`` line per unload
+(:func:`fleet_log_counts`).
 """
 
 from __future__ import annotations
@@ -46,11 +50,13 @@ def new_wakes(before: dict[str, list[float]], after: dict[str, list[float]]) -> 
 
 
 def fleet_metrics(url: str) -> dict[str, float]:
-    """The fleet's wake counters (summed over models): ``wakes``, ``wake_seconds_sum``,
-    ``wake_seconds_count``; empty when ``url`` has no such metrics."""
+    """The fleet's wake and sleep counters (summed over models and causes): ``wakes``,
+    ``wake_seconds_sum``, ``wake_seconds_count``, ``sleeps``; empty when ``url`` has no
+    such metrics."""
     names = {"kvpool_fleet_wakes_total": "wakes",
              "kvpool_fleet_wake_seconds_sum": "wake_seconds_sum",
-             "kvpool_fleet_wake_seconds_count": "wake_seconds_count"}
+             "kvpool_fleet_wake_seconds_count": "wake_seconds_count",
+             "kvpool_fleet_sleeps_total": "sleeps"}
     try:
         text = httpx.get(f"{url}/metrics", timeout=5).text
     except httpx.HTTPError:
@@ -67,19 +73,39 @@ def fleet_metrics(url: str) -> dict[str, float]:
     return out
 
 
+def fleet_log_counts(log: Path | None) -> dict[str, int]:
+    """``starts`` and ``unloads`` of members in a ``kvpool fleet`` log so far (empty
+    without one)."""
+    if log is None or not log.is_file():
+        return {}
+    text = log.read_text(errors="replace")
+    return {"starts": len(START_LINE.findall(text)), "unloads": len(UNLOAD_LINE.findall(text))}
+
+
+START_LINE = re.compile(r"^fleet: starting \S+ ", re.M)
+UNLOAD_LINE = re.compile(r"^fleet: unloading \S+:", re.M)
+
+
 @dataclass
 class WakeStats:
     """A run's wakes: each server's restore time (from the logs) and, through a fleet,
-    the router's count and mean wait."""
+    the router's count and mean wait, its sleeps, and its member starts and unloads."""
 
     seconds: list[float]
     fleet: dict[str, float]
+    starts: int | None = None  # None: not a fleet
+    unloads: int | None = None
 
     @classmethod
     def between(cls, logs_before: dict[str, list[float]], logs_after: dict[str, list[float]],
-                fleet_before: dict[str, float], fleet_after: dict[str, float]) -> WakeStats:
+                fleet_before: dict[str, float], fleet_after: dict[str, float],
+                counts_before: dict[str, int] | None = None,
+                counts_after: dict[str, int] | None = None) -> WakeStats:
         fleet = {k: v - fleet_before.get(k, 0.0) for k, v in fleet_after.items()}
-        return cls(new_wakes(logs_before, logs_after), fleet)
+        before, after = counts_before or {}, counts_after or {}
+        diff = {k: after[k] - before.get(k, 0) for k in after}
+        return cls(new_wakes(logs_before, logs_after), fleet, diff.get("starts"),
+                   diff.get("unloads"))
 
     def to_json(self) -> dict[str, Any]:
         s = self.seconds
@@ -91,4 +117,8 @@ class WakeStats:
             out["fleet_wakes"] = int(self.fleet.get("wakes", 0.0))
             out["fleet_wake_wait_mean_s"] = (self.fleet.get("wake_seconds_sum", 0.0) / n
                                              if n else None)
+            out["fleet_sleeps"] = int(self.fleet.get("sleeps", 0.0))
+        if self.starts is not None:
+            out["cold_starts"] = self.starts
+            out["unloads"] = self.unloads or 0
         return out

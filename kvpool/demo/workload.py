@@ -8,7 +8,9 @@ Without the files a seeded synthetic log-normal stands in, so a fresh clone stil
 
 Arrivals are a Poisson process whose rate changes by phase: in phase ``k`` model
 ``k % len(models)`` runs at ``peak_rate`` while the others run at ``base_rate`` — the
-models take turns peaking, which is what makes sharing memory pay.
+models take turns peaking, which is what makes sharing memory pay. A shape with
+``rates`` instead gives each model a constant rate of its own (steady mixed traffic, or
+a long tail of rarely used models: ``benchmarks/fleet_vs_peers.py``).
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ class WorkloadShape:
     prompt_range: tuple[int, int] = (16, 384)
     output_range: tuple[int, int] = (8, 64)
     seed: int = 0
+    # each model's constant rate (requests/s), in ``models`` order; None: the turns above
+    rates: tuple[float, ...] | None = None
 
 
 def trace_dir() -> Path | None:
@@ -94,6 +98,8 @@ def sample_lengths(shape: WorkloadShape, n: int, rnd: random.Random) -> list[tup
 
 
 def rate_at(shape: WorkloadShape, model_index: int, t: float) -> float:
+    if shape.rates is not None:
+        return shape.rates[model_index]
     turn = int(t // shape.phase_s) % len(shape.models)
     return shape.peak_rate if turn == model_index else shape.base_rate
 
@@ -102,9 +108,11 @@ def generate(shape: WorkloadShape) -> list[Arrival]:
     """The whole replay, sorted by arrival time; the same shape gives the same list."""
     if not shape.models:
         raise ValueError("a workload needs at least one model")
+    if shape.rates is not None and len(shape.rates) != len(shape.models):
+        raise ValueError(f"{len(shape.rates)} rates for {len(shape.models)} models")
     rnd = random.Random(shape.seed)
     arrivals: list[tuple[float, str]] = []
-    top = max(shape.peak_rate, shape.base_rate)
+    top = max(shape.peak_rate, shape.base_rate, *(shape.rates or ()))
     for i, model in enumerate(shape.models):
         t = 0.0
         while top > 0:

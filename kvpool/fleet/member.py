@@ -73,6 +73,7 @@ class Member:
         self.popen: subprocess.Popen[bytes] | None = None
         self.url: str | None = None
         self.started_at = 0.0  # monotonic, of the current process
+        self.up_at = 0.0  # monotonic: when the current process was first seen healthy
         self.answered_at = 0.0  # monotonic: the last look its server answered
         self.failed_at = 0.0
         self.last_error = ""
@@ -113,7 +114,7 @@ class Member:
                                           base_env=how.env, die_with_parent=True)
         self.url = f"http://127.0.0.1:{port}"
         self.state = STARTING
-        self.started_at = self.answered_at = time.monotonic()
+        self.started_at = self.answered_at = self.up_at = time.monotonic()
         self.starts += 1
         self.sleeps_seen, self.wakes_seen = {}, 0
         self.kv = None

@@ -258,7 +258,7 @@ class Supervisor:
         version = self._version(m)
         if await self._healthy(m):
             if self._version(m) == version and m.exit_code() is None:
-                m.answered_at = time.monotonic()
+                m.answered_at = m.up_at = time.monotonic()
                 self.say(f"fleet: {m.tenant} is up at {m.url} "
                          f"({time.monotonic() - m.started_at:.1f} s)")
                 self.set_state(m, AWAKE)

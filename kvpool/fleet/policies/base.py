@@ -159,6 +159,8 @@ def daemon_budget(setup: Setup) -> int:
 
 
 def last_used(m: Member) -> float:
-    """When ``m`` last served (monotonic): its last request's end, or its start when it
-    has served none since."""
-    return max(m.idle_since, m.started_at)
+    """When ``m`` last served (monotonic): its last request's end, or when its server
+    came up when it has served none since (not when it was spawned: a start slower than
+    ``keep_alive`` or an idle threshold must not unload or sleep a member before the
+    request that started it reaches it)."""
+    return max(m.idle_since, m.started_at, m.up_at)
