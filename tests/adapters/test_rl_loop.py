@@ -109,6 +109,10 @@ def test_publish_refusals_are_one_line(tmp_path):
         assert r.status_code == 400, r.text
         r = httpx.post(f"{url}/kvpool/weights", json={})
         assert r.status_code == 400  # (the server answers a malformed body 400)
+        for hostile in ("a\x00b", "x" * 5000, "/" + "y/" * 3000):  # no 500, no traceback
+            r = httpx.post(f"{url}/kvpool/weights", json={"checkpoint": hostile})
+            assert r.status_code == 400, (hostile[:20], r.status_code, r.text)
+            assert "\n" not in r.json()["error"]["message"]
         # the engine serves on with its weights
         ok = httpx.post(f"{url}/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 4},
                         timeout=60)

@@ -61,6 +61,9 @@ class Published:
         return self.nbytes if self.loaded else 0
 
 
+SHOWN = 200  # characters of a checkpoint path an error repeats
+
+
 def publish(engine: Engine, checkpoint: str | Path) -> Published:
     """Serve ``checkpoint``'s weights from the next step on (see the module). Raises
     :class:`PublishError` (nothing changed), ``KvpoolError`` when the daemon cannot give
@@ -71,14 +74,19 @@ def publish(engine: Engine, checkpoint: str | Path) -> Published:
         raise PublishError("this engine's weights are not in the pool (kvpool serve "
                            "--elastic --weights pool publishes; --weights local does not)")
     path = Path(checkpoint)
-    if not path.is_dir():
-        raise PublishError(f"no checkpoint folder at {path}")
-    try:
+    shown = repr(str(path)[:SHOWN]) + ("..." if len(str(path)) > SHOWN else "")
+    try:  # a hostile name (NUL, too long, a loop) is a refusal, not a server error
+        if not path.is_dir():
+            raise PublishError(f"no checkpoint folder at {shown}")
         plan = loader.check_checkpoint(path, loader.meta_model(engine.model_config),
                                        engine.model_config)
-    except ValueError as e:  # CheckpointError: missing, unexpected or unreadable tensors
-        raise PublishError(str(e)) from None
-    key = set_key(content_key(path).key, weights.layout)
+        key = set_key(content_key(path).key, weights.layout)
+    except PublishError:
+        raise
+    except (OSError, ValueError) as e:  # CheckpointError: missing, unexpected, unreadable
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise PublishError(f"cannot read the checkpoint at {shown}: "
+                           f"{why.splitlines()[0] if why else type(e).__name__}") from None
     with engine.step_lock:  # between steps: no forward pass reads the parameters
         if engine.has_unfinished() or engine.detached:
             raise PublishError("the engine is serving requests; it switches weights only "
