@@ -41,35 +41,95 @@ import argparse
 import dataclasses
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RESULTS, log, write_result  # noqa: E402
+from common import RESULTS, log, smollm2, write_result  # noqa: E402
 
 from kvpool.demo import slo as slo_report  # noqa: E402
 from kvpool.demo.fleet_run import (FLEET, PEERS, FleetDemoConfig, demo_shape,  # noqa: E402
                                    ensure_models, run_mode)
+from kvpool.demo.slo import Slo  # noqa: E402
 from kvpool.demo.workload import WorkloadShape  # noqa: E402
 
 POLICIES = ("kvpool", *PEERS)
 
 
+#: the real-model shape's members: SmolLM2-135M as a bundled fp32 member, a bundled
+#: bfloat16 member (the same model converted: weights of their own) and a vLLM member
+SMOL_MODELS = ("smol-32", "smol-16", "smol-vllm")
+#: the vLLM member's flags (its weights local: vLLM keeps them in its own memory)
+SMOL_VLLM_ARGS = ("--enforce-eager", "--max-model-len", "512", "--dtype", "bfloat16")
+
+
 def shapes(quick: bool) -> dict[str, WorkloadShape]:
-    """Every shape (``quick``: 10 s each, the same rates)."""
+    """Every shape (``quick``: 10 s each, the same rates; ``smollm2``: 20 s)."""
     rot = demo_shape()
     models = list(rot.models)
     out = {
         "rotating": rot,
         "steady": dataclasses.replace(rot, rates=(0.4,) * len(models)),
         "long-tail": dataclasses.replace(rot, rates=(1.2, 0.5, 0.15, 0.1, 0.06, 0.06)),
+        # SmolLM2 members taking turns (10 s each, twice): bursts a model of 135M
+        # parameters serves on 2 cores, shorter prompts and answers than the tiny models'
+        "smollm2": WorkloadShape(models=list(SMOL_MODELS), duration_s=60.0, phase_s=10.0,
+                                 base_rate=0.1, peak_rate=1.0, prompt_scale=8.0,
+                                 output_scale=4.0, prompt_range=(16, 128),
+                                 output_range=(16, 48)),
     }
     if quick:
         out = {k: dataclasses.replace(v, duration_s=10.0, phase_s=10.0 / len(models))
+               if k != "smollm2" else dataclasses.replace(v, duration_s=20.0, phase_s=10.0 / 3)
                for k, v in out.items()}
     return out
+
+
+def bf16_variant(src: Path, dst: Path) -> Path:
+    """``src`` (a float32 checkpoint) converted to bfloat16 into ``dst`` (once)."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    if (dst / "config.json").exists():
+        return dst
+    tmp = dst.with_name(dst.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp, ignore=shutil.ignore_patterns("*.safetensors", ".kvpool-*"))
+    for f in src.glob("*.safetensors"):
+        save_file({k: v.to(torch.bfloat16).contiguous() for k, v in load_file(f).items()},
+                  tmp / f.name, metadata={"format": "pt"})
+    cfg = json.loads((tmp / "config.json").read_text())
+    cfg["torch_dtype"] = cfg["dtype"] = "bfloat16"
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+    tmp.rename(dst)
+    return dst
+
+
+def shape_config(shape: str, cache: Path) -> dict[str, Any]:
+    """The :class:`FleetDemoConfig` fields a shape sets beyond the demo's (the tiny
+    shapes: none). ``smollm2``: the three SmolLM2 members on 2 MiB pages (a GPU's page) and
+    a budget that holds the fp32 member's weights and working KV, or the bf16 member's and
+    the vLLM member's KV, not both bundled members (the vLLM member's weights are local,
+    outside every policy's budget alike); an SLO for a 135M model on 2 shared cores: the
+    first token within 5 s (a wake that reloads 514 MiB of weights while another member
+    is put to sleep took 3.7-5.8 s in a trial on the loaded cores; a prefill and a short
+    queue), then 4 tokens a second; members get 180 s to start (vLLM's start on the loaded cores)."""
+    if shape != "smollm2":
+        return {}
+    fp32 = smollm2(cache)
+    bf16 = bf16_variant(fp32, cache / "SmolLM2-135M-Instruct-bf16")
+    return {"models": SMOL_MODELS,
+            "checkpoints": {"smol-32": fp32, "smol-16": bf16, "smol-vllm": bf16},
+            "engines": {"smol-vllm": "vllm"}, "engine_args": {"smol-vllm": SMOL_VLLM_ARGS},
+            "budget": 640 << 20, "page_size": 2 << 20, "working_kv": 64 << 20,
+            "max_num_seqs": 8, "vocab": 512, "slo": Slo(ttft_s=5.0, tpot_s=0.25),
+            "member_start_timeout_s": 180.0, "start_timeout_s": 600.0}
 
 
 #: per policy: (label, knobs) — the default first, then the sweep of its main knob
@@ -96,14 +156,16 @@ def mode_of(policy: str) -> str:
 
 
 def one_run(out: Path, shape: WorkloadShape, seed: int, policy: str,
-            knobs: dict[str, float]) -> dict[str, Any]:
-    """One fleet run: the demo's fleet mode of ``policy`` with ``knobs`` on ``shape``."""
+            knobs: dict[str, float], extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One fleet run: the demo's fleet mode of ``policy`` with ``knobs`` on ``shape``
+    (``extra``: the shape's own config fields, :func:`shape_config`)."""
     from rich.console import Console
 
     mode = mode_of(policy)
+    fields: dict[str, Any] = {"member_start_timeout_s": MEMBER_START_TIMEOUT_S,
+                              **(extra or {})}
     cfg = FleetDemoConfig(out_dir=out, live=False, modes=(mode,),
-                          workload=dataclasses.replace(shape, seed=seed),
-                          member_start_timeout_s=MEMBER_START_TIMEOUT_S)
+                          workload=dataclasses.replace(shape, seed=seed), **fields)
     if policy != "kvpool":
         cfg.peer_knobs = {policy: dict(knobs)}
     t0 = time.perf_counter()
@@ -301,12 +363,14 @@ def merge(args: argparse.Namespace) -> None:
     """``--merge``: the runs of several result files in one document (see ``--merge``)."""
     import json
 
-    runs: list[dict[str, Any]] = []
+    by_key: dict[tuple[Any, ...], dict[str, Any]] = {}
     notes = []
     for f in args.merge:
         d = json.loads(Path(f).read_text())
-        runs += d["runs"]
+        for r in d["runs"]:  # a later file's run replaces an earlier one of the same key
+            by_key[(r["shape"], r["seed"], r["policy"], r["setting"])] = r
         notes.append(f"{f}: {d['command']} ({d['when']}, {len(d['runs'])} runs)")
+    runs = list(by_key.values())
     names = list(dict.fromkeys(r["shape"] for r in runs))
     seeds = sorted({int(r["seed"]) for r in runs})
     best = {shape: {p: best_setting(runs, shape, p, seeds[0]) for p in POLICIES}
@@ -328,8 +392,15 @@ def main() -> None:
     ap.add_argument("--no-sweep", action="store_true", help="each policy at its defaults "
                     "only (a later invocation's seeds of a shape whose best settings were "
                     "its defaults; join them with --merge)")
-    ap.add_argument("--shapes", default="rotating,steady,long-tail",
-                    help="comma-separated: rotating, steady, long-tail")
+    ap.add_argument("--best-from", default=None, metavar="JSON",
+                    help="no sweep: each peer at its default and at the best setting that "
+                    "result file recorded for the shape (later seeds of an earlier sweep; "
+                    "join them with --merge)")
+    ap.add_argument("--shapes", default="rotating,steady,long-tail,smollm2",
+                    help="comma-separated: rotating, steady, long-tail, smollm2")
+    ap.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) /
+                    "kvpool-models", help="where SmolLM2 is converted (once) for the "
+                    "smollm2 shape")
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--models-dir", default="demo-out", help="where the demo's models are "
                     "(written there once: fleet-models/) and the runs' logs go")
@@ -375,14 +446,32 @@ def main() -> None:
     schedule = [(shape, seeds[0]) for shape in shape_names]
     schedule += [(shape, seed) for shape in shape_names for seed in seeds[1:]]
     best = {shape: {p: "default" for p in policies} for shape in shape_names}
+    if args.best_from:
+        import json
+
+        try:
+            recorded = json.loads(Path(args.best_from).read_text())["best_setting"]
+        except (OSError, ValueError, KeyError) as e:
+            ap.error(f"--best-from {args.best_from}: no recorded best settings ({e})")
+        labels = {p: dict(SETTINGS[p]) for p in policies}
+        for shape in shape_names:
+            for p in policies:
+                label = recorded.get(shape, {}).get(p, "default")
+                if label not in labels[p]:
+                    ap.error(f"{args.best_from}: unknown setting {label!r} of {p}")
+                best[shape][p] = label
+        settings = {p: [s for s in SETTINGS[p] if s[0] in
+                        {"default", *(best[sh][p] for sh in shape_names)}]
+                    for p in policies}
     for shape, seed in schedule:
         for policy in policies:
-            todo = settings[policy] if seed == seeds[0] else [
+            todo = settings[policy] if seed == seeds[0] and not args.best_from else [
                 s for s in settings[policy] if s[0] in ("default", best[shape][policy])]
             for label, knobs in todo:
                 log(f"[{time.perf_counter() - started:.0f} s] {shape} seed {seed}: "
                     f"{policy} {label}")
-                result = one_run(out, all_shapes[shape], seed, policy, knobs)
+                result = one_run(out, all_shapes[shape], seed, policy, knobs,
+                                 shape_config(shape, args.cache))
                 a = result["all"]
                 log(f"  SLO {a['slo_attainment']:.0%} ({a['slo_met']}/{a['requests']}), "
                     f"failed {a['failed']}, TTFT p99 {(a['ttft_p99'] or 0) * 1e3:.0f} ms, "
@@ -391,7 +480,7 @@ def main() -> None:
                 runs.append({"shape": shape, "seed": seed, "policy": policy,
                              "setting": label, "knobs": knobs, "result": result})
                 save()
-        if seed == seeds[0]:
+        if seed == seeds[0] and not args.best_from:
             best[shape] = {p: best_setting(runs, shape, p, seed) for p in policies}
             log(f"{shape}: best settings {best[shape]}")
             save()

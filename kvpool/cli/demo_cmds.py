@@ -102,11 +102,7 @@ def demo(scenario: str | None, out_dir: str, model: str | None, budget: str | No
                                        "--engine vllm")
         if importlib.util.find_spec("vllm") is None:
             raise click.ClickException("--engine vllm needs vLLM: pip install 'kvpool[vllm]'")
-    try:
-        size = parse_size(budget) if budget is not None else None
-        page = parse_size(page_size) if page_size is not None else None
-    except ValueError as e:
-        raise click.BadParameter(str(e)) from None
+    size, page = _sizes(budget, page_size)
     if model is not None:
         cfg = _real_model_config(model, Path(out_dir), size, page, backend)
     else:
@@ -123,6 +119,18 @@ def demo(scenario: str | None, out_dir: str, model: str | None, budget: str | No
         run_demo(cfg)
     except ClusterError as e:
         raise click.ClickException(f"demo failed: {e}") from None
+
+
+def _sizes(budget: str | None, page_size: str | None) -> tuple[int | None, int | None]:
+    """``--budget`` and ``--page-size`` in bytes (None: not given); a bad size is a
+    usage error of one line."""
+    from kvpool.sizes import parse_size
+
+    try:
+        return (parse_size(budget) if budget is not None else None,
+                parse_size(page_size) if page_size is not None else None)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
 
 
 def _policy_mode(name: str) -> str:
@@ -146,20 +154,15 @@ def _fleet(out_dir: str, model: str | None, budget: str | None, page_size: str |
     """``--scenario fleet``: :func:`kvpool.demo.fleet_run.run_fleet_demo`."""
     from kvpool.demo.cluster import ClusterError
     from kvpool.demo.fleet_run import FleetDemoConfig, run_fleet_demo
-    from kvpool.sizes import parse_size
 
     if model is not None or engine != "bundled" or backend != "host":
         raise click.ClickException("--model, --engine and --backend apply to --scenario kv "
                                  "(the fleet demo serves its six tiny models, bundled "
                                  "engine, host backend)")
     cfg = FleetDemoConfig(out_dir=Path(out_dir))
-    try:
-        if budget is not None:
-            cfg.budget = parse_size(budget)
-        if page_size is not None:
-            cfg.page_size = parse_size(page_size)
-    except ValueError as e:
-        raise click.BadParameter(str(e)) from None
+    size, page = _sizes(budget, page_size)
+    cfg.budget = cfg.budget if size is None else size
+    cfg.page_size = cfg.page_size if page is None else page
     cfg.live = not no_live
     _shape(cfg.workload, seed, duration, peak_rate, base_rate, phases=len(cfg.models))
     if modes:
@@ -178,7 +181,6 @@ def _train(out_dir: str, model: str | None, budget: str | None, page_size: str |
     other scenarios: one line, exit 2."""
     from kvpool.demo.cluster import ClusterError
     from kvpool.demo.train_run import TrainDemoConfig, run_train_demo
-    from kvpool.sizes import parse_size
 
     other = {"--model": model is not None, "--duration": duration is not None,
              "--peak-rate": peak_rate is not None, "--base-rate": base_rate is not None,
@@ -190,13 +192,9 @@ def _train(out_dir: str, model: str | None, budget: str | None, page_size: str |
                                "(the tiny model, bundled engine, host backend)")
     cfg = TrainDemoConfig(out_dir=Path(out_dir),
                           log=lambda line: click.echo(line, err=True))
-    try:
-        if budget is not None:
-            cfg.budget = parse_size(budget)
-        if page_size is not None:
-            cfg.page_size = parse_size(page_size)
-    except ValueError as e:
-        raise click.BadParameter(str(e)) from None
+    size, page = _sizes(budget, page_size)
+    cfg.budget = cfg.budget if size is None else size
+    cfg.page_size = cfg.page_size if page is None else page
     from kvpool.client_lib import KvpoolError
     from kvpool.demo.rl_loop import LoopConfig
 

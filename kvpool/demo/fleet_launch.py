@@ -65,6 +65,8 @@ class Member:
     sleep_after_s: float
     max_num_seqs: int
     block_size: int
+    engine: str = "bundled"  # a kind of kvpool.fleet.engines.KINDS
+    args: tuple[str, ...] = ()  # the engine's own flags; () = the bundled engine's below
 
 
 @dataclass
@@ -115,12 +117,15 @@ def fleet_toml(members: Sequence[Member], toml_dir: Path, budget: int, page_size
         kv = m.kv_cache_size if pol.elastic or static_kv is None else static_kv
         keys = [("eager", "false"), ("min", '"0"'), ("max", f'"{_size(m.max_bytes)}"'),
                 ("shares", "1.0"), ("sleepable", "true"),
-                ("sleep_after", repr(m.sleep_after_s)), ("weights", '"pool"')]
+                ("sleep_after", repr(m.sleep_after_s))]
+        if m.engine == "bundled":  # (a vLLM server keeps its weights local)
+            keys.append(("weights", '"pool"'))
+        args = m.args or ("--block-size", str(m.block_size), "--device", "cpu")
         lines += ["", "[[models]]", f'name = "{m.name}"', f'checkpoint = "{rel}"',
-                  'engine = "bundled"', "replicas = 1"]
+                  f'engine = "{m.engine}"', "replicas = 1"]
         lines += [f"{k} = {v}" for k, v in keys if k not in decided]
         lines += [f'kv_cache_size = "{_size(kv)}"', f"max_num_seqs = {m.max_num_seqs}",
-                  f'args = ["--block-size", "{m.block_size}", "--device", "cpu"]']
+                  "args = [" + ", ".join(f'"{a}"' for a in args) + "]"]
     return "\n".join(lines) + "\n"
 
 

@@ -122,8 +122,16 @@ class FleetDemoConfig:
         default_factory=lambda: {k: dict(v) for k, v in PEER_KNOBS.items()})
     live: bool = True
     start_timeout_s: float = 180.0
+    # models served from checkpoints of their own (a real model) instead of the generated
+    # tiny ones, and each fleet member's engine kind and flags (default: the bundled
+    # engine with _engine_args)
+    checkpoints: dict[str, Path] = field(default_factory=dict)
+    engines: dict[str, str] = field(default_factory=dict)
+    engine_args: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def model_dir(self, name: str) -> Path:
+        if name in self.checkpoints:
+            return self.checkpoints[name]
         return self.out_dir / "fleet-models" / name
 
     def weight_bytes(self, name: str) -> int:
@@ -144,6 +152,8 @@ def ensure_models(cfg: FleetDemoConfig) -> None:
     from kvpool.engine.model.tiny import make_tiny_model
 
     for i, name in enumerate(cfg.models):
+        if name in cfg.checkpoints:
+            continue
         d = cfg.model_dir(name)
         if not (d / "config.json").exists():
             make_tiny_model(d, layers=cfg.layers, hidden=cfg.hidden, heads=cfg.heads,
@@ -274,7 +284,9 @@ def run_mode(cfg: FleetDemoConfig, mode: str, console: Console) -> ModeRun:
                 cluster.daemon(cfg.budget, cfg.page_size)
             members = [fleet_launch.Member(m, cfg.model_dir(m).resolve(), cfg.budget,
                                            cfg.budget, cfg.sleep_after_s, cfg.max_num_seqs,
-                                           cfg.block_size) for m in cfg.models]
+                                           cfg.block_size, cfg.engines.get(m, "bundled"),
+                                           cfg.engine_args.get(m, ()))
+                       for m in cfg.models]
             toml = cfg.out_dir / ("FLEET.toml" if mode == FLEET else f"FLEET-{mode}.toml")
             launched = fleet_launch.launch(cluster, members, toml, cfg.budget, cfg.page_size,
                                            env, wave=len(cfg.resident()),
