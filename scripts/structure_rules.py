@@ -104,6 +104,8 @@ ALLOWED: dict[tuple[str, str, str], str] = {
         _VLLM_SEAM.format("EngineCore's utility calls (a wake answering its failure: added)"),
     ("patch", _VLLM, "_patch_sleep_routes: setattr(mod, 'attach_router', ...)"):
         _VLLM_SEAM.format("the dev sleep router's attach_router (kvpool's routes first)"),
+    ("patch", _VLLM, "_patch_api_routers: setattr(mod, 'register_api_routers', ...)"):
+        _VLLM_SEAM.format("the API server's register_api_routers (POST /kvpool/weights)"),
     ("patch", _VLLM, "_patch_cpu_worker_sleep: setattr(cls, name, ...)"):
         _VLLM_SEAM.format("CPUWorker.sleep/wake_up (no-ops on CPU: the KV-level sleep)"),
     ("patch", _VLLM, "_patch_allocate: setattr(mod, 'allocate_kv_cache', ...)"):

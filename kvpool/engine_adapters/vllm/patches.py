@@ -7,7 +7,15 @@ API server process (where the config is built):
                                         cache share a process (as on a one-GPU server).
   ``dev.sleep.api_router.attach_router``  kvpool's ``POST /wake_up`` (503 of one line
                                         when the memory does not come) and ``GET
-                                        /kvpool/sleep`` before vLLM's (sleep_routes.py).
+                                        /kvpool/sleep`` before vLLM's (sleep_routes.py);
+  ``launchers.app.register_api_routers``  also ``POST /kvpool/weights``
+                                        (weight_routes.py), dev mode or not;
+  ``EngineArgs.create_engine_config``   also: the weight transfer backend ``kvpool``
+                                        when none is configured.
+Both processes:
+  ``weight_transfer.factory``           registers the ``kvpool`` weight transfer engine
+                                        (weight_transfer.py: an update loads a checkpoint
+                                        through ``model.load_weights``).
 Engine-core process:
   ``CPUWorker/Worker.determine_available_memory``  registers the tenant, reports the
                                         virtual capacity (no static slice, no free-memory
@@ -81,6 +89,12 @@ def _patch_arg_utils(b: VllmBridge, mod: ModuleType) -> None:
     def create_engine_config(self: EngineArgs, *args: Any, **kwargs: Any) -> VllmConfig:
         config = original(self, *args, **kwargs)
         check_config(config)
+        if config.weight_transfer_config is None:  # POST /kvpool/weights (weight_routes.py)
+            from vllm.config import WeightTransferConfig
+
+            from kvpool.engine_adapters.vllm.weight_transfer import BACKEND
+
+            config.weight_transfer_config = WeightTransferConfig(backend=BACKEND)
         return config
 
     _ours.add(create_engine_config)
@@ -96,6 +110,34 @@ def _patch_sleep_routes(b: VllmBridge, mod: ModuleType) -> None:
     attach = attach_first(original)
     _ours.add(attach)
     setattr(mod, "attach_router", attach)
+
+
+def _patch_api_routers(b: VllmBridge, mod: ModuleType) -> None:
+    """The API server's routes, dev mode or not, include ``POST /kvpool/weights``."""
+    from kvpool.engine_adapters.vllm import weight_routes
+
+    original: Callable[..., None] = mod.register_api_routers
+    if original in _ours:
+        return
+
+    @functools.wraps(original)
+    def register_api_routers(args: Any, app: Any, *rest: Any, **kw: Any) -> None:
+        app.include_router(weight_routes.router())
+        original(args, app, *rest, **kw)
+
+    _ours.add(register_api_routers)
+    setattr(mod, "register_api_routers", register_api_routers)
+
+
+def _register_transfer(b: VllmBridge, mod: ModuleType) -> None:
+    """vLLM's weight transfer engines learn ``kvpool`` (:mod:`.weight_transfer`, loaded
+    by vLLM when a server names it)."""
+    from kvpool.engine_adapters.vllm.weight_transfer import BACKEND
+
+    factory = mod.WeightTransferEngineFactory
+    if BACKEND not in factory._registry:
+        factory.register_engine(BACKEND, "kvpool.engine_adapters.vllm.weight_transfer",
+                                "CheckpointTransfer")
 
 
 # ---- engine-core process: memory sizing -------------------------------------------------
@@ -416,6 +458,7 @@ def install(b: VllmBridge) -> None:
     module global refers to it."""
     for name, patch in (("vllm.engine.arg_utils", _patch_arg_utils),
                         ("vllm.entrypoints.serve.dev.sleep.api_router", _patch_sleep_routes),
+                        ("vllm.entrypoints.launchers.app", _patch_api_routers),
                         ("vllm.v1.worker.cpu_worker", _patch_cpu_worker),
                         ("vllm.v1.worker.gpu_worker", _patch_gpu_worker),
                         ("vllm.v1.engine.core", _patch_engine_core),
@@ -424,5 +467,6 @@ def install(b: VllmBridge) -> None:
                         ("vllm.v1.core.kv_cache_coordinator", _patch_coordinator),
                         ("vllm.v1.core.kv_cache_manager", _patch_manager),
                         ("vllm.v1.core.sched.scheduler", _patch_scheduler),
-                        ("vllm.v1.executor.abstract", _patch_executor)):
+                        ("vllm.v1.executor.abstract", _patch_executor),
+                        ("vllm.distributed.weight_transfer.factory", _register_transfer)):
         when_imported(name, functools.partial(patch, b))
