@@ -8,7 +8,10 @@ engine, run interleaved (cycle k of every mode before cycle k+1 of any):
 
 * ``kvpool``  — no sleep: the trainer's step grant makes the daemon take the idle engine's
   KV, its weights stay mapped; the step's end gives the memory back, the engine grows on
-  demand; the publish loads the new set (one copy) while the KV stays;
+  demand; the weights are published in place (the policy's parameters are the engine's
+  weights, a mutable set: the update is written into its back buffer and the engine
+  remaps to the new version; no checkpoint, no byte of weights copied;
+  ``--kvpool-copy`` publishes by checkpoint instead, as the baselines do);
 * ``sleep1``  — sleep level 1 as the RL frameworks use it: the engine sleeps (KV dropped,
   weights released), the trainer's step gets everything the engine held, the engine wakes
   (its weights back by copy: this engine reloads its current checkpoint, the host copy,
@@ -25,7 +28,7 @@ Per mode: step seconds; the switch each way next to the memcpy floor of the byte
 must move in that switch (a plain ``torch`` copy of that many bytes, measured in this
 run; for kvpool the KV pages that change owner, which are zeroed, not copied); the share
 of the step spent switching; bytes copied per step (the checkpoint written, the set
-loaded, a wake's reload); each tenant's pool bytes after every cycle (residual growth:
+loaded, a wake's reload; of which weights: ``weights_copied_per_step``); each tenant's pool bytes after every cycle (residual growth:
 last vs first); the engine's and daemon's resident memory and the host peak.
 
     .venv/bin/python benchmarks/train_colocate_bench.py [--cycles 100] \
@@ -140,7 +143,7 @@ class Mode:
     """One mode's daemon, engine, trainer and loop."""
 
     def __init__(self, name: str, stack: ExitStack, work: Path, cfg: TrainDemoConfig,
-                 loop_cfg: LoopConfig, static_kv: int) -> None:
+                 loop_cfg: LoopConfig, static_kv: int, in_place: bool = True) -> None:
         self.name = name
         cluster = stack.enter_context(Cluster(work / name))
         kv = static_kv if name == "static" else cfg.budget
@@ -151,9 +154,10 @@ class Mode:
         self.trainer = stack.enter_context(connect_trainer(
             TRAINER, run_dir=cluster.run_dir, shares=cfg.trainer_shares, wait_s=120))
         self.weights = {t.name: t.weights for t in self.mon.ps().tenants}[ENGINE]
+        self.held_weights = self.weights  # in place: the mutable set's two buffers
         switch: Any
         if name == "kvpool":
-            switch = KvSwitch(self.url, kv_step_bytes(cfg, self.weights))
+            switch = KvSwitch(self.url, kv_step_bytes(cfg, lambda: self.held_weights))
         elif name == "static":
             def size(trainer: Trainer) -> int:
                 n = cfg.budget - self.weights - trainer.held_bytes - static_kv
@@ -164,7 +168,11 @@ class Mode:
                                  self.mon)
         self.switch = switch
         self.loop = Loop(loop_cfg, self.url, ENGINE, cfg.model_dir, self.trainer, self.mon,
-                         switch, work / name / "ckpt")
+                         switch, work / name / "ckpt", in_place=name == "kvpool" and in_place)
+        stack.callback(self.loop.close)  # (before the trainer's session ends)
+        self.in_place = self.loop.inplace is not None
+        if self.in_place:
+            self.held_weights = {t.name: t.weights for t in self.mon.ps().tenants}[ENGINE]
         self.records: list[Any] = []
         self.rss: list[dict[str, int]] = []
         self.step_bytes = 0
@@ -204,6 +212,8 @@ def summary(m: Mode, floor_rate: float) -> dict[str, Any]:
         "to_train_floor_s": to_floor, "to_rollout_floor_s": back_floor,
         "switch_share": (to_s + back_s) / step if step else 0.0,
         "bytes_copied_per_step": med(r.bytes_copied for r in recs),
+        "weights_copied_per_step": med(r.weights_copied for r in recs),
+        "in_place": m.in_place, "in_place_why": m.loop.in_place_why,
         "trainer_step_bytes": m.step_bytes, "engine_weights": m.weights,
         "reward_first": recs[0].reward, "reward_last": recs[-1].reward,
         "held_after_first": first, "held_after_last": last,
@@ -225,8 +235,8 @@ def ms(seconds: float) -> str:
 
 def table(results: dict[str, dict[str, Any]]) -> str:
     head = ("| mode | step s | to train ms (floor) | to rollout ms (floor) | switch share | "
-            "copied/step | trainer step | reward first→last | residual growth | engine RSS "
-            "first→last |")
+            "copied/step (weights) | trainer step | reward first→last | residual growth | "
+            "engine RSS first→last |")
     lines = [head, "|" + "---|" * 10]
     for name, s in results.items():
         growth = ", ".join(f"{n} {format_size(abs(v['mapped']))}" if v["mapped"] else f"{n} 0"
@@ -234,7 +244,8 @@ def table(results: dict[str, dict[str, Any]]) -> str:
         lines.append(
             f"| {name} | {s['step_s']:.2f} | {ms(s['to_train_s'])} ({ms(s['to_train_floor_s'])})"
             f" | {ms(s['to_rollout_s'])} ({ms(s['to_rollout_floor_s'])}) | "
-            f"{100 * s['switch_share']:.1f}% | {format_size(s['bytes_copied_per_step'])} | "
+            f"{100 * s['switch_share']:.1f}% | {format_size(s['bytes_copied_per_step'])} "
+            f"({format_size(s['weights_copied_per_step'])}) | "
             f"{format_size(s['trainer_step_bytes'])} | {s['reward_first']:.2f}→"
             f"{s['reward_last']:.2f} | {growth} | {format_size(s['engine_rss_first'])}→"
             f"{format_size(s['engine_rss_last'])} |")
@@ -283,6 +294,8 @@ def main() -> int:
     ap.add_argument("--budget", default="16MiB")
     ap.add_argument("--static-kv", default="512KiB")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--kvpool-copy", action="store_true",
+                    help="kvpool mode publishes by checkpoint (a copy), not in place")
     args = ap.parse_args()
     modes = [m for m in args.modes.split(",") if m]
     bad = [m for m in modes if m not in MODES]
@@ -303,7 +316,8 @@ def main() -> int:
     t0 = time.monotonic()
     with ExitStack() as stack:
         stack.callback(shutil.rmtree, work, True)  # checkpoints and logs: gone at the end
-        runs = [Mode(m, stack, work, cfg, loop_cfg, static_kv) for m in modes]
+        runs = [Mode(m, stack, work, cfg, loop_cfg, static_kv, not args.kvpool_copy)
+                for m in modes]
         for k in range(args.cycles):  # interleaved: cycle k of every mode, then k + 1
             for m in runs:
                 m.cycle(k)

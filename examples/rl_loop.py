@@ -4,7 +4,10 @@ The rollout engine is an elastic ``kvpool serve`` with its weights in the pool; 
 process is a trainer tenant whose policy, gradients and Adam state live in pool pages.
 Each step: rollouts through the engine's OpenAI API, the trainer's step memory granted
 (the daemon takes the idle engine's KV; its weights stay), a GRPO update, the new weights
-published (``POST /kvpool/weights``: the engine switches weight sets between steps).
+published in place: the policy's parameters are the engine's weights (a mutable weight
+set the update writes into its back buffer; ``POST /kvpool/weights {"mutable": ...}``
+makes the engine remap to the new version, no byte copied), or, when the layouts differ
+(a bf16 engine), by a checkpoint the engine loads.
 
     RUN=/tmp/kvpool-rl; MODEL=/tmp/tiny-policy
     kvpool make-model $MODEL                                     # a tiny checkpoint
@@ -54,8 +57,10 @@ def main() -> int:
             print("no engine with pool weights on this daemon", file=sys.stderr)
             return 1
 
+        held = {"weights": engine.weights}
+
         def step_bytes(trainer: object) -> int:  # all but the engine's weights and keep
-            n = pool.budget - engine.weights - tr.held_bytes - keep
+            n = pool.budget - held["weights"] - tr.held_bytes - keep
             return n - n % pool.page_size
 
         loop = Loop(LoopConfig(steps=args.steps), args.url, args.served_name, args.model,
@@ -64,10 +69,17 @@ def main() -> int:
                         "step": r.step, "reward": round(r.reward, 3),
                         "rollout_s": round(r.rollout_s, 3), "train_s": round(r.train_s, 3),
                         "switch_s": round(r.to_train_s + r.to_rollout_s, 3),
-                        "publish_s": round(r.publish_s, 3), "bytes_copied": r.bytes_copied,
+                        "publish_s": round(r.publish_s, 3), "weights_copied": r.weights_copied,
                         "engine_kv_while_training": r.held_train.get(engine.name, {})
-                        .get("mapped")}), flush=True))
-        loop.run()
+                        .get("mapped")}), flush=True), in_place=True)
+        # in place the engine's weights are the mutable set (two buffers)
+        held["weights"] = {t.name: t.weights for t in mon.ps().tenants}[engine.name]
+        print(f"publishing {'in place' if loop.inplace else 'by checkpoint'}"
+              f"{'' if loop.inplace else ': ' + loop.in_place_why}", flush=True)
+        try:
+            loop.run()
+        finally:
+            loop.close()
         print(f"kvpool check: {mon.check() or 'clean'}")
     return 0
 

@@ -21,7 +21,10 @@
 #                 (among them test_vmm_cuda.py::test_map_read_only_refuses_writes: the
 #                 read-only mapping weight sets need, CudaBackend.map_read_only, and
 #                 ::test_weight_set_through_a_daemon: a set created through a CUDA daemon,
-#                 attached by a second process, its store faulting; and
+#                 attached by a second process, its store faulting;
+#                 ::test_mutable_set_through_a_daemon: a mutable weight set (issue 37
+#                 item 3), its reader's cuMemSetAccess read-only mapping following a
+#                 published version by remap, its store faulting; and
 #                 ::test_devices_all_serves_every_gpu: `kvpool daemon --devices all`, one
 #                 pool per GPU; untested on a GPU until this runs; and
 #                 tests/client/test_cuda_pool_alloc.py::test_a_cuda_step_allocates_from_its_pool_pages:

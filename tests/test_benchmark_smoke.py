@@ -33,4 +33,7 @@ def test_train_colocate_bench_runs(tmp_path: Path) -> None:
     doc = json.loads(out.read_text())
     assert set(doc["modes"]) == {"kvpool", "sleep2"} and doc["check"] == {"kvpool": [],
                                                                           "sleep2": []}
+    kv = doc["modes"]["kvpool"]  # published in place: no byte of weights copied
+    assert kv["in_place"] is True and kv["weights_copied_per_step"] == 0
+    assert doc["modes"]["sleep2"]["weights_copied_per_step"] > 0
     assert out.with_suffix(".png").exists()

@@ -683,6 +683,84 @@ def test_weight_set_through_a_daemon(torch_cuda, tmp_path):
             ws.detach()
 
 
+MUTABLE_READER = """
+import hashlib
+import torch
+from kvpool.client_lib import connect
+from kvpool.client_lib.mutable_weights import MutableReader
+from kvpool.client_lib.tensors import tensor_view
+(run_dir, key, n), _ = hear()
+t = connect(name="reader", run_dir=run_dir)
+r = MutableReader.attach(t, key)
+v = tensor_view(t.backend, r.range, torch.uint8, (n,))
+sha = lambda: hashlib.sha256(v.cpu().numpy().tobytes()).hexdigest()
+say({"version": r.version, "sha": sha()})
+(version,), _ = hear()
+r.follow(version)
+say({"version": r.version, "sha": sha(), "base": r.range.base == v.data_ptr()})
+hear()
+try:
+    v.fill_(7)
+    torch.cuda.synchronize()
+    say({"write": "done"})
+except Exception as e:  # the store faults: the context is lost, nothing to clean up
+    say({"write": "refused", "error": str(e)[:200]})
+os._exit(0)
+"""
+
+
+def test_mutable_set_through_a_daemon(torch_cuda, tmp_path):
+    """A mutable weight set on CUDA (docs/ARCHITECTURE.md, "Mutable weight sets"),
+    through a real daemon with the CUDA backend: this process (a trainer) writes both
+    buffers read-write and seals; a second process reads version 1 through its
+    cuMemSetAccess read-only mapping; the writer writes the back buffer and publishes;
+    the reader remaps to version 2 at the same address and reads the new bytes, and its
+    store faults. (Untested on a GPU until scripts/gpu_check.sh runs it.)"""
+    import hashlib
+
+    from kvpool.client_lib import connect
+    from kvpool.client_lib.mutable_weights import MutableWriter
+    from kvpool.client_lib.tensors import tensor_view
+    from kvpool.demo.cluster import Cluster
+
+    torch = torch_cuda
+    ps = 2 * MiB
+    key = "a8" * 32
+    n = 2 * ps + 4096
+    with Cluster(tmp_path) as cl:
+        cl.daemon(16 * ps, ps, extra=("--log-level", "WARNING"), backend="cuda")
+        with connect(name="writer", run_dir=cl.run_dir, kind="trainer") as t:
+            w = MutableWriter.create(t, key, n)
+            stride = w.npages * ps
+            both = tensor_view(t.backend, w.buffer_range(), torch.uint8, (2 * stride,))
+            bufs = [both[:n], both[stride:stride + n]]
+            for b in bufs:
+                b.copy_(torch.arange(n, device=b.device).remainder(251).to(torch.uint8))
+            torch.cuda.synchronize()
+            assert w.seal() == 1
+            sha = lambda x: hashlib.sha256(x.cpu().numpy().tobytes()).hexdigest()  # noqa: E731
+            v1 = sha(bufs[0])
+            child = Child(MUTABLE_READER)
+            child.send([str(cl.run_dir), key, n])
+            assert child.recv() == {"version": 1, "sha": v1}
+            assert w.begin_write() == 1
+            bufs[1].fill_(0x5A)
+            torch.cuda.synchronize()
+            assert w.publish() == 2
+            child.send([2])
+            assert child.recv() == {"version": 2, "sha": sha(bufs[1]), "base": True}
+            child.send("write")
+            try:
+                wrote = child.recv()
+            except AssertionError:  # the child died of the fault before it could say so
+                wrote = {"write": "refused"}
+            rc, out, err = child.finish()
+            assert wrote["write"] == "refused", (wrote, err)
+            assert sha(bufs[1]) == sha(torch.full((n,), 0x5A, dtype=torch.uint8))
+            del both, bufs
+            w.close()
+
+
 def test_devices_all_serves_every_gpu(tmp_path):
     """``kvpool daemon --devices all`` on CUDA (issue 26): one pool per GPU, each with
     its own budget, read per device; a tenant on each GPU gets pages of its own device.

@@ -221,3 +221,57 @@ def test_a_trainer_steps_allocator_on_the_cuda_backend(stub_dir, tmp_path):  # n
         """,
     )
     assert out.strip() == "ok"
+
+
+def test_a_mutable_weight_set_on_the_cuda_backend(stub_dir, tmp_path):  # noqa: F811
+    # a mutable weight set (docs/ARCHITECTURE.md, "Mutable weight sets") through a daemon
+    # started with --backend cuda on the stub: the writer maps both buffers read-write,
+    # the seal does nothing to the allocations, the reader maps the current version
+    # cuMemSetAccess read-only (a store through it faults) and follows a published
+    # version by a remap at the same address; the fence refuses a write over its buffer
+    out = run_stub(
+        stub_dir,
+        f"""
+        import signal
+        from pathlib import Path
+        from kvpool import protocol as p
+        from kvpool.client_lib import KvpoolError, connect
+        from kvpool.client_lib.mutable_weights import MutableReader, MutableWriter
+        from kvpool.demo.cluster import Cluster
+        ps, key = 2 * MiB, "a7" * 32
+        n = ps + 100
+        with Cluster(Path({str(tmp_path)!r})) as cl:
+            cl.daemon(8 * ps, ps, extra=("--log-level", "WARNING"), backend="cuda")
+            with connect_trainer_session(cl) as a, connect(name="reader",
+                                                           run_dir=cl.run_dir) as b:
+                w = MutableWriter.create(a, key, n)
+                ctypes.memset(w.base(0), 0x11, n); ctypes.memset(w.base(1), 0x11, n)
+                assert w.seal() == 1
+                r = MutableReader.attach(b, key)
+                base = r.range.base
+                assert peek(base, n) == b"\\x11" * n
+                assert w.begin_write() == 1
+                ctypes.memset(w.base(1), 0x22, n)
+                assert peek(base, n) == b"\\x11" * n
+                assert w.publish() == 2
+                assert r.follow(2) and r.range.base == base and peek(base, n) == b"\\x22" * n
+                assert w.begin_write() == 0
+                ctypes.memset(w.base(0), 0x33, n)
+                assert w.publish() == 3
+                try:
+                    w.begin_write()
+                    raise AssertionError("a write over the buffer a reader reads")
+                except KvpoolError as e:
+                    assert e.code == p.BUSY, e
+                pid = os.fork()
+                if pid == 0:  # the reader writes through its read-only mapping
+                    ctypes.memset(base, 7, 1)
+                    os._exit(0)
+                _, status = os.waitpid(pid, 0)
+                assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGSEGV
+                r.detach(); w.close()
+        print("ok")
+        """.replace("connect_trainer_session(cl)",
+                    'connect(name="writer", run_dir=cl.run_dir, kind="trainer")'),
+    )
+    assert out.strip() == "ok"

@@ -149,12 +149,16 @@ class Trainer:
         self._lock = threading.Lock()  # a step, an offload: one at a time
 
     # ---- persistent state ---------------------------------------------------------------
-    def put_module(self, module: M) -> M:
+    def put_module(self, module: M, params: bool = True) -> M:
         """Move ``module``'s parameters into the pool (in place: same Parameter objects)
-        and give each trainable one a zeroed gradient there; returns ``module``."""
+        and give each trainable one a zeroed gradient there; returns ``module``.
+        ``params=False``: the parameters stay where they are (in a mutable weight set
+        the trainer writes: :mod:`kvpool.engine_adapters.bundled.inplace_trainer`), only
+        the gradients are made in the pool."""
         with self._lock:
             for prm in module.parameters():
-                self.state.hold(prm)
+                if params:
+                    self.state.hold(prm)
                 if prm.requires_grad:
                     g = self.state.empty(prm.shape, prm.dtype)
                     self.state.held.append((g, g.data_ptr() - self.state.group.bases[0]))

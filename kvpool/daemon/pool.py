@@ -233,6 +233,13 @@ class Pool:
         for pfn in pfns:
             self.backend.seal_read_only(self.pages[pfn])
 
+    def seal_writer(self, pfns: list[int]) -> None:
+        """Make pages ``pfns`` read-only for every mapping made from now on, the
+        writable ones that exist (a mutable set's writer's) staying
+        (``Backend.seal_future_write``)."""
+        for pfn in pfns:
+            self.backend.seal_future_write(self.pages[pfn])
+
     def give_back(self, pfns: list[int], tenant: int) -> None:
         """Pages ``tenant`` no longer maps: only ``tenant`` may get them back; they are
         retired before anyone else is served."""

@@ -40,6 +40,12 @@ a forked child's) are charged to its creator's :class:`Payer` (uid, configured n
 as an ended session's retained pages are (``Pool.ended`` on the set's owner id): they
 count against that uid's ``max`` and show in ``ps``'s retained by uid.
 
+Mutable sets (``WeightCreate`` with ``mutable``): two buffers, one writer, read-only
+readers and a version fence between them (:mod:`kvpool.daemon.weight_fence`): sealed
+against later writable mappings only (``Pool.seal_writer``), state ``mutable``,
+attachable like a sealed set (at the current version), never cached (dropped when its
+last holder lets go).
+
 Limitation of this slice: sets are not part of the restart state; after a daemon restart
 they are gone (holders keep their mappings, no longer counted).
 """
@@ -56,6 +62,7 @@ from kvpool.daemon.ledger import Ledger
 from kvpool.daemon.outcome import Fail, Outcome, Sender
 from kvpool.daemon.pool import Payer, Pool, PoolExhausted
 from kvpool.daemon.tenants import NO_MEMORY_KINDS, TenantRecord, Tenants
+from kvpool.daemon.weight_fence import BUFFERS, Fence
 from kvpool.vmm import VmmError
 
 log = logging.getLogger("kvpool.daemon.weights")
@@ -71,7 +78,7 @@ KEY_SHOWN = 12  # hex digits of a key that ps shows
 class WeightSet:
     id: int
     key: str
-    nbytes: int
+    nbytes: int  # asked (of each buffer, for a mutable set)
     pfns: list[int]
     creator: int  # tenant id
     scope: int  # who may attach it: the creator's uid, or ADMIN_SCOPE
@@ -79,6 +86,7 @@ class WeightSet:
     state: p.WeightSetState = "loading"  # then "sealed"
     holders: set[int] = field(default_factory=set)  # tenant ids
     idle_since: float = 0.0  # monotonic: when its last holder let go
+    fence: Fence | None = None  # a mutable set's (kvpool.daemon.weight_fence)
 
     @property
     def owner(self) -> int:
@@ -178,7 +186,7 @@ class WeightSets:
             s = self.sets[(scope, r.key)]
             raise Fail(p.BUSY, "this weight set exists: attach it" if s.state == "sealed"
                        else "this weight set is being loaded by another tenant")
-        n = -(-r.nbytes // self.page_size)
+        n = -(-r.nbytes // self.page_size) * (BUFFERS if r.mutable else 1)
         self._admit(t, n, "create")
         self._make_count_room()
         self.evict(n + self.owed() - self.pool.available)
@@ -213,7 +221,8 @@ class WeightSets:
             raise Fail(p.NO_MEMORY, str(e)) from e
         self._next_id += 1
         s = WeightSet(id=sid, key=r.key, nbytes=r.nbytes, pfns=pfns, creator=t.id,
-                      scope=scope, payer=t.payer, holders={t.id})
+                      scope=scope, payer=t.payer, holders={t.id},
+                      fence=Fence(writer=t.id) if r.mutable else None)
         self.sets[(scope, r.key)] = s
         self.by_id[sid] = s
         return self._granted(t, r.id, s)
@@ -225,10 +234,17 @@ class WeightSets:
         if s.state != "loading" or s.creator != t.id:
             raise Fail(p.BAD_REQUEST, "the weight set is sealed already")
         try:
-            self.pool.seal(s.pfns)
+            if s.fence is not None:  # the writer's mappings stay writable
+                self.pool.seal_writer(s.pfns)
+            else:
+                self.pool.seal(s.pfns)
         except VmmError as e:
             raise Fail(p.BUSY, f"cannot seal the weight set: {e}") from e
-        s.state = "sealed"
+        if s.fence is not None:
+            s.state = "mutable"
+            s.fence.sealed()
+        else:
+            s.state = "sealed"
         self.ledger.record_set(t, s.pages, "seal", s.key[:KEY_SHOWN])
         return p.Done(id=r.id)
 
@@ -237,12 +253,14 @@ class WeightSets:
         if r.write:
             raise Fail(p.UNAUTHORIZED, "a weight set is attached read-only")
         s = self.visible(t, r.key)
-        if s is None or s.state != "sealed":  # a loading set is nobody else's business
+        if s is None or s.state == "loading":  # a loading set is nobody else's business
             raise Fail(p.NOT_FOUND, "no sealed weight set has this key")
         if t.id in s.holders:
             raise Fail(p.BAD_REQUEST, "this session holds the weight set already")
         self._admit(t, s.pages, "attach")
         s.holders.add(t.id)
+        if s.fence is not None:
+            s.fence.attached(t.id)
         self.ledger.hold_set(t, s.pages, s.key[:KEY_SHOWN])
         return self._granted(t, r.id, s)
 
@@ -252,6 +270,31 @@ class WeightSets:
             raise Fail(p.NOT_FOUND, "this session holds no such weight set")
         self._let_go(t, s)
         return p.Done(id=r.id)
+
+    # ---- a mutable set's fence (kvpool.daemon.weight_fence) ------------------------------
+    def write(self, t: TenantRecord, sender: Sender, r: p.WeightWrite) -> p.Reply:
+        reply = self._fence(t, r.key).begin_write(t.id)
+        reply.id = r.id
+        return reply
+
+    def publish(self, t: TenantRecord, sender: Sender, r: p.WeightPublish) -> p.Reply:
+        reply = self._fence(t, r.key).publish(t.id)
+        reply.id = r.id
+        self.ledger.record_set(t, 0, "publish", r.key[:KEY_SHOWN])
+        return reply
+
+    def use(self, t: TenantRecord, sender: Sender, r: p.WeightUse) -> p.Reply:
+        reply = self._fence(t, r.key).use(t.id, r.version)
+        reply.id = r.id
+        return reply
+
+    def _fence(self, t: TenantRecord, key: str) -> Fence:
+        s = self._held(t, key)
+        if s is None:
+            raise Fail(p.NOT_FOUND, "this session holds no such weight set")
+        if s.fence is None:
+            raise Fail(p.BAD_REQUEST, "the weight set is not mutable")
+        return s.fence
 
     def dropped(self, t: TenantRecord) -> None:
         """``t``'s session ended: it holds nothing any more; a set it was loading goes."""
@@ -266,7 +309,7 @@ class WeightSets:
         checkpoint's key and load something else into it; a tenant trusts only its own
         uid's loads and the admins'."""
         own = self.sets.get((self.scope_of(t), key))
-        if own is not None and own.state == "sealed":
+        if own is not None and own.state != "loading":
             return own
         return self.sets.get((ADMIN_SCOPE, key)) or own
 
@@ -339,14 +382,19 @@ class WeightSets:
 
     def _granted(self, t: TenantRecord, rid: int, s: WeightSet) -> Outcome:
         reply = p.WeightGranted(id=rid, group=0, units=[], nfds=s.pages, key=s.key,
-                                state=s.state, nbytes=s.nbytes)
+                                state=s.state, nbytes=s.nbytes,
+                                version=s.fence.version if s.fence is not None else 0)
         return Outcome(reply, pfns_to_send=list(s.pfns), tenant=t)
 
     def _let_go(self, t: TenantRecord, s: WeightSet) -> None:
         s.holders.discard(t.id)
+        if s.fence is not None:
+            s.fence.let_go(t.id)  # the writer's: its unpublished write is lost
         self.ledger.let_go_set(t, s.pages, s.key[:KEY_SHOWN])
         if s.state == "loading":  # never sealed: never attachable, its pages return
             log.info("weight set %s dropped before it was sealed", s.key[:KEY_SHOWN])
+            self._drop(s, "discard")
+        elif s.fence is not None and not s.holders:  # nobody can write it again
             self._drop(s, "discard")
         elif not s.holders:
             s.idle_since = time.monotonic()
@@ -379,6 +427,8 @@ class WeightSets:
                 problems.append(f"weight set {s.id} is held by dead tenants {gone[:8]}")
             if s.state == "loading" and s.holders != {s.creator}:
                 problems.append(f"weight set {s.id} is loading but held by {sorted(s.holders)}")
+            if s.fence is not None:
+                problems += [f"weight set {s.id}: {m}" for m in s.fence.check(s.holders)]
         for t in self.tenants:
             want = sum(s.pages for s in self.held_by(t))
             if t.weight_pages != want:

@@ -19,6 +19,14 @@ publish (the policy saved as a checkpoint, the engine told to serve it:
 ``POST /kvpool/weights``). How the engine switches is a :class:`Switch`: :class:`KvSwitch`
 (kvpool: nothing to do, the KV goes and comes back on demand, the weights stay); the
 benchmark adds the sleep/wake baselines.
+
+In place (``Loop(..., in_place=True)``, when the policy's tensors fit the engine's layout:
+:mod:`kvpool.engine_adapters.bundled.inplace_trainer`): the policy's parameters are the
+engine's weights, a mutable weight set the trainer writes; each update is written into
+its back buffer and published, and the engine told to read the new version
+(``POST /kvpool/weights {"mutable": NONCE, "version": V}``): no checkpoint written, no
+byte of weights copied. Otherwise (another dtype or layout; ``in_place_why`` says why)
+the checkpoint path.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ import torch
 from kvpool.client_lib import Monitor
 from kvpool.client_lib.trainer import Trainer
 from kvpool.demo.policy import Policy
+from kvpool.engine_adapters.bundled.inplace_trainer import InPlaceWeights, placement
 
 
 @dataclass
@@ -97,6 +106,22 @@ def publish(url: str, checkpoint: Path, token: str | None = None) -> dict[str, A
     return reply
 
 
+def publish_mutable(url: str, nonce: str, version: int | None = None,
+                    token: str | None = None) -> dict[str, Any]:
+    """``POST url/kvpool/weights`` in place: the engine reads ``version`` (None: the
+    current one) of the trainer's mutable set ``nonce``; RuntimeError (one line) when it
+    refuses."""
+    headers = {"Authorization": f"Bearer {token}"} if token else None
+    body: dict[str, Any] = {"mutable": nonce}
+    if version is not None:
+        body["version"] = version
+    r = httpx.post(f"{url}/kvpool/weights", json=body, headers=headers, timeout=300)
+    if r.status_code != 200:
+        raise RuntimeError(f"publish refused ({r.status_code}): {r.text[:300]}")
+    reply: dict[str, Any] = r.json()
+    return reply
+
+
 def complete(url: str, model: str, prompt: list[int], max_tokens: int,
              seed: int | None) -> list[int]:
     """One answer's token ids: sampled at temperature 1 with ``seed``, or greedy (None)."""
@@ -147,7 +172,8 @@ class StepRecord:
     publish_s: float
     step_s: float
     checkpoint_bytes: int  # the policy's weights written as a checkpoint
-    bytes_copied: int  # every copy of weights this step: checkpoint, load, sleep/wake
+    bytes_copied: int  # every copy this step: checkpoint, load, sleep/wake, optimizer state
+    weights_copied: int  # of which copies of weights: checkpoint, load, wake (0 in place)
     held_train: dict[str, dict[str, int]]  # ps during the update: {tenant: {mapped, weights}}
     held_rollout: dict[str, dict[str, int]]  # ps after the rollout
     held_after: dict[str, dict[str, int]] = field(default_factory=dict)  # ps at the step's end
@@ -166,21 +192,53 @@ def held(monitor: Monitor) -> dict[str, dict[str, int]]:
 class Loop:
     """The loop over one engine (``url``, model served as ``model``), one trainer and one
     :class:`Switch`; :meth:`run` returns a record per step. Checkpoints go to ``out``
-    (the newest two kept: the engine reloads the current one on a cold wake)."""
+    (the newest two kept: the engine reloads the current one on a cold wake).
+    ``in_place``: publish in place when the layouts match (see the module); the switch's
+    ``back`` is then not called (kvpool's has nothing else to do). :meth:`close` at the
+    end (the in-place set's writer lets go)."""
 
     def __init__(self, cfg: LoopConfig, url: str, model: str, source: Path,
                  trainer: Trainer, monitor: Monitor, switch: Switch, out: Path,
-                 on_step: Callable[[StepRecord], None] | None = None) -> None:
+                 on_step: Callable[[StepRecord], None] | None = None,
+                 in_place: bool = False) -> None:
         self.cfg, self.url, self.model = cfg, url, model
         self.source, self.trainer, self.monitor = source, trainer, monitor
         self.switch, self.out, self.on_step = switch, out, on_step
         torch.manual_seed(cfg.seed)
-        self.policy = trainer.put_module(Policy.load(source))
+        policy = Policy.load(source)
+        self.inplace: InPlaceWeights | None = None
+        self.in_place_why = "not asked" if not in_place else ""
+        self.version = 0  # the in-place set's version the engine reads
+        if in_place:
+            self._go_in_place(policy)
+        self.policy = trainer.put_module(policy, params=self.inplace is None)
         self.opt = trainer.put_optimizer(torch.optim.Adam(self.policy.parameters(), lr=cfg.lr))
         rng = random.Random(cfg.seed)
         self.prompts = [[rng.randrange(8, cfg.vocab) for _ in range(cfg.prompt_len)]
                         for _ in range(cfg.prompts)]
         self.checkpoints: list[Path] = []
+
+    def _go_in_place(self, policy: Policy) -> None:
+        placed = placement(self.source, torch.float32, {n: policy.w(n) for n in policy.names})
+        if isinstance(placed, str):
+            self.in_place_why = placed
+            return
+        params = {n: policy.params[i] for i, n in enumerate(policy.names)}
+        w = InPlaceWeights.create(self.trainer.tenant, placed, params)
+        try:
+            self.version = int(publish_mutable(self.url, w.nonce)["version"])
+        except RuntimeError as e:  # the engine's layout differs: checkpoints, then
+            w.close()
+            self.in_place_why = str(e)
+            return
+        self.inplace = w
+
+    def close(self) -> None:
+        """The in-place set's writer lets go (the engine keeps the last version); the
+        policy stays usable (copied to process memory). Idempotent."""
+        if self.inplace is not None:
+            self.inplace.close()
+            self.inplace = None
 
     # ---- the phases ------------------------------------------------------------------
     def _complete(self, prompt: list[int], seed: int | None) -> list[int]:
@@ -219,7 +277,10 @@ class Loop:
             loss = -(adv[:, None] * lp).mean() / len(self.prompts)
             loss.backward()  # type: ignore[no-untyped-call]
             total += float(loss.detach())
-        self.opt.step()
+        if self.inplace is not None:  # written into the back buffer, published
+            self.inplace.step(self.opt)
+        else:
+            self.opt.step()
         self.trainer.zero_grad()
         return total
 
@@ -253,15 +314,21 @@ class Loop:
         # the optimizer state the daemon took back while the engine grew (offloaded to
         # process memory) came back for the step: two copies of it
         copied += 2 * (self.trainer.offloads - offloads) * self.trainer.optim.footprint
-        path, written = self.save(k)
-        back = self.switch.back(path)
+        if self.inplace is not None:  # the engine reads the new version: a remap
+            reply = publish_mutable(self.url, self.inplace.nonce, self.inplace.version)
+            self.version = int(reply["version"])
+            written, back = 0, Back(0.0, 0.0, 0, reply)
+        else:
+            _, written = self.save(k)
+            back = self.switch.back(self.checkpoints[-1])
         t5 = time.perf_counter()
         publish_s = t5 - t4 - back.switch_s
         rec = StepRecord(
             step=k, reward=reward, loss=loss, rollout_s=t1 - t0, to_train_s=t2 - t1b,
             train_s=t3 - t2b, to_rollout_s=(t4 - t3) + back.switch_s, publish_s=publish_s,
             step_s=(t5 - t0) - (t2b - t2) - (t1b - t1), checkpoint_bytes=written,
-            bytes_copied=written + copied + back.copied, held_train=during,
+            bytes_copied=written + copied + back.copied,
+            weights_copied=written + back.copied, held_train=during,
             held_rollout=rolled, held_after=held(self.monitor))
         if self.cfg.greedy_check:
             rec.greedy = self.greedy()

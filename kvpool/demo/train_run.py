@@ -5,8 +5,9 @@ process as a trainer tenant whose policy, gradients and Adam state are pool page
 
 Each step: rollout (the engine's KV grows), the trainer's step memory granted (the daemon
 takes the idle engine's KV, the weights stay), a GRPO update, the step memory given back,
-the new weights published (a checkpoint written, the engine switching weight sets between
-steps). Writes ``train_results.json`` (per step: reward, seconds per phase, bytes copied,
+the new weights published: in place (the policy's parameters are the engine's weights, a
+mutable set the update writes into its back buffer; the engine remaps to the new version,
+no byte copied), or, when the layouts differ, by a checkpoint the engine loads. Writes ``train_results.json`` (per step: reward, seconds per phase, bytes copied,
 memory per tenant) and ``train_memory.png`` into the output folder; ``kvpool check``
 must be clean at the end.
 """
@@ -74,13 +75,21 @@ def start(cluster: Cluster, cfg: TrainDemoConfig, env: dict[str, str] | None = N
     return proc.url
 
 
-def kv_step_bytes(cfg: TrainDemoConfig, weights: int) -> Callable[[Any], int]:
-    """The trainer's step in kvpool's mode: all the budget but the engine's weights, the
-    trainer's own state and ``engine_keep`` of KV (whole pages)."""
+def kv_step_bytes(cfg: TrainDemoConfig,
+                  weights: int | Callable[[], int]) -> Callable[[Any], int]:
+    """The trainer's step in kvpool's mode: all the budget but the engine's weights (or
+    what ``weights()`` says then: in place, the mutable set's two buffers), the trainer's
+    own state and ``engine_keep`` of KV (whole pages)."""
     def size(trainer: Any) -> int:
-        n = cfg.budget - weights - trainer.held_bytes - cfg.engine_keep
+        w = weights() if callable(weights) else weights
+        n = cfg.budget - w - trainer.held_bytes - cfg.engine_keep
         return int(n - n % cfg.page_size)
     return size
+
+
+def engine_weights(mon: Any) -> int:
+    """The pool bytes of weight sets the engine holds now."""
+    return int({t.name: t.weights for t in mon.ps().tenants}[ENGINE])
 
 
 def run_train_demo(cfg: TrainDemoConfig) -> dict[str, Any]:
@@ -98,18 +107,27 @@ def run_train_demo(cfg: TrainDemoConfig) -> dict[str, Any]:
         with Monitor(cluster.run_dir) as mon, \
                 connect_trainer(TRAINER, run_dir=cluster.run_dir, shares=cfg.trainer_shares,
                                 wait_s=60) as tr:
-            weights = {t.name: t.weights for t in mon.ps().tenants}[ENGINE]
-            switch = KvSwitch(url, kv_step_bytes(cfg, weights))
+            held = {"weights": engine_weights(mon)}
+            switch = KvSwitch(url, kv_step_bytes(cfg, lambda: held["weights"]))
             loop = Loop(loop_cfg, url, ENGINE, cfg.model_dir, tr, mon, switch,
-                        out / "checkpoints", on_step=lambda r: _line(cfg, r))
+                        out / "checkpoints", on_step=lambda r: _line(cfg, r), in_place=True)
+            held["weights"] = weights = engine_weights(mon)  # in place: the mutable set
+            in_place = loop.inplace is not None
+            cfg.log("weights published in place (a mutable set of the engine's layout)"
+                    if in_place else
+                    f"weights published by checkpoint ({loop.in_place_why})")
             t0 = time.monotonic()
-            records = loop.run()
+            try:
+                records = loop.run()
+            finally:
+                loop.close()
             elapsed = time.monotonic() - t0
             problems = mon.check()
             cluster.check_alive()
         result = {
             "budget": cfg.budget, "page_size": cfg.page_size, "loop": asdict(loop_cfg),
             "policy_bytes": loop.policy.nbytes, "engine_weights": weights,
+            "in_place": in_place, "in_place_why": loop.in_place_why,
             "seconds": elapsed, "check": problems,
             "reward_first": records[0].reward, "reward_last": records[-1].reward,
             "steps": [r.as_dict() for r in records]}
@@ -128,7 +146,7 @@ def _line(cfg: TrainDemoConfig, r: Any) -> None:
     during = r.held_train
     cfg.log(f"step {r.step:3d}  reward {r.reward:.3f}  rollout {r.rollout_s:.2f}s  "
             f"switch {r.to_train_s:.3f}s/{r.to_rollout_s:.3f}s  train {r.train_s:.2f}s  "
-            f"publish {r.publish_s:.2f}s  copied {format_size(r.bytes_copied)}  "
+            f"publish {r.publish_s:.2f}s  weights copied {format_size(r.weights_copied)}  "
             f"engine kv {format_size(during.get(ENGINE, {}).get('mapped', 0))} while training")
 
 

@@ -59,14 +59,15 @@ from kvpool.protocol.requests import (
     Reclaimed, AdoptGroup, Adopt, Bye, Ping, Ps, Stats, MapReq, SetLimit, Shutdown,
     Check, EVENTS_LIMIT, Events, REQUESTS, AnyRequest, MONITOR_OPS, ADMIN_OPS,
     TicketId, MAX_TTL_MS, Offer, Claim, Cancel, Locate, WeightKey, WeightCreate,
-    WeightSeal, WeightAttach, WeightDetach, SLEEP_REASONS, SLEEP_STATES, SleepTenant, TenantState,
+    WeightSeal, WeightAttach, WeightDetach, WeightWrite, WeightPublish, WeightUse,
+    SLEEP_REASONS, SLEEP_STATES, SleepTenant, TenantState,
     SESSION_OPS, GangGroup, Layout, CreateGang, SaidState, SleepReason, Room,
 )
 from kvpool.protocol.replies import (
     Reply, Error, Registered, GroupCreated, Granted, Done, TenantInfo, PoolInfo, Run,
     GroupInfo, PsReply, StatsReply, MapReply, CheckReply, Reclaim, LimitSet, Leased,
     Adopted, EventInfo, EventsReply, REPLIES, AnyReply, SETTLED_STATES, Offered, Claimed,
-    Settled, Located, WeightGranted, SleepAsked, SleepAsk, GangCreated, GangEnded,
+    Settled, Located, WeightGranted, WeightVersion, SleepAsked, SleepAsk, GangCreated, GangEnded,
     SessionKind, ShownState, ReclaimMode, WeightSetState, SettledState, RoomReply,
 )
 from kvpool.protocol.endpoint import MAX_ENDPOINT, Endpoint
@@ -95,7 +96,8 @@ __all__ = [
     "error", "to_builtins", "TicketId", "MAX_TTL_MS", "Offer", "Claim", "Cancel",
     "SETTLED_STATES", "Offered", "Claimed", "Settled", "Locate", "Located",
     "MAX_ENDPOINT", "Endpoint", "WeightKey", "WeightCreate", "WeightSeal",
-    "WeightAttach", "WeightDetach", "WeightGranted", "SLEEP_REASONS", "SLEEP_STATES", "SleepTenant",
+    "WeightAttach", "WeightDetach", "WeightGranted", "WeightWrite", "WeightPublish",
+    "WeightUse", "WeightVersion", "SLEEP_REASONS", "SLEEP_STATES", "SleepTenant",
     "TenantState", "SESSION_OPS", "SleepAsked", "SleepAsk", "MAX_RANKS",
     "MAX_GANG_GROUPS", "MAX_DEVICE", "MAX_SHARES", "GangToken", "Device", "Rank",
     "GangGroup", "Layout", "CreateGang", "GangCreated", "GangEnded", "SaidState",

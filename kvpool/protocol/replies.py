@@ -14,7 +14,7 @@ SessionKind = Literal[Kind, ""]  # a session's kind (Register.kind); "": not reg
 # a tenant's state as ``ps`` shows it: what it said (TenantState), ``awake`` if it never did
 ShownState = Literal["awake", SaidState]
 ReclaimMode = Literal["reserve", "shrink"]  # what a Reclaim asks for (see Reclaim)
-WeightSetState = Literal["loading", "sealed"]  # a weight set's (kvpool.daemon.weights)
+WeightSetState = Literal["loading", "sealed", "mutable"]  # a weight set's (kvpool.daemon.weights)
 
 
 # ====================================================================== replies
@@ -323,12 +323,23 @@ class Located(Reply, tag="located"):
 class WeightGranted(Granted, tag="weights"):
     """The pages of weight set ``key`` (``nfds`` descriptors already on the fd channel,
     in page order; ``group`` 0, ``units`` empty): ``state`` ``loading`` (the creator
-    maps them writable, loads, unmaps, seals) or ``sealed`` (map them read-only).
-    ``nbytes`` is what was asked; the pages cover it."""
+    maps them writable, loads, unmaps, seals) or ``sealed`` (map them read-only), or
+    ``mutable`` (two buffers' pages: map buffer ``(version - 1) % 2`` read-only).
+    ``nbytes`` is what was asked (per buffer); the pages cover it."""
 
     key: str = ""
     state: WeightSetState = "loading"
     nbytes: int = 0
+    version: int = 0
+
+
+class WeightVersion(Reply, tag="weight_version"):
+    """A mutable set's fence (``WeightWrite``, ``WeightPublish``, ``WeightUse``): its
+    current ``version`` and the ``buffer`` the request concerns (the one to write, or
+    the one the version is in)."""
+
+    version: int = 0
+    buffer: int = 0
 
 
 # ---- sleep and wake (kvpool.daemon.sleepers) --------------------------------------------------
@@ -373,6 +384,6 @@ class RoomReply(Reply, tag="room"):
 REPLIES = (
     Error, Registered, GroupCreated, Granted, Done, PsReply, StatsReply, MapReply,
     CheckReply, Reclaim, LimitSet, Leased, Adopted, EventsReply, Offered, Claimed, Settled,
-    Located, WeightGranted, SleepAsked, SleepAsk, GangCreated, GangEnded, RoomReply,
+    Located, WeightGranted, WeightVersion, SleepAsked, SleepAsk, GangCreated, GangEnded, RoomReply,
 )
 AnyReply = Union[REPLIES]  # type: ignore[valid-type]  # built from the tuple for msgspec

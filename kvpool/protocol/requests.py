@@ -293,15 +293,23 @@ class WeightCreate(Request, tag="weight_create"):
     """Create the weight set ``key`` of ``nbytes`` (rounded up to whole pages), held
     by this tenant while it loads the tensors: answered ``WeightGranted`` (the
     descriptors precede it, as for a grant). Nobody else sees the set until it is
-    sealed; the creator's death or detach drops it. Refused when the key exists."""
+    sealed; the creator's death or detach drops it. Refused when the key exists.
+    ``mutable``: a set of two buffers of ``nbytes`` each (its descriptors: buffer 0's
+    pages, then buffer 1's) with this tenant as its one writer and a version fence
+    (kvpool.daemon.weight_fence): the writer keeps its writable mappings, readers map a
+    published version read-only."""
 
     key: WeightKey
     nbytes: Annotated[int, Meta(ge=1, le=MAX_BYTES)]
+    mutable: bool = False
 
 
 class WeightSeal(Request, tag="weight_seal"):
     """The creator has loaded set ``key`` and unmapped every writable mapping of it: the
-    daemon makes its pages read-only for good and the set attachable by its key."""
+    daemon makes its pages read-only for good and the set attachable by its key. For a
+    mutable set: both buffers are loaded and the writer keeps its writable mappings; no
+    later writable mapping is possible (host: ``F_SEAL_FUTURE_WRITE``) and buffer 0 is
+    published as version 1."""
 
     key: WeightKey
 
@@ -312,6 +320,31 @@ class WeightAttach(Request, tag="weight_attach"):
 
     key: WeightKey
     write: bool = False
+
+
+class WeightWrite(Request, tag="weight_write"):
+    """The writer of mutable set ``key`` begins writing its back buffer (the one not
+    published): answered ``WeightVersion`` (the current version, ``buffer`` the one to
+    write). Refused ``UNAUTHORIZED`` to anyone but the writer, ``BUSY`` while a reader
+    still reads that buffer (it has not switched to the current version yet)."""
+
+    key: WeightKey
+
+
+class WeightPublish(Request, tag="weight_publish"):
+    """The writer has written the back buffer whole: it becomes the current version
+    (answered ``WeightVersion``). Only after a ``WeightWrite``."""
+
+    key: WeightKey
+
+
+class WeightUse(Request, tag="weight_use"):
+    """A reader of mutable set ``key`` has switched its mapping to ``version`` (the
+    current one): it reads no other buffer from now on (answered ``WeightVersion``).
+    A version other than the current one is refused."""
+
+    key: WeightKey
+    version: Annotated[int, Meta(ge=1, le=MAX_ID)]
 
 
 class WeightDetach(Request, tag="weight_detach"):
@@ -360,7 +393,7 @@ REQUESTS = (
     Register, CreateGroup, DestroyGroup, Grant, Release, Report, Bye, Ping,
     Ps, Stats, MapReq, SetLimit, Check, Lease, Reclaimed, Adopt, Shutdown, Events,
     Offer, Claim, Cancel, Locate, WeightCreate, WeightSeal, WeightAttach, WeightDetach,
-    SleepTenant, TenantState, CreateGang, Room,
+    WeightWrite, WeightPublish, WeightUse, SleepTenant, TenantState, CreateGang, Room,
 )
 AnyRequest = Union[REQUESTS]  # type: ignore[valid-type]  # built from the tuple for msgspec
 MONITOR_OPS = frozenset({"ps", "stats", "map", "ping", "check", "events"})

@@ -244,6 +244,14 @@ class Backend(abc.ABC):
         raise Unsupported("seal_read_only", f"the {self.name} backend has no read-only "
                           "shares")
 
+    def seal_future_write(self, page: Page) -> None:
+        """A mutable weight set's seal (``caps.read_only_shares``): the writable
+        mappings that exist now (its writer's) stay writable, but no process can make a
+        new writable mapping or ``write(2)`` it, for good. Without ``read_only_shares`` it
+        checks ``page`` and does nothing, as :meth:`seal_read_only`."""
+        raise Unsupported("seal_future_write", f"the {self.name} backend has no read-only "
+                          "shares")
+
     def map_read_only(self, rng: Range, offset: int, pages: Sequence[Page]) -> None:
         """:meth:`map_pages`, readable only: a write through the mapping faults."""
         raise Unsupported("map_read_only", f"the {self.name} backend has no read-only "

@@ -300,6 +300,12 @@ class CudaBackend(Backend):
         (docs/ARCHITECTURE.md, "Weight sets")."""
         self._check_page("seal_read_only", page)
 
+    def seal_future_write(self, page: Page) -> None:
+        """Nothing to do, as :meth:`seal_read_only`: a mutable set's readers map it with
+        :meth:`map_read_only` (``cuMemSetAccess`` read-only), its writer with
+        :meth:`map_pages`; the fence is the daemon's state."""
+        self._check_page("seal_future_write", page)
+
     # ---- mappings -----------------------------------------------------------------
     def map_pages(
         self, rng: Range, offset: int, pages: Sequence[Page], populate: bool = False

@@ -53,7 +53,7 @@ from kvpool.vmm.base import (
 from kvpool.vmm.libc import MAP_FAILED
 from kvpool.vmm.libc import libc as _libc
 from kvpool.vmm.page_check import (
-    REQUIRED_SEALS, SEALABLE_SEALS, SEALED_READ_ONLY, PageCheck,
+    F_SEAL_FUTURE_WRITE, REQUIRED_SEALS, SEALABLE_SEALS, SEALED_READ_ONLY, PageCheck,
 )
 
 PROT_NONE, PROT_READ, PROT_WRITE = 0, 1, 2
@@ -184,6 +184,21 @@ class HostBackend(Backend):
                 raise InvalidArgument("seal_read_only", "the page is still mapped writable "
                                       "somewhere (unmap it first)") from e
             raise InvalidArgument("seal_read_only", f"F_ADD_SEALS: {e.strerror}") from e
+
+    def seal_future_write(self, page: Page) -> None:
+        """``F_SEAL_FUTURE_WRITE | F_SEAL_SEAL``: the writable shared mappings made
+        before stay writable (a mutable set's writer), a new writable ``mmap``, a
+        ``write(2)`` and an ``mprotect`` of a read-only mapping to writable fail
+        (``EPERM``) for every holder, and the page can never be zeroed (a punched hole is
+        a write): it is retired when the set goes."""
+        self._check_live("seal_future_write", page)
+        seals = F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL
+        try:
+            if fcntl.fcntl(page.handle, fcntl.F_GET_SEALS) & seals == seals:
+                return
+            fcntl.fcntl(page.handle, fcntl.F_ADD_SEALS, seals)
+        except OSError as e:
+            raise InvalidArgument("seal_future_write", f"F_ADD_SEALS: {e.strerror}") from e
 
     def map_read_only(self, rng: Range, offset: int, pages: Sequence[Page]) -> None:
         self._map(rng, offset, pages, False, PROT_READ)

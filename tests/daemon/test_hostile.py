@@ -1,4 +1,4 @@
-"""Ten thousand hostile control messages over all 29 request types (gang creation among them) (weight sets and sleep/wake among them) (forged and foreign
+"""Ten thousand hostile control messages over all 32 request types (gang creation among them) (weight sets and sleep/wake among them) (forged and foreign
 handoff tickets, hostile endpoints and locates among them), while two hostile
 fd-channel peers misbehave (one never reads its descriptors, one announces Adopt
 descriptors it never sends): each message gets an error reply, a live tenant keeps being
@@ -28,7 +28,7 @@ SINK_PAGES = 400  # more fd messages than a socket buffer holds
 TENANT_OPS = ["grant", "release", "report", "create_group", "destroy_group", "bye",
               "lease", "reclaimed", "adopt", "offer", "claim", "cancel", "locate",
               "weight_create", "weight_seal", "weight_attach", "weight_detach",
-              "tenant_state", "create_gang", "room"]
+              "weight_write", "weight_publish", "weight_use", "tenant_state", "create_gang", "room"]
 ALL_OPS = ["register", *TENANT_OPS, "ping", "ps", "stats", "map", "set_limit", "check", "events",
            "shutdown", "sleep_tenant"]
 assert sorted(ALL_OPS) == sorted(t.__struct_config__.tag for t in p.REQUESTS)  # all covered
@@ -54,10 +54,13 @@ FIELDS = {
     "claim": {"ticket": "ticket", "group": "int", "units": "list", "giver": "oint"},
     "cancel": {"ticket": "ticket"},
     "locate": {"name": "str", "as_giver": "bool"},
-    "weight_create": {"key": "wkey", "nbytes": "huge"},
+    "weight_create": {"key": "wkey", "nbytes": "huge", "mutable": "bool"},
     "weight_seal": {"key": "wkey"},
     "weight_attach": {"key": "wkey", "write": "bool"},
     "weight_detach": {"key": "wkey"},
+    "weight_write": {"key": "wkey"},
+    "weight_publish": {"key": "wkey"},
+    "weight_use": {"key": "wkey", "version": "int"},
     "sleep_tenant": {"name": "str", "wake": "bool"},
     "tenant_state": {"state": "state"},
 }
@@ -227,6 +230,8 @@ def hostile(env: Env):
                   "weight_create": {"key": "ab" * 32, "nbytes": PAGE},
                   "weight_seal": {"key": "ab" * 32}, "weight_attach": {"key": "ab" * 32},
                   "weight_detach": {"key": "ab" * 32},
+                  "weight_write": {"key": "ab" * 32}, "weight_publish": {"key": "ab" * 32},
+                  "weight_use": {"key": "ab" * 32, "version": 1},
                   "tenant_state": {"state": "idle"}, "room": {},
                   "create_gang": {"devices": [0, 1], "layout": [{"n_regions": 1,
                                                                  "capacity": PAGE}]}}[op]

@@ -13,8 +13,11 @@ addresses, so the model's parameter tensors never change. The prefix cache is dr
 only remembers the new set: its wake loads it. A new set that cannot be made leaves the
 old one serving (the error raised).
 
-This is the copy path (a new set per publish); the in-place set with a version fence is
-not built here.
+This is the copy path (a new set per publish). The in-place path, :func:`follow`: the
+engine reads a trainer's mutable set of its own layout (named by the trainer's nonce:
+:func:`~kvpool.engine_adapters.bundled.weights.mutable_key`) and moves to each published
+version by a remap at the same addresses, no byte copied (docs/ARCHITECTURE.md, "Mutable
+weight sets").
 """
 
 from __future__ import annotations
@@ -24,11 +27,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvpool import protocol as p
+from kvpool.client_lib.errors import KvpoolError
 from kvpool.client_lib.weights import content_key
 from kvpool.engine.model import loader
 from kvpool.engine_adapters.bundled.block_pool import elastic_pool
 from kvpool.engine_adapters.bundled.bridge import bridge_of
-from kvpool.engine_adapters.bundled.weights import set_key
+from kvpool.engine_adapters.bundled.weights import PoolWeights, mutable_key, set_key
 
 if TYPE_CHECKING:
     from kvpool.engine.engine import Engine
@@ -55,6 +60,7 @@ class Published:
     deferred: bool
     evicted: int
     seconds: float
+    version: int = 0  # in place: the mutable set's version now read (0: the copy path)
 
     @property
     def bytes_copied(self) -> int:
@@ -64,15 +70,51 @@ class Published:
 SHOWN = 200  # characters of a checkpoint path an error repeats
 
 
-def publish(engine: Engine, checkpoint: str | Path) -> Published:
-    """Serve ``checkpoint``'s weights from the next step on (see the module). Raises
-    :class:`PublishError` (nothing changed), ``KvpoolError`` when the daemon cannot give
-    the new set its memory (the old set serves on)."""
+def _pool_weights(engine: Engine) -> PoolWeights:
     bridge = bridge_of(engine)
     weights = bridge.weights if bridge is not None else None
     if weights is None:
         raise PublishError("this engine's weights are not in the pool (kvpool serve "
                            "--elastic --weights pool publishes; --weights local does not)")
+    return weights
+
+
+def follow(engine: Engine, nonce: str, version: int | None = None) -> Published:
+    """Serve the trainer's mutable set named by ``nonce`` (of this engine's layout) at
+    ``version`` (None: its current one) from the next step on: attached the first time,
+    remapped to the version's buffer after, no byte copied. Raises
+    :class:`PublishError` (nothing changed) for a set of another layout or a version
+    that is not the current one, ``KvpoolError`` for any other refusal (what served
+    before serves on)."""
+    weights = _pool_weights(engine)
+    key = mutable_key(weights.layout, nonce)
+    with engine.step_lock:  # between steps: no forward pass reads the parameters
+        if engine.has_unfinished() or engine.detached:
+            raise PublishError("the engine is serving requests; it switches weights only "
+                               "between rollouts", busy=True)
+        t0 = time.perf_counter()
+        held = weights.held
+        before = weights.version if weights.mutable == key else -1
+        try:
+            now = weights.follow(key, version)
+        except KvpoolError as e:
+            if e.code == p.NOT_FOUND:
+                raise PublishError("no mutable weight set of this engine's layout has that "
+                                   "nonce (a trainer of another dtype or layout publishes a "
+                                   "checkpoint)") from None
+            if e.code == p.BAD_REQUEST:
+                raise PublishError(f"the mutable weight set refused: {e.message}") from None
+            raise
+        evicted = elastic_pool(engine).reset_prefix_cache() if held and now != before else 0
+        seconds = time.perf_counter() - t0
+    return Published(key, weights.layout.nbytes, False, not held, evicted, seconds, now)
+
+
+def publish(engine: Engine, checkpoint: str | Path) -> Published:
+    """Serve ``checkpoint``'s weights from the next step on (see the module). Raises
+    :class:`PublishError` (nothing changed), ``KvpoolError`` when the daemon cannot give
+    the new set its memory (the old set serves on)."""
+    weights = _pool_weights(engine)
     path = Path(checkpoint)
     shown = repr(str(path)[:SHOWN]) + ("..." if len(str(path)) > SHOWN else "")
     try:  # a hostile name (NUL, too long, a loop) is a refusal, not a server error

@@ -14,6 +14,12 @@ unmaps and lets go of the pages (the parameters fault when touched), ``restore()
 the set at the same addresses again (attached when the daemon still caches it, else
 created, loaded from the checkpoint and sealed), so the model's parameter tensors never
 change.
+
+In place (:meth:`PoolWeights.follow`): the engine reads a trainer's *mutable* set of
+the same layout (:mod:`kvpool.client_lib.mutable_weights`) instead, at the same
+addresses, and moves to each published version by a remap: no byte copied. The set's
+key is :func:`mutable_key` of the engine's own layout and the trainer's nonce, so a
+trainer whose layout differs names a key the engine never attaches.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import torch
 
 from kvpool import protocol as p
 from kvpool.client_lib.errors import KvpoolError
+from kvpool.client_lib.mutable_weights import MutableReader
 from kvpool.client_lib.tensors import tensor_view
 from kvpool.client_lib.weights import WeightSession, WeightSet
 from kvpool.engine_adapters.bundled.settings import MEMORY_WAIT_S
@@ -84,6 +91,14 @@ def set_key(checkpoint_key: str, layout: Layout) -> str:
     return h.hexdigest()
 
 
+def mutable_key(layout: Layout, nonce: str) -> str:
+    """The key of a trainer's mutable set laid out by ``layout`` (``nonce``: the
+    trainer's, so that two trainers never collide)."""
+    h = hashlib.sha256(b"kvpool-mutable-weights\0")
+    h.update(layout.digest().encode() + b"\0" + nonce.encode())
+    return h.hexdigest()
+
+
 class PoolWeights:
     """The model's parameters as views into one weight set.
 
@@ -104,6 +119,9 @@ class PoolWeights:
         self.held = False  #: True between open/restore and release
         self.loads = 0  #: how many times this process loaded the set from the checkpoint
         self._set: WeightSet | None = None
+        #: a trainer's mutable set this engine reads (:meth:`follow`) instead of ``key``'s
+        self.mutable: str | None = None
+        self._reader: MutableReader | None = None
         self._range: Range | None = None  # the set's addresses while released
         self._lock = threading.Lock()
 
@@ -127,11 +145,7 @@ class PoolWeights:
         the parameter tensors keep their addresses (touching them faults until
         :meth:`restore`). Idempotent."""
         with self._lock:
-            if self._set is None:
-                return
-            ws, self._set = self._set, None
-            self.held = False
-            self._range = ws.detach(keep_range=True)
+            self._range = self._let_go() or self._range
 
     def restore(self) -> bool:
         """Attach the set again into the SAME range (warm: the daemon still caches it);
@@ -140,9 +154,20 @@ class PoolWeights:
         already). Waits up to ``wait_s`` for memory; raises KvpoolError with the
         daemon's code when that fails."""
         with self._lock:
-            if self._set is not None:
+            if self.held:
                 return True
             assert self._range is not None, "restore before open"
+            if self.mutable is not None:
+                try:
+                    self._reader = MutableReader.attach(self.session, self.mutable,
+                                                        self._range)
+                    self._range = None
+                    self.held = True
+                    return True
+                except KvpoolError as e:  # its writer and every reader left: gone
+                    log.warning("mutable weight set %s is gone (%s): serving %s again",
+                                self.mutable[:12], e, self.key[:12])
+                    self.mutable = None
             loads = self.loads
             self._set = self._open(self._range)
             self._range = None
@@ -161,38 +186,101 @@ class PoolWeights:
         with self._lock:
             old_key, old_load = self.key, self._load_tensors
             self.key, self._load_tensors = key, load
-            if self._set is None:
+            was_mutable, self.mutable = self.mutable, None
+            if not self.held:
                 return False
-            ws, self._set = self._set, None
-            self.held = False
-            rng = ws.detach(keep_range=True)
+            rng = self._let_go()
+            assert rng is not None
             loads = self.loads
             try:
                 self._set = self._open(rng)
             except BaseException:
                 self.key, self._load_tensors = old_key, old_load
-                self._range = rng
-                self._set = self._open(rng)  # the last complete version again
-                self._range = None
+                if was_mutable is not None:  # (a gone set raises: nothing serves)
+                    self.mutable = was_mutable
+                    self._reader = MutableReader.attach(self.session, was_mutable, rng)
+                else:
+                    self._set = self._open(rng)  # the last complete version again
                 self.held = True
                 raise
             self.held = True
             return self.loads != loads
+
+    def follow(self, key: str, version: int | None = None) -> int:
+        """Read the mutable set ``key`` (a trainer's, of this layout) from now on, at
+        ``version`` (None: the current one): the first call detaches the sealed set
+        keeping the range and attaches ``key`` into it; later ones remap the range to
+        the version's buffer (:meth:`MutableReader.follow`). No byte is copied; the
+        parameters never change. Asleep, only remembered (the wake attaches it).
+        Returns the version now read (0 asleep). When the daemon refuses, what served
+        before serves on and the error is raised. The caller makes sure nothing reads
+        the parameters meanwhile (the engine's ``step_lock``)."""
+        with self._lock:
+            if not self.held:
+                self.mutable = key
+                return 0
+            if self._reader is not None and self.mutable == key:
+                if version is not None:
+                    self._reader.follow(version)
+                return self._reader.version
+            rng = self._let_go()
+            assert rng is not None
+            try:
+                reader = MutableReader.attach(self.session, key, rng)
+            except BaseException:
+                self.held = False
+                self._range = rng
+                self._reopen_previous(rng)
+                raise
+            self.mutable, self._reader, self.held = key, reader, True
+            if version is not None and version != reader.version:
+                reader.follow(version)
+            return reader.version
+
+    @property
+    def version(self) -> int:
+        """The mutable set's version this engine reads (0: none)."""
+        return self._reader.version if self._reader is not None else 0
 
     def close(self) -> None:
         """Let go of the set and free the range (the parameters must not be used
         again). A gone daemon is no error here. Idempotent."""
         with self._lock:
             ws, self._set = self._set, None
+            reader, self._reader = self._reader, None
             rng, self._range = self._range, None
             self.held = False
         if ws is not None:
             with contextlib.suppress(KvpoolError, OSError):
                 ws.detach()  # unmaps and frees the range before it tells the daemon
+        if reader is not None:
+            reader.detach()  # (a gone daemon: no error)
         if rng is not None:
             self.session.backend.free_range(rng)
 
     # ---- inside -----------------------------------------------------------------------
+    def _let_go(self) -> Range | None:
+        """Detach whatever is held, keeping the range (returned; None: nothing held)."""
+        rng: Range | None = None
+        if self._set is not None:
+            ws, self._set = self._set, None
+            rng = ws.detach(keep_range=True)
+        elif self._reader is not None:
+            reader, self._reader = self._reader, None
+            rng = reader.detach(keep_range=True)
+        self.held = False
+        return rng
+
+    def _reopen_previous(self, rng: Range) -> None:
+        """After a failed :meth:`follow`: the mutable set read before, else the sealed
+        set, attached into ``rng`` again."""
+        if self.mutable is not None:
+            self._reader = MutableReader.attach(self.session, self.mutable, rng)
+        else:
+            self._set = self._open(rng)
+        self._range = None
+        self.held = True
+
     def _open(self, rng: Range | None) -> WeightSet:
         deadline = time.monotonic() + self.wait_s
         pause = 0.05
