@@ -8,6 +8,9 @@ API server process (where the config is built):
   ``dev.sleep.api_router.attach_router``  kvpool's ``POST /wake_up`` (503 of one line
                                         when the memory does not come) and ``GET
                                         /kvpool/sleep`` before vLLM's (sleep_routes.py).
+  ``instrumentator.metrics.get_prometheus_registry``  the registry vLLM's ``/metrics``
+                                        serves gets kvpool's gauges beside vLLM's
+                                        (gauges.py: the daemon's ``stats``, read-only).
 Engine-core process:
   ``CPUWorker/Worker.determine_available_memory``  registers the tenant, reports the
                                         virtual capacity (no static slice, no free-memory
@@ -21,7 +24,10 @@ Engine-core process:
                                         block count is read only when vLLM refused),
                                         never raises;
   ``Scheduler.__init__``                binds the pool to the scheduler (shrink callback,
-                                        idle release);
+                                        idle release); starts the KV-events stream with
+                                        ``AllBlocksCleared`` (kv_events.py);
+  ``Scheduler.shutdown``                ends the KV-events stream with
+                                        ``AllBlocksCleared`` before vLLM closes it;
   ``EngineCore.step/add_request/abort_requests`` and ``EngineCoreProc._process_engine_step/
   _handle_client_request``              one lock per step, so a shrink runs between steps;
   ``EngineCore.add_request``            wakes a sleeping engine first (:mod:`.sleep`);
@@ -79,8 +85,11 @@ def _patch_arg_utils(b: VllmBridge, mod: ModuleType) -> None:
 
     @functools.wraps(original)
     def create_engine_config(self: EngineArgs, *args: Any, **kwargs: Any) -> VllmConfig:
+        from kvpool.engine_adapters.vllm.bridge import served_name
+
         config = original(self, *args, **kwargs)
         check_config(config)
+        b.served = served_name(b.settings.name, config)  # the tenant /metrics reports
         return config
 
     _ours.add(create_engine_config)
@@ -96,6 +105,27 @@ def _patch_sleep_routes(b: VllmBridge, mod: ModuleType) -> None:
     attach = attach_first(original)
     _ours.add(attach)
     setattr(mod, "attach_router", attach)
+
+
+def _patch_metrics(b: VllmBridge, mod: ModuleType) -> None:
+    from kvpool.engine_adapters.vllm.gauges import collector
+
+    original: Callable[[], Any] = mod.get_prometheus_registry
+    if original in _ours:
+        return
+    gauges = collector(b.settings.run_dir, lambda: b.served)
+    done: set[int] = set()
+
+    @functools.wraps(original)
+    def get_prometheus_registry() -> Any:
+        registry = original()
+        if id(registry) not in done:  # vLLM's global registry, or its multiprocess one
+            done.add(id(registry))
+            registry.register(gauges)
+        return registry
+
+    _ours.add(get_prometheus_registry)
+    setattr(mod, "get_prometheus_registry", get_prometheus_registry)
 
 
 # ---- engine-core process: memory sizing -------------------------------------------------
@@ -367,6 +397,9 @@ def _patch_manager(b: VllmBridge, mod: ModuleType) -> None:
 def _patch_scheduler(b: VllmBridge, mod: ModuleType) -> None:
     from kvpool.engine_adapters.vllm.block_pool import VllmElasticPool
 
+    from kvpool.engine_adapters.vllm.core_sleep import STEP_LOCK_WAIT_S
+    from kvpool.engine_adapters.vllm.kv_events import publish_cleared, publish_pending
+
     cls = mod.Scheduler
     original: Callable[..., None] = cls.__init__
 
@@ -376,6 +409,8 @@ def _patch_scheduler(b: VllmBridge, mod: ModuleType) -> None:
         pool = self.kv_cache_manager.block_pool
         if isinstance(pool, VllmElasticPool):
             b.scheduler = self
+            # a router that reconnects forgets a killed predecessor's blocks
+            publish_cleared(self)
             if b.status is not None:  # tensor parallelism: no tenant here; asks are polled
                 pool.start_idle_release(b.settings.idle_timeout_s)
                 return
@@ -387,6 +422,22 @@ def _patch_scheduler(b: VllmBridge, mod: ModuleType) -> None:
             sleep.attach(b, pool)
 
     cls.__init__ = __init__
+    shutdown: Callable[[Scheduler], None] = cls.shutdown
+
+    @functools.wraps(shutdown)
+    def shutdown_cleared(self: Scheduler) -> None:
+        # (a shrink thread holds the step lock for one step at most; a wedged one does
+        # not keep the engine from closing)
+        if isinstance(self.kv_cache_manager.block_pool, VllmElasticPool) and \
+                b.step_lock.acquire(timeout=STEP_LOCK_WAIT_S):
+            try:
+                publish_pending(self)
+                publish_cleared(self)
+            finally:
+                b.step_lock.release()
+        shutdown(self)
+
+    cls.shutdown = shutdown_cleared
 
 
 def _patch_executor(b: VllmBridge, mod: ModuleType) -> None:
@@ -416,6 +467,7 @@ def install(b: VllmBridge) -> None:
     module global refers to it."""
     for name, patch in (("vllm.engine.arg_utils", _patch_arg_utils),
                         ("vllm.entrypoints.serve.dev.sleep.api_router", _patch_sleep_routes),
+                        ("vllm.entrypoints.serve.instrumentator.metrics", _patch_metrics),
                         ("vllm.v1.worker.cpu_worker", _patch_cpu_worker),
                         ("vllm.v1.worker.gpu_worker", _patch_gpu_worker),
                         ("vllm.v1.engine.core", _patch_engine_core),
