@@ -12,11 +12,12 @@ precise-prefix router would meanwhile send requests to KV that is gone. So:
   of each shrink, idle release and sleep, with the step lock held, so it never
   interleaves with a step's own take) sends what the pool queued now, the way the
   step does;
-* :func:`publish_cleared` sends one ``AllBlocksCleared``: first thing when the scheduler
-  is built (a restarted engine's stream starts by telling a reconnecting router to
-  forget what a killed predecessor had cached; the replay socket keeps it as sequence
-  0), and last thing before the publisher shuts down (a closing engine's stream ends
-  clear, as the bundled engine's does).
+* :func:`publish_cleared` sends one ``AllBlocksCleared`` first thing when the scheduler
+  is built: a restarted engine's stream starts by telling a reconnecting router to
+  forget what a killed predecessor had cached (the replay socket keeps it as sequence
+  0). A stopped vLLM server says nothing more than a killed one: on SIGTERM vLLM's API
+  server force-kills its engine core (timeout 0) before the scheduler shuts down, so
+  there is no last batch to add; the next start's clear covers both.
 
 All through vLLM's classes and vLLM's publisher (its queue; a slow subscriber never
 blocks it: ZeroMQ drops at the high-water mark). Nothing is sent when events are off

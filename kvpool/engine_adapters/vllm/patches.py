@@ -26,8 +26,6 @@ Engine-core process:
   ``Scheduler.__init__``                binds the pool to the scheduler (shrink callback,
                                         idle release); starts the KV-events stream with
                                         ``AllBlocksCleared`` (kv_events.py);
-  ``Scheduler.shutdown``                ends the KV-events stream with
-                                        ``AllBlocksCleared`` before vLLM closes it;
   ``EngineCore.step/add_request/abort_requests`` and ``EngineCoreProc._process_engine_step/
   _handle_client_request``              one lock per step, so a shrink runs between steps;
   ``EngineCore.add_request``            wakes a sleeping engine first (:mod:`.sleep`);
@@ -396,9 +394,7 @@ def _patch_manager(b: VllmBridge, mod: ModuleType) -> None:
 
 def _patch_scheduler(b: VllmBridge, mod: ModuleType) -> None:
     from kvpool.engine_adapters.vllm.block_pool import VllmElasticPool
-
-    from kvpool.engine_adapters.vllm.core_sleep import STEP_LOCK_WAIT_S
-    from kvpool.engine_adapters.vllm.kv_events import publish_cleared, publish_pending
+    from kvpool.engine_adapters.vllm.kv_events import publish_cleared
 
     cls = mod.Scheduler
     original: Callable[..., None] = cls.__init__
@@ -422,22 +418,6 @@ def _patch_scheduler(b: VllmBridge, mod: ModuleType) -> None:
             sleep.attach(b, pool)
 
     cls.__init__ = __init__
-    shutdown: Callable[[Scheduler], None] = cls.shutdown
-
-    @functools.wraps(shutdown)
-    def shutdown_cleared(self: Scheduler) -> None:
-        # (a shrink thread holds the step lock for one step at most; a wedged one does
-        # not keep the engine from closing)
-        if isinstance(self.kv_cache_manager.block_pool, VllmElasticPool) and \
-                b.step_lock.acquire(timeout=STEP_LOCK_WAIT_S):
-            try:
-                publish_pending(self)
-                publish_cleared(self)
-            finally:
-                b.step_lock.release()
-        shutdown(self)
-
-    cls.shutdown = shutdown_cleared
 
 
 def _patch_executor(b: VllmBridge, mod: ModuleType) -> None:
