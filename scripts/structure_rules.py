@@ -116,6 +116,9 @@ ALLOWED: dict[tuple[str, str, str], str] = {
         _VLLM_SEAM.format("KVCacheManager.allocate_slots (blocks asked for on demand)"),
     ("patch", _VLLM, "_patch_scheduler: cls.__init__"):
         _VLLM_SEAM.format("Scheduler.__init__ (the pool's shrink callback and idle release)"),
+    ("patch", _VLLM, "_patch_metrics: setattr(mod, 'get_prometheus_registry', ...)"):
+        _VLLM_SEAM.format("the metrics router's get_prometheus_registry (kvpool's gauges "
+                          "on the registry vLLM's /metrics serves)"),
     ("patch", _VLLM, "_patch_executor: cls.initialize_from_config"):
         _VLLM_SEAM.format("Executor.initialize_from_config (the TP allocator)"),
     ("patch", "engine_adapters/vllm/block_pool.py",

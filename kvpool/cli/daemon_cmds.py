@@ -61,7 +61,9 @@ DAEMON_FLAGS = {"backend": "--backend", "device": "--device", "devices": "--devi
                 "run_dir": "--run-dir", "log_level": "--log-level",
                 "socket_group": "--socket-group", "admin_group": "--admin-group",
                 "reclaim_timeout_s": "--reclaim-timeout", "metrics_address": "--metrics-address",
-                "metrics_allow_remote": "--metrics-allow-remote"}
+                "metrics_allow_remote": "--metrics-allow-remote",
+                "endpoints_file": "--endpoints-file", "endpoints_address": "--endpoints-address",
+                "endpoints_namespace": "--endpoints-namespace"}
 
 
 def _config_exit(e: ConfigError) -> NoReturn:
@@ -103,6 +105,14 @@ def _config_exit(e: ConfigError) -> NoReturn:
               help="Serve Prometheus metrics here (loopback only; off by default).")
 @click.option("--metrics-allow-remote", is_flag=True, default=None,
               help="Allow a --metrics-address that is not loopback (tenant names show).")
+@click.option("--endpoints-file", default=None, metavar="PATH",
+              help="Keep a cluster router's file-discovery list (endpoints.yaml) of the "
+              "servers registered here: each one that registered where it serves.")
+@click.option("--endpoints-address", default=None, metavar="ADDRESS",
+              help="The address routers reach those servers at, for --endpoints-file "
+              "[default: this machine's address by its host name].")
+@click.option("--endpoints-namespace", default=None, metavar="NAME",
+              help="The namespace of the entries of --endpoints-file [default: default].")
 @json_option
 def daemon(backend: str | None, device: int | None, devices: str | None,
            budget: int | str | None,
@@ -110,7 +120,9 @@ def daemon(backend: str | None, device: int | None, devices: str | None,
            run_dir: str | None, socket_group: str | None, admin_group: str | None,
            reclaim_timeout_s: float | None, config_path: str | None, log_level: str | None,
            as_json: bool, metrics_address: str | None = None,
-           metrics_allow_remote: bool | None = None) -> None:
+           metrics_allow_remote: bool | None = None, endpoints_file: str | None = None,
+           endpoints_address: str | None = None,
+           endpoints_namespace: str | None = None) -> None:
     """Run the kvpool daemon in the foreground (systemd: Type=notify)."""
     import logging
 
@@ -123,7 +135,9 @@ def daemon(backend: str | None, device: int | None, devices: str | None,
                           warm_max=warm_max, run_dir=run_dir, log_level=log_level,
                           socket_group=socket_group, admin_group=admin_group,
                           reclaim_timeout_s=reclaim_timeout_s, metrics_address=metrics_address,
-                          metrics_allow_remote=metrics_allow_remote)
+                          metrics_allow_remote=metrics_allow_remote,
+                          endpoints_file=endpoints_file, endpoints_address=endpoints_address,
+                          endpoints_namespace=endpoints_namespace)
     except ConfigError as e:
         _config_exit(e)
     logging.basicConfig(

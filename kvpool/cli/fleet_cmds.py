@@ -42,7 +42,15 @@ def register(cli: click.Group) -> None:
         sleepable tenant of the daemon, started on its first request (or at start),
         put to sleep when idle or when memory is short, woken by a request."""
         require("engine", "fleet")
+        from kvpool.discovery import address_problem, namespace_problem
         from kvpool.fleet.config import FleetConfigError, load
+
+        for flag, why in (("--endpoints-address", endpoints_address is not None
+                           and address_problem(endpoints_address)),
+                          ("--endpoints-namespace", namespace_problem(endpoints_namespace))):
+            if why:
+                click.echo(f"Error: {flag}: {why}", err=True)
+                sys.exit(2)
 
         try:
             config = load(fleet_file, with_daemon=with_daemon)

@@ -61,7 +61,8 @@ class Tenant:
                  endpoint: str | None = None, sleepable: bool | None = None,
                  group: str | None = None, gang: str | None = None,
                  rank: int | None = None,
-                 layout: Sequence[tuple[int, int]] | None = None):
+                 layout: Sequence[tuple[int, int]] | None = None,
+                 engine: p.EngineType | None = None):
         self.run_dir = paths.run_dir(run_dir)
         self.timeout_s = timeout_s
         raise_fd_limit()  # host tenants keep one descriptor per mapped page
@@ -73,7 +74,8 @@ class Tenant:
             self._register = p.Register(
                 name=name, kind=kind, device=device, min=min, max=max, shares=shares,
                 endpoint=endpoint, sleepable=sleepable, group=group, gang=gang, rank=rank,
-                layout=gang_layout(layout, hello.page_size) if layout is not None else None)
+                layout=gang_layout(layout, hello.page_size) if layout is not None else None,
+                engine=engine)
             reply, _ = self.conn.call(self._fresh_register(), p.Registered)
             self.backend = open_backend(hello.backend, device, hello.page_size)
         except BaseException:
@@ -114,7 +116,8 @@ class Tenant:
         r = self._register
         return p.Register(name=r.name, kind=r.kind, device=r.device, min=r.min, max=r.max,
                           shares=r.shares, endpoint=r.endpoint, sleepable=r.sleepable,
-                          group=r.group, gang=r.gang, rank=r.rank, layout=r.layout)
+                          group=r.group, gang=r.gang, rank=r.rank, layout=r.layout,
+                          engine=r.engine)
 
     # ---- gangs (tensor parallelism: docs/ARCHITECTURE.md, "Gangs") -------------------
     def create_gang(self, devices: Sequence[int],
@@ -449,7 +452,8 @@ def connect(name: str, device: int = 0, run_dir: str | os.PathLike[str] | None =
             max: int | None = None, shares: float | None = None,
             endpoint: str | None = None, sleepable: bool | None = None,
             group: str | None = None, gang: str | None = None, rank: int | None = None,
-            layout: Sequence[tuple[int, int]] | None = None) -> Tenant:
+            layout: Sequence[tuple[int, int]] | None = None,
+            engine: p.EngineType | None = None) -> Tenant:
     """Register with the daemon serving ``run_dir`` (see :mod:`kvpool.paths`). ``min``,
     ``max`` (bytes) and ``shares`` (its part of contended memory) are this tenant's own
     knobs, used unless the daemon's config names it (the config and live admin changes
@@ -460,7 +464,9 @@ def connect(name: str, device: int = 0, run_dir: str | os.PathLike[str] | None =
     ``group``: a label shown by ``kvpool ps`` (a fleet's name, ``KVPOOL_GROUP``).
     ``gang``, ``rank``, ``layout``: join the gang (tensor parallelism) whose rank 0 got
     token ``gang`` from :meth:`Tenant.create_gang`, as rank ``rank`` on ``device``, with
-    the gang's ``layout`` (docs/ARCHITECTURE.md, "Gangs")."""
+    the gang's ``layout`` (docs/ARCHITECTURE.md, "Gangs"). ``engine``: the metrics
+    dialect ``endpoint`` serves (``vllm`` or ``kvpool``), the router's engine type in a
+    daemon's endpoints file."""
     return Tenant(name, device=device, run_dir=run_dir, kind=kind, timeout_s=timeout_s,
                   min=min, max=max, shares=shares, endpoint=endpoint, sleepable=sleepable,
-                  group=group, gang=gang, rank=rank, layout=layout)
+                  group=group, gang=gang, rank=rank, layout=layout, engine=engine)

@@ -147,6 +147,12 @@ class Config:
     log_level: str = "INFO"  # one of config_values.LOG_LEVELS, any case
     metrics_address: str | None = None  # HOST:PORT of the Prometheus exporter (None: off)
     metrics_allow_remote: bool = False  # a non-loopback metrics_address is refused unless set
+    # a router's file-discovery endpoints.yaml of the servers registered here (None: off;
+    # kvpool.daemon.endpoints), the address routers reach them at (None: this machine's
+    # by its host name) and the entries' namespace
+    endpoints_file: Optional[Annotated[str, Meta(max_length=4096)]] = None
+    endpoints_address: Optional[Annotated[str, Meta(max_length=253)]] = None
+    endpoints_namespace: str = "default"
     # caps (a session or tenant past one gets a clear refusal)
     max_sessions_per_uid: Count = 64
     max_sessions: Count = 1024

@@ -10,6 +10,7 @@ from typing import Any
 
 import msgspec
 
+from kvpool.discovery import address_problem, namespace_problem
 from kvpool.sizes import format_size, parse_size
 from kvpool.daemon.policy import POLICIES
 from kvpool.vmm.registry import BACKENDS, capabilities
@@ -58,8 +59,15 @@ def check_value(key: str, value: Any) -> str | None:
         return f"expected one of {', '.join(POLICIES.names())}"
     if key == "backend" and value not in BACKENDS:
         return f"expected one of {', '.join(BACKENDS)}"
-    if key in ("run_dir", "socket_group", "admin_group") and value is not None and not value:
+    if key in ("run_dir", "socket_group", "admin_group", "endpoints_file") and \
+            value is not None and not value:
         return "must not be empty"
+    if key == "endpoints_file" and value is not None and "\0" in value:
+        return "must not hold a NUL character"
+    if key == "endpoints_address" and value is not None:
+        return address_problem(value)
+    if key == "endpoints_namespace":
+        return namespace_problem(value)
     return None
 
 

@@ -147,6 +147,7 @@ class Registry:
         t.policy_name = r.name if r.kind not in NO_MEMORY_KINDS and \
             r.name in self.cfg.tenants else ""
         t.endpoint = r.endpoint or ""
+        t.engine = r.engine or ""
         t.group = r.group or ""
         t.min_pages, t.max_pages, t.shares = mn, mx, shares
         log.log(session_level(t.kind), "tenant %d registered: %s (%s), pid %d uid %d, "

@@ -49,15 +49,18 @@ import logging
 import os
 import signal
 import time
+from pathlib import Path
 from types import FrameType
 from typing import Any, Callable
 
 from kvpool import fdchannel
 from kvpool import protocol as p
+from kvpool.discovery import EndpointsFileError, advertised_address
 from kvpool.daemon import observe
 from kvpool.daemon.config import Config
 from kvpool.daemon.control import Control
 from kvpool.daemon.devices import Devices, metrics_off
+from kvpool.daemon.endpoints import EndpointsKeeper
 from kvpool.daemon.events import EventLog
 from kvpool.daemon.fdsend import FdSender
 from kvpool.daemon.fdsessions import FdSessions
@@ -100,6 +103,8 @@ class Server:
                                {s.device: s.arbiter.weights for s in self.devices})
         self._stop = False
         self._state_dirty = False
+        self.endpoints: EndpointsKeeper | None = None  # --endpoints-file (endpoints.py)
+        self._endpoints_dirty = False
         self._need_tick = False
         self.admin_gid: int | None = None
         self.next_liveness = 0.0  # when each periodic timer is due next (monotonic)
@@ -112,6 +117,7 @@ class Server:
         if self.cfg.admin_group:
             self.admin_gid = group_id(self.cfg.admin_group, "admin group")
         open_sockets(self.cfg, self.run_dir, self.sockets)
+        self._start_endpoints()
         assert self.sockets.router is not None and self.sockets.listener is not None
         cfg, a = self.cfg, self.arbiter
         self.control = Control(self.sockets.router, a.counters, self.receive, cfg.burst,
@@ -150,6 +156,34 @@ class Server:
         raise_fd_limit()
         self.notifier.ready(self.status_line())
 
+    def _start_endpoints(self) -> None:
+        """``endpoints_file``: written at once (empty), a StartupError of one line when
+        it cannot be."""
+        cfg = self.cfg
+        if cfg.endpoints_file is None:
+            return
+        keeper = EndpointsKeeper(Path(cfg.endpoints_file),
+                                 advertised_address("", cfg.endpoints_address),
+                                 cfg.endpoints_namespace)
+        try:
+            keeper.start()
+        except EndpointsFileError as e:
+            raise StartupError(str(e)) from None
+        self.endpoints = keeper
+        log.info("keeping the endpoints file %s (address %s)", cfg.endpoints_file,
+                 keeper.address)
+
+    def update_endpoints(self) -> None:
+        """(timer pass) The endpoints file, when a register, a state or a session's end
+        may have changed it."""
+        if self.endpoints is None or not self._endpoints_dirty:
+            return
+        self._endpoints_dirty = False
+        devices = self.devices
+        self.endpoints.update(
+            devices.tenants,
+            lambda t: devices.arbiter_of(t).sleep.record(t).state == "asleep")
+
     def _save_state(self) -> None:
         self.devices.save_state(self.state)  # (every device's; gangs are not adopted)
         self._state_dirty = False
@@ -167,6 +201,8 @@ class Server:
         clean, requested stop with no tenant left; otherwise the next daemon waits for
         the tenants to re-adopt what they still map."""
         self.notifier.stopping()
+        if self.endpoints is not None:
+            self.endpoints.close()  # no endpoint left
         self.observer.close()
         for obs in self.observers:
             obs.close()
@@ -190,6 +226,8 @@ class Server:
 
     def _abort_start(self) -> None:
         """Undo a partial start (never touching another daemon's sockets)."""
+        if self.endpoints is not None:
+            self.endpoints.close()
         self.sockets.close()
         self.devices.close()
 
@@ -299,6 +337,7 @@ class Server:
         self.fdsend.expire(now)
         self.sessions.expire(now)
         self.save_state_if_changed()
+        self.update_endpoints()
         if now >= self.next_liveness:
             self.next_liveness = now + self.cfg.liveness_s
             self.sessions.check_liveness(now)
@@ -367,6 +406,8 @@ class Server:
         if isinstance(req, (p.Register, p.CreateGroup, p.Adopt)) and out.reply is not None \
                 and out.reply.ok:
             self._state_dirty = True
+        if isinstance(req, (p.Register, p.TenantState, p.SleepTenant, p.Bye)):
+            self._endpoints_dirty = True
         if out.stop:
             if uid is None and out.tenant is not None:
                 uid = out.tenant.uid
@@ -416,6 +457,7 @@ class Server:
         t.inbox, t.stash = [], []
         if t.arbitrated:
             self._state_dirty = True
+        self._endpoints_dirty = True
         self._need_tick = True
         if fileno >= 0:
             self.fdwatch.unwatch(fileno)

@@ -54,6 +54,7 @@ class TenantRecord:
     registered: bool = False
     endpoint: str = ""  # where it says it serves (Register.endpoint, validated; Locate)
     group: str = ""  # the group it said it belongs to (Register.group; a label for ps)
+    engine: str = ""  # the metrics dialect its endpoint serves (Register.engine; a label)
     admin: bool = False  # an admin identity (decided from SO_PEERCRED at accept)
     peer_gids: set[int] = field(default_factory=set)  # primary + supplementary, at accept
     min_pages: int = 0  # guaranteed: never reclaimed

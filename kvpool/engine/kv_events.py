@@ -16,7 +16,9 @@ which reports to a :class:`KVEventSink`): a hash is *stored* when the first cach
 with that hash appears and *removed* when the last one goes, whatever takes it away —
 LRU eviction, a reclaim or a sleep of an elastic pool (kvpool taking KV back), a
 handoff. So the set a subscriber rebuilds from the events is exactly the set of hashes
-the engine can hit. A closing engine ends with ``AllBlocksCleared``.
+the engine can hit. The stream starts with ``AllBlocksCleared`` (sequence 0: a router
+that reconnects to a restarted engine, or replays from 0, forgets what a killed
+predecessor had cached) and a closing engine ends with one.
 
 Never stalls the engine: the pool's calls only append to a bounded list
 (``max_queue_size`` events); past it the pending events are dropped, counted
@@ -178,8 +180,9 @@ class KVEventCollector:
 
 class ZmqKVEventPublisher:
     """The PUB (and replay ROUTER) sockets and the thread that sends the collector's
-    events as batches, one per :data:`FLUSH_S` at most. :meth:`close` sends what is
-    pending, then ``AllBlocksCleared``, and stops."""
+    events as batches, one per :data:`FLUSH_S` at most. The first batch (sequence 0) is
+    ``AllBlocksCleared``; :meth:`close` sends what is pending, then ``AllBlocksCleared``,
+    and stops."""
 
     def __init__(self, config: KVEventsConfig, collector: KVEventCollector,
                  data_parallel_rank: int | None = None) -> None:
@@ -209,6 +212,7 @@ class ZmqKVEventPublisher:
             self._close_sockets()
             raise KVEventsConfigError(f"--kv-events-config: cannot open "
                                       f"{config.endpoint}: {e}") from None
+        self._send([AllBlocksCleared()])  # whatever an engine before this one had is gone
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
         self._thread.start()

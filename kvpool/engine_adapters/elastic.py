@@ -108,6 +108,11 @@ class ElasticHooks(Protocol):
       the pool cannot sleep (the null block is not its own), having freed no block in
       use. ``sleep_error(message)`` is the engine's own error for a pool that cannot
       sleep or wake, worded as that engine's errors are.
+    * ``publish_removals`` (both locks held) is called once at the end of every shrink,
+      idle release and sleep: the engine hands the prefix-cache changes those made
+      (removed blocks, a clear) to its KV-events publisher now, because the engine is
+      between steps and may stay idle (an engine whose publisher sends by itself, or
+      that publishes no events, does nothing). Never blocks on a subscriber.
     """
 
     @property
@@ -133,6 +138,8 @@ class ElasticHooks(Protocol):
     def empty_for_sleep(self) -> None: ...
 
     def sleep_error(self, message: str) -> Exception: ...
+
+    def publish_removals(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -189,6 +196,7 @@ class ElasticPolicy:
                         break
                     self.shrink_preemptions += n
                     self.shrink_evictions += hooks.evict_cached()
+                hooks.publish_removals()
         finally:
             hooks.step_lock.release()
         return ShrinkOutcome(self.shrink_evictions - ev0, self.shrink_preemptions - pre0)
@@ -258,6 +266,7 @@ class ElasticPolicy:
             with hooks.lock:
                 hooks.release_stash()
                 n = hooks.evict_cached()
+                hooks.publish_removals()
             self.idle_evictions += n
             return n
         except Exception:  # never let the watcher die on a transient error
@@ -279,6 +288,7 @@ class ElasticPolicy:
             if self.asleep:
                 return 0
             hooks.empty_for_sleep()
+            hooks.publish_removals()
             self.allocator.free([NULL_BLOCK])
             self.asleep = True
         try:

@@ -1,5 +1,8 @@
 """RoomWatch: the daemon's last ``Room`` answer for one tenant, read without waiting.
 
+(Generic in the answer: a vLLM API server watches its tenant's ``ps``/``stats`` view the
+same way, :mod:`kvpool.engine_adapters.vllm.gauges`.)
+
 A router scrapes a server's ``/metrics`` every 50 ms; the answer must not wait on the
 daemon (the tenant's connection is one lock, and a grant waiting for reclaim holds it
 for seconds). :meth:`RoomWatch.latest` returns the last answer at once and, when it is
@@ -16,27 +19,28 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import Generic, TypeVar
 
-from kvpool import protocol as p
 
 log = logging.getLogger("kvpool.adapter")
 
 MAX_AGE_S = 0.05  # the router's scrape interval
 FIRST_WAIT_S = 0.5
 IDLE_EXIT_S = 30.0  # the worker ends after this long without a scrape (restarted on one)
+T = TypeVar("T")
 
 
-class RoomWatch:
+class RoomWatch(Generic[T]):
     """``ask`` (a tenant's :meth:`~kvpool.client_lib.Tenant.room`) answered off the scrape
     path (see the module). Thread-safe; :meth:`close` ends the worker."""
 
-    def __init__(self, ask: Callable[[], p.RoomReply], max_age_s: float = MAX_AGE_S,
+    def __init__(self, ask: Callable[[], T], max_age_s: float = MAX_AGE_S,
                  first_wait_s: float = FIRST_WAIT_S) -> None:
         self.ask = ask
         self.max_age_s = max_age_s
         self.first_wait_s = first_wait_s
         self.failures = 0
-        self._last: p.RoomReply | None = None
+        self._last: T | None = None
         self._at = 0.0  # monotonic: when ``_last`` was asked for
         self._lock = threading.Lock()
         self._want = threading.Event()
@@ -44,7 +48,7 @@ class RoomWatch:
         self._worker: threading.Thread | None = None
         self._closed = False
 
-    def latest(self) -> p.RoomReply | None:
+    def latest(self) -> T | None:
         """The last answer (None before the first); asks again in the background when it
         is stale."""
         with self._lock:

@@ -17,53 +17,32 @@ model selects its entries by the ``model`` label; the fleet routes by the body's
           kvpool.io/fleet: "chat-fleet"
           kvpool.io/state: "awake"       # the model's state, as GET /v1/models says
 
-It is kept current: rewritten whenever a model's state changes (a member that dies is
+It is kept current: written at once when the fleet starts (so a killed predecessor's
+entries go), rewritten whenever a model's state changes (a member that dies is
 ``starting`` again, one that cannot start ``failed``) and emptied (``endpoints: []``)
-when the fleet stops. Every write is atomic: a temporary file in the same folder,
-flushed, renamed over the old one, so a reader sees the old file or the new one, never
-half of one. Values are written as JSON strings and numbers, which YAML reads as they are.
+when the fleet stops. Text, atomic writes and the first line naming the writer (pid,
+boot id: whose entries a reader may trust after a SIGKILL) are :mod:`kvpool.discovery`'s.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import re
-import socket
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-ENGINE_TYPE_LABEL = "llm-d.ai/engine-type"
+from kvpool.discovery import (
+    ENGINE_TYPE_LABEL,
+    STATE_LABEL,
+    EndpointsFileError,
+    Writer,
+    advertised_address,
+    dns_name,
+    render,
+    write_atomic,
+)
+
 ENGINE_TYPE = "kvpool"
-STATE_LABEL = "kvpool.io/state"
 FLEET_LABEL = "kvpool.io/fleet"
-WILDCARDS = ("", "0.0.0.0", "::", "[::]")
-
-
-class EndpointsFileError(RuntimeError):
-    """The file cannot be written (its folder missing or not writable); one line."""
-
-
-def advertised_address(host: str, given: str | None = None) -> str:
-    """Where a router reaches a fleet bound to ``host``: ``given`` when set, the host
-    itself when it is one address, else this machine's address by its host name (the
-    loopback address when the name does not resolve)."""
-    if given:
-        return given
-    if host not in WILDCARDS:
-        return host
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"
-
-
-def dns_name(text: str) -> str:
-    """``text`` as a DNS label: lower case, ``[a-z0-9-]``, at most 63 characters."""
-    name = re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-")
-    return (name or "endpoint")[:63].rstrip("-") or "endpoint"
 
 
 def entries(fleet: str, namespace: str, address: str, port: int,
@@ -84,43 +63,6 @@ def entries(fleet: str, namespace: str, address: str, port: int,
     return out
 
 
-def render(items: list[dict[str, Any]], header: str = "") -> str:
-    """The YAML text of ``items`` (scalars as JSON: YAML reads them as they are)."""
-    lines = [f"# {line}" for line in header.splitlines()]
-    if not items:
-        return "\n".join([*lines, "endpoints: []", ""])
-    lines.append("endpoints:")
-    for e in items:
-        lines.append(f"  - name: {json.dumps(e['name'])}")
-        for key in ("namespace", "address", "port"):
-            lines.append(f"    {key}: {json.dumps(e[key])}")
-        lines.append("    labels:")
-        for k, v in e["labels"].items():
-            lines.append(f"      {json.dumps(k)}: {json.dumps(v)}")
-    return "\n".join(lines) + "\n"
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Replace ``path`` with ``text`` at once (temporary file + rename, same folder)."""
-    folder = path.parent
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
-    except OSError as e:
-        raise EndpointsFileError(f"cannot write the endpoints file {path}: "
-                                 f"{e.strerror or e}") from None
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except OSError as e:
-        Path(tmp).unlink(missing_ok=True)
-        raise EndpointsFileError(f"cannot write the endpoints file {path}: "
-                                 f"{e.strerror or e}") from None
-
-
 class EndpointsFile:
     """The endpoints file of fleet ``fleet`` at ``path``: :meth:`update` with the
     models' states (written when they changed), :meth:`close` empties it."""
@@ -129,15 +71,16 @@ class EndpointsFile:
                  namespace: str = "default") -> None:
         self.path = path
         self.fleet, self.address, self.port, self.namespace = fleet, address, port, namespace
-        self.header = (f"endpoints of kvpool fleet {fleet!r} (pid {os.getpid()}), kept "
-                       f"current by the fleet; replaced atomically")
+        self.writer = Writer.me()
+        self.header = (f"endpoints of kvpool fleet {fleet!r}, kept current by the fleet; "
+                       f"replaced atomically")
         self._written: str | None = None
 
     def update(self, states: Mapping[str, str]) -> bool:
         """Write the entries for ``states`` unless the file already says them; True
         when written."""
         text = render(entries(self.fleet, self.namespace, self.address, self.port, states),
-                      self.header)
+                      self.header, self.writer)
         if text == self._written:
             return False
         write_atomic(self.path, text)
@@ -147,3 +90,7 @@ class EndpointsFile:
     def close(self) -> None:
         """The fleet stops: no endpoint left (``endpoints: []``)."""
         self.update({})
+
+
+__all__ = ["ENGINE_TYPE", "ENGINE_TYPE_LABEL", "FLEET_LABEL", "STATE_LABEL", "EndpointsFile",
+           "EndpointsFileError", "advertised_address", "dns_name", "entries", "render"]

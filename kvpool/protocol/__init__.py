@@ -51,7 +51,7 @@ from kvpool.protocol.bounds import (
     VERSION, MAX_FRAME, MAX_NAME, MAX_REGIONS, MAX_PAGES_PER_REGION, MAX_UNITS,
     MAX_GROUPS, MAX_BYTES, MAX_ID, MAX_GROUP_ID, MAP_REPLY_BYTES, MAP_BASES, MAP_GROUPS,
     BAD_REQUEST, UNAUTHORIZED, NOT_FOUND, OVER_LIMIT, NO_MEMORY, BUSY, VERSION_MISMATCH,
-    INTERNAL, CODES, Id, Name, Token, Bytes, Unit, Units, Kind, Shares, Seq,
+    INTERNAL, CODES, Id, Name, Token, Bytes, Unit, Units, Kind, EngineType, Shares, Seq,
     MAX_RANKS, MAX_GANG_GROUPS, MAX_DEVICE, MAX_SHARES, GangToken, Device, Rank,
 )
 from kvpool.protocol.requests import (
@@ -84,7 +84,7 @@ __all__ = [
     "MAX_UNITS", "MAX_GROUPS", "MAX_BYTES", "MAX_ID", "MAX_GROUP_ID", "MAP_REPLY_BYTES",
     "MAP_BASES", "MAP_GROUPS", "BAD_REQUEST", "UNAUTHORIZED", "NOT_FOUND", "OVER_LIMIT",
     "NO_MEMORY", "BUSY", "VERSION_MISMATCH", "INTERNAL", "CODES", "Id", "Name", "Token",
-    "Bytes", "Unit", "Units", "Kind", "Shares", "Seq", "Request", "Register",
+    "Bytes", "Unit", "Units", "Kind", "EngineType", "Shares", "Seq", "Request", "Register",
     "CreateGroup", "DestroyGroup", "Grant", "Release", "Report", "Lease", "Reclaimed",
     "AdoptGroup", "Adopt", "Bye", "Ping", "Ps", "Stats", "MapReq", "SetLimit",
     "Shutdown", "Check", "EVENTS_LIMIT", "Events", "REQUESTS", "AnyRequest",

@@ -54,6 +54,8 @@ ChunkUnits = Annotated[int, Meta(ge=1, le=MAX_PAGES_PER_REGION)]
 # a monitor or admin session
 # (hold no memory), a test client
 Kind = Literal["engine", "lease", "trainer", "monitor", "admin", "test"]
+# the metrics dialect a server speaks (a router's engine type: Register.engine)
+EngineType = Literal["vllm", "kvpool"]
 # a tenant's fair share of contended memory: a proportional count (like cgroup cpu.shares)
 Shares = Annotated[float, Meta(gt=0, le=MAX_SHARES)]
 Seq = Annotated[int, Meta(ge=0, le=MAX_ID)]

@@ -16,7 +16,8 @@ from msgspec import Meta, Struct
 
 from kvpool.protocol.bounds import (
     MAP_GROUPS, MAX_BYTES, MAX_GANG_GROUPS, MAX_GROUPS, MAX_ID, MAX_NAME, MAX_RANKS,
-    MAX_REGIONS, MAX_UNITS, VERSION, Bytes, ChunkUnits, Device, GangToken, Id, Kind, Name,
+    MAX_REGIONS, MAX_UNITS, VERSION, Bytes, ChunkUnits, Device, EngineType, GangToken, Id,
+    Kind, Name,
     Rank, Seq, Shares, Token, Unit, Units,
 )
 from kvpool.protocol.endpoint import Endpoint
@@ -67,6 +68,10 @@ class Register(Request, tag="register"):
     layout: Optional[Layout] = None
     # the group it belongs to (a fleet's name: KVPOOL_GROUP), shown by ``ps``; a label only
     group: Optional[Name] = None
+    # the metrics dialect its ``endpoint`` serves (``vllm``: vLLM's own /metrics;
+    # ``kvpool``: ``kvpool serve``'s): the router's engine type in the daemon's
+    # endpoints file (kvpool.daemon.endpoints); a label only
+    engine: Optional[EngineType] = None
 
 
 class CreateGang(Request, tag="create_gang"):

@@ -31,6 +31,7 @@ class FakeEngine:
     log: list[tuple[str, object]] = field(default_factory=list)
     busy: bool = False
     steps: int = 0
+    published: int = 0  # publish_removals calls
     suspended: bool = False
     resume_gives: list[int] | None = field(default_factory=lambda: [0])  # what resume hands
     step_lock: threading.RLock = field(default_factory=threading.RLock)
@@ -110,6 +111,9 @@ class FakeEngine:
 
     def sleep_error(self, message: str) -> Exception:
         return RuntimeError(f"fake: {message}")
+
+    def publish_removals(self) -> None:
+        self.published += 1
 
 
 def _engine() -> FakeEngine:
@@ -211,3 +215,19 @@ def test_a_wake_without_memory_or_without_block_0_stays_asleep():
     e.resume_gives = [0]
     policy.wake()
     assert not policy.asleep and e.held == {0}
+
+
+def test_every_taking_hands_its_removals_to_the_publisher_once():
+    """A shrink, an idle release and a sleep each end with one ``publish_removals`` (the
+    engine may stay idle: its events must not wait for a step); a release that found the
+    engine busy took nothing and publishes nothing."""
+    e = _engine()
+    policy = ElasticPolicy(e, e)
+    assert policy.release_idle() == 0 and e.published == 0  # requests are running
+    policy.shrink(2 * CHUNK, urgent=False)
+    assert e.published == 1
+    e.running = []
+    e.held -= {13, 16, 17, 18, 19}
+    assert policy.release_idle() > 0 and e.published == 2
+    policy.sleep()
+    assert e.published == 3

@@ -56,6 +56,16 @@ def test_only_mapped_blocks_count_and_growth_is_asked_for(pool):
         pool.get_new_blocks(pool.get_num_free_blocks() + 1)
 
 
+def test_growth_adds_to_the_free_blocks_already_there(pool):
+    """A shortfall of one block while the allocator has free blocks: the pool ends with at
+    least one more free block than before (taking an already free block gains nothing)."""
+    before = pool.get_num_free_blocks()
+    assert before > 0  # the null block's chunk has another block
+    assert pool.grow(1)
+    assert pool.get_num_free_blocks() >= before + 1  # (whole chunks: maybe more)
+    pool.check_integrity()
+
+
 def test_cached_blocks_stay_evictable_and_shrink_empties_whole_chunks(pool):
     assert pool.grow(8)
     blocks = pool.get_new_blocks(8)
@@ -72,6 +82,7 @@ def test_cached_blocks_stay_evictable_and_shrink_empties_whole_chunks(pool):
     left = 8 - pool.policy.shrink_evictions
     assert 0 < left < 8 and pool.free_block_queue.num_free_blocks == left
     assert pool.evict_cached(None) == left
+    pool.stash_free()  # (what grow took beyond the 8 blocks)
     pool.check_integrity()
     assert pool.policy.held_chunks() == 1  # the null block's
 

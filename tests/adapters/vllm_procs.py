@@ -139,8 +139,8 @@ class VllmServers:
         self.all: list[VllmServer] = []
 
     def start(self, name: str, run_dir: Path | None, extra: tuple = (), cpu: int | None = None,
-              **env: str | None) -> VllmServer:
-        port = free_port()
+              port: int | None = None, **env: str | None) -> VllmServer:
+        port = port or free_port()
         log = self.log_dir / f"vllm-{name}-{port}.log"
         e = base_env(run_dir, cpu, **env)
         with open(log, "w") as f:

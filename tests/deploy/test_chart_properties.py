@@ -135,6 +135,8 @@ def every_knob() -> dict[str, Any]:
         "status_interval_s": 6.5, "snapshot_timeout_s": 2.5, "refusal_log_interval_s": 1e-3,
         "burst": 65, "accept_burst": 9, "interleave": 7, "drain_slice": 4097,
         "control_hwm": 10001, "event_ring": 4095,
+        "endpoints_file": "/srv/router/node.yaml", "endpoints_address": "10.0.0.5",
+        "endpoints_namespace": "ns1",
     }
 
 

@@ -187,3 +187,48 @@ def test_an_endpoints_file_it_cannot_write_is_one_line_before_anything_starts(tm
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "cannot write the endpoints file" in lines[0], out.stderr
     assert "Traceback" not in out.stderr  # (and no "started a daemon" line before it)
+
+
+def test_a_killed_fleets_file_is_known_dead_and_the_next_start_rewrites_it(tmp_path) -> None:
+    """Issue 38: a fleet killed with SIGKILL cannot empty its file. Its first line names
+    the writer (pid with its start time, boot id): a reader on the host sees a dead
+    writer's entries; the next fleet on the path rewrites the file at once."""
+    from kvpool.discovery import writer_of
+    from kvpool.engine.model.tiny import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "tiny", layers=2, hidden=128, heads=4, kv_heads=2,
+                            vocab=512, seed=1)
+    out = tmp_path / "endpoints.yaml"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}
+
+    def start(tag: str) -> Fleet:
+        port = free_port()
+        toml = fleet_file(tmp_path / f"{tag}.toml", port, [entry("lazy", model, False)])
+        argv = [*TOP, "fleet", str(toml), "--with-daemon", "--log-dir",
+                str(tmp_path / f"logs-{tag}"), "--endpoints-file", str(out)]
+        proc = launch.spawn_process(argv, tmp_path / f"{tag}.log", cwd=REPO,
+                                    new_session=True, base_env=env)
+        fl = Fleet(proc, f"http://127.0.0.1:{port}", tmp_path / f"{tag}.log")
+        fl.wait_healthy()
+        return fl
+
+    first = start("first")
+    try:
+        wait_for(lambda: out.exists() and states(out) == {"lazy": "stopped"}, DEADLINE_S, 0.1,
+                 "the first fleet's entry")
+        w = writer_of(out.read_text())
+        assert w is not None and w.pid == first.proc.pid and w.alive() is True
+        os.killpg(first.proc.pid, signal.SIGKILL)  # the fleet and its daemon
+        first.proc.wait(30)
+        assert states(out) == {"lazy": "stopped"}  # its last entries stay...
+        assert writer_of(out.read_text()).alive() is False  # ...known to be a dead writer's
+    finally:
+        first.stop()
+    second = start("second")
+    try:
+        w = writer_of(out.read_text())  # written before the fleet served
+        assert w is not None and w.pid == second.proc.pid and w.alive() is True
+        assert states(out) == {"lazy": "stopped"}
+    finally:
+        assert second.stop() == 0
+    assert yaml.safe_load(out.read_text())["endpoints"] == []

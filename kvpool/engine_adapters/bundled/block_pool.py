@@ -197,6 +197,10 @@ class BundledElasticPool(FixedBlockPool):
     def sleep_error(self, message: str) -> Exception:
         return AdapterError(message)
 
+    def publish_removals(self) -> None:
+        """(the engine's KV-events publisher sends what the pool reported by itself,
+        within :data:`kvpool.engine.kv_events.FLUSH_S`)"""
+
     # ---- allocation ---------------------------------------------------------------
     def get_new_blocks(self, n: int) -> list[int]:
         # Cheapest first: mapped free blocks, then our own evictable cache (local, keeps

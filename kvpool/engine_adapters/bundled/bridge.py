@@ -125,7 +125,8 @@ class BundledBridge:
             self.tenant = connect(name=self.name, device=s.device, run_dir=s.run_dir,
                                   kind="engine", min=s.min_bytes, max=s.max_bytes,
                                   shares=s.shares, endpoint=s.endpoint,
-                                  sleepable=s.sleepable, group=s.group or None)
+                                  sleepable=s.sleepable, group=s.group or None,
+                                  engine="kvpool")
         return self.tenant
 
     @property

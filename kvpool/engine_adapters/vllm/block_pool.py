@@ -195,10 +195,15 @@ class VllmElasticPool(BlockPool):  # type: ignore[misc, unused-ignore]
                 self._stash = []
 
     def grow(self, n: int) -> bool:
-        """Try to have ``n`` more free blocks now (no waiting); True if they are here."""
+        """Try to have ``n`` more free blocks than now (no waiting); True if they are here.
+
+        The allocator's free blocks already count as free here: they are taken into the
+        stash with the ``n`` new ones (asking the allocator for ``n`` alone would take
+        free blocks first and gain nothing, and a request needing more than the
+        allocator's reserve would wait for ever on an idle engine)."""
         if n <= 0:
             return True
-        got = self.allocator.alloc(n, wait=False)
+        got = self.allocator.alloc(self.allocator.free_blocks + n, wait=False)
         if got is None:
             return False
         with self.lock:
@@ -300,6 +305,14 @@ class VllmElasticPool(BlockPool):  # type: ignore[misc, unused-ignore]
 
     def sleep_error(self, message: str) -> Exception:
         return AdapterError(f"kvpool: {message}")
+
+    def publish_removals(self) -> None:
+        """What this shrink, idle release or sleep removed, on vLLM's KV-events stream
+        now (:func:`.kv_events.publish_pending`: vLLM itself would send it only after
+        the next step)."""
+        from kvpool.engine_adapters.vllm.kv_events import publish_pending
+
+        publish_pending(self.bridge.scheduler)
 
     def check_integrity(self) -> None:
         with self.lock:

@@ -109,6 +109,9 @@ class VllmBridge:
         self.name = ""  # the tenant's name (every TP rank joins the gang under it)
         self.status: ExecutorStatus | None = None
         self.poll: ReclaimPoll | None = None
+        # the API server's: the tenant its /metrics reports (gauges.py), once vLLM built
+        # the config
+        self.served: str | None = None
         self._page_size = 0
 
     # ---- connection -------------------------------------------------------------------
@@ -123,7 +126,8 @@ class VllmBridge:
         try:
             self.tenant = connect(name=name, device=s.device, run_dir=s.run_dir, kind="engine",
                                   min=s.min_bytes, max=s.max_bytes, shares=s.shares,
-                                  sleepable=s.sleepable, group=s.group)
+                                  sleepable=s.sleepable, group=s.group,
+                                  endpoint=s.endpoint, engine="vllm")
         except (KvpoolError, OSError) as e:
             raise AdapterError(f"kvpool: cannot reach the kvpool daemon ({e})") from None
         t = self.tenant

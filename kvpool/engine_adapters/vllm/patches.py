@@ -11,7 +11,10 @@ API server process (where the config is built):
   ``launchers.app.register_api_routers``  also ``POST /kvpool/weights``
                                         (weight_routes.py), dev mode or not;
   ``EngineArgs.create_engine_config``   also: the weight transfer backend ``kvpool``
-                                        when none is configured.
+                                        when none is configured;
+  ``instrumentator.metrics.get_prometheus_registry``  the registry vLLM's ``/metrics``
+                                        serves gets kvpool's gauges beside vLLM's
+                                        (gauges.py: the daemon's ``stats``, read-only).
 Both processes:
   ``weight_transfer.factory``           registers the ``kvpool`` weight transfer engine
                                         (weight_transfer.py: an update loads a checkpoint
@@ -29,7 +32,8 @@ Engine-core process:
                                         block count is read only when vLLM refused),
                                         never raises;
   ``Scheduler.__init__``                binds the pool to the scheduler (shrink callback,
-                                        idle release);
+                                        idle release); starts the KV-events stream with
+                                        ``AllBlocksCleared`` (kv_events.py);
   ``EngineCore.step/add_request/abort_requests`` and ``EngineCoreProc._process_engine_step/
   _handle_client_request``              one lock per step, so a shrink runs between steps;
   ``EngineCore.add_request``            wakes a sleeping engine first (:mod:`.sleep`);
@@ -87,6 +91,8 @@ def _patch_arg_utils(b: VllmBridge, mod: ModuleType) -> None:
 
     @functools.wraps(original)
     def create_engine_config(self: EngineArgs, *args: Any, **kwargs: Any) -> VllmConfig:
+        from kvpool.engine_adapters.vllm.bridge import served_name
+
         config = original(self, *args, **kwargs)
         check_config(config)
         if config.weight_transfer_config is None:  # POST /kvpool/weights (weight_routes.py)
@@ -95,6 +101,7 @@ def _patch_arg_utils(b: VllmBridge, mod: ModuleType) -> None:
             from kvpool.engine_adapters.vllm.weight_transfer import BACKEND
 
             config.weight_transfer_config = WeightTransferConfig(backend=BACKEND)
+        b.served = served_name(b.settings.name, config)  # the tenant /metrics reports
         return config
 
     _ours.add(create_engine_config)
@@ -138,6 +145,27 @@ def _register_transfer(b: VllmBridge, mod: ModuleType) -> None:
     if BACKEND not in factory._registry:
         factory.register_engine(BACKEND, "kvpool.engine_adapters.vllm.weight_transfer",
                                 "CheckpointTransfer")
+
+
+def _patch_metrics(b: VllmBridge, mod: ModuleType) -> None:
+    from kvpool.engine_adapters.vllm.gauges import collector
+
+    original: Callable[[], Any] = mod.get_prometheus_registry
+    if original in _ours:
+        return
+    gauges = collector(b.settings.run_dir, lambda: b.served)
+    done: set[int] = set()
+
+    @functools.wraps(original)
+    def get_prometheus_registry() -> Any:
+        registry = original()
+        if id(registry) not in done:  # vLLM's global registry, or its multiprocess one
+            done.add(id(registry))
+            registry.register(gauges)
+        return registry
+
+    _ours.add(get_prometheus_registry)
+    setattr(mod, "get_prometheus_registry", get_prometheus_registry)
 
 
 # ---- engine-core process: memory sizing -------------------------------------------------
@@ -408,6 +436,7 @@ def _patch_manager(b: VllmBridge, mod: ModuleType) -> None:
 
 def _patch_scheduler(b: VllmBridge, mod: ModuleType) -> None:
     from kvpool.engine_adapters.vllm.block_pool import VllmElasticPool
+    from kvpool.engine_adapters.vllm.kv_events import publish_cleared
 
     cls = mod.Scheduler
     original: Callable[..., None] = cls.__init__
@@ -418,6 +447,8 @@ def _patch_scheduler(b: VllmBridge, mod: ModuleType) -> None:
         pool = self.kv_cache_manager.block_pool
         if isinstance(pool, VllmElasticPool):
             b.scheduler = self
+            # a router that reconnects forgets a killed predecessor's blocks
+            publish_cleared(self)
             if b.status is not None:  # tensor parallelism: no tenant here; asks are polled
                 pool.start_idle_release(b.settings.idle_timeout_s)
                 return
@@ -459,6 +490,7 @@ def install(b: VllmBridge) -> None:
     for name, patch in (("vllm.engine.arg_utils", _patch_arg_utils),
                         ("vllm.entrypoints.serve.dev.sleep.api_router", _patch_sleep_routes),
                         ("vllm.entrypoints.launchers.app", _patch_api_routers),
+                        ("vllm.entrypoints.serve.instrumentator.metrics", _patch_metrics),
                         ("vllm.v1.worker.cpu_worker", _patch_cpu_worker),
                         ("vllm.v1.worker.gpu_worker", _patch_gpu_worker),
                         ("vllm.v1.engine.core", _patch_engine_core),

@@ -48,6 +48,9 @@ class Settings:
     # KVPOOL_KV_UNIT: "small" (blocks padded, layers interleaved when that makes the
     # allocation unit small) or "exact" (vLLM's own layout and block)
     kv_unit: str = "small"
+    # KVPOOL_PORT: the port this server listens on (its ``--port``), registered as its
+    # loopback endpoint so a daemon's endpoints file lists it (docs/VLLM-ADAPTER.md)
+    endpoint: str | None = None
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -73,6 +76,11 @@ class Settings:
         s.kv_unit = read.get("kv_unit", "small")
         s.sleepable = read.get("sleepable", False)
         s.sleep_after_s = read.get("sleep_after_s")
+        port = env.get("KVPOOL_PORT")
+        if port:
+            if not port.isdigit() or not 1 <= int(port) <= 65535 or port != str(int(port)):
+                raise ValueError(f"KVPOOL_PORT={port[:40]!r}: expected a port, 1..65535")
+            s.endpoint = f"http://127.0.0.1:{int(port)}"
         return s
 
 
