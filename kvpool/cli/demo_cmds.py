@@ -46,12 +46,13 @@ if TYPE_CHECKING:
               type=click.Choice(["fleet", "swap", "idle-sleep", "reconcile", "static",
                                  "elastic"]),
               help="run only this mode (repeatable; default fleet: fleet and the best peer "
-              "policy, reconcile; kv: static, elastic). swap / idle-sleep / reconcile: the "
+              "policy, idle-sleep; kv: static, elastic). swap / idle-sleep / reconcile: the "
               "fleet under that peer's policy; static: the models that fit")
 @click.option("--policy", "policy", default=None, metavar="NAME",
               help="(fleet) run only the fleet under this policy: kvpool (the fleet), "
               "swap, idle-sleep or reconcile (a peer's, at its best knobs on this workload: "
-              "its defaults)")
+              "idle-sleep idle_threshold 1 s, reconcile reconcile_interval 1 s, swap its "
+              "defaults)")
 @click.option("--no-live", is_flag=True, help="no live view (for logs and CI)")
 @click.option("--backend", type=click.Choice(["host", "cuda"]), default="host",
               show_default=True, help="memory backend; cuda runs every server on the GPU")
