@@ -22,7 +22,9 @@ send these events only after its next step.
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -260,7 +262,13 @@ def test_takings_and_a_restart_reach_the_router(tiny_model, daemon, tmp_path):
         # SIGKILL (no goodbye on the stream), then a new engine on the same endpoints
         known = Router(_replay(tmp)).live
         assert known  # the probe cached its prompt again: a router would remember it
+        engines = srv.engine_pids()  # (each killed too: one outside the group lives on)
         srv.kill()
+        for pid in engines:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         srv.proc.wait(60)
         _wait(lambda: _listed(daemon) is None, lambda: (
             f"the killed server gone from the file: {daemon.endpoints.read_text()}; "
