@@ -394,6 +394,9 @@ def main() -> None:
     ap.add_argument("--no-sweep", action="store_true", help="each policy at its defaults "
                     "only (a later invocation's seeds of a shape whose best settings were "
                     "its defaults; join them with --merge)")
+    ap.add_argument("--sweep-only", action="store_true",
+                    help="the sweep's values alone, no defaults (their defaults ran in an "
+                    "earlier invocation; join them with --merge)")
     ap.add_argument("--best-from", default=None, metavar="JSON",
                     help="no sweep: each peer at its default and at the best setting that "
                     "result file recorded for the shape (later seeds of an earlier sweep; "
@@ -431,6 +434,8 @@ def main() -> None:
         ap.error("--seeds must be at least 1")
     settings = {p: (SETTINGS[p][:1] if args.no_sweep else SETTINGS[p][:2] if args.quick
                     else SETTINGS[p]) for p in policies}
+    if args.sweep_only:
+        settings = {p: [x for x in SETTINGS[p] if x[0] != "default"] for p in policies}
     out_json = Path(args.out) if args.out else RESULTS / (
         "fleet_vs_peers_quick.json" if args.quick else "fleet_vs_peers.json")
     out = Path(args.models_dir)
