@@ -10,12 +10,17 @@ each run is one of the demo's fleet modes, started as the demo starts it). Shape
   others get 0.1 req/s (30 s);
 * ``steady`` — mixed traffic: every model at the same constant rate (0.4 req/s, 30 s);
 * ``long-tail`` — two models take most requests, four are rarely used (Zipf-like
-  constant rates 1.2, 0.5, 0.15, 0.1, 0.06, 0.06 req/s, 30 s).
+  constant rates 1.2, 0.5, 0.15, 0.1, 0.06, 0.06 req/s, 30 s);
+* ``smollm2`` — SmolLM2-135M as three members (bundled fp32, bundled bf16, vLLM bf16)
+  taking turns (0.6 req/s bursts of 10 s, 0.03 between, 60 s) on a 640 MiB budget of
+  2 MiB pages that holds one bundled member's weights at a time (:func:`shape_config`).
 
 Each peer runs at its default knobs and at a sweep of its main knob (``keep_alive``,
 ``idle_threshold``, ``reconcile_interval``; the sweep also shortens the timer that lets
 that knob act inside a 30 s run: idle-sleep's ``check_interval``, reconcile's
-``sleep_after``, each named in the JSON). The sweep runs on the first seed; the best
+``sleep_after``, each named in the JSON); the fleet too (kvpool's ``sleep_after``, a
+member's idle seconds before it sleeps: the demo's 2 s and 1 s, idle-sleep's best
+threshold). The sweep runs on the first seed; the best
 setting per shape (SLO attainment, then goodput) then runs with the default on every
 other seed. Within a seed the policies run in turn (kvpool, swap, idle-sleep,
 reconcile), so machine load drifts across all of them alike. Order: the first seed of
@@ -28,7 +33,6 @@ starts included), wakes, member starts (cold starts) and unloads, memory peak an
 over-commit (bytes held above the budget x seconds). Writes
 ``benchmarks/results/fleet_vs_peers.json`` (every seed and setting, after every run) and
 ``fleet_vs_peers.png`` (SLO attainment per policy per shape), and prints the table.
-SmolLM2 and vLLM members are not covered here (issue 36 item 4's second half).
 
     .venv/bin/python benchmarks/fleet_vs_peers.py --quick        # a few minutes
     .venv/bin/python benchmarks/fleet_vs_peers.py                 # 3 shapes x 3 seeds
@@ -136,7 +140,7 @@ def shape_config(shape: str, cache: Path) -> dict[str, Any]:
 
 #: per policy: (label, knobs) — the default first, then the sweep of its main knob
 SETTINGS: dict[str, list[tuple[str, dict[str, float]]]] = {
-    "kvpool": [("default", {})],
+    "kvpool": [("default", {}), ("sleep_after=1", {"sleep_after": 1.0})],
     "swap": [("default", {}), ("keep_alive=2", {"keep_alive": 2.0}),
              ("keep_alive=10", {"keep_alive": 10.0})],
     "idle-sleep": [("default", {}),
@@ -170,6 +174,8 @@ def one_run(out: Path, shape: WorkloadShape, seed: int, policy: str,
                           workload=dataclasses.replace(shape, seed=seed), **fields)
     if policy != "kvpool":
         cfg.peer_knobs = {policy: dict(knobs)}
+    elif "sleep_after" in knobs:  # (kvpool's knob: a member's idle time before it sleeps)
+        cfg.sleep_after_s = knobs["sleep_after"]
     t0 = time.perf_counter()
     run = run_mode(cfg, mode, Console(file=sys.stderr, width=120))
     summary = slo_report.summarize(run.replay, cfg.slo, cfg.models, run.wakes, run.resident,
@@ -355,9 +361,10 @@ def document(runs: list[dict[str, Any]], shape_names: list[str], seeds: list[int
            "verdicts": verdicts(runs, {s: best.get(s, {}) for s in shape_names
                                        if s in best}, seeds),
            "runs": runs, "elapsed_s": time.perf_counter() - started,
-           "note": "each run is one fleet mode of the demo (kvpool demo) on its six tiny "
-                   "models; the sweep runs on the first seed, the best setting and the "
-                   "default on every seed; SmolLM2 / vLLM members not covered"}
+           "note": "each run is one fleet mode of the demo (kvpool demo): its six tiny "
+                   "models, or (smollm2) SmolLM2-135M as bundled fp32, bundled bf16 and "
+                   "vLLM members; the sweep runs on the first seed, the best setting and "
+                   "the default on every seed"}
     return doc
 
 
