@@ -243,8 +243,8 @@ def best_setting(runs: list[dict[str, Any]], shape: str, policy: str, sweep_seed
 
 def verdicts(runs: list[dict[str, Any]], best: dict[str, dict[str, str]],
              seeds: list[int]) -> dict[str, Any]:
-    """Per shape: the fleet's SLO over the best-tuned peer's, per seed (the best peer of
-    that seed at its best setting), against the goal."""
+    """Per shape: the fleet's SLO (at its best setting) over the best-tuned peer's, per
+    seed (the best peer of that seed at its best setting), against the goal."""
     out: dict[str, Any] = {}
     for shape in best:
         per_seed = []
@@ -253,13 +253,15 @@ def verdicts(runs: list[dict[str, Any]], best: dict[str, dict[str, str]],
                 got = [r for r in runs if (r["shape"], r["policy"], r["setting"], r["seed"])
                        == (shape, policy, label, seed)]
                 return got[0]["result"]["all"]["slo_attainment"] if got else None
-            fleet = slo_of("kvpool", "default")
+            fleet = slo_of("kvpool", best[shape].get("kvpool", "default"))
             peers = {p: slo_of(p, best[shape].get(p, "default")) for p in PEERS}
             have = {p: v for p, v in peers.items() if v is not None}
             if fleet is None or not have:
                 continue
             top = max(have, key=lambda p: have[p])
-            per_seed.append({"seed": seed, "fleet": fleet, "best_peer": top,
+            per_seed.append({"seed": seed, "fleet": fleet,
+                             "fleet_setting": best[shape].get("kvpool", "default"),
+                             "best_peer": top,
                              "best_peer_setting": best[shape].get(top, "default"),
                              "best_peer_slo": have[top],
                              "ratio": fleet / have[top] if have[top] else None})
