@@ -25,7 +25,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from vllm.distributed.weight_transfer.base import (WeightTransferEngine,
+# (without vLLM's types these bases are Any: the ignores below say so for both settings,
+# tests/test_types.py checks both)
+from vllm.distributed.weight_transfer.base import (WeightTransferEngine as Engine,
                                                    WeightTransferInitInfo,
                                                    WeightTransferUpdateInfo)
 
@@ -33,12 +35,12 @@ BACKEND = "kvpool"
 
 
 @dataclass
-class CheckpointInit(WeightTransferInitInfo):
+class CheckpointInit(WeightTransferInitInfo):  # type: ignore[misc, unused-ignore]
     """Nothing to set up: the checkpoint is named by each update."""
 
 
 @dataclass
-class CheckpointUpdate(WeightTransferUpdateInfo):
+class CheckpointUpdate(WeightTransferUpdateInfo):  # type: ignore[misc, unused-ignore]
     """One update: the folder whose ``*.safetensors`` the model loads."""
 
     checkpoint: str
@@ -58,7 +60,8 @@ def tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, r.get_tensor(name)
 
 
-class CheckpointTransfer(WeightTransferEngine[CheckpointInit, CheckpointUpdate]):
+class CheckpointTransfer(
+        Engine[CheckpointInit, CheckpointUpdate]):  # type: ignore[misc, unused-ignore]
     """The ``kvpool`` backend: :class:`CheckpointUpdate` loaded by ``model.load_weights``."""
 
     init_info_cls = CheckpointInit
@@ -80,7 +83,8 @@ class CheckpointTransfer(WeightTransferEngine[CheckpointInit, CheckpointUpdate])
         """The layers processed as after a load."""
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-        finalize_layerwise_reload(self.model, self.model_config)  # type: ignore[no-untyped-call]
+        finish: Any = finalize_layerwise_reload  # (untyped in vLLM)
+        finish(self.model, self.model_config)
 
     def shutdown(self) -> None:
         """Nothing held."""
