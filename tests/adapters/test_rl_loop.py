@@ -46,8 +46,10 @@ def test_loop_learns_publishes_and_switches_kv_not_weights(tmp_path):
             for r in records:
                 eng, during = r.held_rollout[ENGINE], r.held_train[ENGINE]
                 assert eng["weights"] == during["weights"] == weights
-                assert during["mapped"] < eng["mapped"]
-                assert during["mapped"] <= cfg.engine_keep
+                # (what the rollout left mapped depends on how many of its requests ran
+                # at once: on a fast machine it can stay within the keep, so the step
+                # has nothing to take; the switch's outcome is the bound)
+                assert during["mapped"] <= min(eng["mapped"], cfg.engine_keep)
                 assert r.held_train[TRAINER] == records[0].held_train[TRAINER]
                 assert r.bytes_copied == 2 * r.checkpoint_bytes  # written, loaded once
             # it learned: the last steps' reward above the first steps'
