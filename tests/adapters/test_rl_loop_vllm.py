@@ -65,9 +65,10 @@ def test_loop_on_vllm_publishes_through_vllms_weight_update(setup, tmp_path):
         records = loop.run()
         assert mon.check() == []
         for r in records:
-            # the trainer's step took vLLM's KV (its weights are its own, never the pool's)
-            assert r.held_train["vl"]["mapped"] < r.held_rollout["vl"]["mapped"], r
-            assert r.held_train["vl"]["mapped"] <= KEEP
+            # the trainer's step took vLLM's KV down to the keep (its weights are its own,
+            # never the pool's; what the rollout left depends on how many requests ran
+            # at once, so the bound is the outcome)
+            assert r.held_train["vl"]["mapped"] <= min(r.held_rollout["vl"]["mapped"], KEEP)
             # one copy into vLLM's parameters besides the checkpoint written
             assert r.bytes_copied == 2 * r.checkpoint_bytes
         assert records[-1].greedy != before
