@@ -79,6 +79,14 @@ def _pool_weights(engine: Engine) -> PoolWeights:
     return weights
 
 
+def _refuse_if_busy(engine: Engine) -> None:
+    """:class:`PublishError` (busy) while requests are in the engine (call under its
+    ``step_lock``)."""
+    if engine.has_unfinished() or engine.detached:
+        raise PublishError("the engine is serving requests; it switches weights only "
+                           "between rollouts", busy=True)
+
+
 def follow(engine: Engine, nonce: str, version: int | None = None) -> Published:
     """Serve the trainer's mutable set named by ``nonce`` (of this engine's layout) at
     ``version`` (None: its current one) from the next step on: attached the first time,
@@ -89,9 +97,7 @@ def follow(engine: Engine, nonce: str, version: int | None = None) -> Published:
     weights = _pool_weights(engine)
     key = mutable_key(weights.layout, nonce)
     with engine.step_lock:  # between steps: no forward pass reads the parameters
-        if engine.has_unfinished() or engine.detached:
-            raise PublishError("the engine is serving requests; it switches weights only "
-                               "between rollouts", busy=True)
+        _refuse_if_busy(engine)
         t0 = time.perf_counter()
         held = weights.held
         before = weights.version if weights.mutable == key else -1
@@ -130,9 +136,7 @@ def publish(engine: Engine, checkpoint: str | Path) -> Published:
         raise PublishError(f"cannot read the checkpoint at {shown}: "
                            f"{why.splitlines()[0] if why else type(e).__name__}") from None
     with engine.step_lock:  # between steps: no forward pass reads the parameters
-        if engine.has_unfinished() or engine.detached:
-            raise PublishError("the engine is serving requests; it switches weights only "
-                               "between rollouts", busy=True)
+        _refuse_if_busy(engine)
         t0 = time.perf_counter()
         held = weights.held
         loaded = weights.rekey(key, lambda tensors: loader.fill(plan, tensors))
