@@ -7,17 +7,24 @@ Rollout: the engine generates and its KV grows. Train: the trainer's step memory
 granted by taking the idle engine's KV (reserve, prefix cache) while the engine's weights
 stay. Rollout again: the step memory went back, the engine grows on demand and answers
 the same tokens. Several cycles leave every tenant holding what it held after the first;
-a trainer killed mid-step gives everything back."""
+a trainer killed mid-step gives everything back; an engine killed mid-switch (either
+way) gives its KV back and a restarted one serves the same tokens."""
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
+import httpx
 from daemon.helpers import REPO, read_line, wait_for
+
+from kvpool import launch
 
 from .serve_procs import complete, prompt
 
@@ -165,4 +172,110 @@ def test_trainer_killed_mid_step_gives_everything_back(start_daemon):
         data = ctypes.string_at(g.ranges[0].base, 2 << 20)
         assert data == bytes(2 << 20)
         g.close()
+    assert d.check() == []
+
+
+def engine_and_trainer(d, servers, *trainer_args: str):
+    """An elastic engine of the tiny model (weights in the pool) and a trainer, after one
+    rollout: the engine's KV grown past what a step will leave it."""
+    eng = servers.start("engine", run_dir=d.run_dir, weights=None, idle_timeout=3600.0,
+                        kv_cache_size="8MiB")
+    servers.wait_healthy(120)
+    tr, ready = start_trainer(d, "--shares", "8", *trainer_args)
+    reference = rollout(eng.base)
+    settled(d)
+    return eng, tr, ready, reference
+
+
+def step_bytes(d) -> int:
+    """More than is free: a step of this size must take the engine's KV."""
+    pool = d.cli_json("ps")["pool"]
+    free = pool["budget"] - pool["granted"] - pool["leased"] - pool["retained"]
+    step = free + tenants(d)["engine"]["mapped"] // 4
+    return step - step % d.page_size
+
+
+def engine_gone_nothing_leaked(d, tr_state: int, step: int) -> None:
+    """The killed engine's session is gone, its KV back in the budget (the trainer holds
+    exactly its state and step), and the daemon's books agree with the memory."""
+    wait_for(lambda: "engine" not in tenants(d), 30, what="the killed engine's session")
+    trainer = tenants(d)["trainer"]["mapped"]
+    assert trainer == tr_state + step
+    pool = d.cli_json("ps")["pool"]  # what stays granted: the trainer's and the weights,
+    assert pool["granted"] == trainer + pool["weights_cached"]  # cached for a restart
+    assert d.check() == []
+
+
+def ask_dying(base: str, ids: list[int]) -> None:
+    """A request to an engine the test kills: its failure is expected."""
+    try:
+        complete(base, ids, 16)
+    except httpx.HTTPError:
+        pass
+
+
+def test_engine_killed_mid_switch_to_train(start_daemon, servers):
+    """Rollout → train with the engine frozen (SIGSTOP) so the daemon's ask to shrink is
+    never answered: the trainer's step waits; the engine is then killed (kill -9). Its KV
+    comes back to the budget, the trainer's step is granted (no exit, no error), nothing
+    leaks, and a restarted engine serves the same tokens from the same pool weights."""
+    d = start_daemon(budget="5MiB")
+    eng, tr, ready, reference = engine_and_trainer(d, servers, "--wait-s", "120")
+    state = ready["state"] + ready["optim"]
+    step = step_bytes(d)
+    os.killpg(eng.proc.pid, signal.SIGSTOP)
+    send(tr, f"train {step} 1")
+    # mid-switch: the trainer's grant is held while the daemon asks the engine for its KV
+    wait_for(lambda: tenants(d)["engine"]["asked"] > 0, 60, every=0.01,
+             what="the daemon asking the frozen engine for its KV")
+    eng.kill(signal.SIGKILL)
+    eng.proc.wait(30)
+    msg = answer(tr, "trained", timeout=120)  # the step ran on the dead engine's KV
+    assert msg["in_pool"]
+    engine_gone_nothing_leaked(d, state, step)
+    send(tr, "end")
+    answer(tr, "ended")
+    again = servers.start("engine", run_dir=d.run_dir, weights=None, idle_timeout=3600.0,
+                          kv_cache_size="8MiB")
+    launch.wait_healthy(again.proc, again.base, "kvpool serve engine", time.monotonic() + 120,
+                        again.logs, 0.1)
+    assert rollout(again.base) == reference
+    settled(d)
+    assert d.check() == []
+
+
+def test_engine_killed_mid_switch_to_rollout(start_daemon, servers):
+    """Train → rollout with the trainer still in its step: the engine's requests need KV
+    the step holds, and the daemon refuses its grants (the step is not reclaimable) until
+    the step ends; the engine is killed (kill -9) there. Its demand dies with it, the trainer's step keeps its memory and ends normally, nothing
+    leaks, and a restarted engine serves the same tokens."""
+    d = start_daemon(budget="5MiB")
+    eng, tr, ready, reference = engine_and_trainer(d, servers)
+    state = ready["state"] + ready["optim"]
+    step = step_bytes(d)
+    send(tr, f"train {step} 1")
+    answer(tr, "trained")  # in the step: the engine kept only what the step leaves it
+    errors = d.stats().errors
+    threads = [threading.Thread(target=ask_dying, args=(eng.base, ids), daemon=True)
+               for ids in PROMPTS]
+    for t in threads:
+        t.start()
+    # mid-switch: the engine asks for more KV than the budget leaves beside the step, and
+    # the daemon refuses it (the step's memory is not reclaimable) until the step ends
+    wait_for(lambda: d.stats().errors > errors, 60, every=0.05,
+             what="the engine's grants refused during the step")
+    eng.kill(signal.SIGKILL)
+    eng.proc.wait(30)
+    engine_gone_nothing_leaked(d, state, step)
+    send(tr, "end")
+    answer(tr, "ended")
+    settled(d)
+    assert tenants(d)["trainer"]["mapped"] in (state, ready["state"])
+    assert d.check() == []
+    again = servers.start("engine", run_dir=d.run_dir, weights=None, idle_timeout=3600.0,
+                          kv_cache_size="8MiB")
+    launch.wait_healthy(again.proc, again.base, "kvpool serve engine", time.monotonic() + 120,
+                        again.logs, 0.1)
+    assert rollout(again.base) == reference
+    settled(d)
     assert d.check() == []
