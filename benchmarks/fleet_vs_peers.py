@@ -405,7 +405,8 @@ def main() -> None:
                     "its defaults; join them with --merge)")
     ap.add_argument("--sweep-only", action="store_true",
                     help="the sweep's values alone, no defaults (their defaults ran in an "
-                    "earlier invocation; join them with --merge)")
+                    "earlier invocation; join them with --merge); with --best-from: the "
+                    "recorded best settings alone")
     ap.add_argument("--best-from", default=None, metavar="JSON",
                     help="no sweep: each peer at its default and at the best setting that "
                     "result file recorded for the shape (later seeds of an earlier sweep; "
@@ -477,7 +478,8 @@ def main() -> None:
                     ap.error(f"{args.best_from}: unknown setting {label!r} of {p}")
                 best[shape][p] = label
         settings = {p: [s for s in SETTINGS[p] if s[0] in
-                        {"default", *(best[sh][p] for sh in shape_names)}]
+                        {"default", *(best[sh][p] for sh in shape_names)}
+                        and not (args.sweep_only and s[0] == "default")]
                     for p in policies}
     for shape, seed in schedule:
         for policy in policies:
