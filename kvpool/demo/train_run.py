@@ -42,20 +42,22 @@ class TrainDemoConfig:
     engine_keep: int = 256 << 10  # KV the engine keeps while the trainer steps
     trainer_shares: float = 64.0  # its fair share covers its state and step: the daemon
     # then takes the KV beyond the engine's small share back for the step
+    checkpoint: Path | None = None  # a real checkpoint (e.g. SmolLM2) instead of the tiny one
     loop: Any = None  # LoopConfig (made on use: the loop imports torch)
     log: Callable[[str], None] = print
     extra_serve_env: dict[str, str] = field(default_factory=dict)
 
     @property
     def model_dir(self) -> Path:
-        return self.out_dir / "models" / "policy"
+        return self.checkpoint or self.out_dir / "models" / "policy"
 
 
 def ensure_model(cfg: TrainDemoConfig) -> Path:
-    """The tiny checkpoint the loop starts from (written once, kept between runs)."""
+    """The checkpoint the loop starts from: the configured one, or the tiny one (written
+    once, kept between runs)."""
     from kvpool.engine.model.tiny import make_tiny_model
 
-    if not (cfg.model_dir / "config.json").exists():
+    if cfg.checkpoint is None and not (cfg.model_dir / "config.json").exists():
         make_tiny_model(cfg.model_dir, layers=cfg.layers, hidden=cfg.hidden, heads=cfg.heads,
                         kv_heads=cfg.kv_heads, vocab=512, seed=0)
     return cfg.model_dir
@@ -83,7 +85,14 @@ def kv_step_bytes(cfg: TrainDemoConfig,
     def size(trainer: Any) -> int:
         w = weights() if callable(weights) else weights
         n = cfg.budget - w - trainer.held_bytes - cfg.engine_keep
-        return int(n - n % cfg.page_size)
+        n -= n % cfg.page_size
+        if n <= 0:
+            raise RuntimeError(
+                f"the budget ({format_size(cfg.budget)}) leaves the trainer's step no room "
+                f"beside the engine's weights ({format_size(w)}), the trainer's state "
+                f"({format_size(trainer.held_bytes)}) and the KV the engine keeps "
+                f"({format_size(cfg.engine_keep)}): give a larger --budget")
+        return int(n)
     return size
 
 
@@ -125,7 +134,9 @@ def run_train_demo(cfg: TrainDemoConfig) -> dict[str, Any]:
             problems = mon.check()
             cluster.check_alive()
         result = {
+            "model": str(cfg.checkpoint) if cfg.checkpoint else "tiny",
             "budget": cfg.budget, "page_size": cfg.page_size, "loop": asdict(loop_cfg),
+            "engine_keep": cfg.engine_keep,
             "policy_bytes": loop.policy.nbytes, "engine_weights": weights,
             "in_place": in_place, "in_place_why": loop.in_place_why,
             "seconds": elapsed, "check": problems,

@@ -130,8 +130,7 @@ def test_train_scenario_bad_options_are_one_line_exit_2(tmp_path):
     from kvpool.cli.main import cli
 
     out = str(tmp_path / "out")
-    for args, says in ((["--scenario", "train", "--model", "smollm2"], "--model"),
-                       (["--scenario", "train", "--engine", "vllm"], "--engine"),
+    for args, says in ((["--scenario", "train", "--engine", "vllm"], "--engine"),
                        (["--scenario", "train", "--budget", "lots"], "lots"),
                        (["--scenario", "train", "--steps", "0"], "--steps"),
                        (["--scenario", "kv", "--steps", "3"], "--steps")):
@@ -139,3 +138,46 @@ def test_train_scenario_bad_options_are_one_line_exit_2(tmp_path):
         assert r.exit_code == 2, (args, r.output)
         assert says in r.output.splitlines()[-1] and "Traceback" not in r.output
     assert not (tmp_path / "out").exists()  # refused before anything ran
+    r = CliRunner().invoke(cli, ["demo", "--out", out, "--scenario", "train", "--model",
+                                 str(tmp_path / "nowhere")])
+    assert r.exit_code == 1 and "Traceback" not in r.output, r.output
+    assert "--model" in r.output.splitlines()[-1] and "no such checkpoint" in r.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_train_scenario_trains_the_model_given(tmp_path):
+    """``kvpool demo --scenario train --model DIR``: the loop trains that checkpoint (here
+    a tiny one of the demo's shape, so it runs in CI; SmolLM2 with ``--model smollm2``)."""
+    import json
+    import subprocess
+    import sys
+
+    from kvpool.engine.model.tiny import make_tiny_model
+
+    model = tmp_path / "policy-ckpt"
+    make_tiny_model(model, layers=2, hidden=128, heads=4, kv_heads=2, vocab=512, seed=3)
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "-m", "kvpool.cli.main", "demo", "--scenario", "train",
+                        "--model", str(model), "--budget", "16MiB", "--page-size", "64KiB",
+                        "--steps", "2", "--out", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads((out / "train_results.json").read_text())
+    assert doc["model"] == str(model) and doc["in_place"] and doc["check"] == []
+    assert len(doc["steps"]) == 2 and doc["loop"]["lr"] == 5e-5
+    assert not (out / "models" / "policy").exists()  # no tiny model was made instead
+
+
+def test_a_budget_without_room_for_the_step_is_one_line():
+    """The step's size is what the budget leaves beside the engine's weights, the
+    trainer's state and the engine's keep; none left is a one-line error (the CLI's
+    ``demo failed: ...``), never a negative step."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    cfg = TrainDemoConfig(budget=4 << 20, page_size=64 << 10, engine_keep=256 << 10)
+    size = kv_step_bytes(cfg, 3 << 20)
+    assert size(SimpleNamespace(held_bytes=512 << 10)) == 256 << 10
+    with pytest.raises(RuntimeError, match="^the budget .* give a larger --budget$"):
+        size(SimpleNamespace(held_bytes=1 << 20))
