@@ -31,7 +31,8 @@ the floor before repetition k+1 of any):
   engine holds ``size`` bytes of KV again (``alloc`` of the blocks, a grant of free
   memory, mapped and populated: the bundled engine populates at map time);
 * **floor** — a plain ``torch`` copy of ``size`` bytes between two touched host buffers,
-  measured in the same repetition (best of 3);
+  measured in the same repetition (best of 3); beside it a ``torch`` zeroing of the same
+  touched bytes (``memset``: what zeroing costs in user space);
 * **kernel** — the same number of pages of the same backing straight from
   :class:`~kvpool.vmm.host.HostBackend`, no daemon (:func:`kernel_costs`): fresh pages
   faulted in (the kernel zeroes each at its first touch: what a page that changes owner
@@ -131,6 +132,16 @@ def memcpy_s(src: Any, dst: Any, reps: int = 3) -> float:
     return best
 
 
+def memset_s(dst: Any, reps: int = 3) -> float:
+    """The best of ``reps`` zeroings of ``dst`` (touched host memory, torch)."""
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        dst.zero_()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def kernel_costs(size: int, page: int, backing: str) -> dict[str, float]:
     """What the kernel charges for ``size`` bytes of pages of this backing, no daemon, no
     tenant (:class:`~kvpool.vmm.host.HostBackend` directly, one process): ``create_s``
@@ -195,6 +206,7 @@ class Config:
             "trainer", run_dir=run_dir, shares=float(KEEP_FRACTION * 2), wait_s=60))
         self.samples: dict[str, list[float]] = {k: [] for k in (
             "to_train_s", "to_train_touch_s", "to_rollout_s", "engine_grow_s", "floor_s",
+            "memset_s",
             "kernel_create_s", "kernel_fault_s", "kernel_unmap_s", "kernel_free_s")}
         self.problems: list[str] = []
 
@@ -248,6 +260,7 @@ class Config:
 
     def floor(self, src: Any, dst: Any) -> None:
         self.samples["floor_s"].append(memcpy_s(src[:self.size], dst[:self.size]))
+        self.samples["memset_s"].append(memset_s(dst[:self.size]))
         for k, v in kernel_costs(self.size, self.page, self.backing).items():
             self.samples[f"kernel_{k}"].append(v)
 
@@ -270,6 +283,7 @@ class Config:
                                      if med["to_train_touch_s"] is not None else None),
             "ratio_to_rollout": med["to_rollout_s"] / fl,
             "ratio_fresh_fault": med["kernel_fault_s"] / fl,
+            "ratio_memset": med["memset_s"] / fl,
             "check": self.problems,
             "samples": self.samples,
         }
@@ -302,8 +316,8 @@ def fmt_size(n: int) -> str:
 def table(rows: list[dict[str, Any]]) -> str:
     lines = ["| KV moved | page | backing | to train ms | +touch ms | to rollout ms | "
              "floor ms | ratio to train | ratio +touch | ratio to rollout | kernel: fresh "
-             "fault / unmap / free / create ms |",
-             "|" + "---|" * 11]
+             "fault / unmap / free / create ms | memset ms |",
+             "|" + "---|" * 12]
     for r in rows:
         def ms(k: str) -> str:
             v = r[f"median_{k}"]
@@ -315,7 +329,8 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"{ms('floor_s')} | {r['ratio_to_train']:.2f}x | "
             f"{'—' if rt is None else f'{rt:.2f}x'} | {r['ratio_to_rollout']:.2f}x | "
             f"{ms('kernel_fault_s')} ({r['ratio_fresh_fault']:.2f}x) / {ms('kernel_unmap_s')}"
-            f" / {ms('kernel_free_s')} / {ms('kernel_create_s')} |")
+            f" / {ms('kernel_free_s')} / {ms('kernel_create_s')} | {ms('memset_s')} "
+            f"({r['ratio_memset']:.2f}x) |")
     return "\n".join(lines)
 
 
