@@ -29,7 +29,10 @@ the floor before repetition k+1 of any):
   first touch on the host backend, so this is when the pages are really there);
 * **to rollout** — from the step's end (the trainer gives its pages back) until the
   engine holds ``size`` bytes of KV again (``alloc`` of the blocks, a grant of free
-  memory, mapped and populated: the bundled engine populates at map time);
+  memory, mapped and populated: the bundled engine populates at map time); with
+  ``--gap-ms`` the engine asks that long after the step's end (a publish between: the
+  daemon's idle work renews the released pages meanwhile, into the warm pool up to
+  ``--warm-max``), the gap not counted;
 * **floor** — a plain ``torch`` copy of ``size`` bytes between two touched host buffers,
   measured in the same repetition (best of 3); beside it a ``torch`` zeroing of the same
   touched bytes (``memset``: what zeroing costs in user space);
@@ -42,7 +45,8 @@ the floor before repetition k+1 of any):
 
     /work/main/.venv/bin/python benchmarks/switch_floor_bench.py \
         [--sizes 64MiB,256MiB,1GiB] [--reps 7] [--backings shmem,hugetlb] \
-        [--page-sizes 2MiB,4KiB] [--small-pages-upto 64MiB] \
+        [--page-sizes 2MiB,4KiB] [--small-pages-upto 64MiB] [--gap-ms 0] \
+        [--warm-max SIZE] \
         [--out benchmarks/results/switch_floor.json]
 
 ``shmem``: the host backend's default (memfd pages mapped with 4 KiB PTEs); ``hugetlb``:
@@ -175,7 +179,8 @@ def kernel_costs(size: int, page: int, backing: str) -> dict[str, float]:
 class Config:
     """One daemon, engine and trainer for one (size, page size, backing)."""
 
-    def __init__(self, stack: contextlib.ExitStack, size: int, page: int, backing: str):
+    def __init__(self, stack: contextlib.ExitStack, size: int, page: int, backing: str,
+                 daemon_args: tuple[str, ...] = (), gap_s: float = 0.0):
         from kvpool import launch
         from kvpool.client_lib.trainer import connect_trainer
 
@@ -189,7 +194,8 @@ class Config:
         stack.callback(config.unlink, True)
         log = run_dir.with_suffix(".log")
         self.log = log
-        d = launch.start_daemon(run_dir, "--log-level", "WARNING",
+        self.gap_s = gap_s
+        d = launch.start_daemon(run_dir, "--log-level", "WARNING", *daemon_args,
                                 budget=budget, page_size=page, config=config, log=log,
                                 cwd=REPO)
         stack.callback(d.stop)
@@ -245,6 +251,8 @@ class Config:
             assert held == self.size and step.nbytes == self.size, (held, step.nbytes)
             t3 = time.perf_counter()
         t4 = time.perf_counter()
+        if self.gap_s:  # the publish between the step and the next rollout (not counted)
+            time.sleep(self.gap_s)
         assert self.eng.stdin is not None
         self.eng.stdin.write("grow\n")
         self.eng.stdin.flush()
@@ -254,7 +262,7 @@ class Config:
         s["to_train_s"].append(t1 - t0)
         if touch:
             s["to_train_touch_s"].append(t2 - t0)
-        s["to_rollout_s"].append(t5 - t3)
+        s["to_rollout_s"].append(t5 - t3 - self.gap_s)
         s["engine_grow_s"].append(grown["grow_s"])
         _ = t4
 
@@ -347,6 +355,11 @@ def main() -> int:
                     help="page sizes under 2 MiB run only for sizes up to this (each page "
                          "costs the same fixed work: 1 GiB of 4 KiB pages is 262,144 pages)")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--gap-ms", type=float, default=0.0,
+                    help="idle time between the step's end and the engine's regrowth (a "
+                         "publish), not counted in to rollout")
+    ap.add_argument("--warm-max", default=None,
+                    help="the daemon's warm_max (default: its own, 256MiB)")
     ap.add_argument("--no-touch", action="store_true",
                     help="do not time the trainer's first write of its step pages")
     ap.add_argument("--out", default=None)
@@ -360,9 +373,9 @@ def main() -> int:
         return 2
     backings = [b for b in args.backings.split(",") if b]
     bad = [b for b in backings if b not in ("shmem", "hugetlb")]
-    if bad or not backings or not sizes or not pages or args.reps < 1:
+    if bad or not backings or not sizes or not pages or args.reps < 1 or args.gap_ms < 0:
         print("switch_floor_bench: --backings from shmem,hugetlb; --sizes, --page-sizes "
-              "non-empty; --reps >= 1", file=sys.stderr)
+              "non-empty; --reps >= 1; --gap-ms >= 0", file=sys.stderr)
         return 2
     odd = [s for s in sizes for p in pages if s % p or s < 4 * p]
     if odd:
@@ -382,7 +395,9 @@ def main() -> int:
             skipped["hugetlb"] = why
             backings = [b for b in backings if b != "hugetlb"]
             print(f"hugetlb skipped: {why}", flush=True)
-        confs = [Config(stack, s, p, b) for b in backings for p in pages for s in sizes
+        dargs = ("--warm-max", args.warm_max) if args.warm_max else ()
+        confs = [Config(stack, s, p, b, dargs, args.gap_ms / 1e3)
+                 for b in backings for p in pages for s in sizes
                  if not (b == "hugetlb" and p % (2 << 20))
                  and not (p < (2 << 20) and s > small_upto)]
         src = torch.ones(big, dtype=torch.uint8)
@@ -403,6 +418,7 @@ def main() -> int:
     out = Path(args.out) if args.out else RESULTS / "switch_floor.json"
     path = write_result("switch_floor", {
         "reps": args.reps, "seconds": time.monotonic() - t_start, "skipped": skipped,
+        "gap_ms": args.gap_ms, "warm_max": args.warm_max,
         "table": text, "rows": rows}, str(out))
     print(f"wrote {path}")
     bad_checks = {f"{fmt_size(r['size'])}/{fmt_size(r['page_size'])}/{r['backing']}":
