@@ -37,3 +37,25 @@ def test_train_colocate_bench_runs(tmp_path: Path) -> None:
     assert kv["in_place"] is True and kv["weights_copied_per_step"] == 0
     assert doc["modes"]["sleep2"]["weights_copied_per_step"] > 0
     assert out.with_suffix(".png").exists()
+
+
+def test_switch_floor_bench_runs(tmp_path: Path) -> None:
+    out = tmp_path / "sf.json"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "switch_floor_bench.py"),
+                           "--sizes", "8MiB", "--page-sizes", "2MiB", "--backings", "shmem",
+                           "--reps", "1", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    assert (row["size"], row["page_size"], row["backing"], row["check"]) == (
+        8 << 20, 2 << 20, "shmem", [])
+    assert all(len(v) == 1 for v in row["samples"].values())
+
+
+def test_switch_floor_bench_refuses_bad_sizes(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "switch_floor_bench.py"),
+                           "--sizes", "3MiB", "--page-sizes", "2MiB", "--out",
+                           str(tmp_path / "x.json")],
+                          capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "x.json").exists()

@@ -22,8 +22,9 @@ other tenant. A released page goes back only to the tenant that released it (``t
 prefers the caller's own dirty pages); for anyone else it is *retired* — its handle
 released — and a fresh page (a new memfd on host, a new ``cuMemCreate`` allocation on
 CUDA) takes its place. Idle time does this (:meth:`maintain`: retire dirty pages, feed
-the warm pool with fresh ones), so grants find fresh pages ready; a grant creates pages
-itself only when the warm pool runs out.
+the warm pool with fresh ones, faulted in where the backend commits nothing more by it:
+``Backend.prefault``), so grants find fresh pages ready; a grant creates pages itself
+only when the warm pool runs out (those stay cold).
 
 Invariants (checked by :meth:`check`): the three places are disjoint and cover
 ``pages``; ``len(pages) + leased + len(retained) <= budget_pages`` — warm, dirty and
@@ -446,8 +447,19 @@ class Pool:
                 log.warning("warm pool refill stopped: %s", e)
                 self.warm_min = len(self.warm)
                 break
-            self.warm.insert(0, pfn)  # created pages are cold (not faulted in)
+            self._prefault(self.pages[pfn])
+            self.warm.insert(0, pfn)  # coldest first (never granted; see _prefault)
         return gone
+
+    def _prefault(self, page: Page) -> None:
+        """A warm page's memory allocated and zeroed now, in idle time, where the
+        backend commits nothing more by it (hugetlb: reserved at creation), so that the
+        tenant it is granted to does not pay the first-touch zeroing on its grant or
+        step path (``Backend.prefault``); a page that cannot be stays as it is."""
+        try:
+            self.backend.prefault(page)
+        except (VmmError, OSError) as e:
+            log.debug("prefault of a warm page failed (it stays cold): %s", e)
 
     def _renew(self) -> bool:
         """A fresh warm page in place of a retired one; False when none could be made."""
@@ -457,6 +469,7 @@ class Pool:
             log.warning("could not create a fresh page: %s", e)
             return False
         self.renewed += 1
+        self._prefault(page)
         self.warm.insert(0, self._hold(page))
         return True
 

@@ -201,6 +201,11 @@ class Backend(abc.ABC):
     def release(self, page: Page) -> None:
         """Drop this process's reference to ``page``; mappings keep their memory."""
 
+    def prefault(self, page: Page) -> None:
+        """Have the memory of a fresh ``page`` allocated (and zeroed) now, so that its
+        first mapping elsewhere pays no first-touch zeroing: idle work for pages made
+        ahead of need. Nothing by default (memory that is committed at creation)."""
+
     def retire(self, page: Page) -> Page | None:
         """Release ``page`` for good, as its last owner: returns a *probe* (a Page to
         :meth:`release` later) while other processes still reference its memory, so the

@@ -251,6 +251,27 @@ class HostBackend(Backend):
         if self.huge_pages:  # the hole dropped the pages and their reservation: again
             hugetlb.reserve(page.handle, page.size, "zero")  # (failed: release, never map)
 
+    def prefault(self, page: Page) -> None:
+        """hugetlb: fault the page's huge pages in through a mapping of its own (the
+        kernel clears each one at that fault) and unmap it: they stay the file's, so a
+        tenant's first touch only maps them. The memory was reserved at creation, so this
+        commits nothing more. shmem: nothing (faulting there would commit RAM the budget
+        does not hold yet, and a tenant still faults every 4 KiB entry)."""
+        self._check_live("prefault", page)
+        if not self.huge_pages:
+            return
+        addr = _libc.mmap(None, page.size, PROT_READ | PROT_WRITE, MAP_SHARED, page.handle, 0)
+        if addr in (None, MAP_FAILED):
+            raise _errno_error("prefault", f"mmap of page fd {page.handle}")
+        try:
+            if _libc.madvise(addr, page.size, MADV_POPULATE_WRITE) != 0:
+                if ctypes.get_errno() != errno.EINVAL:
+                    raise _errno_error("prefault", f"populating page fd {page.handle}")
+                for off in range(0, page.size, hugetlb.huge_page_size() or page.size):
+                    ctypes.memset(addr + off, 0, 1)  # old kernel: one write per huge page
+        finally:
+            _libc.munmap(addr, page.size)
+
     def release(self, page: Page) -> None:
         self._check_live("release", page)
         page.released = True

@@ -1,7 +1,8 @@
 """The host backend on hugetlb memory (``huge_pages``): real hugetlb memfds, real child
 processes. Pages are sealed and their huge pages reserved when created, map at aligned
 slots in a
-process that does not know the mode, zero really zeroes, retirement still sees who
+process that does not know the mode, zero really zeroes, prefault allocates a page's
+huge pages without taking more (the pool prefaults its warm pages), retirement still sees who
 holds a page, and an exhausted huge page pool refuses ``create_page`` without any
 process taking SIGBUS.
 
@@ -136,6 +137,44 @@ def test_zero_really_zeroes_and_keeps_the_page_reserved(backend):
     finally:
         backend.free_range(rng)
         backend.release(page)
+
+
+def test_prefault_allocates_a_fresh_page_zeroed_and_commits_nothing_more(backend):
+    page = backend.create_page()
+    rng = backend.reserve(PAGE)
+    try:
+        assert backend.resident_bytes(page) == 0  # reserved, not faulted in
+        free = free_huge()  # (neither in use nor reserved: the page's are reserved)
+        backend.prefault(page)
+        assert backend.resident_bytes(page) == PAGE  # its huge pages are the file's now
+        assert free_huge() == free  # the reservation was consumed, nothing more taken
+        backend.map(rng, 0, page)
+        assert ctypes.string_at(rng.base, PAGE) == bytes(PAGE)
+        backend.unmap(rng, 0)
+    finally:
+        backend.free_range(rng)
+        backend.release(page)
+
+
+def test_the_pool_prefaults_warm_pages_not_those_made_on_a_grant(backend):
+    """Idle work (``Pool.maintain``) faults warm pages in, so a tenant's first touch of
+    one pays no zeroing; a page a grant has to create is left cold (the grant does not
+    wait for its zeroing)."""
+    from kvpool.daemon.pool import Pool
+
+    pool = Pool(backend, budget_pages=4, warm_min=2, warm_max=2)
+    try:
+        while pool.has_work():
+            pool.maintain(1.0)
+        assert len(pool.warm) == 2
+        warm = list(pool.warm)
+        assert all(backend.resident_bytes(pool.pages[pfn]) == PAGE for pfn in warm)
+        got = pool.take(3, tenant=1)  # the two warm pages and one made now
+        made = [pfn for pfn in got if pfn not in warm]
+        assert [backend.resident_bytes(pool.pages[pfn]) for pfn in made] == [0]
+        pool.give_back(got, tenant=1)
+    finally:
+        pool.close()
 
 
 def test_retire_sees_a_mapping_in_another_process(backend):
