@@ -42,7 +42,7 @@ from kvpool.fleet.admission import ModelQueue
 from kvpool.fleet.balance import make_picker
 from kvpool.fleet.entries import FleetConfig
 from kvpool.fleet.engines import KINDS, MemberSpec
-from kvpool.fleet.member import Member
+from kvpool.fleet.member import Member, free_port
 from kvpool.fleet.metrics import FleetMetrics
 from kvpool.fleet.policies import FLEET_POLICIES, PolicyError, Setup
 from kvpool.fleet.endpoints_file import EndpointsFile, EndpointsFileError, advertised_address
@@ -70,9 +70,11 @@ def say(line: str) -> None:
 
 
 def build(config: FleetConfig, run_dir: Path, log_dir: Path,
-          log: Callable[[str], None] = say) -> tuple[Supervisor, dict[str, ModelQueue],
-                                                    FleetMetrics, httpx.AsyncClient]:
-    """The fleet's parts over the daemon of ``run_dir``; member logs in ``log_dir``. The
+          log: Callable[[str], None] = say,
+          ports: Callable[[], int] = free_port) -> tuple[Supervisor, dict[str, ModelQueue],
+                                                        FleetMetrics, httpx.AsyncClient]:
+    """The fleet's parts over the daemon of ``run_dir``; member logs in ``log_dir``;
+    ``ports`` gives each member process its loopback port (:class:`Member`). The
     fleet's policy (``config.policy``) sets how its members start (their entries as the
     policy has them) and runs in the supervisor; one that cannot run is a
     :class:`FleetError`."""
@@ -93,7 +95,7 @@ def build(config: FleetConfig, run_dir: Path, log_dir: Path,
         kind = KINDS.lookup(e.engine)
         members[e.name] = [
             Member(MemberSpec(e, e.tenant(i), config.name, run_dir, elastic=policy.elastic),
-                   i, kind, log_dir / f"{e.tenant(i)}.log")
+                   i, kind, log_dir / f"{e.tenant(i)}.log", ports)
             for i in range(e.replicas)]
         metrics.add_model(e.name, e.replicas)
         if e.engine == "vllm":  # what it cannot do, said once (docs/FLEET.md)

@@ -4,7 +4,15 @@ One watch task looks at every member each ``poll_s`` (all looks at once):
 
 * ``starting``: ``GET /health`` 200 makes it ``awake``; a process that exits, or is not
   healthy within the fleet's ``start_timeout_s``, makes it ``failed`` (one log line
-  saying why; ``kvpool_fleet_upstream_errors_total{kind="start"}``);
+  saying why; ``kvpool_fleet_upstream_errors_total{kind="start"}``). Except a process
+  that exited because its port was taken before it bound
+  (:meth:`~kvpool.fleet.member.Member.port_taken`): the member is started again on
+  another port, still ``starting`` (one log line ``fleet: T: port P was taken ...``),
+  up to ``PORT_TRIES`` processes per start; such a try is neither a start nor a
+  restart (no ``fleet: starting`` line, ``Member.starts`` and every metric unchanged),
+  and a start whose every port was taken fails as above. A ``/health`` 200 from the
+  port of a member whose server has not bound it yet is another process's server
+  (:meth:`~kvpool.fleet.member.Member.another_listens`): not taken for this member's;
 * ``awake``/``asleep``/``hung``: a process that exited is started again at once (one
   log line, ``kvpool_fleet_restarts_total``); else its sleep state is read (``GET`` the
   kind's ``state_path``, ``LOOK_TIMEOUT_S``), then its KV figures when the kind has a
@@ -47,8 +55,8 @@ from typing import Any
 
 import httpx
 
-from kvpool.fleet.member import (ASLEEP, AWAKE, FAILED, HUNG, STARTING, STOPPED, WATCHED,
-                                 Member, MemberState)
+from kvpool.fleet.member import (ASLEEP, AWAKE, FAILED, HUNG, PORT_TRIES, STARTING, STOPPED,
+                                 WATCHED, Member, MemberState)
 from kvpool.fleet.metrics import FleetMetrics
 from kvpool.fleet.router_protocol import member_kv
 from kvpool.fleet.policies.base import PolicyRun
@@ -184,6 +192,19 @@ class Supervisor:
         self.say(f"fleet: starting {m.tenant} ({m.entry.engine}) at {m.url}; log {m.log}")
         self.set_state(m, STARTING)
 
+    def _another_port(self, m: Member) -> None:
+        """``m``'s process found its port taken: the same start on a new port."""
+        taken = m.port
+        try:
+            m.spawn_on_another_port()
+        except OSError as e:
+            self._failed(m, f"cannot start: {e}")
+            return
+        self.say(f"fleet: {m.tenant}: port {taken} was taken before its server bound it "
+                 f"(address already in use); starting it on port {m.port} instead "
+                 f"(try {m.port_tries} of {PORT_TRIES})")
+        self.set_state(m, STARTING)  # (a look of the last process is dropped)
+
     def _failed(self, m: Member, why: str) -> None:
         m.fail(why)
         self.metrics.upstream_errors.labels(m.model, "start").inc()
@@ -253,11 +274,17 @@ class Supervisor:
         code = m.exit_code()
         if code is not None:
             m.kill_group()
-            self._failed(m, f"{m.why_exited(code)} (while starting)")
+            taken = m.port_taken(code)
+            if taken and m.port_tries < PORT_TRIES and not self.closed:
+                self._another_port(m)
+                return
+            self._failed(m, f"{m.why_exited(code)} (while starting"
+                            + (f"; each of {m.port_tries} ports taken)" if taken else ")"))
             return
         version = self._version(m)
         if await self._healthy(m):
-            if self._version(m) == version and m.exit_code() is None:
+            if self._version(m) == version and m.exit_code() is None \
+                    and not await asyncio.to_thread(m.another_listens):
                 m.answered_at = m.up_at = time.monotonic()
                 self.say(f"fleet: {m.tenant} is up at {m.url} "
                          f"({time.monotonic() - m.started_at:.1f} s)")

@@ -57,3 +57,32 @@ def test_a_vllm_member_counts_sleeps_by_cause_and_keeps_looks_out_of_its_log(
                          "sleeps": {"idle": 1, "pressure": 2, "operator": 1, "http": 1}})
     assert (seen.asleep, dict(seen.sleeps or {}), seen.wakes) == \
         (True, {"idle": 1, "pressure": 2, "operator": 2}, 2)
+
+
+def test_a_port_taken_before_the_bind_is_told_from_other_exits(tmp_path: Path) -> None:
+    """The exit of a server whose port another process took (uvicorn's line: the bundled
+    server; vLLM's traceback) is told apart from every other exit: another error, an
+    address in use that names another port (torch's store), a signal, a clean exit, and
+    an earlier process's line in the same log."""
+    m = member(tmp_path)
+    m.port = 41234
+    uvicorn = ("ERROR:    [Errno 98] error while attempting to bind on address "
+               "('127.0.0.1', 41234): address already in use")
+    vllm = ('Traceback (most recent call last):\n  File "launcher.py", line 348, in '
+            'create_server_socket\n    sock.bind(addr)\nOSError: [Errno 98] Address already in use')
+    torch = ("torch.distributed.DistNetworkError: The server socket has failed to listen on "
+             "any local network address. port: 29500, useIpv6: false, code: -98, name: "
+             "EADDRINUSE, message: address already in use")
+    cases = [(uvicorn, 1, True), (vllm, 1, True), (uvicorn.replace("41234", "41235"), 1, False),
+             (torch, 1, False), ("ValueError: bad checkpoint", 1, False),
+             ("Error: No such option: --no-such-flag", 2, False), (uvicorn, -9, False),
+             (uvicorn, 0, False)]
+    for text, code, taken in cases:
+        m.log.write_text(f"INFO starting\n{text}\n{WARNING}\n")
+        m.log_from = 0
+        assert m.port_taken(code) == taken, (text, code)
+    m.log.write_text(f"{uvicorn}\n")  # an earlier process's bind failure
+    m.log_from = m.log.stat().st_size
+    with m.log.open("a") as f:
+        f.write("RuntimeError: the daemon refused\n")
+    assert not m.port_taken(1)
