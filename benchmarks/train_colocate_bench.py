@@ -29,7 +29,7 @@ must move in that switch (a plain ``torch`` copy of that many bytes, measured in
 run; for kvpool the KV pages that change owner, which are zeroed, not copied); the share
 of the step spent switching; bytes copied per step (the checkpoint written, the set
 loaded, a wake's reload; of which weights: ``weights_copied_per_step``); each tenant's pool bytes after every cycle (residual growth:
-last vs first); the engine's and daemon's resident memory and the host peak.
+last vs first); the engine's and daemon's resident memory after every cycle and the host peak.
 
     .venv/bin/python benchmarks/train_colocate_bench.py [--cycles 100] \
         [--modes kvpool,sleep1,sleep2,static]
@@ -222,6 +222,7 @@ def summary(m: Mode, floor_rate: float) -> dict[str, Any]:
         "engine_rss_first": m.rss[0]["engine"], "engine_rss_last": m.rss[-1]["engine"],
         "daemon_rss_first": m.rss[0]["daemon"], "daemon_rss_last": m.rss[-1]["daemon"],
         "host_rss_peak": max(r["engine"] + r["daemon"] for r in m.rss),
+        "rss_after": m.rss,  # the engine's and the daemon's resident bytes after each cycle
         "held_after": [r.held_after for r in recs],
         "steps": [{k: round(v, 5) if isinstance(v, float) else v
                    for k, v in r.as_dict().items() if not k.startswith(("held", "greedy"))}
