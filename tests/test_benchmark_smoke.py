@@ -36,6 +36,8 @@ def test_train_colocate_bench_runs(tmp_path: Path) -> None:
     kv = doc["modes"]["kvpool"]  # published in place: no byte of weights copied
     assert kv["in_place"] is True and kv["weights_copied_per_step"] == 0
     assert doc["modes"]["sleep2"]["weights_copied_per_step"] > 0
+    assert all(len(m["rss_after"]) == 2 and m["rss_after"][0]["engine"] > 0
+               for m in doc["modes"].values())  # resident memory after every cycle
     assert out.with_suffix(".png").exists()
 
 
