@@ -15,12 +15,12 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
 
 from daemon.helpers import wait_for
 from kvpool import launch
 from kvpool.fleet.member import free_port
 
+from .prom import of_model, samples
 from .test_fleet_life import DEADLINE_S, PROMPT, REPO, TOP, Fleet, entry, fleet_file
 
 #: the fleet endpoint's protocol names: name -> (type, meaning), one series per model
@@ -37,19 +37,7 @@ MODELS = ("m", "solo", "broken")
 
 
 def read(fl: Fleet) -> tuple[dict[str, str], dict[tuple[str, tuple], float]]:
-    text = httpx.get(f"{fl.url}/metrics", timeout=30).text
-    types, out = {}, {}
-    for fam in text_string_to_metric_families(text):
-        types[fam.name] = fam.type
-        for s in fam.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return types, out
-
-
-def one(m: dict, name: str, model: str) -> float:
-    got = [v for (n, ls), v in m.items() if n == name and dict(ls).get("model_name") == model]
-    assert len(got) == 1, (name, model, got)
-    return got[0]
+    return samples(httpx.get(f"{fl.url}/metrics", timeout=30).text)
 
 
 def blocks(m: dict, model: str) -> int:
@@ -62,11 +50,11 @@ def check_protocol(types: dict, m: dict) -> None:
     for name, (kind, meaning) in PROTOCOL.items():
         assert types.get(name) == kind, (name, meaning)
         for model in MODELS:
-            one(m, name, model)
+            of_model(m, name, model)
     for key, v in m.items():
         assert math.isfinite(v) and v >= 0, (key, v)
     for model in MODELS:
-        assert 0 <= one(m, "vllm:kv_cache_usage_perc", model) <= 1
+        assert 0 <= of_model(m, "vllm:kv_cache_usage_perc", model) <= 1
 
 
 def endpoints(path) -> dict[str, dict]:
@@ -126,12 +114,12 @@ def test_the_fleet_speaks_the_routers_protocol_for_its_own_queue(fleet) -> None:
     types, idle = wait_for(lambda: (lambda t, m: (t, m) if blocks(m, "m") > 0 else None)(
         *read(fl)), DEADLINE_S, 0.1, "m's KV figures read by the watch")
     check_protocol(types, idle)
-    assert one(idle, "vllm:num_requests_running", "m") == 0
-    assert one(idle, "vllm:num_requests_waiting", "m") == 0
-    assert one(idle, "kvpool:asleep", "m") == 0
-    assert one(idle, "kvpool:pool_free_bytes", "m") > 0
-    assert one(idle, "kvpool:granted_bytes", "m") > 0
-    assert blocks(idle, "broken") == 0 and one(idle, "vllm:kv_cache_usage_perc", "broken") == 0
+    assert of_model(idle, "vllm:num_requests_running", "m") == 0
+    assert of_model(idle, "vllm:num_requests_waiting", "m") == 0
+    assert of_model(idle, "kvpool:asleep", "m") == 0
+    assert of_model(idle, "kvpool:pool_free_bytes", "m") > 0
+    assert of_model(idle, "kvpool:granted_bytes", "m") > 0
+    assert blocks(idle, "broken") == 0 and of_model(idle, "vllm:kv_cache_usage_perc", "broken") == 0
 
     # m's engine is stopped (SIGSTOP) so the request stays in flight however fast the tiny
     # model is (a stream's first line can arrive after the request ended: the CI run that
@@ -144,7 +132,7 @@ def test_the_fleet_speaks_the_routers_protocol_for_its_own_queue(fleet) -> None:
         with ThreadPoolExecutor(1) as ex:
             fut = ex.submit(httpx.post, f"{fl.url}/v1/completions", json=body,
                             timeout=DEADLINE_S)
-            types, busy = wait_for(lambda: (lambda t, m: (t, m) if one(
+            types, busy = wait_for(lambda: (lambda t, m: (t, m) if of_model(
                 m, "vllm:num_requests_running", "m") == 1 else None)(*read(fl)),
                 DEADLINE_S, 0.1, "m's request in the fleet's gauges")
             check_protocol(types, busy)
@@ -158,10 +146,10 @@ def test_the_fleet_speaks_the_routers_protocol_for_its_own_queue(fleet) -> None:
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out
     wait_for(lambda: states(path)["m"] == "asleep", DEADLINE_S, 0.1, "m asleep in the file")
-    types, asleep = wait_for(lambda: (lambda t, m: (t, m) if one(m, "kvpool:asleep", "m") == 1
+    types, asleep = wait_for(lambda: (lambda t, m: (t, m) if of_model(m, "kvpool:asleep", "m") == 1
                                       else None)(*read(fl)), DEADLINE_S, 0.1, "m asleep")
     check_protocol(types, asleep)
-    assert one(asleep, "vllm:kv_cache_usage_perc", "m") == 0
+    assert of_model(asleep, "vllm:kv_cache_usage_perc", "m") == 0
     assert fl.complete("m").status_code == 200  # woken by a request
     wait_for(lambda: states(path)["m"] == "awake", DEADLINE_S, 0.1, "m awake again")
 

@@ -31,12 +31,12 @@ import msgspec
 import pytest
 import yaml
 import zmq
-from prometheus_client.parser import text_string_to_metric_families
 
 from daemon.helpers import wait_for
 from kvpool import launch
 from kvpool.engine.kv_events import KVEventBatch
 
+from .prom import of_model, samples
 from .test_fleet_life import DEADLINE_S, REPO, TOP, Fleet, fleet_file
 
 pytestmark = pytest.mark.slow
@@ -171,21 +171,8 @@ def discover(files: list[Path]) -> list[dict]:
 
 
 def scrape(endpoint: dict) -> tuple[dict[str, str], dict[tuple, float]]:
-    text = httpx.get(f"http://{endpoint['address']}:{endpoint['port']}/metrics",
-                     timeout=30).text
-    types, samples = {}, {}
-    for fam in text_string_to_metric_families(text):
-        types[fam.name] = fam.type
-        for s in fam.samples:
-            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return types, samples
-
-
-def gauge(samples: dict, name: str, model: str) -> float:
-    got = [v for (n, ls), v in samples.items()
-           if n == name and dict(ls).get("model_name") == model]
-    assert len(got) == 1, (name, model, got)
-    return got[0]
+    return samples(httpx.get(f"http://{endpoint['address']}:{endpoint['port']}/metrics",
+                             timeout=30).text)
 
 
 def scrape_all(files: list[Path]) -> dict[str, dict]:
@@ -193,13 +180,13 @@ def scrape_all(files: list[Path]) -> dict[str, dict]:
     out = {}
     for ep in discover(files):
         assert ep["labels"]["llm-d.ai/engine-type"] == "kvpool", ep
-        types, samples = scrape(ep)
+        types, got = scrape(ep)
         model = ep["labels"]["model"]
         for name, kind in PROTOCOL.items():
             assert types.get(name) == kind, (ep, name)
-            gauge(samples, name, model)
-        assert all(v >= 0 and v == v for v in samples.values()), ep
-        out[model] = samples
+            of_model(got, name, model)
+        assert all(v >= 0 and v == v for v in got.values()), ep
+        out[model] = got
     return out
 
 
@@ -257,8 +244,8 @@ def test_a_router_outside_sees_each_hosts_endpoints_gauges_and_events(fleets) ->
     assert eps["beta"]["address"] == beta.host.address
     idle = scrape_all(files)
     for model in ("alpha", "beta"):
-        assert gauge(idle[model], "vllm:num_requests_running", model) == 0
-        assert gauge(idle[model], "kvpool:asleep", model) == 0
+        assert of_model(idle[model], "vllm:num_requests_running", model) == 0
+        assert of_model(idle[model], "kvpool:asleep", model) == 0
 
     # a burst on host alpha: its gauges show it while it runs, beta's do not; its events
     # say which blocks it cached
@@ -274,10 +261,10 @@ def test_a_router_outside_sees_each_hosts_endpoints_gauges_and_events(fleets) ->
             with ThreadPoolExecutor(1) as ex:
                 fut = ex.submit(httpx.post, f"{alpha.fleet.url}/v1/completions", json=body,
                                 timeout=DEADLINE_S)
-                busy = wait_for(lambda: (lambda m: m if gauge(
+                busy = wait_for(lambda: (lambda m: m if of_model(
                     m["alpha"], "vllm:num_requests_running", "alpha") == 1 else None)(
                         scrape_all(files)), DEADLINE_S, 0.1, "alpha's burst in its gauges")
-                assert gauge(busy["beta"], "vllm:num_requests_running", "beta") == 0
+                assert of_model(busy["beta"], "vllm:num_requests_running", "beta") == 0
                 os.kill(pid, signal.SIGCONT)
                 assert fut.result().status_code == 200
         finally:
@@ -298,11 +285,11 @@ def test_a_router_outside_sees_each_hosts_endpoints_gauges_and_events(fleets) ->
         wait_for(lambda: {e["labels"]["model"]: e["labels"]["kvpool.io/state"]
                           for e in discover(files)} == {"alpha": "awake", "beta": "asleep"},
                  DEADLINE_S, 0.1, "beta asleep in its host's file, alpha awake")
-        asleep = wait_for(lambda: (lambda m: m if gauge(m["beta"], "kvpool:asleep", "beta") == 1
+        asleep = wait_for(lambda: (lambda m: m if of_model(m["beta"], "kvpool:asleep", "beta") == 1
                                    else None)(scrape_all(files)), DEADLINE_S, 0.1,
                           "beta's gauge says asleep")
-        assert gauge(asleep["alpha"], "kvpool:asleep", "alpha") == 0
-        assert gauge(asleep["beta"], "vllm:kv_cache_usage_perc", "beta") == 0
+        assert of_model(asleep["alpha"], "kvpool:asleep", "alpha") == 0
+        assert of_model(asleep["beta"], "vllm:kv_cache_usage_perc", "beta") == 0
         # the router learns that beta caches nothing now (removals or a clear)
         ev_beta.until(lambda seen: len(seen) > before and not cached(seen),
                       "beta's events still show cached blocks after its sleep")
