@@ -20,6 +20,8 @@ Names (docs/ARCHITECTURE.md, "Fleet"; the Grafana row reads them):
   server did not start);
 * ``kvpool_fleet_restarts_total{model}``: servers that died (or hung, and were killed)
   and were started again;
+* ``kvpool_fleet_port_retries_total{model}``: server processes started again on another
+  port because another process took theirs before they bound it (not restarts);
 * ``kvpool_fleet_replica_up{model,replica,state}``: 1 for the replica's current state;
 * ``kvpool_fleet_routed_total{model,replica,reason}``: which replica a request went to
   and why (``only``: one could take it; ``load``: the picker chose by load).
@@ -67,6 +69,9 @@ class FleetMetrics:
                                        registry=r)
         self.restarts = Counter("kvpool_fleet_restarts", "Servers restarted after dying",
                                 ["model"], registry=r)
+        self.port_retries = Counter("kvpool_fleet_port_retries", "Server processes started "
+                                    "again on another port (theirs was taken)", ["model"],
+                                    registry=r)
         self.replica_up = Gauge("kvpool_fleet_replica_up", "1 for the replica's state",
                                 ["model", "replica", "state"], registry=r)
         self.routed = Counter("kvpool_fleet_routed", "Requests routed, by replica and reason",
@@ -78,6 +83,7 @@ class FleetMetrics:
         self.wakes.labels(model)
         self.wake_seconds.labels(model)
         self.restarts.labels(model)
+        self.port_retries.labels(model)
         for cause in CAUSES:
             self.sleeps.labels(model, cause)
         for i in range(replicas):

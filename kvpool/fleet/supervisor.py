@@ -9,7 +9,8 @@ One watch task looks at every member each ``poll_s`` (all looks at once):
   (:meth:`~kvpool.fleet.member.Member.port_taken`): the member is started again on
   another port, still ``starting`` (one log line ``fleet: T: port P was taken ...``),
   up to ``PORT_TRIES`` processes per start; such a try is neither a start nor a
-  restart (no ``fleet: starting`` line, ``Member.starts`` and every metric unchanged),
+  restart (no ``fleet: starting`` line, ``Member.starts`` and the restart and error
+  counts unchanged; ``kvpool_fleet_port_retries_total`` counts it),
   and a start whose every port was taken fails as above. A ``/health`` 200 from the
   port of a member whose server has not bound it yet is another process's server
   (:meth:`~kvpool.fleet.member.Member.another_listens`): not taken for this member's;
@@ -200,6 +201,7 @@ class Supervisor:
         except OSError as e:
             self._failed(m, f"cannot start: {e}")
             return
+        self.metrics.port_retries.labels(m.model).inc()
         self.say(f"fleet: {m.tenant}: port {taken} was taken before its server bound it "
                  f"(address already in use); starting it on port {m.port} instead "
                  f"(try {m.port_tries} of {PORT_TRIES})")

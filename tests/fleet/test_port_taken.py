@@ -196,7 +196,10 @@ def test_a_member_whose_port_is_taken_starts_on_another(model, tmp_path, start_d
                 # the fleet serves on, and counted no restart and only the real failures
                 assert (await complete(router, "m")).status_code == 200
                 text = (await router.get("/metrics")).text
-                for name, errors in (("m", 0), ("all", 1), ("broken", 1)):
+                for name, errors, retries in (("m", 0, 2), ("all", 1, PORT_TRIES - 1),
+                                              ("broken", 1, 0)):
+                    assert metric(text, "kvpool_fleet_port_retries_total",
+                                  model=name) == retries, (name, text)
                     assert metric(text, "kvpool_fleet_restarts_total", model=name) == 0, text
                     assert metric(text, "kvpool_fleet_upstream_errors_total", model=name,
                                   kind="start") == errors, (name, text)
@@ -253,6 +256,7 @@ def test_a_vllm_member_whose_port_is_taken_starts_on_another(model, tmp_path, st
                 assert f"on port {ports.given[1]} instead (try 2 of {PORT_TRIES})" in retries[0]
                 text = (await router.get("/metrics")).text
                 assert metric(text, "kvpool_fleet_restarts_total", model="vl") == 0, text
+                assert metric(text, "kvpool_fleet_port_retries_total", model="vl") == 1, text
                 assert metric(text, "kvpool_fleet_upstream_errors_total", model="vl",
                               kind="start") == 0, text
 
