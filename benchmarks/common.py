@@ -49,6 +49,16 @@ def summarize(samples_ns: list[int]) -> dict:
     }
 
 
+def best_s(run, reps: int = 3) -> float:
+    """The best wall time in seconds of ``reps`` calls of ``run()``."""
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def write_result(name: str, payload: dict, out: str | None = None) -> Path:
     path = Path(out) if out else RESULTS / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)

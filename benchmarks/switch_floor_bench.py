@@ -128,22 +128,17 @@ def engine(run_dir: str, page: int, size: int, keep: int) -> None:
 
 # ---- the driver ------------------------------------------------------------------------
 def memcpy_s(src: Any, dst: Any, reps: int = 3) -> float:
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t0)
-    return best
+    """The best of ``reps`` plain copies of ``src`` into ``dst`` (host memory, torch)."""
+    from common import best_s
+
+    return best_s(lambda: dst.copy_(src), reps)
 
 
 def memset_s(dst: Any, reps: int = 3) -> float:
     """The best of ``reps`` zeroings of ``dst`` (touched host memory, torch)."""
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        dst.zero_()
-        best = min(best, time.perf_counter() - t0)
-    return best
+    from common import best_s
+
+    return best_s(dst.zero_, reps)
 
 
 def kernel_costs(size: int, page: int, backing: str) -> dict[str, float]:

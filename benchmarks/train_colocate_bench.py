@@ -59,7 +59,7 @@ import httpx  # noqa: E402
 import psutil  # noqa: E402
 import torch  # noqa: E402
 
-from common import RESULTS, write_result  # noqa: E402
+from common import RESULTS, best_s, write_result  # noqa: E402
 from kvpool.client_lib import Monitor  # noqa: E402
 from kvpool.client_lib.trainer import Trainer, connect_trainer  # noqa: E402
 from kvpool.demo.cluster import Cluster  # noqa: E402
@@ -122,12 +122,7 @@ def memcpy_s(nbytes: int, reps: int = 5) -> float:
         return 0.0
     src = torch.ones(nbytes, dtype=torch.uint8)
     dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t0)
-    return best
+    return best_s(lambda: dst.copy_(src), reps)
 
 
 def rss(pid: int) -> int:

@@ -214,6 +214,18 @@ def ask_dying(base: str, ids: list[int]) -> None:
         pass
 
 
+def restarted_serves_the_same(d, servers, reference: list[str]) -> None:
+    """A new engine of the same name, on the cached pool weights, answers ``reference``;
+    the daemon's books stay clean."""
+    again = servers.start("engine", run_dir=d.run_dir, weights=None, idle_timeout=3600.0,
+                          kv_cache_size="8MiB")
+    launch.wait_healthy(again.proc, again.base, "kvpool serve engine", time.monotonic() + 120,
+                        again.logs, 0.1)
+    assert rollout(again.base) == reference
+    settled(d)
+    assert d.check() == []
+
+
 def test_engine_killed_mid_switch_to_train(start_daemon, servers):
     """Rollout → train with the engine frozen (SIGSTOP) so the daemon's ask to shrink is
     never answered: the trainer's step waits; the engine is then killed (kill -9). Its KV
@@ -235,13 +247,7 @@ def test_engine_killed_mid_switch_to_train(start_daemon, servers):
     engine_gone_nothing_leaked(d, state, step)
     send(tr, "end")
     answer(tr, "ended")
-    again = servers.start("engine", run_dir=d.run_dir, weights=None, idle_timeout=3600.0,
-                          kv_cache_size="8MiB")
-    launch.wait_healthy(again.proc, again.base, "kvpool serve engine", time.monotonic() + 120,
-                        again.logs, 0.1)
-    assert rollout(again.base) == reference
-    settled(d)
-    assert d.check() == []
+    restarted_serves_the_same(d, servers, reference)
 
 
 def test_engine_killed_mid_switch_to_rollout(start_daemon, servers):
@@ -272,10 +278,4 @@ def test_engine_killed_mid_switch_to_rollout(start_daemon, servers):
     settled(d)
     assert tenants(d)["trainer"]["mapped"] in (state, ready["state"])
     assert d.check() == []
-    again = servers.start("engine", run_dir=d.run_dir, weights=None, idle_timeout=3600.0,
-                          kv_cache_size="8MiB")
-    launch.wait_healthy(again.proc, again.base, "kvpool serve engine", time.monotonic() + 120,
-                        again.logs, 0.1)
-    assert rollout(again.base) == reference
-    settled(d)
-    assert d.check() == []
+    restarted_serves_the_same(d, servers, reference)
